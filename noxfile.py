@@ -1,0 +1,37 @@
+"""Sessions: `nox -s tests`, `nox -s lint`, `nox -s typecheck`, `nox -s examples`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.error_on_missing_interpreters = True
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Ruff: lint (with the ASYNC rules) and formatting."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over the package, the tests and the examples."""
+    session.install("-e", ".[lint]")
+    session.run("mypy")
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Run the example: a Trio app embedding a supervisor on a SQLite store."""
+    session.install("-e", ".")
+    session.run("python", "examples/embedded.py", *session.posargs)

@@ -1,0 +1,82 @@
+"""Shared fixtures, and the guard that fails the run when a child process leaks."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from trio_supervisor import MemoryStore, Supervisor
+from trio_supervisor.testing import FakeExecution
+
+from .harness import supervise
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """Processes whose parent is ``pid``: (pid, command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            # The command name may hold spaces and parentheses; the fields follow the last ")".
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[1]) == pid:
+                command = (
+                    (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
+                found.append((int(entry.name), command.strip() or stat.split()[1]))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_processes() -> Iterator[None]:
+    """Fail the run if any child process of it is still alive at the end.
+
+    The test process makes itself a child subreaper, so a grandchild whose parent died
+    is re-parented to us instead of to init, and is found here too.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    yield
+    leaked = []
+    for pid, command in _children(os.getpid()):
+        try:
+            waited, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            waited = pid
+        if waited == 0:  # still running: a leak
+            leaked.append(f"{pid}: {command}")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+    if leaked:
+        pytest.fail("child processes outlived the test run:\n" + "\n".join(leaked), pytrace=False)
+
+
+@pytest.fixture
+def fake() -> FakeExecution:
+    return FakeExecution()
+
+
+@pytest.fixture
+def store() -> MemoryStore:
+    return MemoryStore()
+
+
+@pytest.fixture
+async def sup(store: MemoryStore, fake: FakeExecution) -> AsyncIterator[Supervisor]:
+    async with supervise(store, fake) as supervisor:
+        yield supervisor

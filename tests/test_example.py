@@ -1,0 +1,48 @@
+"""The README's main job: the embedded example, run twice on one state directory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "embedded.py"
+
+
+def run(state: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--state", str(state), "--lease", "1.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout
+
+
+def rows(output: str) -> dict[str, list[str]]:
+    table = output.split("\n\n")[-1].splitlines()[2:]
+    return {line.split()[0]: line.split() for line in table}
+
+
+def test_the_example_reports_each_session_and_continues_generations(tmp_path: Path) -> None:
+    first = rows(run(tmp_path))
+    assert set(first) == {
+        "example/renewed",
+        "example/expiring",
+        "example/finishing",
+        "example/stubborn",
+    }
+    assert [first[name][1] for name in sorted(first)] == ["1"] * 4
+    assert first["example/expiring"][-4:] == ["Expired", "exited", "(code", "0)"]
+    assert first["example/finishing"][-4:] == ["Exited", "exited", "(code", "0)"]
+    assert first["example/stubborn"][-3:] == ["Disposed", "killed", "(SIGKILL)"]
+    assert first["example/renewed"][-3:] == ["Disposed", "exited", "(SIGTERM)"]
+    assert (
+        " ".join(first["example/renewed"][2:-3]) == "Open > Loading > Loaded > Stopping > Stopped"
+    )
+
+    output = run(tmp_path)
+    assert "continuing from the stored high-water generation 1" in output
+    second = rows(output)
+    assert [second[name][1] for name in sorted(second)] == ["2"] * 4

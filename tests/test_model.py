@@ -1,0 +1,152 @@
+"""Values refuse bad input at construction, naming the field; limits negotiate down."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trio_supervisor import (
+    ExitStatus,
+    Fault,
+    Handle,
+    Key,
+    Limits,
+    Load,
+    OpenRecord,
+    StoppedRecord,
+    StoppingRecord,
+    Superseded,
+    Termination,
+    negotiate,
+)
+from trio_supervisor.errors import TerminationUnconfirmedError
+
+KEY = Key(identity="plugin", instance="a")
+HANDLE = Handle(key=KEY, token="0" * 32, generation=1)
+
+
+def open_record(**changes: Any) -> OpenRecord:
+    fields: dict[str, Any] = {"handle": HANDLE, "request_id": "r", "lease": 5.0, "limits": Limits()}
+    fields.update(changes)
+    return OpenRecord(**fields)
+
+
+@pytest.mark.parametrize(
+    ("build", "kind", "words"),
+    [
+        (lambda: Key(identity="", instance="a"), ValueError, "Key.identity must not be empty"),
+        (lambda: Key(identity="a", instance=""), ValueError, "Key.instance must not be empty"),
+        (lambda: Key(identity=3, instance="a"), TypeError, "Key.identity must be a str"),  # type: ignore[arg-type]
+        (lambda: Handle(key=KEY, token="", generation=1), ValueError, "Handle.token"),
+        (
+            lambda: Handle(key=KEY, token="t", generation=0),
+            ValueError,
+            "Handle.generation must be >= 1",
+        ),
+        (lambda: Handle(key=KEY, token="t", generation=True), TypeError, "Handle.generation"),
+        (lambda: Limits(memory_bytes=-1), ValueError, "Limits.memory_bytes"),
+        (lambda: Limits(open_files=1.5), TypeError, "Limits.open_files must be an int"),  # type: ignore[arg-type]
+        (lambda: Load(specifier=""), ValueError, "Load.specifier must not be empty"),
+        (lambda: Load(specifier="x", config={"a": {1, 2}}), TypeError, "Load.config['a']"),
+        (lambda: Load(specifier="x", config={"a": math.inf}), ValueError, "JSON cannot represent"),
+        (lambda: Load(specifier="x", config={1: "a"}), TypeError, "keys are strings"),
+        (lambda: open_record(lease=0), ValueError, "positive finite"),
+        (lambda: open_record(lease=-1.0), ValueError, "positive finite"),
+        (lambda: open_record(lease=math.nan), ValueError, "positive finite"),
+        (lambda: open_record(lease=math.inf), ValueError, "positive finite"),
+        (lambda: open_record(lease="5"), TypeError, "number of seconds"),
+        (lambda: open_record(request_id=""), ValueError, "OpenRecord.request_id"),
+        (lambda: Termination(kind="gone", exit=ExitStatus()), ValueError, "kind"),  # type: ignore[arg-type]
+    ],
+)
+def test_values_refuse_bad_input_naming_the_field(
+    build: Any, kind: type[Exception], words: str
+) -> None:
+    with pytest.raises(kind, match=words.replace("[", r"\[").replace("]", r"\]")):
+        build()
+
+
+def test_values_are_frozen_and_slotted() -> None:
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        KEY.identity = "other"  # type: ignore[misc]
+    assert not hasattr(KEY, "__dict__")
+
+
+def test_load_config_is_an_immutable_copy() -> None:
+    source: dict[str, Any] = {"a": [1, {"b": 2}]}
+    load = Load(specifier="x", config=source)
+    source["a"].append(3)
+    assert load.config == {"a": (1, {"b": 2})}
+    with pytest.raises(TypeError):
+        load.config["c"] = 1  # type: ignore[index]
+    assert hash(load) == hash(Load(specifier="x", config={"z": 1}))
+
+
+def test_stop_reasons_know_their_kind() -> None:
+    assert Superseded().kind == "Superseded"
+
+
+def test_stopping_record_must_belong_to_its_previous_session() -> None:
+    other = attrs.evolve(HANDLE, generation=2)
+    with pytest.raises(ValueError, match="belongs to another session"):
+        StoppingRecord(
+            handle=other,
+            request_id="r",
+            lease=5.0,
+            limits=Limits(),
+            previous=open_record(),
+            reason=Superseded(),
+        )
+
+
+def test_stopped_record_copies_the_session_fields_of_previous() -> None:
+    previous = open_record(lease=7.0, limits=Limits(open_files=3))
+    termination = Termination(kind="exited", exit=ExitStatus(code=0))
+    record = StoppedRecord.of(previous, Superseded(), termination)
+    assert (record.handle, record.lease, record.limits) == (HANDLE, 7.0, Limits(open_files=3))
+
+
+def test_fault_describes_an_exception() -> None:
+    assert Fault.of(KeyError("x")) == Fault(type="KeyError", message="'x'")
+    fault = Fault.of(TerminationUnconfirmedError("lost"))
+    assert fault == Fault(type="trio_supervisor.errors.TerminationUnconfirmedError", message="lost")
+
+
+limits_values = st.none() | st.integers(min_value=0, max_value=2**40)
+limits = st.builds(
+    Limits,
+    memory_bytes=limits_values,
+    cpu_seconds=limits_values,
+    open_files=limits_values,
+    file_size_bytes=limits_values,
+    output_bytes=limits_values,
+)
+FIELDS = ("memory_bytes", "cpu_seconds", "open_files", "file_size_bytes", "output_bytes")
+
+
+@given(supervisor=limits, requested=limits)
+def test_limits_negotiate_never_raises_a_ceiling(supervisor: Limits, requested: Limits) -> None:
+    agreed = negotiate(supervisor, requested)
+    for field in FIELDS:
+        ceiling, asked, got = (getattr(value, field) for value in (supervisor, requested, agreed))
+        if ceiling is not None:
+            assert got is not None
+            assert got <= ceiling
+        if asked is not None:
+            assert got is not None
+            assert got <= asked
+        assert got in (ceiling, asked)
+
+
+def test_limits_negotiate_takes_the_fieldwise_minimum_with_none_as_infinite() -> None:
+    supervisor = Limits(memory_bytes=100, cpu_seconds=None, open_files=10)
+    requested = Limits(memory_bytes=50, cpu_seconds=7, open_files=None, output_bytes=0)
+    assert negotiate(supervisor, requested) == Limits(
+        memory_bytes=50, cpu_seconds=7, open_files=10, output_bytes=0
+    )
+    assert negotiate(supervisor, Limits()) == supervisor

@@ -1,0 +1,33 @@
+"""A nursery for a library's own background tasks, behind an ``async with``.
+
+Trio's nurseries wrap whatever leaves them in an ``ExceptionGroup``. When a library
+keeps its background tasks in a nursery around its user's ``async with`` block, that
+wrapping would hand users their own exception back in a group they did not ask for.
+The tasks kept here never raise (they report failures in other ways), so whatever
+leaves the nursery alone came from the block, and is re-raised as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import trio
+
+__all__ = ["open_background_nursery"]
+
+
+@contextlib.asynccontextmanager
+async def open_background_nursery() -> AsyncIterator[trio.Nursery]:
+    """Open a nursery whose tasks never raise; the block's own exception comes out unwrapped."""
+    escaped: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            yield nursery
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) != 1:
+            raise
+        escaped = group.exceptions[0]
+    if escaped is not None:
+        # Raised outside the handler, so the group does not become its __context__.
+        raise escaped

@@ -1,0 +1,191 @@
+"""One cattrs converter for records, in storage and later on the wire.
+
+A record is stored as a JSON object with ``"version": 1`` next to its fields. Phases and
+stop reasons are tagged unions: a record carries ``"phase": "Loaded"``, a reason
+``"kind": "Expired"``. A termination's cause is a list of ``{"type", "message"}``.
+
+Reading is strict: an unknown version, an unknown tag, a missing or extra field, or a
+value of the wrong JSON type raises :class:`~trio_supervisor.errors.RecordFormatError`
+naming the field by its path (``$.previous.handle.generation``). Nothing is coerced: a
+generation stored as ``"3"`` is an error, not 3.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, Final, TypeVar
+
+import cattrs
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
+
+from .errors import RecordFormatError
+from .model import (
+    ActiveRecord,
+    Load,
+    Phase,
+    SessionRecord,
+    StopReason,
+)
+
+__all__ = ["VERSION", "converter", "decode", "encode", "structure", "unstructure"]
+
+VERSION: Final = 1
+
+converter: Final = cattrs.Converter(forbid_extra_keys=True)
+
+_T = TypeVar("_T")
+
+
+# -- strict scalars: JSON gives us the right types, or the record is corrupt ------------
+
+
+def _strict(kind: type[_T], *accepted: type) -> Callable[[object, type], _T]:
+    allowed = accepted or (kind,)
+
+    def structure_scalar(value: object, _: type) -> _T:
+        if isinstance(value, bool) and kind is not bool:
+            raise TypeError(f"expected {kind.__name__}, got a boolean")
+        if not isinstance(value, allowed):
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+        return kind(value)  # type: ignore[call-arg]
+
+    return structure_scalar
+
+
+converter.register_structure_hook(str, _strict(str))
+converter.register_structure_hook(int, _strict(int))
+converter.register_structure_hook(float, _strict(float, int, float))
+converter.register_structure_hook(bool, _strict(bool))
+
+
+# -- Load.config: an immutable JSON value in memory, plain JSON in storage ---------------
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {name: _thaw(item) for name, item in value.items()}
+    if isinstance(value, tuple):
+        return [_thaw(item) for item in value]
+    return value
+
+
+def _config_as_is(value: object, _: object) -> object:
+    # Load's own converter checks and freezes it, with an error naming the bad entry.
+    return value
+
+
+converter.register_unstructure_hook(
+    Load, make_dict_unstructure_fn(Load, converter, config=override(unstruct_hook=_thaw))
+)
+converter.register_structure_hook(
+    Load,
+    make_dict_structure_fn(
+        Load, converter, _cattrs_forbid_extra_keys=True, config=override(struct_hook=_config_as_is)
+    ),
+)
+
+
+# -- tagged unions ---------------------------------------------------------------------
+
+
+def _tagged(union: Any, tag_name: str, tag_of: Callable[[type], str]) -> None:
+    """Un/structure ``union`` with a tag field, refusing unknown or missing tags by name."""
+    members: tuple[type, ...] = union.__args__
+    tags = {member: tag_of(member) for member in members}
+    by_tag = {tag: member for member, tag in tags.items()}
+    known = ", ".join(sorted(by_tag))
+
+    def unstructure_tagged(value: Any) -> dict[str, Any]:
+        member = type(value)
+        data: dict[str, Any] = converter.unstructure(value, unstructure_as=member)
+        data[tag_name] = tags[member]
+        return data
+
+    def structure_tagged(value: object, _: object) -> Any:
+        if not isinstance(value, dict):
+            raise TypeError(f"expected an object, got {type(value).__name__}")
+        if tag_name not in value:
+            raise ValueError(f"the {tag_name!r} field is missing (one of {known})")
+        tag = value[tag_name]
+        member = by_tag.get(tag) if isinstance(tag, str) else None
+        if member is None:
+            raise ValueError(f"unknown {tag_name} {tag!r} (expected one of {known})")
+        fields = {name: item for name, item in value.items() if name != tag_name}
+        return converter.structure(fields, member)
+
+    converter.register_unstructure_hook(union, unstructure_tagged)
+    converter.register_structure_hook(union, structure_tagged)
+
+
+def _phase_of(member: Any) -> str:
+    phase: Phase = member.phase
+    return phase.value
+
+
+def _kind_of(member: type) -> str:
+    return member.__name__
+
+
+_tagged(StopReason, "kind", _kind_of)
+_tagged(ActiveRecord, "phase", _phase_of)
+_tagged(SessionRecord, "phase", _phase_of)
+
+
+# -- the record face -------------------------------------------------------------------
+
+
+def _describe(error: BaseException, kind: type | None) -> str:
+    # Our validators and hooks word their errors for a reader; cattrs words the rest.
+    if isinstance(error, ValueError | TypeError) and not isinstance(error, KeyError) and str(error):
+        return str(error)
+    return cattrs.v.format_exception(error, kind)
+
+
+def unstructure(record: SessionRecord) -> dict[str, Any]:
+    """Return the versioned JSON-ready form of a record."""
+    data: dict[str, Any] = converter.unstructure(record, unstructure_as=SessionRecord)
+    data["version"] = VERSION
+    return data
+
+
+def structure(data: object) -> SessionRecord:
+    """Build a record from its versioned JSON form.
+
+    Raises:
+        RecordFormatError: The data is not a version 1 record; the message names the
+            field that is wrong.
+    """
+    if not isinstance(data, dict):
+        raise RecordFormatError(f"a stored record must be a JSON object, not {type(data).__name__}")
+    version = data.get("version")
+    if version != VERSION or isinstance(version, bool):
+        raise RecordFormatError(
+            f"unsupported record version {version!r} @ $.version "
+            f"(this library reads version {VERSION})"
+        )
+    fields = {name: item for name, item in data.items() if name != "version"}
+    try:
+        record: SessionRecord = converter.structure(fields, SessionRecord)  # type: ignore[arg-type]
+    except Exception as error:
+        problems = cattrs.transform_error(error, "$", _describe)
+        raise RecordFormatError("malformed session record: " + "; ".join(problems)) from error
+    return record
+
+
+def encode(record: SessionRecord) -> str:
+    """Return a record as compact versioned JSON text."""
+    return json.dumps(unstructure(record), separators=(",", ":"), allow_nan=False)
+
+
+def decode(text: str | bytes) -> SessionRecord:
+    """Read a record from versioned JSON text.
+
+    Raises:
+        RecordFormatError: The text is not JSON, or not a version 1 record.
+    """
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise RecordFormatError(f"a stored record is not valid JSON: {error}") from error
+    return structure(data)

@@ -1,0 +1,124 @@
+"""The errors of DESIGN.md section 3.
+
+Every error a supervisor raises on purpose is a :class:`SupervisorError`. Each class has
+a ``code``: the reference implementation's name for it, which is also its wire code, so
+a host on the other end of a network can tell them apart without Python.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Self
+
+__all__ = [
+    "ExecutionError",
+    "LeaseExpiredError",
+    "PackageError",
+    "RecordFormatError",
+    "RunnerClosingError",
+    "SessionConflictError",
+    "SessionStoppedError",
+    "StaleSessionError",
+    "StateStorageError",
+    "SupervisorError",
+    "TerminationUnconfirmedError",
+]
+
+
+class SupervisorError(Exception):
+    """Base class of every error the supervisor raises on purpose.
+
+    Attributes:
+        detail: A sentence for humans saying what went wrong.
+    """
+
+    code: ClassVar[str] = "SupervisorError"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.detail!r})"
+
+    def again(self) -> Self:
+        """Return a fresh copy of this error, chained to it.
+
+        One outcome (a stop, a load, the poisoning of the supervisor) is often reported
+        to several callers. Raising one exception object from several tasks would splice
+        their tracebacks together; each caller gets its own copy instead, whose
+        ``__cause__`` is the original with the original traceback.
+        """
+        copy = Exception.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.args = self.args
+        copy.__cause__ = self
+        return copy
+
+
+class StaleSessionError(SupervisorError):
+    """The handle names no retained session: unknown token, or wrong key or generation."""
+
+    code = "StaleSession"
+
+
+class LeaseExpiredError(SupervisorError):
+    """The session's lease ran out."""
+
+    code = "LeaseExpired"
+
+
+class SessionStoppedError(SupervisorError):
+    """The session is stopping or stopped for a reason other than its lease."""
+
+    code = "SessionStopped"
+
+
+class SessionConflictError(SupervisorError):
+    """The session was already asked to load a different specifier."""
+
+    code = "SessionConflict"
+
+
+class StateStorageError(SupervisorError):
+    """The store failed to make a record durable, or returned records it cannot vouch for."""
+
+    code = "StateStorageError"
+
+
+class RecordFormatError(StateStorageError):
+    """A stored record is malformed, or written in a version this library cannot read."""
+
+    code = "StateStorageError"
+
+
+class ExecutionError(SupervisorError):
+    """The execution adapter failed to spawn, start, signal or watch a unit."""
+
+    code = "ExecutionError"
+
+
+class PackageError(SupervisorError):
+    """The code named by a load cannot be resolved, imported or started."""
+
+    code = "PackageError"
+
+
+class TerminationUnconfirmedError(SupervisorError):
+    """A child was asked to stop and then killed, and its exit was still not observed.
+
+    Attributes:
+        causes: The exceptions met on the way (while interrupting, killing, waiting
+            or releasing the unit), in the order they happened.
+    """
+
+    code = "TerminationUnconfirmed"
+
+    def __init__(self, detail: str, causes: tuple[BaseException, ...] = ()) -> None:
+        super().__init__(detail)
+        self.causes = causes
+
+
+class RunnerClosingError(SupervisorError):
+    """The supervisor is shutting down and accepts no new work."""
+
+    code = "RunnerClosing"

@@ -1,0 +1,60 @@
+"""A store in memory: durable for as long as the process lives."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import trio
+
+from ..model import Key, SessionRecord
+from ..retention import RecordIndex, Retention
+
+__all__ = ["MemoryStore"]
+
+
+class MemoryStore:
+    """Records in a dict, with the retention policy of DESIGN.md section 6.
+
+    One MemoryStore may serve several supervisors one after the other, which is how
+    tests restart a supervisor "on the same storage".
+
+    Args:
+        retention: Which Stopped records to keep.
+    """
+
+    def __init__(self, *, retention: Retention | None = None) -> None:
+        self._index = RecordIndex(retention or Retention())
+
+    def copy(self) -> MemoryStore:
+        """A new store holding what this one holds now, as a crash would leave it."""
+        twin = MemoryStore(retention=self.retention)
+        twin._index.save_all(self._index)
+        for key, generation in self._index.high_waters().items():
+            twin._index.raise_high_water(key, generation)
+        return twin
+
+    @property
+    def retention(self) -> Retention:
+        """The retention policy this store applies."""
+        return self._index.retention
+
+    async def save(self, record: SessionRecord) -> None:
+        """Keep ``record``; a cancelled save did nothing."""
+        # The checkpoint comes first, so a cancellation lands before the write.
+        await trio.lowlevel.checkpoint()
+        self._index.save(record)
+
+    async def save_many(self, records: Sequence[SessionRecord]) -> None:
+        """Keep every record, all at once."""
+        await trio.lowlevel.checkpoint()
+        self._index.save_all(records)
+
+    async def list(self) -> Sequence[SessionRecord]:
+        """Every retained record, in the order they were last saved."""
+        await trio.lowlevel.checkpoint()
+        return list(self._index)
+
+    async def high_water(self) -> Mapping[Key, int]:
+        """Every key's highest generation ever saved."""
+        await trio.lowlevel.checkpoint()
+        return self._index.high_waters()

@@ -1,0 +1,449 @@
+"""A store in one SQLite file: the embedded default.
+
+* One file, in WAL mode with ``synchronous=FULL``: when a save returns, its record
+  survives a crash of the process or of the machine.
+* ``locking_mode=EXCLUSIVE``: one store (so one supervisor) owns the file. A second
+  process opening it gets a clear error instead of two supervisors fencing one key
+  each their own way.
+* Every SQLite call runs on one worker thread that owns the connection; the event loop
+  never blocks on the disk.
+* Group commit: saves that arrive while a transaction is being written wait in the
+  queue and are written together in the next transaction, so 100 concurrent saves cost
+  a handful of fsyncs, not 100. Each save returns only after its own batch committed.
+* Retention (DESIGN.md section 6) is applied in the same transaction as the save, and
+  the high-water generation of every key lives in its own table, never evicted.
+
+Cancelling a save is safe: while the record still waits in the queue, it is taken
+back and ``Cancelled`` is raised; once the worker took it, the save waits for the
+commit and reports it (the cancellation is then seen at the caller's next checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import queue
+import sqlite3
+import threading
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Final, Self
+
+import attrs
+import trio
+
+from ..codec import decode, encode
+from ..errors import RecordFormatError, StateStorageError
+from ..model import Key, SessionRecord, StoppedRecord
+from ..retention import Retention
+
+__all__ = ["SqliteStore"]
+
+SCHEMA_VERSION: Final = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS records (
+    token    TEXT PRIMARY KEY,
+    identity TEXT NOT NULL,
+    instance TEXT NOT NULL,
+    saved    INTEGER NOT NULL,  -- save order, for list()
+    stopped  INTEGER,           -- stop order, NULL while not Stopped: retention's order
+    body     TEXT NOT NULL      -- the versioned JSON record
+);
+CREATE INDEX IF NOT EXISTS records_saved ON records (saved);
+CREATE INDEX IF NOT EXISTS records_stopped ON records (stopped) WHERE stopped IS NOT NULL;
+CREATE INDEX IF NOT EXISTS records_key_stopped
+    ON records (identity, instance, stopped) WHERE stopped IS NOT NULL;
+CREATE TABLE IF NOT EXISTS high_water (
+    identity   TEXT NOT NULL,
+    instance   TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    PRIMARY KEY (identity, instance)
+) WITHOUT ROWID;
+"""
+
+
+class _State(enum.Enum):
+    QUEUED = "queued"  # the caller may still take it back
+    TAKEN = "taken"  # the worker has it; it will be reported
+    WITHDRAWN = "withdrawn"  # the caller was cancelled first; the worker skips it
+
+
+@attrs.define(eq=False)
+class _Job:
+    """One request to the worker, and the way its answer gets back to the event loop."""
+
+    kind: str  # "open", "save", "list", "high_water", "close"
+    rows: list[tuple[SessionRecord, str]] = attrs.Factory(list)
+    token: trio.lowlevel.TrioToken | None = None
+    done: trio.Event = attrs.Factory(trio.Event)
+    state: _State = _State.QUEUED
+    lock: threading.Lock = attrs.Factory(threading.Lock)
+    result: Any = None
+    error: BaseException | None = None
+
+    def take(self) -> bool:
+        with self.lock:
+            if self.state is _State.QUEUED:
+                self.state = _State.TAKEN
+                return True
+            return False
+
+    def withdraw(self) -> bool:
+        with self.lock:
+            if self.state is _State.QUEUED:
+                self.state = _State.WITHDRAWN
+                return True
+            return False
+
+
+class SqliteStore:
+    """Records in one SQLite file.
+
+    Use it as ``async with SqliteStore(path) as store:`` or call :meth:`aclose`; the
+    worker thread and its connection start on first use.
+
+    Args:
+        path: The database file; its directory must exist.
+        retention: Which Stopped records to keep.
+        timeout: Seconds SQLite waits for a lock before failing a write.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        retention: Retention | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self.path = os.fspath(path)
+        self._retention = retention or Retention()
+        self._timeout = timeout
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.commits = 0  # transactions committed: group commit makes this < saves
+
+    @property
+    def retention(self) -> Retention:
+        """The retention policy this store applies."""
+        return self._retention
+
+    # -- the face ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:
+        """Open the file now rather than on first use, so a bad file fails here.
+
+        Raises:
+            StateStorageError: The file cannot be opened, is locked by another store,
+                or has a schema version this library does not know.
+        """
+        await self._submit(_Job("open"))
+
+    async def save(self, record: SessionRecord) -> None:
+        """Make ``record`` durable (group commit); see the module docs for cancellation."""
+        await self._submit(_Job("save", [(record, encode(record))]))
+
+    async def save_many(self, records: Sequence[SessionRecord]) -> None:
+        """Make every record durable in one transaction."""
+        await self._submit(_Job("save", [(record, encode(record)) for record in records]))
+
+    async def list(self) -> Sequence[SessionRecord]:
+        """Every retained record, in the order they were last saved.
+
+        Raises:
+            RecordFormatError: A row is malformed, of an unknown version, or holds the
+                record of another token or key; the message names the row.
+        """
+        records: list[SessionRecord] = await self._submit(_Job("list"))
+        return records
+
+    async def high_water(self) -> Mapping[Key, int]:
+        """Every key's highest generation ever saved."""
+        marks: dict[Key, int] = await self._submit(_Job("high_water"))
+        return marks
+
+    async def aclose(self) -> None:
+        """Finish the writes already queued, close the connection, stop the worker."""
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        if self._thread is None:
+            await trio.lowlevel.checkpoint()
+            return
+        job = _Job("close", token=trio.lowlevel.current_trio_token())
+        job.state = _State.TAKEN
+        self._jobs.put(job)
+        with trio.CancelScope(shield=True):
+            # Bounded by the writes already queued; the thread exits right after.
+            await job.done.wait()
+
+    # -- talking to the worker ---------------------------------------------------------
+
+    async def _submit(self, job: _Job) -> Any:
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            raise StateStorageError(f"the store {self.path} is closed")
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=_Worker(self).run, name=f"trio_supervisor sqlite {self.path}", daemon=True
+            )
+            self._thread.start()
+        job.token = trio.lowlevel.current_trio_token()
+        self._jobs.put(job)
+        try:
+            await job.done.wait()
+        except trio.Cancelled:
+            if job.withdraw():
+                raise
+            # The worker took it, so the write may land: wait for the answer and
+            # report it. Bounded by one transaction (and SQLite's lock timeout).
+            with trio.CancelScope(shield=True):
+                await job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+
+class _Worker:
+    """The thread that owns the connection."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        self._store = store
+        self._connection: sqlite3.Connection | None = None
+        self._open_error: StateStorageError | None = None
+        self._saved = 0
+        self._stopped = 0
+        self._stopped_count = 0
+
+    def run(self) -> None:
+        jobs = self._store._jobs
+        try:
+            self._open()
+        except StateStorageError as error:
+            self._open_error = error
+        closing: _Job | None = None
+        while closing is None:
+            batch = [jobs.get()]
+            # Group commit: everything queued while the last transaction was written
+            # goes into the next one.
+            while True:
+                try:
+                    batch.append(jobs.get_nowait())
+                except queue.Empty:
+                    break
+            taken = []
+            for job in batch:
+                if job.kind == "close":
+                    closing = job
+                elif job.take():
+                    taken.append(job)
+            self._serve(taken)
+        if self._connection is not None:
+            self._connection.close()
+        _deliver([closing])
+
+    def _serve(self, jobs: list[_Job]) -> None:
+        saves = [job for job in jobs if job.kind == "save"]
+        others = [job for job in jobs if job.kind != "save"]
+        if self._open_error is not None:
+            for job in jobs:
+                job.error = self._open_error
+        else:
+            # Saves first, so a read queued after a save sees it.
+            if saves:
+                self._write(saves)
+            for job in others:
+                self._read(job)
+        _deliver(jobs)
+
+    # -- the connection --------------------------------------------------------------
+
+    def _open(self) -> None:
+        path = self._store.path
+        try:
+            connection = sqlite3.connect(path, timeout=self._store._timeout, isolation_level=None)
+            connection.execute("PRAGMA locking_mode = EXCLUSIVE")
+            mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if mode != "wal":
+                raise StateStorageError(f"{path}: SQLite refused WAL mode (got {mode!r})")
+            connection.execute("PRAGMA synchronous = FULL")
+            connection.execute("BEGIN IMMEDIATE")
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    connection.execute(statement)
+            versions = [row[0] for row in connection.execute("SELECT version FROM schema_version")]
+            if not versions:
+                connection.execute(
+                    "INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,)
+                )
+            elif versions != [SCHEMA_VERSION]:
+                connection.execute("ROLLBACK")
+                raise StateStorageError(
+                    f"{path} has schema version {versions}; "
+                    f"this library reads version {SCHEMA_VERSION}"
+                )
+            connection.execute("COMMIT")
+            saved, stopped, count = connection.execute(
+                "SELECT coalesce(max(saved), 0), coalesce(max(stopped), 0), count(stopped) "
+                "FROM records"
+            ).fetchone()
+        except sqlite3.Error as error:
+            raise StateStorageError(_explain(path, "open", error)) from error
+        self._connection = connection
+        self._saved, self._stopped, self._stopped_count = saved, stopped, count
+
+    def _write(self, jobs: list[_Job]) -> None:
+        connection = self._connection
+        assert connection is not None
+        retention = self._store.retention
+        saved, stopped, count = self._saved, self._stopped, self._stopped_count
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+            for job in jobs:
+                for record, body in job.rows:
+                    handle = record.handle
+                    key = handle.key
+                    saved += 1
+                    row = connection.execute(
+                        "SELECT stopped FROM records WHERE token = ?", (handle.token,)
+                    ).fetchone()
+                    was_stopped = row is not None and row[0] is not None
+                    stop_order = None
+                    newly_stopped = False
+                    if isinstance(record, StoppedRecord):
+                        if was_stopped:
+                            stop_order = row[0]
+                        else:
+                            stopped += 1
+                            stop_order = stopped
+                            newly_stopped = True
+                    elif was_stopped:
+                        count -= 1  # a caller un-stopped a record; the memory index agrees
+                    connection.execute(
+                        "INSERT INTO records (token, identity, instance, saved, stopped, body) "
+                        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (token) DO UPDATE SET "
+                        "saved = excluded.saved, stopped = excluded.stopped, body = excluded.body",
+                        (handle.token, key.identity, key.instance, saved, stop_order, body),
+                    )
+                    connection.execute(
+                        "INSERT INTO high_water (identity, instance, generation) VALUES (?, ?, ?) "
+                        "ON CONFLICT (identity, instance) DO UPDATE SET "
+                        "generation = max(generation, excluded.generation)",
+                        (key.identity, key.instance, handle.generation),
+                    )
+                    if not newly_stopped:
+                        continue
+                    count += 1
+                    # Retention, in the same transaction: the newest per key, then a cap.
+                    count -= connection.execute(
+                        "DELETE FROM records WHERE token IN (SELECT token FROM records "
+                        "WHERE identity = ? AND instance = ? AND stopped IS NOT NULL "
+                        "ORDER BY stopped DESC LIMIT -1 OFFSET ?)",
+                        (key.identity, key.instance, retention.stopped_per_key),
+                    ).rowcount
+                    if count > retention.stopped_total:
+                        count -= connection.execute(
+                            "DELETE FROM records WHERE token IN (SELECT token FROM records "
+                            "WHERE stopped IS NOT NULL ORDER BY stopped LIMIT ?)",
+                            (count - retention.stopped_total,),
+                        ).rowcount
+            connection.execute("COMMIT")
+        except sqlite3.Error as error:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            failure = StateStorageError(_explain(self._store.path, "save", error))
+            failure.__cause__ = error
+            for job in jobs:
+                job.error = failure
+            return
+        self._saved, self._stopped, self._stopped_count = saved, stopped, count
+        self._store.commits += 1
+
+    def _read(self, job: _Job) -> None:
+        connection = self._connection
+        assert connection is not None
+        try:
+            if job.kind == "list":
+                # fetchall first: a cursor left open by a decoding error would keep the
+                # connection (and its exclusive lock) alive past close().
+                rows = connection.execute(
+                    "SELECT token, identity, instance, body FROM records ORDER BY saved"
+                ).fetchall()
+                job.result = [_decode_row(self._store.path, *row) for row in rows]
+            elif job.kind == "high_water":
+                marks = connection.execute(
+                    "SELECT identity, instance, generation FROM high_water"
+                ).fetchall()
+                job.result = {
+                    Key(identity=identity, instance=instance): generation
+                    for identity, instance, generation in marks
+                }
+        except sqlite3.Error as error:
+            job.error = StateStorageError(_explain(self._store.path, "read", error))
+            job.error.__cause__ = error
+        except (RecordFormatError, ValueError, TypeError) as error:
+            job.error = (
+                error
+                if isinstance(error, RecordFormatError)
+                else RecordFormatError(
+                    f"{self._store.path}: a high-water row is malformed: {error}"
+                )
+            )
+
+
+def _decode_row(path: str, token: str, identity: str, instance: str, body: str) -> SessionRecord:
+    row = f"{path}: the record of {identity}/{instance} (token {token[:8]}...)"
+    try:
+        record = decode(body)
+    except RecordFormatError as error:
+        raise RecordFormatError(f"{row} is unreadable: {error.detail}") from error
+    handle = record.handle
+    if handle.token != token or handle.key.identity != identity or handle.key.instance != instance:
+        raise RecordFormatError(
+            f"{row} holds the record of another session "
+            f"({handle.key.identity}/{handle.key.instance}, token {handle.token[:8]}...)"
+        )
+    return record
+
+
+def _explain(path: str, action: str, error: sqlite3.Error) -> str:
+    text = str(error)
+    if "locked" in text:
+        return (
+            f"{path}: cannot {action}: the file is locked, probably by another store "
+            f"that owns it ({text})"
+        )
+    return f"{path}: cannot {action}: {text}"
+
+
+def _deliver(jobs: Sequence[_Job | None]) -> None:
+    """Wake the callers of finished jobs, one callback per event loop."""
+    by_loop: dict[trio.lowlevel.TrioToken, list[trio.Event]] = {}
+    for job in jobs:
+        if job is not None and job.token is not None:
+            by_loop.setdefault(job.token, []).append(job.done)
+    for token, events in by_loop.items():
+        # A finished event loop has nobody waiting any more.
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(_set_all, events)
+
+
+def _set_all(events: list[trio.Event]) -> None:
+    for event in events:
+        event.set()

@@ -1,0 +1,94 @@
+"""Terminating a session's child (P3) and releasing its unit (P4).
+
+A signal is a request; only an observed exit confirms that a child stopped. Every wait
+here is bounded: ``grace`` for a cooperative exit after the interrupt, then
+``confirmation`` for the exit after the kill. The caller runs this shielded, so these
+bounds are what keeps a shutdown finite.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from .errors import ExecutionError, TerminationUnconfirmedError
+from .executions.base import Unit
+from .model import ExitStatus, Fault, Termination
+
+__all__ = ["faults", "release", "terminate"]
+
+_NO_CHILD = Termination(kind="exited", exit=ExitStatus(code=0, signal=None))
+
+
+def faults(problems: list[Exception]) -> tuple[Fault, ...]:
+    """Problems as they are persisted in a termination's cause."""
+    return tuple(Fault.of(problem) for problem in problems)
+
+
+async def terminate(
+    unit: Unit | None,
+    exit: ExitStatus | None,
+    *,
+    grace: float,
+    confirmation: float,
+    problems: list[Exception],
+) -> Termination:
+    """Stop ``unit`` and return how it ended.
+
+    Args:
+        unit: The registered child, or None when the session never had one.
+        exit: The child's exit status when it already exited by itself.
+        grace: How long to wait for an exit after interrupting.
+        confirmation: How long to wait for an exit after killing.
+        problems: Where the exceptions met on the way are appended.
+
+    Returns:
+        ``exited`` with code 0 when there is no child; ``exited`` with the child's status
+        when it exited by itself or on interrupt; ``killed`` when it had to be killed.
+
+    Raises:
+        TerminationUnconfirmedError: Even the kill was not followed by an observed exit.
+    """
+    if exit is not None:
+        await trio.lowlevel.checkpoint()
+        return Termination(kind="exited", exit=exit)
+    if unit is None:
+        await trio.lowlevel.checkpoint()
+        return _NO_CHILD
+    with trio.move_on_after(grace):
+        try:
+            await unit.interrupt()
+            status = await unit.wait()
+        except Exception as error:
+            problems.append(error)
+        else:
+            return Termination(kind="exited", exit=status, cause=faults(problems))
+    with trio.move_on_after(confirmation):
+        try:
+            await unit.kill()
+        except Exception as error:
+            problems.append(error)
+        try:
+            status = await unit.wait()
+        except Exception as error:
+            problems.append(error)
+        else:
+            return Termination(kind="killed", exit=status, cause=faults(problems))
+    raise TerminationUnconfirmedError(
+        "the child was interrupted and killed, and its exit was still not observed",
+        causes=tuple(problems),
+    )
+
+
+async def release(unit: Unit | None, *, confirmation: float, problems: list[Exception]) -> None:
+    """Release a unit's resources once (P4); problems are appended to ``problems``."""
+    if unit is None:
+        return
+    with trio.move_on_after(confirmation) as scope:
+        try:
+            await unit.aclose()
+        except Exception as error:
+            problems.append(error)
+    if scope.cancelled_caught:
+        problems.append(
+            ExecutionError("releasing the unit took longer than the confirmation timeout")
+        )

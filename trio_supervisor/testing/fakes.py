@@ -1,0 +1,348 @@
+"""Scriptable adapters for tests: an execution whose units do what they are told, and a
+store that fails when told to.
+
+Both record what was asked of them, so a test can assert on the exact calls (a child
+interrupted once, killed once, released once) instead of on timing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import signal
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+import trio
+
+from ..errors import ExecutionError, StateStorageError, SupervisorError
+from ..model import (
+    ChildIdentity,
+    CodeIdentity,
+    ExitStatus,
+    Handle,
+    Key,
+    Limits,
+    Load,
+    SessionRecord,
+    Termination,
+)
+from ..retention import Retention
+from ..stores.base import Store
+
+__all__ = ["Behaviour", "Call", "FakeExecution", "FakeUnit", "FaultyStore"]
+
+ADAPTER = "fake"
+
+
+@attrs.define(kw_only=True)
+class Behaviour:
+    """How the fake's units behave.
+
+    Attributes:
+        spawn_error: ``spawn`` raises this.
+        start_error: ``start`` raises this.
+        wait_error: ``wait`` raises this (an adapter that cannot watch its child).
+        interrupt_error: ``interrupt`` raises this, and the signal is not delivered.
+        aclose_error: ``aclose`` raises this.
+        ignore_interrupt: The unit does not exit on interrupt.
+        ignore_kill: The unit does not exit on kill either.
+        exit_delay: Seconds between a signal the unit heeds and its exit.
+        interrupt_code: The exit code of a unit that exits on interrupt; None means it
+            reports the signal (``SIGTERM``) instead.
+    """
+
+    spawn_error: SupervisorError | None = None
+    start_error: SupervisorError | None = None
+    wait_error: Exception | None = None
+    interrupt_error: Exception | None = None
+    aclose_error: Exception | None = None
+    ignore_interrupt: bool = False
+    ignore_kill: bool = False
+    exit_delay: float = 0.0
+    interrupt_code: int | None = None
+
+
+@attrs.frozen
+class Call:
+    """One call into the fake: its name, the unit's ref (or the specifier), arguments."""
+
+    name: str
+    ref: str
+    args: tuple[object, ...] = ()
+
+
+class FakeUnit:
+    """A unit that exits when told to, or on the signals its behaviour heeds."""
+
+    def __init__(
+        self,
+        execution: FakeExecution,
+        handle: Handle,
+        load: Load,
+        limits: Limits,
+        behaviour: Behaviour,
+        ref: str,
+    ) -> None:
+        self.execution = execution
+        self.handle = handle
+        self.load = load
+        self.limits = limits
+        self.behaviour = behaviour
+        self._identity = ChildIdentity(adapter=ADAPTER, ref=ref)
+        self._code = CodeIdentity(specifier=load.specifier, origin=f"fake:{load.specifier}")
+        self.started = False
+        self.closed = 0
+        self.leases: list[float] = []
+        self.status: ExitStatus | None = None
+        # An exit that has been asked for but takes ``exit_delay`` to happen.
+        self._exit_at = math.inf
+        self._pending: ExitStatus | None = None
+        self._poke = trio.Event()
+
+    @property
+    def identity(self) -> ChildIdentity:
+        return self._identity
+
+    @property
+    def code(self) -> CodeIdentity:
+        return self._code
+
+    @property
+    def exited(self) -> bool:
+        """True once the unit exited (a delayed exit counts once its time came)."""
+        self._settle()
+        return self.status is not None
+
+    @property
+    def signals(self) -> list[str]:
+        """The interrupts and kills this unit received, in order."""
+        return [
+            call.name
+            for call in self.execution.calls_of(self)
+            if call.name in ("interrupt", "kill")
+        ]
+
+    def exit(self, code: int | None = 0, signal: int | None = None) -> None:
+        """Exit now, by itself, with this status."""
+        self._finish(ExitStatus(code=code, signal=signal))
+
+    def _finish(self, status: ExitStatus) -> None:
+        if self.status is None:
+            self.status = status
+            self.execution._live.pop(self._identity.ref, None)
+            self._wake()
+
+    def _wake(self) -> None:
+        self._poke.set()
+        self._poke = trio.Event()
+
+    def _exit_later(self, status: ExitStatus) -> None:
+        if self.behaviour.exit_delay <= 0:
+            self._finish(status)
+            return
+        at = trio.current_time() + self.behaviour.exit_delay
+        if at < self._exit_at:
+            self._exit_at, self._pending = at, status
+            self._wake()
+
+    def _settle(self) -> None:
+        if (
+            self.status is None
+            and self._pending is not None
+            and trio.current_time() >= self._exit_at
+        ):
+            self._finish(self._pending)
+
+    async def start(self) -> None:
+        self.execution._record("start", self)
+        await trio.lowlevel.checkpoint()
+        if self.behaviour.start_error is not None:
+            raise self.behaviour.start_error
+        if self.started:
+            raise ExecutionError("the unit was started twice")
+        self.started = True
+
+    async def renew(self, lease: float) -> None:
+        self.execution._record("renew", self, lease)
+        await trio.lowlevel.checkpoint()
+        self.leases.append(lease)
+
+    async def interrupt(self) -> None:
+        self.execution._record("interrupt", self)
+        await trio.lowlevel.checkpoint()
+        if self.behaviour.interrupt_error is not None:
+            raise self.behaviour.interrupt_error
+        if not self.behaviour.ignore_interrupt:
+            code = self.behaviour.interrupt_code
+            self._exit_later(
+                ExitStatus(code=code, signal=None if code is not None else signal.SIGTERM)
+            )
+
+    async def kill(self) -> None:
+        self.execution._record("kill", self)
+        await trio.lowlevel.checkpoint()
+        if not self.behaviour.ignore_kill:
+            self._exit_later(ExitStatus(code=None, signal=signal.SIGKILL))
+
+    async def wait(self) -> ExitStatus:
+        self.execution._record("wait", self)
+        if self.behaviour.wait_error is not None:
+            await trio.lowlevel.checkpoint()
+            raise self.behaviour.wait_error
+        while True:
+            self._settle()
+            if self.status is not None:
+                await trio.lowlevel.checkpoint()
+                return self.status
+            poke = self._poke
+            with trio.move_on_at(self._exit_at):
+                await poke.wait()
+
+    async def aclose(self) -> None:
+        self.execution._record("aclose", self)
+        await trio.lowlevel.checkpoint()
+        self.closed += 1
+        if self.behaviour.aclose_error is not None:
+            raise self.behaviour.aclose_error
+
+
+class FakeExecution:
+    """An execution whose units are scripted.
+
+    Behaviours are chosen per specifier (``behave``), falling back to ``default``;
+    one-shot failures are queued with ``fail_next_spawn``. Every call is appended to
+    ``calls``.
+
+    Args:
+        default: The behaviour of specifiers that have none of their own.
+    """
+
+    def __init__(self, default: Behaviour | None = None) -> None:
+        self.default = default or Behaviour()
+        self.behaviours: dict[str, Behaviour] = {}
+        self.calls: list[Call] = []
+        self.units: list[FakeUnit] = []
+        self.recoveries: dict[str, Termination | Exception] = {}
+        self._next_spawn_errors: list[SupervisorError] = []
+        self._live: dict[str, FakeUnit] = {}
+        self._refs = itertools.count(1)
+
+    def behave(self, specifier: str, **behaviour: object) -> Behaviour:
+        """Script the units of ``specifier``; see :class:`Behaviour` for the fields."""
+        scripted = Behaviour(**behaviour)  # type: ignore[arg-type]
+        self.behaviours[specifier] = scripted
+        return scripted
+
+    def fail_next_spawn(self, error: SupervisorError) -> None:
+        """Make the next spawn raise ``error``, whatever its specifier."""
+        self._next_spawn_errors.append(error)
+
+    def unit_of(self, handle: Handle) -> FakeUnit:
+        """The unit spawned for a session."""
+        for unit in reversed(self.units):
+            if unit.handle == handle:
+                return unit
+        raise LookupError(f"no unit was spawned for {handle}")
+
+    def calls_of(self, unit: FakeUnit) -> list[Call]:
+        """Every call made on one unit."""
+        return [call for call in self.calls if call.ref == unit.identity.ref]
+
+    @property
+    def live(self) -> Mapping[str, FakeUnit]:
+        """Units spawned and not exited, by ref."""
+        for unit in list(self._live.values()):
+            unit._settle()
+        return dict(self._live)
+
+    def _record(self, name: str, unit: FakeUnit, *args: object) -> None:
+        self.calls.append(Call(name, unit.identity.ref, args))
+
+    async def spawn(self, handle: Handle, load: Load, limits: Limits) -> FakeUnit:
+        self.calls.append(Call("spawn", load.specifier, (handle,)))
+        await trio.lowlevel.checkpoint()
+        if self._next_spawn_errors:
+            raise self._next_spawn_errors.pop(0)
+        behaviour = self.behaviours.get(load.specifier, self.default)
+        if behaviour.spawn_error is not None:
+            raise behaviour.spawn_error
+        unit = FakeUnit(self, handle, load, limits, behaviour, f"fake-{next(self._refs)}")
+        self.units.append(unit)
+        self._live[unit.identity.ref] = unit
+        return unit
+
+    async def recover(self, child: ChildIdentity) -> Termination:
+        """Kill a live unit left over from an earlier supervisor; scripted by ``recoveries``."""
+        self.calls.append(Call("recover", child.ref))
+        await trio.lowlevel.checkpoint()
+        scripted = self.recoveries.get(child.ref)
+        if isinstance(scripted, Exception):
+            raise scripted
+        if scripted is not None:
+            return scripted
+        unit = self._live.get(child.ref)
+        if unit is None:
+            return Termination(kind="exited", exit=ExitStatus(code=None, signal=None))
+        await unit.kill()
+        return Termination(kind="killed", exit=await unit.wait())
+
+
+class FaultyStore:
+    """A store that fails its saves when told to, around a working one.
+
+    Args:
+        inner: The store that does the work.
+    """
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.failing = False
+        self._fail_next = 0
+        self._when: Callable[[SessionRecord], bool] | None = None
+        self.saved: list[SessionRecord] = []
+        self.refused: list[SessionRecord] = []
+
+    @property
+    def retention(self) -> Retention:
+        return self.inner.retention
+
+    def fail_next(self, count: int = 1) -> None:
+        """Fail the next ``count`` saves."""
+        self._fail_next += count
+
+    def fail_always(self) -> None:
+        """Fail every save from now on."""
+        self.failing = True
+
+    def fail_when(self, predicate: Callable[[SessionRecord], bool] | None) -> None:
+        """Fail the saves of records ``predicate`` picks (None: stop failing those)."""
+        self._when = predicate
+
+    def heal(self) -> None:
+        """Stop failing."""
+        self.failing = False
+        self._fail_next = 0
+        self._when = None
+
+    def _refuses(self, record: SessionRecord) -> bool:
+        if self.failing or (self._when is not None and self._when(record)):
+            return True
+        if self._fail_next:
+            self._fail_next -= 1
+            return True
+        return False
+
+    async def save(self, record: SessionRecord) -> None:
+        if self._refuses(record):
+            await trio.lowlevel.checkpoint()
+            self.refused.append(record)
+            raise StateStorageError(f"injected failure saving a {record.phase.value} record")
+        await self.inner.save(record)
+        self.saved.append(record)
+
+    async def list(self) -> Sequence[SessionRecord]:
+        return await self.inner.list()
+
+    async def high_water(self) -> Mapping[Key, int]:
+        return await self.inner.high_water()
