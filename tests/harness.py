@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from trio_supervisor import Handle, Key, Supervisor, open_supervisor
+import trio
+
+from trio_supervisor import Handle, Key, Load, Supervisor, open_supervisor
 from trio_supervisor.stores.base import Store
+from trio_supervisor.testing import FakeExecution
 
 KEY = Key(identity="plugin", instance="a")
 OTHER = Key(identity="plugin", instance="b")
@@ -28,3 +32,24 @@ async def opened(
     expected = await supervisor.high_water(key)
     record = await supervisor.open(key, request_id, expected_generation=expected, **options)
     return record.handle
+
+
+async def during_shutdown(
+    store: Store, fake: FakeExecution, action: Callable[[Supervisor, Handle], Awaitable[None]]
+) -> Handle:
+    """Run ``action`` half a second into a shutdown that waits for a slow child.
+
+    The session's child takes 0.8 s to exit on interrupt, so at 0.5 s the supervisor is
+    closing and the session is stopping. Needs a MockClock; returns the session's handle.
+    """
+    fake.behave("slow", exit_delay=0.8)
+    async with trio.open_nursery() as callers, supervise(store, fake) as sup:
+        handle = await opened(sup)
+        await sup.load(handle, Load(specifier="slow"))
+
+        async def late() -> None:
+            await trio.sleep(0.5)
+            await action(sup, handle)
+
+        callers.start_soon(late)
+    return handle

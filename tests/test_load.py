@@ -31,7 +31,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FakeUnit, FaultyStore
 
-from .harness import KEY, OTHER, opened, supervise
+from .harness import KEY, OTHER, during_shutdown, opened, supervise
 
 
 class WatchedExecution(FakeExecution):
@@ -63,25 +63,24 @@ class WatchedExecution(FakeExecution):
 async def test_l1_load_is_refused_like_renew(
     store: MemoryStore, fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
-    fake.behave("slow", exit_delay=0.8)
+    async with supervise(store, fake) as sup:
+        handle = await opened(sup)
+        with pytest.raises(StaleSessionError):
+            await sup.load(attrs.evolve(handle, generation=9), Load(specifier="x"))
+        expiring = await opened(sup, key=OTHER, lease=1.0)
+        await trio.sleep(1.0)
+        with pytest.raises(LeaseExpiredError):
+            await sup.load(expiring, Load(specifier="x"))
+    assert not fake.units
+
     late: list[BaseException] = []
 
     async def load_late(supervisor: Supervisor, handle: Handle) -> None:
-        await trio.sleep(0.5)
         with pytest.raises(RunnerClosingError) as caught:
             await supervisor.load(handle, Load(specifier="other"))
         late.append(caught.value)
 
-    async with trio.open_nursery() as callers, supervise(store, fake) as sup:
-        handle = await opened(sup)
-        with pytest.raises(StaleSessionError):
-            await sup.load(attrs.evolve(handle, generation=9), Load(specifier="slow"))
-        expiring = await opened(sup, key=OTHER, lease=1.0)
-        await trio.sleep(1.0)
-        with pytest.raises(LeaseExpiredError):
-            await sup.load(expiring, Load(specifier="slow"))
-        await sup.load(handle, Load(specifier="slow"))
-        callers.start_soon(load_late, sup, handle)
+    await during_shutdown(MemoryStore(), fake, load_late)
     assert len(late) == 1
     assert [call.name for call in fake.calls].count("spawn") == 1
 

@@ -8,7 +8,6 @@ from typing import Any
 import attrs
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
 
 from trio_supervisor import (
     ExitStatus,
@@ -25,6 +24,7 @@ from trio_supervisor import (
     negotiate,
 )
 from trio_supervisor.errors import TerminationUnconfirmedError
+from trio_supervisor.testing.strategies import limits
 
 KEY = Key(identity="plugin", instance="a")
 HANDLE = Handle(key=KEY, token="0" * 32, generation=1)
@@ -117,15 +117,6 @@ def test_fault_describes_an_exception() -> None:
     assert fault == Fault(type="trio_supervisor.errors.TerminationUnconfirmedError", message="lost")
 
 
-limits_values = st.none() | st.integers(min_value=0, max_value=2**40)
-limits = st.builds(
-    Limits,
-    memory_bytes=limits_values,
-    cpu_seconds=limits_values,
-    open_files=limits_values,
-    file_size_bytes=limits_values,
-    output_bytes=limits_values,
-)
 FIELDS = ("memory_bytes", "cpu_seconds", "open_files", "file_size_bytes", "output_bytes")
 
 

@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from trio_supervisor import (
+    Handle,
     Limits,
     Load,
     MemoryStore,
@@ -28,7 +29,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from .harness import KEY, OTHER, opened, supervise
+from .harness import KEY, OTHER, during_shutdown, opened, supervise
 
 
 class GatedStore(MemoryStore):
@@ -48,19 +49,14 @@ class GatedStore(MemoryStore):
 async def test_o1_open_fails_with_runner_closing_once_shutdown_began(
     store: MemoryStore, fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
-    fake.behave("slow", exit_delay=0.8)
     refused: list[BaseException] = []
 
-    async def open_late(supervisor: Supervisor) -> None:
-        await trio.sleep(0.5)  # the shutdown is waiting for the slow child now
+    async def open_late(supervisor: Supervisor, handle: Handle) -> None:
         with pytest.raises(RunnerClosingError) as caught:
             await supervisor.open(OTHER, "late")
         refused.append(caught.value)
 
-    async with trio.open_nursery() as callers, supervise(store, fake) as sup:
-        handle = await opened(sup)
-        await sup.load(handle, Load(specifier="slow"))
-        callers.start_soon(open_late, sup)
+    await during_shutdown(store, fake, open_late)
     assert len(refused) == 1
     assert not [record for record in await store.list() if record.handle.key == OTHER]
 

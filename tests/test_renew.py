@@ -24,25 +24,20 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from .harness import KEY, OTHER, opened, supervise
+from .harness import KEY, OTHER, during_shutdown, opened, supervise
 
 
 async def test_r1_renew_fails_with_runner_closing_during_shutdown(
     store: MemoryStore, fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
-    fake.behave("slow", exit_delay=0.8)
     refused: list[BaseException] = []
 
     async def renew_late(supervisor: Supervisor, handle: Handle) -> None:
-        await trio.sleep(0.5)
         with pytest.raises(RunnerClosingError) as caught:
             await supervisor.renew(handle)
         refused.append(caught.value)
 
-    async with trio.open_nursery() as callers, supervise(store, fake) as sup:
-        handle = await opened(sup)
-        await sup.load(handle, Load(specifier="slow"))
-        callers.start_soon(renew_late, sup, handle)
+    await during_shutdown(store, fake, renew_late)
     assert len(refused) == 1
 
 

@@ -20,17 +20,15 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from .harness import opened, supervise
+from .harness import during_shutdown, opened, supervise
 
 
 async def test_z1_closing_is_set_first_so_new_work_is_refused(
     store: MemoryStore, fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
-    fake.behave("slow", exit_delay=0.8)
     refused: list[str] = []
 
-    async def during_shutdown(sup: Supervisor, handle: Handle) -> None:
-        await trio.sleep(0.1)
+    async def new_work(sup: Supervisor, handle: Handle) -> None:
         for name, call in (
             ("open", sup.open(Key(identity="p", instance="new"), "r")),
             ("renew", sup.renew(handle)),
@@ -41,10 +39,7 @@ async def test_z1_closing_is_set_first_so_new_work_is_refused(
             refused.append(name)
         assert (await sup.status(handle)).handle == handle
 
-    async with trio.open_nursery() as callers, supervise(store, fake) as sup:
-        handle = await opened(sup)
-        await sup.load(handle, Load(specifier="slow"))
-        callers.start_soon(during_shutdown, sup, handle)
+    await during_shutdown(store, fake, new_work)
     assert refused == ["open", "renew", "load"]
 
 

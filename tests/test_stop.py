@@ -14,6 +14,7 @@ from trio_supervisor import (
     Exited,
     ExitStatus,
     Expired,
+    Handle,
     Load,
     LoadedRecord,
     LoadingRecord,
@@ -30,7 +31,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from .harness import OTHER, opened, supervise
+from .harness import OTHER, during_shutdown, opened, supervise
 
 SIGTERM = ExitStatus(code=None, signal=signal.SIGTERM)
 
@@ -99,17 +100,12 @@ async def test_d1_dispose_works_while_poisoned(fake: FakeExecution) -> None:
 async def test_d1_dispose_works_during_shutdown_and_joins_it(
     store: MemoryStore, fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
-    fake.behave("slow", exit_delay=0.8)
     joined: list[Termination] = []
-    async with trio.open_nursery() as callers, supervise(store, fake) as sup:
-        handle = await opened(sup)
-        await sup.load(handle, Load(specifier="slow"))
 
-        async def dispose_late() -> None:
-            await trio.sleep(0.5)
-            joined.append(await sup.dispose(handle))
+    async def dispose_late(sup: Supervisor, handle: Handle) -> None:
+        joined.append(await sup.dispose(handle))
 
-        callers.start_soon(dispose_late)
+    await during_shutdown(store, fake, dispose_late)
     [record] = await store.list()
     assert isinstance(record, StoppedRecord)
     assert record.reason.kind == "Shutdown"
