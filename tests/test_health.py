@@ -40,7 +40,7 @@ async def test_h1_a_crashed_background_task_poisons_the_supervisor(fake: FakeExe
             await trio.testing.wait_all_tasks_blocked()
             assert isinstance(sup.poisoned, ExecutionError)
             assert "watching the child" in sup.poisoned.detail
-            fake.behaviours["blind"].wait_error = None  # so the shutdown can confirm the exit
+            fake.unit_of(handle).behaviour.wait_error = None  # so the shutdown can confirm the exit
 
 
 async def test_h2_poisoned_open_renew_load_fail_and_dispose_status_work(

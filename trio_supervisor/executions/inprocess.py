@@ -116,6 +116,10 @@ class InProcessExecution:
         """How many plugin tasks run now."""
         return len(self._live)
 
+    def runs(self, child: ChildIdentity) -> bool:
+        """True while the plugin task of ``child`` runs."""
+        return child.ref in self._live
+
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> _TaskUnit:
         """Resolve the load's specifier and make its unit, not yet started.
 

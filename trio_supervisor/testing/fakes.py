@@ -203,6 +203,9 @@ class FakeUnit:
         self.execution._record("aclose", self)
         await trio.lowlevel.checkpoint()
         self.closed += 1
+        if not self.started:
+            # Like a real child that was spawned but never started: releasing it ends it.
+            self._finish(ExitStatus(code=None, signal=signal.SIGKILL))
         if self.behaviour.aclose_error is not None:
             raise self.behaviour.aclose_error
 
@@ -245,6 +248,13 @@ class FakeExecution:
                 return unit
         raise LookupError(f"no unit was spawned for {handle}")
 
+    def unit_by_ref(self, ref: str) -> FakeUnit:
+        """The unit whose identity has this ref."""
+        for unit in self.units:
+            if unit.identity.ref == ref:
+                return unit
+        raise LookupError(f"no unit has the ref {ref!r}")
+
     def calls_of(self, unit: FakeUnit) -> list[Call]:
         """Every call made on one unit."""
         return [call for call in self.calls if call.ref == unit.identity.ref]
@@ -264,7 +274,8 @@ class FakeExecution:
         await trio.lowlevel.checkpoint()
         if self._next_spawn_errors:
             raise self._next_spawn_errors.pop(0)
-        behaviour = self.behaviours.get(load.specifier, self.default)
+        # Each unit gets its own copy, so scripting one unit leaves the others alone.
+        behaviour = attrs.evolve(self.behaviours.get(load.specifier, self.default))
         if behaviour.spawn_error is not None:
             raise behaviour.spawn_error
         unit = FakeUnit(self, handle, load, limits, behaviour, f"fake-{next(self._refs)}")

@@ -1,0 +1,158 @@
+"""What the conformance machine needs to drive an execution adapter.
+
+An adapter author wraps their execution in a :class:`Harness`: which specifiers load,
+which one fails to resolve, and how to make a child exit by itself. Two harnesses ship
+here, for the fake execution (every behaviour scriptable) and the in-process one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Protocol, Self, runtime_checkable
+
+import trio
+
+from ..errors import ExecutionError, PackageError
+from ..executions.base import Execution
+from ..executions.inprocess import InProcessExecution, PluginContext
+from ..model import ChildIdentity, Handle
+from .fakes import FakeExecution
+
+__all__ = ["FakeHarness", "Harness", "InProcessHarness"]
+
+
+@runtime_checkable
+class Harness(Protocol):
+    """An execution adapter, as the conformance machine drives it.
+
+    Attributes:
+        execution: The adapter under test. One harness serves one example, across
+            the machine's restarts: a child left by a crashed supervisor must still be
+            found by ``execution.recover``.
+        specifiers: Two specifiers whose children run until they are stopped.
+        missing: A specifier whose spawn raises ``PackageError``.
+        broken: A specifier whose start raises ``ExecutionError``, or None.
+        scripted: Whether :meth:`ignore` works (children that ignore signals).
+    """
+
+    @property
+    def execution(self) -> Execution: ...
+
+    @property
+    def specifiers(self) -> Sequence[str]: ...
+
+    @property
+    def missing(self) -> str: ...
+
+    @property
+    def broken(self) -> str | None: ...
+
+    @property
+    def scripted(self) -> bool: ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(self, *exc_info: object) -> bool | None: ...
+
+    def exit(self, handle: Handle, child: ChildIdentity, code: int) -> None:
+        """Make a running child exit by itself with ``code``."""
+        ...
+
+    def ignore(self, child: ChildIdentity, *, interrupt: bool, kill: bool) -> None:
+        """Make a child ignore its interrupt, or its kill too (``scripted`` only)."""
+        ...
+
+    def heal(self, child: ChildIdentity) -> None:
+        """Make a child heed its signals again, as an operator would end it."""
+        ...
+
+    def alive(self, child: ChildIdentity) -> bool:
+        """Whether the child still runs."""
+        ...
+
+
+class FakeHarness:
+    """The scriptable fake: every behaviour of the machine is available."""
+
+    specifiers = ("plugin:main", "plugin:other")
+    missing = "missing:main"
+    broken = "broken:main"
+    scripted = True
+
+    def __init__(self) -> None:
+        self.fake = FakeExecution()
+        self.fake.behave(self.missing, spawn_error=PackageError(f"no module for {self.missing!r}"))
+        self.fake.behave(self.broken, start_error=ExecutionError("the child failed to start"))
+        self.execution: Execution = self.fake
+
+    async def __aenter__(self) -> Self:
+        await trio.lowlevel.checkpoint()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def exit(self, handle: Handle, child: ChildIdentity, code: int) -> None:
+        self.fake.unit_by_ref(child.ref).exit(code=code)
+
+    def ignore(self, child: ChildIdentity, *, interrupt: bool, kill: bool) -> None:
+        behaviour = self.fake.unit_by_ref(child.ref).behaviour
+        behaviour.ignore_interrupt = behaviour.ignore_interrupt or interrupt
+        behaviour.ignore_kill = behaviour.ignore_kill or kill
+
+    def heal(self, child: ChildIdentity) -> None:
+        behaviour = self.fake.unit_by_ref(child.ref).behaviour
+        behaviour.ignore_interrupt = behaviour.ignore_kill = False
+
+    def alive(self, child: ChildIdentity) -> bool:
+        return not self.fake.unit_by_ref(child.ref).exited
+
+
+class InProcessHarness:
+    """The in-process execution, with plugins that exit when told to.
+
+    Trio cannot stop a task that shields itself, so children that ignore signals are
+    not scripted here.
+    """
+
+    specifiers = ("wait:main", "wait:other")
+    missing = "missing:main"
+    broken = None
+    scripted = False
+
+    def __init__(self) -> None:
+        self._exits: dict[tuple[object, int], tuple[trio.Event, list[int]]] = {}
+        plugins = dict.fromkeys(self.specifiers, self._plugin)
+        self.inprocess = InProcessExecution(plugins)
+        self.execution: Execution = self.inprocess
+        self._stack = contextlib.AsyncExitStack()
+
+    def _control(self, key: object, generation: int) -> tuple[trio.Event, list[int]]:
+        return self._exits.setdefault((key, generation), (trio.Event(), [0]))
+
+    async def _plugin(self, context: PluginContext) -> int:
+        event, code = self._control(context.key, context.generation)
+        await event.wait()
+        return code[0]
+
+    async def __aenter__(self) -> Self:
+        await self._stack.enter_async_context(self.inprocess)
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return await self._stack.__aexit__(*exc_info)
+
+    def exit(self, handle: Handle, child: ChildIdentity, code: int) -> None:
+        event, slot = self._control(handle.key, handle.generation)
+        slot[0] = code
+        event.set()
+
+    def ignore(self, child: ChildIdentity, *, interrupt: bool, kill: bool) -> None:
+        raise NotImplementedError("in-process children cannot ignore their signals")
+
+    def heal(self, child: ChildIdentity) -> None:
+        raise NotImplementedError("in-process children cannot ignore their signals")
+
+    def alive(self, child: ChildIdentity) -> bool:
+        return self.inprocess.runs(child)

@@ -1,0 +1,275 @@
+"""What one run of a supervisor sees of its store and execution, for the machine.
+
+Each incarnation of the supervisor gets its store and execution through wrappers that
+
+* write every save attempt and every call on a child into one shared :class:`Log`, in
+  the order they happen, so the machine can check that a child is signalled only after
+  its session began stopping, and exactly once;
+* fail saves on demand (one save of one session, or every save from now on);
+* can be *cut*: after :meth:`Incarnation.cut`, saves fail, signals go nowhere and
+  waits return at once. That is what a crash does to a process: whatever it still
+  tries reaches neither the disk nor the children, and the next incarnation finds the
+  store and the children as the crash left them;
+* hold the virtual clock still while the store does real I/O (:class:`ClockGuard`),
+  so a save costs no virtual time even on a store backed by a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import attrs
+import trio
+import trio.testing
+
+from ..errors import ExecutionError, StateStorageError
+from ..executions.base import Execution, Unit
+from ..model import (
+    ChildIdentity,
+    CodeIdentity,
+    ExitStatus,
+    Handle,
+    Key,
+    Limits,
+    Load,
+    SessionRecord,
+    Termination,
+)
+from ..retention import Retention
+from ..stores.base import Store
+from .model import SessionId
+
+__all__ = ["ClockGuard", "Entry", "Incarnation", "Log"]
+
+
+class ClockGuard:
+    """Autojump for a MockClock, but never while the store is doing I/O.
+
+    Args:
+        clock: The run's clock; its ``autojump_threshold`` is managed here.
+    """
+
+    def __init__(self, clock: trio.testing.MockClock) -> None:
+        self.clock = clock
+        self.io = 0
+        self._jumping = False
+        self._idle = trio.Event()
+
+    def _sync(self) -> None:
+        self.clock.autojump_threshold = 0 if (self._jumping and self.io == 0) else math.inf
+
+    @contextlib.contextmanager
+    def jumping(self) -> Iterator[None]:
+        """Let virtual time jump to the next deadline whenever everything waits."""
+        self._jumping = True
+        self._sync()
+        try:
+            yield
+        finally:
+            self._jumping = False
+            self._sync()
+
+    @contextlib.contextmanager
+    def doing_io(self) -> Iterator[None]:
+        self.io += 1
+        self._sync()
+        try:
+            yield
+        finally:
+            self.io -= 1
+            self._sync()
+            if not self.io:
+                self._idle.set()
+                self._idle = trio.Event()
+
+    async def settle(self) -> None:
+        """Return once every task waits, and not for the store."""
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            if not self.io:
+                return
+            await self._idle.wait()
+
+
+@attrs.frozen
+class Entry:
+    """One line of the log: a save attempt, or a call on a child."""
+
+    kind: str  # "save" or "call"
+    session: SessionId
+    what: str  # the phase saved, or the call's name
+    done: bool = True  # for saves: whether the store acknowledged it
+
+
+class Log:
+    """Everything the incarnations of one example did, in order."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.children: dict[SessionId, ChildIdentity] = {}
+        self._sessions: dict[str, SessionId] = {}
+
+    def child(self, handle: Handle, identity: ChildIdentity) -> None:
+        ident = (handle.key, handle.generation)
+        self.children[ident] = identity
+        self._sessions[identity.ref] = ident
+
+    def session_of(self, child: ChildIdentity) -> SessionId:
+        return self._sessions[child.ref]
+
+    def count(self, session: SessionId, what: str) -> int:
+        return sum(1 for entry in self.entries if entry.session == session and entry.what == what)
+
+
+class Incarnation:
+    """The store and execution one supervisor run gets."""
+
+    def __init__(
+        self,
+        store: Store,
+        execution: Execution,
+        log: Log,
+        guard: ClockGuard,
+        faults: Faults,
+    ) -> None:
+        self.log = log
+        self.guard = guard
+        self.faults = faults
+        self.cut_off = False
+        self._waits: set[trio.CancelScope] = set()
+        self.store = _Store(self, store)
+        self.execution = _Execution(self, execution)
+
+    def cut(self) -> None:
+        """From now on nothing this incarnation does reaches the store or a child."""
+        self.cut_off = True
+        for scope in self._waits:
+            scope.cancel()
+
+
+@attrs.define
+class Faults:
+    """Save failures the machine asked for; they apply to whichever incarnation runs."""
+
+    broken: bool = False
+    once: list[Callable[[SessionId, str], bool]] = attrs.Factory(list)
+
+    def refuses(self, session: SessionId, phase: str) -> bool:
+        if self.broken:
+            return True
+        for index, rule in enumerate(self.once):
+            if rule(session, phase):
+                del self.once[index]
+                return True
+        return False
+
+
+class _Store:
+    def __init__(self, incarnation: Incarnation, inner: Store) -> None:
+        self._incarnation = incarnation
+        self._inner = inner
+
+    @property
+    def retention(self) -> Retention:
+        return self._inner.retention
+
+    async def save(self, record: SessionRecord) -> None:
+        incarnation = self._incarnation
+        session = (record.handle.key, record.handle.generation)
+        phase = record.phase.value
+        if incarnation.cut_off:
+            await trio.lowlevel.checkpoint()
+            raise StateStorageError("cut off: this supervisor has crashed")
+        if incarnation.faults.refuses(session, phase):
+            incarnation.log.entries.append(Entry("save", session, phase, done=False))
+            await trio.lowlevel.checkpoint()
+            raise StateStorageError(f"injected failure saving a {phase} record")
+        with incarnation.guard.doing_io():
+            await self._inner.save(record)
+        incarnation.log.entries.append(Entry("save", session, phase))
+
+    async def list(self) -> Sequence[SessionRecord]:
+        with self._incarnation.guard.doing_io():
+            return await self._inner.list()
+
+    async def high_water(self) -> Mapping[Key, int]:
+        with self._incarnation.guard.doing_io():
+            return await self._inner.high_water()
+
+
+class _Execution:
+    def __init__(self, incarnation: Incarnation, inner: Execution) -> None:
+        self._incarnation = incarnation
+        self._inner = inner
+
+    async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
+        incarnation = self._incarnation
+        if incarnation.cut_off:
+            await trio.lowlevel.checkpoint()
+            raise ExecutionError("cut off: this supervisor has crashed")
+        session = (handle.key, handle.generation)
+        incarnation.log.entries.append(Entry("call", session, "spawn"))
+        unit = await self._inner.spawn(handle, load, limits)
+        incarnation.log.child(handle, unit.identity)
+        return _Unit(incarnation, unit, session)
+
+    async def recover(self, child: ChildIdentity) -> Termination:
+        incarnation = self._incarnation
+        if incarnation.cut_off:
+            await trio.lowlevel.checkpoint()
+            raise ExecutionError("cut off: this supervisor has crashed")
+        incarnation.log.entries.append(Entry("call", incarnation.log.session_of(child), "recover"))
+        return await self._inner.recover(child)
+
+
+class _Unit:
+    def __init__(self, incarnation: Incarnation, inner: Unit, session: SessionId) -> None:
+        self._incarnation = incarnation
+        self._inner = inner
+        self._session = session
+
+    @property
+    def identity(self) -> ChildIdentity:
+        return self._inner.identity
+
+    @property
+    def code(self) -> CodeIdentity:
+        return self._inner.code
+
+    async def _call(self, name: str, *args: float) -> None:
+        incarnation = self._incarnation
+        if incarnation.cut_off:
+            await trio.lowlevel.checkpoint()
+            return
+        incarnation.log.entries.append(Entry("call", self._session, name))
+        await getattr(self._inner, name)(*args)
+
+    async def start(self) -> None:
+        await self._call("start")
+
+    async def renew(self, lease: float) -> None:
+        await self._call("renew", lease)
+
+    async def interrupt(self) -> None:
+        await self._call("interrupt")
+
+    async def kill(self) -> None:
+        await self._call("kill")
+
+    async def aclose(self) -> None:
+        await self._call("aclose")
+
+    async def wait(self) -> ExitStatus:
+        incarnation = self._incarnation
+        if not incarnation.cut_off:
+            with trio.CancelScope() as scope:
+                incarnation._waits.add(scope)
+                try:
+                    return await self._inner.wait()
+                finally:
+                    incarnation._waits.discard(scope)
+        # Cut off: the dead supervisor would never have heard of the exit.
+        await trio.lowlevel.checkpoint()
+        return ExitStatus()
