@@ -1,4 +1,4 @@
-"""Sessions: `nox -s tests`, `nox -s lint`, `nox -s typecheck`, `nox -s examples`."""
+"""Sessions: tests, lint, typecheck, examples, conformance (the deep profile), mutants."""
 
 from __future__ import annotations
 
@@ -35,3 +35,19 @@ def examples(session: nox.Session) -> None:
     """Run the example: a Trio app embedding a supervisor on a SQLite store."""
     session.install("-e", ".")
     session.run("python", "examples/embedded.py", *session.posargs)
+
+
+@nox.session
+def conformance(session: nox.Session) -> None:
+    """The conformance machines with the deep Hypothesis profile (>= 20,000 examples)."""
+    session.install("-e", ".[test]")
+    session.env["TRIO_SUPERVISOR_CONFORMANCE"] = "deep"
+    session.run("python", "-m", "pytest", "tests/test_conformance.py", *session.posargs)
+
+
+@nox.session
+def mutants(session: nox.Session) -> None:
+    """Mutation testing of lifecycle.py and supervisor.py (mutmut); prints the kill rate."""
+    session.install("-e", ".[test]", "mutmut>=3.3")
+    session.run("mutmut", "run", *session.posargs)
+    session.run("mutmut", "results")

@@ -1,7 +1,8 @@
-"""The README's embedding example runs as written."""
+"""The README's examples run as written."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -10,18 +11,33 @@ from pathlib import Path
 README = Path(__file__).parent.parent / "README.md"
 
 
+def blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+
+
 def test_the_embedding_example_runs(tmp_path: Path) -> None:
-    [code] = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+    embedding = blocks()[0]
     done = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", embedding], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "generation 1" in done.stdout
+    assert done.stdout.splitlines()[-1] == "exited ExitStatus(code=None, signal=<Signals.SIGTERM: 15>)"
+    assert (tmp_path / "state.db").exists()
+
+
+def test_the_adapter_testing_example_runs_under_pytest(tmp_path: Path) -> None:
+    adapter = blocks()[1]
+    (tmp_path / "my_package.py").write_text("from trio_supervisor import SqliteStore as MyStore\n")
+    (tmp_path / "test_my_adapter.py").write_text(adapter)
+    (tmp_path / "pytest.ini").write_text("[pytest]\ntrio_mode = true\n")
+    environment = {**os.environ, "TRIO_SUPERVISOR_CONFORMANCE": "quick", "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=60,
-        check=True,
+        timeout=300,
+        env=environment,
     )
-    assert "generation 1" in done.stdout
-    assert (
-        done.stdout.splitlines()[-1] == "exited ExitStatus(code=None, signal=<Signals.SIGTERM: 15>)"
-    )
-    assert (tmp_path / "state.db").exists()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"\b8 passed\b", done.stdout), done.stdout

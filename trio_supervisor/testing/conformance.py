@@ -84,6 +84,14 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+settings.register_profile(
+    "trio_supervisor-quick",
+    max_examples=20,
+    stateful_step_count=20,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 PROFILE = os.environ.get("TRIO_SUPERVISOR_CONFORMANCE", "ci")
 
 
@@ -911,8 +919,8 @@ def conformance_machine(
         harness_factory: Makes the execution adapter's harness, one per example; the
             scriptable fake by default.
         restartable: Whether the machine restarts (cleanly, and by crashing).
-        profile: ``"ci"`` or ``"deep"``; by default ``$TRIO_SUPERVISOR_CONFORMANCE``,
-            else ``"ci"``.
+        profile: ``"ci"``, ``"deep"`` or ``"quick"`` (a smoke test); by default
+            ``$TRIO_SUPERVISOR_CONFORMANCE``, else ``"ci"``.
 
     Returns:
         A ``RuleBasedStateMachine`` subclass; pytest collects its ``TestCase``.
