@@ -32,9 +32,9 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def examples(session: nox.Session) -> None:
-    """Run the example: a Trio app embedding a supervisor on a SQLite store."""
+    """Run the example runner: real child processes on a SQLite store."""
     session.install("-e", ".")
-    session.run("python", "examples/embedded.py", *session.posargs)
+    session.run("python", "examples/runner.py", *session.posargs)
 
 
 @nox.session

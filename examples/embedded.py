@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import trio
+from reporting import Journal, describe, table
 
 from trio_supervisor import (
     Handle,
@@ -24,9 +23,6 @@ from trio_supervisor import (
     Key,
     Load,
     PluginContext,
-    SessionRecord,
-    SqliteStore,
-    StoppedRecord,
     open_supervisor,
 )
 from trio_supervisor.retention import Retention
@@ -72,56 +68,6 @@ async def batch(context: PluginContext) -> int:
 
 
 PLUGINS = {"heartbeat": heartbeat, "careful": careful, "stubborn": stubborn, "batch": batch}
-
-
-# -- a store that remembers every phase it saved, for the report ------------------------
-
-
-class Journal(SqliteStore):
-    """A SqliteStore that also remembers, per session, each phase it made durable."""
-
-    def __init__(self, path: Path, **options: object) -> None:
-        super().__init__(path, **options)  # type: ignore[arg-type]
-        self.paths: dict[str, list[str]] = {}
-
-    async def save(self, record: SessionRecord) -> None:
-        await super().save(record)
-        phases = self.paths.setdefault(record.handle.token, [])
-        if not phases or phases[-1] != record.phase.value:
-            phases.append(record.phase.value)
-
-
-def table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    lines = [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
-
-
-def describe(record: SessionRecord, phases: Mapping[str, list[str]]) -> list[str]:
-    key = record.handle.key
-    path = " > ".join(phases.get(record.handle.token, [record.phase.value]))
-    reason = termination = ""
-    if isinstance(record, StoppedRecord):
-        reason = record.reason.kind
-        end = record.termination
-        if end.exit.code is not None:
-            status = f"code {end.exit.code}"
-        elif end.exit.signal is not None:
-            status = signal.Signals(end.exit.signal).name
-        else:
-            status = "status unknown"
-        termination = f"{end.kind} ({status})"
-    return [
-        f"{key.identity}/{key.instance}",
-        str(record.handle.generation),
-        path,
-        reason,
-        termination,
-    ]
 
 
 async def main(state: Path, lease: float) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,12 @@ import pytest
 from trio_supervisor import MemoryStore, Retention, SqliteStore
 from trio_supervisor.stores.base import Store
 from trio_supervisor.testing.contracts import ExecutionContract, StoreContract, StoreFactory
-from trio_supervisor.testing.harnesses import FakeHarness, Harness, InProcessHarness
+from trio_supervisor.testing.harnesses import (
+    FakeHarness,
+    Harness,
+    InProcessHarness,
+    SubprocessHarness,
+)
 
 
 class TestMemoryStore(StoreContract):
@@ -40,3 +46,9 @@ class TestInProcessExecution(ExecutionContract):
     @pytest.fixture
     def harness_factory(self) -> type[Harness]:
         return InProcessHarness
+
+
+class TestSubprocessExecution(ExecutionContract):
+    @pytest.fixture
+    def harness_factory(self, tmp_path: Path) -> Callable[[], Harness]:
+        return lambda: SubprocessHarness(tmp_path)

@@ -18,10 +18,17 @@ def blocks() -> list[str]:
 def test_the_embedding_example_runs(tmp_path: Path) -> None:
     embedding = blocks()[0]
     done = subprocess.run(
-        [sys.executable, "-c", embedding], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", embedding],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     assert "generation 1" in done.stdout
-    assert done.stdout.splitlines()[-1] == "exited ExitStatus(code=None, signal=<Signals.SIGTERM: 15>)"
+    assert (
+        done.stdout.splitlines()[-1] == "exited ExitStatus(code=None, signal=<Signals.SIGTERM: 15>)"
+    )
     assert (tmp_path / "state.db").exists()
 
 
@@ -30,7 +37,11 @@ def test_the_adapter_testing_example_runs_under_pytest(tmp_path: Path) -> None:
     (tmp_path / "my_package.py").write_text("from trio_supervisor import SqliteStore as MyStore\n")
     (tmp_path / "test_my_adapter.py").write_text(adapter)
     (tmp_path / "pytest.ini").write_text("[pytest]\ntrio_mode = true\n")
-    environment = {**os.environ, "TRIO_SUPERVISOR_CONFORMANCE": "quick", "PYTHONPATH": str(tmp_path)}
+    environment = {
+        **os.environ,
+        "TRIO_SUPERVISOR_CONFORMANCE": "quick",
+        "PYTHONPATH": str(tmp_path),
+    }
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
         cwd=tmp_path,

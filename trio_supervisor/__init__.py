@@ -18,6 +18,7 @@ from .executions.base import Unit as Unit
 from .executions.inprocess import InProcessExecution as InProcessExecution
 from .executions.inprocess import Plugin as Plugin
 from .executions.inprocess import PluginContext as PluginContext
+from .executions.subprocess import SubprocessExecution as SubprocessExecution
 from .model import JSON as JSON
 from .model import ActiveRecord as ActiveRecord
 from .model import ChildIdentity as ChildIdentity

@@ -5,3 +5,4 @@ from .base import Unit as Unit
 from .inprocess import InProcessExecution as InProcessExecution
 from .inprocess import Plugin as Plugin
 from .inprocess import PluginContext as PluginContext
+from .subprocess import SubprocessExecution as SubprocessExecution

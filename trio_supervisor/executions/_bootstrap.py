@@ -26,8 +26,12 @@ exit ends its whole process tree. Named commands run as a child of this process,
 stays their parent under the same watchdog and exits the way the command did.
 """
 
+from __future__ import annotations
+
+import contextlib
 import hashlib
 import inspect
+import io
 import json
 import os
 import resource
@@ -40,6 +44,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 # How long after its lease deadline the child kills itself when no renewal came. The
 # supervisor stops an expired session itself at the deadline; this is for a supervisor
@@ -57,13 +62,13 @@ _LIMITS = {
 class Context:
     """What an entry point is told: its session's key and generation, and its config."""
 
-    def __init__(self, identity, instance, generation, config):
+    def __init__(self, identity: str, instance: str, generation: int, config: Any) -> None:
         self.identity = identity
         self.instance = instance
         self.generation = generation
         self.config = config
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Context({self.identity!r}, {self.instance!r}, generation={self.generation})"
 
 
@@ -74,21 +79,19 @@ class Refused(Exception):
 class Control:
     """The socket to the supervisor, shared by the main thread and the watchdog."""
 
-    def __init__(self, fd):
+    def __init__(self, fd: int) -> None:
         self.socket = socket.socket(fileno=fd)
         self.socket.setblocking(True)
         self.lock = threading.Lock()
         self.buffer = b""
 
-    def send(self, message):
+    def send(self, message: dict[str, Any]) -> None:
         data = json.dumps(message).encode() + b"\n"
-        with self.lock:
-            try:
-                self.socket.sendall(data)
-            except OSError:
-                pass  # the supervisor is gone; the watchdog will see EOF
+        # OSError: the supervisor is gone; the watchdog sees EOF and ends us.
+        with self.lock, contextlib.suppress(OSError):
+            self.socket.sendall(data)
 
-    def read(self, timeout=None):
+    def read(self, timeout: float | None = None) -> Any:
         """One message, None on EOF, or "timeout"."""
         while b"\n" not in self.buffer:
             ready, _, _ = select.select([self.socket], [], [], timeout)
@@ -105,11 +108,11 @@ class Control:
         return json.loads(line)
 
 
-def kill_group():
+def kill_group() -> None:
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-def kill_the_rest_of_the_group():
+def kill_the_rest_of_the_group() -> None:
     """SIGKILL every other process of this group (what the entry point left behind)."""
     group, me = os.getpgrp(), os.getpid()
     for entry in os.listdir("/proc"):
@@ -136,17 +139,17 @@ def kill_the_rest_of_the_group():
 class Watchdog(threading.Thread):
     """Reads the supervisor's commands; kills the group on EOF or an expired lease."""
 
-    def __init__(self, control):
+    def __init__(self, control: Control) -> None:
         super().__init__(name="trio_supervisor watchdog", daemon=True)
         self.control = control
         self.start_requested = threading.Event()
-        self.deadline = None
+        self.deadline: float | None = None
         self.interrupted = False
 
-    def renew(self, lease):
+    def renew(self, lease: float) -> None:
         self.deadline = time.monotonic() + float(lease) + LEASE_SLACK
 
-    def run(self):
+    def run(self) -> None:
         while True:
             timeout = None
             if self.deadline is not None and not self.interrupted:
@@ -156,7 +159,11 @@ class Watchdog(threading.Thread):
                 kill_group()  # the supervisor is gone: nobody may outlive it
                 return
             if message == "timeout":
-                if self.deadline is not None and time.monotonic() >= self.deadline and not self.interrupted:
+                if (
+                    self.deadline is not None
+                    and time.monotonic() >= self.deadline
+                    and not self.interrupted
+                ):
                     kill_group()  # the lease ran out and nobody renewed it
                 continue
             command = message.get("command")
@@ -168,7 +175,7 @@ class Watchdog(threading.Thread):
                 self.interrupted = True
 
 
-def digest(path):
+def digest(path: str | Path) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as file:
         for block in iter(lambda: file.read(1 << 16), b""):
@@ -176,7 +183,7 @@ def digest(path):
     return "sha256:" + sha.hexdigest()
 
 
-def find_module(module, paths):
+def find_module(module: str, paths: list[str]) -> Path:
     """The file of ``module`` on ``paths``, found without importing anything."""
     parts = module.split(".")
     for base in paths:
@@ -187,7 +194,7 @@ def find_module(module, paths):
     raise Refused(f"no module {module!r} on the entry paths {list(paths)!r}")
 
 
-def distribution_version(module, paths):
+def distribution_version(module: str, paths: list[str]) -> str | None:
     import importlib.metadata
 
     top = module.split(".")[0]
@@ -198,7 +205,7 @@ def distribution_version(module, paths):
     return None
 
 
-def resolve(spec):
+def resolve(spec: dict[str, Any]) -> dict[str, str | None]:
     """Find what to run; return its code identity. Runs none of the caller's code."""
     if spec["kind"] == "command":
         argv = spec["argv"]
@@ -210,19 +217,23 @@ def resolve(spec):
         if not executable or not os.access(executable, os.X_OK):
             raise Refused(f"the command {spec['specifier']!r} has no executable {argv[0]!r}")
         return {"origin": executable, "digest": digest(executable), "version": None}
-    module, _, function = spec["specifier"].partition(":")
+    module = spec["specifier"].partition(":")[0]
     path = find_module(module, spec["paths"])
-    return {"origin": str(path), "digest": digest(path), "version": distribution_version(module, spec["paths"])}
+    return {
+        "origin": str(path),
+        "digest": digest(path),
+        "version": distribution_version(module, spec["paths"]),
+    }
 
 
-def apply_limits(limits):
+def apply_limits(limits: dict[str, int | None]) -> None:
     for name, which in _LIMITS.items():
         value = limits.get(name)
         if value is not None:
             resource.setrlimit(which, (value, value))
 
 
-def run_entry_point(spec, context, control):
+def run_entry_point(spec: dict[str, Any], context: Context, control: Control) -> int | str:
     module_name, _, attribute = spec["specifier"].partition(":")
     sys.path[:0] = spec["paths"]
     try:
@@ -233,8 +244,14 @@ def run_entry_point(spec, context, control):
             target = getattr(target, part)
         if not callable(target):
             raise TypeError(f"{spec['specifier']!r} is not callable")
-    except BaseException as error:  # noqa: BLE001 - any failure to import is the package's
-        control.send({"event": "failed", "kind": "PackageError", "message": f"cannot import {spec['specifier']!r}: {error!r}"})
+    except BaseException as error:  # any failure to import is the package's
+        control.send(
+            {
+                "event": "failed",
+                "kind": "PackageError",
+                "message": f"cannot import {spec['specifier']!r}: {error!r}",
+            }
+        )
         traceback.print_exc()
         return 1
     control.send({"event": "started"})
@@ -249,27 +266,50 @@ def run_entry_point(spec, context, control):
         return "interrupted"
     except SystemExit as exit:
         return exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         traceback.print_exc()
         return 1
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
-def run_command(spec, control):
+def run_command(spec: dict[str, Any], control: Control) -> int:
+    # SIGTERM reaches the command too (the whole group is signalled); this process
+    # waits for the command and ends the way it did. (Set before the command exists: a
+    # handler is reset to the default in the command by exec.)
+    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         command = subprocess.Popen(spec["argv"])
     except OSError as error:
-        control.send({"event": "failed", "kind": "ExecutionError", "message": f"cannot run {spec['argv'][0]!r}: {error}"})
+        control.send(
+            {
+                "event": "failed",
+                "kind": "ExecutionError",
+                "message": f"cannot run {spec['argv'][0]!r}: {error}",
+            }
+        )
         return 1
     control.send({"event": "started"})
-    # SIGTERM reaches the command too (the whole group is signalled); this process
-    # waits for the command and ends the way it did.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    status = command.wait()
-    return -status if status < 0 else status
+    # Negative: killed by that signal (Popen's convention), which main() re-enacts.
+    return command.wait()
 
 
-def main():
+def reset_signals() -> None:
+    """Start from the default dispositions, whatever the supervisor inherited.
+
+    A process started in the background by a shell ignores SIGINT and SIGQUIT, and an
+    ignored signal stays ignored across exec: without this, the KeyboardInterrupt an
+    interrupt is turned into would never be raised.
+    """
+    for number in (signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def main() -> int:
+    reset_signals()
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True)
     control = Control(int(sys.argv[1]))
     spec = control.read()
     if not isinstance(spec, dict) or spec.get("command") != "spawn":
@@ -281,7 +321,13 @@ def main():
         control.send({"event": "failed", "kind": "PackageError", "message": str(error)})
         return 1
     except (OSError, ValueError) as error:
-        control.send({"event": "failed", "kind": "ExecutionError", "message": f"cannot prepare the child: {error}"})
+        control.send(
+            {
+                "event": "failed",
+                "kind": "ExecutionError",
+                "message": f"cannot prepare the child: {error}",
+            }
+        )
         return 1
     watchdog = Watchdog(control)
     watchdog.start()
@@ -292,14 +338,16 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
     context = spec["context"]
     if spec["kind"] == "command":
-        result = run_command(spec, control)
+        status = run_command(spec, control)
         kill_the_rest_of_the_group()
-        if isinstance(result, int) and result < 0:
-            signal.signal(-result, signal.SIG_DFL)
-            os.kill(os.getpid(), -result)
-        return result
+        if status < 0:
+            signal.signal(-status, signal.SIG_DFL)
+            os.kill(os.getpid(), -status)
+        return status
     result = run_entry_point(
-        spec, Context(context["identity"], context["instance"], context["generation"], context["config"]), control
+        spec,
+        Context(context["identity"], context["instance"], context["generation"], context["config"]),
+        control,
     )
     kill_the_rest_of_the_group()
     if result == "interrupted":
@@ -308,7 +356,7 @@ def main():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(60)  # the signal ends us
-    return result
+    return result if isinstance(result, int) else 1
 
 
 if __name__ == "__main__":

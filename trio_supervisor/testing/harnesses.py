@@ -8,7 +8,9 @@ here, for the fake execution (every behaviour scriptable) and the in-process one
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol, Self, runtime_checkable
 
 import trio
@@ -16,10 +18,11 @@ import trio
 from ..errors import ExecutionError, PackageError
 from ..executions.base import Execution
 from ..executions.inprocess import InProcessExecution, PluginContext
+from ..executions.subprocess import SubprocessExecution, start_time
 from ..model import ChildIdentity, Handle
 from .fakes import FakeExecution
 
-__all__ = ["FakeHarness", "Harness", "InProcessHarness"]
+__all__ = ["FakeHarness", "Harness", "InProcessHarness", "SubprocessHarness"]
 
 
 @runtime_checkable
@@ -156,3 +159,62 @@ class InProcessHarness:
 
     def alive(self, child: ChildIdentity) -> bool:
         return self.inprocess.runs(child)
+
+
+class SubprocessHarness:
+    """The subprocess execution, with a plugin that exits when told to (through a file).
+
+    Args:
+        state_directory: Where the execution keeps its logs, and the plugin its mailbox.
+    """
+
+    specifiers = ("conformance_waiter:main", "conformance_waiter:asynchronous")
+    missing = "conformance_missing:main"
+    broken = None
+    scripted = False
+
+    def __init__(self, state_directory: str | os.PathLike[str]) -> None:
+        self.mailbox = Path(state_directory) / "mailbox"
+        self.mailbox.mkdir(parents=True, exist_ok=True)
+        self.subprocess = SubprocessExecution(
+            state_directory,
+            entry_paths=[Path(__file__).with_name("plugins")],
+            environment={"WAITER_MAILBOX": str(self.mailbox)},
+        )
+        self.execution: Execution = self.subprocess
+
+    async def __aenter__(self) -> Self:
+        await self.subprocess.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return await self.subprocess.__aexit__(*exc_info)
+
+    def exit(self, handle: Handle, child: ChildIdentity, code: int) -> None:
+        (self.mailbox / f"{handle.key.instance}-{handle.generation}").write_text(str(code))
+
+    def ignore(self, child: ChildIdentity, *, interrupt: bool, kill: bool) -> None:
+        raise NotImplementedError("use the fake execution to script ignored signals")
+
+    def heal(self, child: ChildIdentity) -> None:
+        raise NotImplementedError("use the fake execution to script ignored signals")
+
+    def alive(self, child: ChildIdentity) -> bool:
+        assert child.pid is not None
+        assert child.pgid is not None
+        state = _state_of(child.pid)
+        if state is not None and state != "Z" and start_time(child.pid) == child.start_time:
+            return True
+        try:
+            os.killpg(child.pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _state_of(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2 :].decode().split()[0]

@@ -1,0 +1,362 @@
+"""SubprocessExecution with real processes: lifecycles, trees, limits, output, identity.
+
+These tests use the real clock (children are real processes); every wait is bounded by
+``fail_after`` and none is a timing assertion. The session-wide fixture in conftest.py
+fails the run if any process outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from trio_supervisor import (
+    ChildIdentity,
+    ExitStatus,
+    Handle,
+    Key,
+    Limits,
+    Load,
+    LoadedRecord,
+    MemoryStore,
+    PackageError,
+    SessionRecord,
+    StoppedRecord,
+    SubprocessExecution,
+    Supervisor,
+    Termination,
+    open_supervisor,
+)
+from trio_supervisor.executions.subprocess import boot_id, start_time
+
+from .harness import opened
+
+PLUGINS = Path(__file__).parent.parent / "examples" / "plugins"
+BOUND = 20.0
+
+
+def state(pid: int) -> str | None:
+    """The state letter of a process, or None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2 :].decode().split()[0]
+
+
+def running(pid: int) -> bool:
+    return state(pid) not in (None, "Z")
+
+
+@pytest.fixture
+async def execution(tmp_path: Path) -> AsyncIterator[SubprocessExecution]:
+    async with SubprocessExecution(
+        tmp_path, entry_paths=[PLUGINS], commands={"sleeper": ["sleep", "30"]}
+    ) as subprocess_execution:
+        yield subprocess_execution
+
+
+@pytest.fixture
+async def sup(execution: SubprocessExecution) -> AsyncIterator[Supervisor]:
+    async with open_supervisor(
+        MemoryStore(), execution, lease=30.0, grace=1.0, confirmation_timeout=5.0
+    ) as supervisor:
+        yield supervisor
+
+
+async def until_stopped(sup: Supervisor, handle: Handle) -> StoppedRecord:
+    """Poll a session until its child ended it; bounded."""
+    with trio.fail_after(BOUND):
+        while True:
+            record = await sup.status(handle)
+            if isinstance(record, StoppedRecord):
+                return record
+            await trio.sleep(0.02)
+
+
+async def until_logged(execution: SubprocessExecution, handle: Handle, text: str) -> None:
+    """Wait, bounded, until the child wrote ``text`` (its log is a file: we poll it)."""
+    with trio.fail_after(BOUND):
+        while text not in execution.logs(handle):  # noqa: ASYNC110
+            await trio.sleep(0.02)
+
+
+async def loaded_child(
+    sup: Supervisor, specifier: str, **options: object
+) -> tuple[Handle, LoadedRecord]:
+    handle = await opened(sup, request_id=specifier, **options)  # type: ignore[arg-type]
+    limits = options.get("limits")
+    del limits
+    await sup.load(handle, Load(specifier=specifier))
+    record = await sup.status(handle)
+    assert isinstance(record, LoadedRecord)
+    return handle, record
+
+
+async def test_a_cooperative_plugin_stops_on_sigterm(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    handle, record = await loaded_child(sup, "heartbeat:main")
+    pid = record.child.pid
+    assert pid is not None
+    assert running(pid)
+    await until_logged(execution, handle, "beat 2")
+    with trio.fail_after(BOUND):
+        termination = await sup.dispose(handle)
+    assert termination == Termination(kind="exited", exit=ExitStatus(code=0))
+    assert "stopping after" in execution.logs(handle)
+    assert not running(pid)
+
+
+async def test_a_plugin_ignoring_sigterm_is_killed_after_the_grace(sup: Supervisor) -> None:
+    handle, _ = await loaded_child(sup, "stubborn:main")
+    await trio.sleep(0.2)  # let it install its SIG_IGN
+    with trio.fail_after(BOUND):
+        termination = await sup.dispose(handle)
+    assert termination == Termination(kind="killed", exit=ExitStatus(signal=signal.SIGKILL))
+
+
+async def test_a_crashing_plugin_ends_its_session_as_exited(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    handle = await opened(sup)
+    await sup.load(handle, Load(specifier="crasher:main", config={"after": 0.2}))
+    record = await until_stopped(sup, handle)
+    assert record.reason.kind == "Exited"
+    assert record.termination == Termination(kind="exited", exit=ExitStatus(code=1))
+    assert "the crasher crashed" in execution.logs(handle)
+
+
+@pytest.mark.parametrize(
+    ("specifier", "words"),
+    [
+        ("nothing:main", "no module 'nothing' on the entry paths"),
+        ("heartbeat:absent", "cannot import 'heartbeat:absent'"),
+        ("heartbeat", "neither a configured command nor"),
+        ("../etc:passwd", "neither a configured command nor"),
+    ],
+)
+async def test_unloadable_specifiers_are_package_errors(
+    sup: Supervisor, specifier: str, words: str
+) -> None:
+    handle = await opened(sup)
+    with trio.fail_after(BOUND), pytest.raises(PackageError, match=words):
+        await sup.load(handle, Load(specifier=specifier))
+    record = await sup.status(handle)
+    assert isinstance(record, StoppedRecord)
+    assert record.reason.kind == "LoadFailed"
+
+
+async def test_the_memory_limit_stops_the_hungry_plugin(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    handle = await opened(sup, limits=Limits(memory_bytes=300 * 1024 * 1024))
+    await sup.load(handle, Load(specifier="hungry:main"))
+    record = await until_stopped(sup, handle)
+    assert record.reason.kind == "Exited"
+    assert record.termination.exit.code == 1
+    log = execution.logs(handle)
+    assert "MemoryError" in log
+    assert "holding 16 MiB" in log
+
+
+@pytest.mark.parametrize(("leader", "kind"), [("cleans up", "exited"), ("dies at once", "killed")])
+async def test_grandchildren_that_ignore_sigterm_do_not_survive_a_dispose(
+    sup: Supervisor, execution: SubprocessExecution, leader: str, kind: str
+) -> None:
+    handle = await opened(sup)
+    await sup.load(handle, Load(specifier="spawner:main", config={"leader": leader}))
+    await until_logged(execution, handle, "grandchildren")
+    grandchildren = [
+        int(pid) for pid in execution.logs(handle).split("grandchildren")[1].split()[:2]
+    ]
+    assert all(running(pid) for pid in grandchildren)
+    with trio.fail_after(BOUND):
+        termination = await sup.dispose(handle)
+    # Either the leader cleaned its group up on SIGTERM, or it died at once, the
+    # grandchildren outlived the SIGTERM, and the group was killed after the grace.
+    assert termination.kind == kind
+    assert not any(running(pid) for pid in grandchildren)
+
+
+async def test_a_named_command_runs_under_the_same_rules(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    handle = await opened(sup)
+    code = await sup.load(handle, Load(specifier="sleeper"))
+    assert code.origin is not None
+    assert code.origin.endswith("/sleep")
+    assert code.digest is not None
+    assert code.digest.startswith("sha256:")
+    with trio.fail_after(BOUND):
+        termination = await sup.dispose(handle)
+    assert termination == Termination(kind="exited", exit=ExitStatus(signal=signal.SIGTERM))
+
+
+async def test_the_child_is_known_and_persisted_before_it_runs_code(sup: Supervisor) -> None:
+    handle, record = await loaded_child(sup, "heartbeat:main")
+    child = record.child
+    assert child.adapter == "subprocess"
+    assert child.pid == child.pgid
+    assert child.pid is not None
+    assert child.start_time == start_time(child.pid)
+    assert child.boot_id == boot_id()
+    assert os.getpgid(child.pid) == child.pid
+    assert record.code.digest is not None
+    assert record.code.origin == str(PLUGINS / "heartbeat.py")
+    await sup.dispose(handle)
+
+
+async def test_limits_environment_and_output_cap_are_applied(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    os.environ["TRIO_SUPERVISOR_TEST_SECRET"] = "must not leak"
+    limits = Limits(
+        memory_bytes=512 * 1024 * 1024,
+        cpu_seconds=30,
+        open_files=64,
+        file_size_bytes=10**6,
+        output_bytes=4000,
+    )
+    handle = await opened(sup, limits=limits)
+    await sup.load(handle, Load(specifier="inspector:main", config={"chatter": 10_000}))
+    await until_logged(execution, handle, "output beyond")
+    del os.environ["TRIO_SUPERVISOR_TEST_SECRET"]
+    log = execution.logs(handle)
+    report = json.loads(log.split("REPORT ", 1)[1].splitlines()[0])
+    assert report["limits"] == {
+        "RLIMIT_AS": 512 * 1024 * 1024,
+        "RLIMIT_CPU": 30,
+        "RLIMIT_NOFILE": 64,
+        "RLIMIT_FSIZE": 10**6,
+    }
+    environment = report["environment"]
+    assert environment["TRIO_SUPERVISOR_IDENTITY"] == handle.key.identity
+    assert environment["TRIO_SUPERVISOR_INSTANCE"] == handle.key.instance
+    assert environment["TRIO_SUPERVISOR_GENERATION"] == str(handle.generation)
+    assert handle.token not in json.dumps(environment)
+    assert "TRIO_SUPERVISOR_TEST_SECRET" not in environment
+    assert set(environment) <= {
+        "PATH",
+        "LANG",
+        "LC_ALL",
+        "LC_CTYPE",
+        "TZ",
+        "TMPDIR",
+        "PYTHONUNBUFFERED",
+    } | {name for name in environment if name.startswith("TRIO_SUPERVISOR_")}
+    cap_note = "[trio_supervisor: output beyond 4000 bytes dropped]"
+    assert len(log.encode()) <= 4000 + len(cap_note) + 2
+    assert log.count(cap_note) == 1
+    await sup.dispose(handle)
+
+
+async def test_recovery_leaves_a_process_with_a_reused_pid_alone(
+    execution: SubprocessExecution,
+) -> None:
+    stranger = await trio.lowlevel.open_process(["sleep", "30"], start_new_session=True)
+    try:
+        real = start_time(stranger.pid)
+        assert real is not None
+        record = ChildIdentity(
+            adapter="subprocess",
+            ref="reused",
+            pid=stranger.pid,
+            pgid=stranger.pid,
+            start_time=real - 1,  # the recorded child started earlier: not this process
+            boot_id=boot_id(),
+        )
+        termination = await execution.recover(record)
+        assert termination == Termination(kind="exited", exit=ExitStatus())
+        await trio.sleep(0.1)
+        assert running(stranger.pid), "recovery signalled a process that is not the recorded child"
+        other_boot = ChildIdentity(
+            adapter="subprocess",
+            ref="r",
+            pid=stranger.pid,
+            pgid=stranger.pid,
+            start_time=real,
+            boot_id="another-boot",
+        )
+        assert (await execution.recover(other_boot)).kind == "exited"
+        assert running(stranger.pid)
+    finally:
+        stranger.kill()
+        await stranger.wait()
+
+
+async def test_recovery_kills_a_live_recorded_child_and_its_group(tmp_path: Path) -> None:
+    async with (
+        SubprocessExecution(tmp_path / "a", entry_paths=[PLUGINS]) as first,
+        open_supervisor(MemoryStore(), first, lease=30.0, grace=1.0) as sup,
+    ):
+        handle, record = await loaded_child(sup, "spawner:main")
+        await until_logged(first, handle, "grandchildren")
+        grandchildren = [
+            int(pid) for pid in first.logs(handle).split("grandchildren")[1].split()[:2]
+        ]
+        # Another execution (a restarted runner) finds the child by its identity alone.
+        async with SubprocessExecution(tmp_path / "b") as second:
+            with trio.fail_after(BOUND):
+                termination = await second.recover(record.child)
+        assert termination.kind == "killed"
+        assert record.child.pid is not None
+        assert not running(record.child.pid)
+        assert not any(running(pid) for pid in grandchildren)
+        with trio.fail_after(BOUND):
+            await until_stopped(sup, handle)
+
+
+async def test_the_dead_man_switch_ends_a_child_whose_unit_is_dropped(tmp_path: Path) -> None:
+    handle = Handle(key=Key(identity="p", instance="a"), token="t" * 32, generation=1)
+    async with SubprocessExecution(tmp_path, entry_paths=[PLUGINS]) as execution:
+        unit = await execution.spawn(handle, Load(specifier="heartbeat:main"), Limits())
+        await unit.renew(30.0)
+        await unit.start()
+        pid = unit.identity.pid
+        assert pid is not None
+        # The control socket closes, as it would if the supervisor died.
+        await unit._control.aclose()
+        with trio.fail_after(BOUND):
+            status = await unit.wait()
+        assert status == ExitStatus(signal=signal.SIGKILL)
+        await unit.aclose()
+
+
+async def test_the_lease_watchdog_ends_a_child_whose_supervisor_hangs(tmp_path: Path) -> None:
+    handle = Handle(key=Key(identity="p", instance="a"), token="t" * 32, generation=1)
+    async with SubprocessExecution(tmp_path, entry_paths=[PLUGINS]) as execution:
+        unit = await execution.spawn(handle, Load(specifier="heartbeat:main"), Limits())
+        await unit.renew(0.3)
+        await unit.start()
+        # Nobody renews: the child kills itself 1 s (its slack) after the lease.
+        with trio.fail_after(BOUND):
+            status = await unit.wait()
+        assert status == ExitStatus(signal=signal.SIGKILL)
+        await unit.aclose()
+
+
+def test_sessions_record_what_they_ran(tmp_path: Path) -> None:
+    records: list[SessionRecord] = []
+
+    async def main() -> None:
+        async with SubprocessExecution(tmp_path, entry_paths=[PLUGINS]) as execution:
+            store = MemoryStore()
+            async with open_supervisor(store, execution, grace=1.0) as sup:
+                handle = await opened(sup)
+                await sup.load(handle, Load(specifier="heartbeat:main"))
+                await sup.dispose(handle)
+            records.extend(await store.list())
+
+    trio.run(main)
+    [record] = records
+    assert isinstance(record, StoppedRecord)
+    assert record.previous.code.specifier == "heartbeat:main"  # type: ignore[union-attr]
+    assert sys.executable

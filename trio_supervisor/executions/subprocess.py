@@ -1,0 +1,578 @@
+"""Children as OS processes that cannot escape (Linux).
+
+Each child is ``python -I _bootstrap.py`` started in a session and process group of its
+own, talking to us over a socket pair (see ``_bootstrap.py`` for the protocol). What a
+remote host may run is decided here, by the runner's owner:
+
+* **entry points** ``package.module:function``, found only on the ``entry_paths`` the
+  owner configured: a sync function, or an async one run under ``trio.run``, called with
+  a context (``identity``, ``instance``, ``generation``, ``config``);
+* **named commands**: a table ``name -> argv``, so a host picks a name, never an argv.
+  No shell is ever involved.
+
+Guarantees, and how:
+
+* The child's identity (pid, process group, start time, boot id) is known and returned
+  by ``spawn`` before any of the caller's code runs: the bootstrap resolves, reports and
+  applies the limits, then waits for ``start``.
+* ``interrupt`` is SIGTERM and ``kill`` SIGKILL to the whole process group, by its
+  recorded pgid, so a grandchild is signalled even after the leader exited.
+* ``wait`` returns once the leader exited (Trio watches it through a pidfd) *and* no
+  process is left in its group: a grandchild that ignores SIGTERM keeps the child
+  "running" until the kill.
+* Dead-man switch: if the supervisor dies, the socket reaches EOF and the bootstrap
+  kills its group; if it hangs, the bootstrap kills its group one second after the lease
+  it was last given.
+* ``recover`` never signals a process that is not the recorded child: a different boot
+  id, or a different start time for the pid, means the child is gone.
+* Output: stdout and stderr go to one log file per session under the state directory.
+  With ``Limits.output_bytes`` the **head** is kept: the first bytes, then a line saying
+  the rest was dropped.
+
+Known limits: a process that leaves its process group (``setsid``, ``setpgid``) escapes
+the group signals; only cgroups could hold it, and this execution does not use them.
+``memory_bytes`` is ``RLIMIT_AS`` (address space, not resident memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+import trio
+
+from ..background import open_background_nursery
+from ..errors import ExecutionError, PackageError
+from ..model import ChildIdentity, CodeIdentity, ExitStatus, Handle, Limits, Load, Termination
+
+__all__ = ["SubprocessExecution", "boot_id", "start_time"]
+
+ADAPTER = "subprocess"
+BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
+ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+ALLOWED_ENVIRONMENT = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+GROUP_POLL = 0.005  # seconds between checks that a group is empty
+
+
+def boot_id() -> str:
+    """This boot of the kernel; after a reboot no recorded pid is ours."""
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields 3... of ``/proc/PID/stat`` (state first), or None when there is no such pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2 :].decode().split()
+
+
+def start_time(pid: int) -> int | None:
+    """Field 22 of ``/proc/PID/stat``: clock ticks after boot when the process started."""
+    fields = _stat(pid)
+    return None if fields is None else int(fields[19])
+
+
+def _live_members(pgid: int) -> list[int]:
+    """The processes of a group that still run (zombies are not counted)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat(int(entry))
+            if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+def _group_exists(pgid: int) -> bool:
+    """Whether any process (a zombie included) is in the group."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise ExecutionError(f"cannot become a child subreaper: {os.strerror(ctypes.get_errno())}")
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+def _reap_group(pgid: int) -> None:
+    """Reap members of the group that are our children (zombies of a subreaper)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-pgid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+async def _group_gone(pgid: int) -> None:
+    """Return once no process is left in the group.
+
+    Members that were re-parented to us (when this process is a child subreaper) are
+    reaped here, or they would stay in the group as zombies.
+    """
+    while True:
+        _reap_group(pgid)
+        if not _group_exists(pgid):
+            await trio.lowlevel.checkpoint()
+            return
+        await trio.sleep(GROUP_POLL)
+
+
+def _status(returncode: int) -> ExitStatus:
+    return (
+        ExitStatus(code=None, signal=-returncode) if returncode < 0 else ExitStatus(code=returncode)
+    )
+
+
+class SubprocessExecution:
+    """An execution whose units are OS processes; use it as ``async with``.
+
+    Args:
+        state_directory: Where the per-session log files go (``logs/``).
+        entry_paths: Directories searched for ``package.module:function`` specifiers.
+            Empty: no entry point may be loaded.
+        commands: Named commands, ``name -> argv``.
+        environment: Extra environment variables for every child, on top of a minimal
+            allowlist (``PATH``, ``LANG``, ...) and ``TRIO_SUPERVISOR_IDENTITY``,
+            ``TRIO_SUPERVISOR_INSTANCE``, ``TRIO_SUPERVISOR_GENERATION``.
+        python: The interpreter that runs the bootstrap.
+        subreaper: Make this process a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``)
+            while the execution runs, so a grandchild whose parent died is re-parented
+            to us, not to PID 1 (which in a container may never reap it), and is reaped
+            when its group is waited for. Orphans of *other* children of this process
+            then come to it as well; turn this off if something else reaps them.
+    """
+
+    def __init__(
+        self,
+        state_directory: str | os.PathLike[str],
+        *,
+        entry_paths: Sequence[str | os.PathLike[str]] = (),
+        commands: Mapping[str, Sequence[str]] | None = None,
+        environment: Mapping[str, str] | None = None,
+        python: str = sys.executable,
+        subreaper: bool = True,
+    ) -> None:
+        self.state_directory = Path(state_directory)
+        self.entry_paths = tuple(str(Path(path).resolve()) for path in entry_paths)
+        self.commands: dict[str, tuple[str, ...]] = {}
+        for name, argv in (commands or {}).items():
+            if not isinstance(name, str) or not name or not argv or isinstance(argv, str):
+                raise ValueError(
+                    "a named command needs a name and a non-empty argv list, "
+                    f"got {name!r}: {argv!r}"
+                )
+            if not all(isinstance(part, str) for part in argv):
+                raise TypeError(f"the argv of the command {name!r} must be strings")
+            self.commands[name] = tuple(argv)
+        self.environment = dict(environment or {})
+        self.python = python
+        self.subreaper = subreaper
+        self._boot_id = boot_id()
+        self._nursery: trio.Nursery | None = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._logs: dict[tuple[str, str, int], Path] = {}
+
+    async def __aenter__(self) -> Self:
+        if self._stack is not None:
+            raise RuntimeError("this SubprocessExecution is already running")
+        (self.state_directory / "logs").mkdir(parents=True, exist_ok=True)
+        if self.subreaper:
+            _become_subreaper()
+        stack = contextlib.AsyncExitStack()
+        self._nursery = await stack.enter_async_context(open_background_nursery())
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        stack = self._stack
+        nursery = self._nursery
+        assert stack is not None
+        assert nursery is not None
+        self._stack = None
+        self._nursery = None
+        # The output copiers end with their children; any still running are cut off.
+        nursery.cancel_scope.cancel()
+        return await stack.__aexit__(*exc_info)
+
+    # -- logs -------------------------------------------------------------------------
+
+    def log_path(self, handle: Handle) -> Path:
+        """The log file of a session's child."""
+        name = hashlib.sha256(f"{handle.key.identity}\0{handle.key.instance}".encode()).hexdigest()[
+            :16
+        ]
+        return self.state_directory / "logs" / f"{name}-{handle.generation}.log"
+
+    def logs(self, handle: Handle, *, tail: int | None = None) -> str:
+        """What a session's child wrote (stdout and stderr), or its last ``tail`` bytes."""
+        try:
+            data = self.log_path(handle).read_bytes()
+        except FileNotFoundError:
+            return ""
+        return data[-tail:].decode(errors="replace") if tail else data.decode(errors="replace")
+
+    # -- spawn and recover ------------------------------------------------------------
+
+    def _plan(self, load: Load) -> dict[str, Any]:
+        specifier = load.specifier
+        if specifier in self.commands:
+            return {"kind": "command", "argv": list(self.commands[specifier])}
+        if ENTRY_POINT.match(specifier):
+            if not self.entry_paths:
+                raise PackageError(
+                    f"no entry paths are configured, so {specifier!r} cannot be loaded"
+                )
+            return {"kind": "python", "paths": list(self.entry_paths)}
+        raise PackageError(
+            f"{specifier!r} is neither a configured command "
+            "nor a package.module:function entry point"
+        )
+
+    def _environment(self, handle: Handle) -> dict[str, str]:
+        environment = {name: os.environ[name] for name in ALLOWED_ENVIRONMENT if name in os.environ}
+        environment.update(self.environment)
+        environment["TRIO_SUPERVISOR_IDENTITY"] = handle.key.identity
+        environment["TRIO_SUPERVISOR_INSTANCE"] = handle.key.instance
+        environment["TRIO_SUPERVISOR_GENERATION"] = str(handle.generation)
+        environment["PYTHONUNBUFFERED"] = "1"
+        return environment
+
+    async def spawn(self, handle: Handle, load: Load, limits: Limits) -> _ProcessUnit:
+        """Start the bootstrap for ``load``; return once it resolved the code.
+
+        Raises:
+            PackageError: The specifier is not allowed, or its code cannot be found.
+            ExecutionError: The process could not be started or prepared.
+        """
+        nursery = self._nursery
+        if nursery is None:
+            await trio.lowlevel.checkpoint()
+            raise ExecutionError(
+                "SubprocessExecution is not running: enter it with `async with` first"
+            )
+        plan = self._plan(load)
+        ours, theirs = socket.socketpair()
+        log = self.log_path(handle)
+        reader, writer = os.pipe()
+        try:
+            process = await trio.lowlevel.open_process(
+                [self.python, "-I", str(BOOTSTRAP), str(theirs.fileno())],
+                stdin=subprocess.DEVNULL,
+                stdout=writer,
+                stderr=writer,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+                env=self._environment(handle),
+                cwd=self.state_directory,
+            )
+        except OSError as error:
+            ours.close()
+            os.close(reader)
+            raise ExecutionError(
+                f"cannot start the child for {load.specifier!r}: {error}"
+            ) from error
+        finally:
+            theirs.close()
+            os.close(writer)
+        identity = ChildIdentity(
+            adapter=ADAPTER,
+            ref=f"{process.pid}:{start_time(process.pid)}",
+            pid=process.pid,
+            pgid=process.pid,
+            start_time=start_time(process.pid),
+            boot_id=self._boot_id,
+        )
+        unit = _ProcessUnit(self, process, identity, ours, load)
+        nursery.start_soon(
+            _copy_output,
+            reader,
+            log,
+            limits.output_bytes,
+            unit.output_done,
+            name=f"output of {load.specifier}",
+        )
+        spec = {
+            "command": "spawn",
+            "specifier": load.specifier,
+            "limits": {
+                "memory_bytes": limits.memory_bytes,
+                "cpu_seconds": limits.cpu_seconds,
+                "open_files": limits.open_files,
+                "file_size_bytes": limits.file_size_bytes,
+            },
+            "context": {
+                "identity": handle.key.identity,
+                "instance": handle.key.instance,
+                "generation": handle.generation,
+                "config": json.loads(json.dumps(_thaw(load.config))),
+            },
+            **plan,
+        }
+        try:
+            await unit._send(spec)
+            reply = await unit._receive()
+            if reply.get("event") != "resolved":
+                raise _failure(reply, load.specifier)
+            code = reply["code"]
+            unit.code = CodeIdentity(
+                specifier=load.specifier,
+                origin=code["origin"],
+                digest=code["digest"],
+                version=code["version"],
+            )
+        except BaseException:
+            # Nothing of the caller's ran yet; the half-made child goes.
+            with trio.CancelScope(shield=True):
+                await unit._destroy()
+            raise
+        return unit
+
+    async def recover(self, child: ChildIdentity) -> Termination:
+        """Make sure a child left by an earlier run is gone; never touch anyone else.
+
+        A different boot id, or a pid whose start time differs from the record, means the
+        child is gone and nothing is sent. A live child is killed through a pidfd, with
+        its whole group. A group whose leader is gone but whose members remain is killed
+        too: only our child's descendants can hold its process group id.
+        """
+        if child.adapter != ADAPTER or child.pid is None or child.pgid is None:
+            raise ExecutionError(f"{child} was not made by the subprocess execution")
+        gone = Termination(kind="exited", exit=ExitStatus(code=None, signal=None))
+        if child.boot_id != self._boot_id:
+            await trio.lowlevel.checkpoint()
+            return gone
+        pid, pgid = child.pid, child.pgid
+        fields = _stat(pid)
+        if fields is not None and fields[0] != "Z":
+            if int(fields[19]) == child.start_time:
+                return await self._kill_recorded(pid, pgid, child.start_time)
+            if int(fields[2]) == pgid:
+                # The pid was reused by a process that leads a group of that id: theirs.
+                await trio.lowlevel.checkpoint()
+                return gone
+        if _live_members(pgid):
+            # The leader is dead, its group is not: only its descendants can hold the id.
+            _signal_group(pgid, signal.SIGKILL)
+            await _group_gone(pgid)
+            return Termination(kind="killed", exit=ExitStatus(code=None, signal=None))
+        _reap_group(pgid)
+        await trio.lowlevel.checkpoint()
+        return gone
+
+    async def _kill_recorded(self, pid: int, pgid: int, recorded: int | None) -> Termination:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            await trio.lowlevel.checkpoint()
+            return Termination(kind="exited", exit=ExitStatus())
+        try:
+            # The pidfd pins the process: if its start time still matches, it is ours.
+            if start_time(pid) != recorded:
+                await trio.lowlevel.checkpoint()
+                return Termination(kind="exited", exit=ExitStatus())
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            _signal_group(pgid, signal.SIGKILL)
+            await trio.lowlevel.wait_readable(pidfd)  # readable once the process exited
+            status = _reap(pid)
+            await _group_gone(pgid)
+            return Termination(kind="killed", exit=status)
+        finally:
+            os.close(pidfd)
+
+
+def _reap(pid: int) -> ExitStatus:
+    """The exit status of a child of ours that exited, or 'signal 9' if not ours."""
+    try:
+        _, raw = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return ExitStatus(code=None, signal=signal.SIGKILL)
+    if os.WIFSIGNALED(raw):
+        return ExitStatus(code=None, signal=os.WTERMSIG(raw))
+    if os.WIFEXITED(raw):
+        return ExitStatus(code=os.WEXITSTATUS(raw))
+    return ExitStatus(code=None, signal=signal.SIGKILL)
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {name: _thaw(item) for name, item in value.items()}
+    if isinstance(value, tuple | list):
+        return [_thaw(item) for item in value]
+    return value
+
+
+def _failure(reply: Mapping[str, Any], specifier: str) -> Exception:
+    if reply.get("event") == "eof":
+        return ExecutionError(f"the child for {specifier!r} exited before it reported")
+    message = str(reply.get("message", reply))
+    if reply.get("kind") == "PackageError":
+        return PackageError(message)
+    return ExecutionError(message)
+
+
+async def _copy_output(reader: int, path: Path, cap: int | None, done: trio.Event) -> None:
+    """Copy the child's output into its log file, keeping the head when capped."""
+    try:
+        await _copy(reader, path, cap)
+    finally:
+        done.set()
+
+
+async def _copy(reader: int, path: Path, cap: int | None) -> None:
+    written = 0
+    dropped = False
+    stream = trio.lowlevel.FdStream(reader)
+    # Unbuffered: what the child wrote is in the file as soon as we have it.
+    async with stream, await trio.open_file(path, "wb", buffering=0) as log:
+        while True:
+            try:
+                chunk = await stream.receive_some(65536)
+            except trio.BrokenResourceError:
+                chunk = b""
+            if not chunk:
+                break
+            if cap is None:
+                await log.write(chunk)
+                continue
+            room = cap - written
+            if room > 0:
+                await log.write(chunk[:room])
+                written += min(room, len(chunk))
+            if len(chunk) > max(room, 0) and not dropped:
+                dropped = True
+                await log.write(
+                    f"\n[trio_supervisor: output beyond {cap} bytes dropped]\n".encode()
+                )
+
+
+class _ProcessUnit:
+    """One child process and the control socket to its bootstrap."""
+
+    def __init__(
+        self,
+        execution: SubprocessExecution,
+        process: trio.Process,
+        identity: ChildIdentity,
+        control: socket.socket,
+        load: Load,
+    ) -> None:
+        self._execution = execution
+        self._process = process
+        self._identity = identity
+        self.code = CodeIdentity(specifier=load.specifier)
+        self._specifier = load.specifier
+        self._control = trio.SocketStream(trio.socket.from_stdlib_socket(control))
+        self._buffer = b""
+        self._send_lock = trio.StrictFIFOLock()
+        self._started = False
+        self._closed = False
+        self.output_done = trio.Event()
+
+    @property
+    def identity(self) -> ChildIdentity:
+        return self._identity
+
+    async def _send(self, message: Mapping[str, Any]) -> None:
+        async with self._send_lock:
+            await self._control.send_all(json.dumps(message).encode() + b"\n")
+
+    async def _receive(self) -> dict[str, Any]:
+        while b"\n" not in self._buffer:
+            try:
+                chunk = await self._control.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                chunk = b""
+            if not chunk:
+                return {"event": "eof"}
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    async def start(self) -> None:
+        if self._started:
+            await trio.lowlevel.checkpoint()
+            raise ExecutionError("this unit was started already")
+        self._started = True
+        try:
+            await self._send({"command": "start"})
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            raise ExecutionError(
+                f"the child for {self._specifier!r} is gone before it started"
+            ) from error
+        reply = await self._receive()
+        if reply.get("event") != "started":
+            raise _failure(reply, self._specifier)
+
+    async def renew(self, lease: float) -> None:
+        if not math.isfinite(lease):
+            await trio.lowlevel.checkpoint()
+            return
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._send({"command": "renew", "lease": lease})
+
+    async def interrupt(self) -> None:
+        # Disarm the child's lease watchdog first, so it cannot cut a graceful stop short.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._send({"command": "interrupt"})
+        _signal_group(self._identity.pgid or self._process.pid, signal.SIGTERM)
+
+    async def kill(self) -> None:
+        await trio.lowlevel.checkpoint()
+        _signal_group(self._identity.pgid or self._process.pid, signal.SIGKILL)
+
+    async def wait(self) -> ExitStatus:
+        returncode = await self._process.wait()
+        # The leader is gone; the child is gone when its whole group is.
+        await _group_gone(self._identity.pgid or self._process.pid)
+        return _status(returncode)
+
+    async def _destroy(self) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        if self._process.returncode is None and not self._started:
+            # Never started: nothing of the caller's ran; it simply goes, and is reaped.
+            _signal_group(self._identity.pgid or self._process.pid, signal.SIGKILL)
+            with trio.move_on_after(5.0):
+                await self.wait()
+        # Closing the socket is the child's dead-man switch if anything still runs.
+        await self._control.aclose()
+        # Once the group is gone its output ends; let the last of it reach the log.
+        with trio.move_on_after(1.0):
+            await self.output_done.wait()
