@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import trio
@@ -36,6 +37,7 @@ from trio_supervisor import (
     StoppingRecord,
     SubprocessExecution,
     Supervisor,
+    SupervisorError,
     open_supervisor,
 )
 from trio_supervisor.retention import Retention
@@ -62,9 +64,7 @@ def child_pid(record: SessionRecord) -> str:
     return "-"
 
 
-async def report_recovery(
-    store: Journal, supervisor: Supervisor, left: list[SessionRecord]
-) -> None:
+async def report_recovery(supervisor: Supervisor, left: Sequence[SessionRecord]) -> None:
     if not left:
         return
     print(f"recovered {len(left)} sessions a previous run left behind:")
@@ -96,7 +96,7 @@ async def main(state: Path, lease: float, hold: bool) -> None:
         async with open_supervisor(
             store, execution, lease=lease, grace=1.0, confirmation_timeout=5.0
         ) as supervisor:
-            await report_recovery(store, supervisor, left)
+            await report_recovery(supervisor, left)
             handles: dict[str, Handle] = {}
             for name, (specifier, config, limits, _) in SESSIONS.items():
                 key = Key(identity="runner", instance=name)

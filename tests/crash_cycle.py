@@ -64,12 +64,12 @@ async def crash(state: Path, at: int, when: str) -> None:
     async with (
         CrashingStore(state / "state.db", at, when) as store,
         Reporting(state, entry_paths=[PLUGINS]) as execution,
+        open_supervisor(store, execution, lease=2.0, grace=1.0) as supervisor,
     ):
-        async with open_supervisor(store, execution, lease=2.0, grace=1.0) as supervisor:
-            high = await supervisor.high_water(KEY)
-            record = await supervisor.open(KEY, "cycle", expected_generation=high)
-            await supervisor.load(record.handle, Load(specifier="heartbeat:main"))
-            await supervisor.dispose(record.handle)
+        high = await supervisor.high_water(KEY)
+        record = await supervisor.open(KEY, "cycle", expected_generation=high)
+        await supervisor.load(record.handle, Load(specifier="heartbeat:main"))
+        await supervisor.dispose(record.handle)
 
 
 async def recover(state: Path) -> None:
