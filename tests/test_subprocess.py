@@ -115,6 +115,21 @@ async def test_a_cooperative_plugin_stops_on_sigterm(
     assert not running(pid)
 
 
+async def test_an_interrupt_right_after_start_still_ends_the_child_by_sigterm(
+    sup: Supervisor,
+) -> None:
+    # The dispose lands while the bootstrap is still between reporting "started" and
+    # entering the entry point (or just inside it): either way the child ends by SIGTERM
+    # or by the plugin's own clean exit, never by an escaped KeyboardInterrupt (SIGINT).
+    for attempt in range(8):
+        handle = await opened(sup, request_id=f"quick-{attempt}")
+        await sup.load(handle, Load(specifier="heartbeat:main"))
+        with trio.fail_after(BOUND):
+            termination = await sup.dispose(handle)
+        assert termination.kind == "exited"
+        assert termination.exit in (ExitStatus(code=0), ExitStatus(signal=signal.SIGTERM))
+
+
 async def test_a_plugin_ignoring_sigterm_is_killed_after_the_grace(sup: Supervisor) -> None:
     handle, _ = await loaded_child(sup, "stubborn:main")
     await trio.sleep(0.2)  # let it install its SIG_IGN
