@@ -4,9 +4,12 @@ Shape (DESIGN.md section 5)::
 
     open_supervisor ── supervisor nursery (owns every session)
                         └─ session task ── session cancel scope (deadline = the lease)
-                                             └─ session nursery
-                                                  ├─ loader       (only while loading)
+                                             └─ session nursery (opened by the first load)
+                                                  ├─ loader       (the session task itself)
                                                   └─ exit watcher (only while a child is registered)
+
+A session without a child is one parked task: it needs no nursery, loader or watcher
+until a load asks for them, and most sessions of a control plane never load.
 
 A stop request of any kind (dispose, supersede, child exit, shutdown, a failed load)
 goes through :meth:`Lifecycle.request_stop`, which fixes the reason once, and then
@@ -126,6 +129,7 @@ class _Session:
         "load_reply",
         "nursery",
         "outcome",
+        "parked",
         "problems",
         "scope",
         "spawned",
@@ -137,6 +141,8 @@ class _Session:
         # The lease timer: renew moves the deadline, a stop request cancels it.
         self.scope = trio.CancelScope(deadline=deadline)
         self.nursery: trio.Nursery | None = None
+        # The session task while it waits for its first load (see Supervisor._park).
+        self.parked: trio.lowlevel.Task | None = None
         # What spawn returned (released when the session ends), and the unit once its
         # identity is durable (terminated when the session ends).
         self.spawned: Unit | None = None
@@ -160,20 +166,32 @@ class _KeyLocks:
     def __init__(self) -> None:
         self._locks: dict[Key, tuple[trio.Lock, list[int]]] = {}
 
-    @contextlib.asynccontextmanager
-    async def hold(self, key: Key) -> AsyncIterator[None]:
+    async def acquire(self, key: Key) -> None:
         entry = self._locks.get(key)
         if entry is None:
             entry = self._locks[key] = (trio.Lock(), [0])
         lock, users = entry
         users[0] += 1
         try:
-            async with lock:
-                yield
-        finally:
-            users[0] -= 1
-            if not users[0]:
-                del self._locks[key]
+            # Uncontended (the usual case), taking the lock is no schedule point: the
+            # caller's store write is one.
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            try:
+                await lock.acquire()
+            except BaseException:
+                self._forget(key, users)
+                raise
+
+    def release(self, key: Key) -> None:
+        lock, users = self._locks[key]
+        lock.release()
+        self._forget(key, users)
+
+    def _forget(self, key: Key, users: list[int]) -> None:
+        users[0] -= 1
+        if not users[0]:
+            del self._locks[key]
 
 
 def _adapter_error(error: Exception, what: str) -> SupervisorError:
@@ -315,41 +333,58 @@ class Supervisor:
             raise TypeError(f"limits must be Limits, not {type(limits).__name__}")
         negotiated = negotiate(self._limits, limits or Limits())
 
+        await trio.lowlevel.checkpoint_if_cancelled()
         self._check_usable()
-        async with self._locks.hold(key):
-            self._check_usable()
-            prior = self._index.find_request(key, request_id)
-            if prior is not None:
-                return prior
-            high = self._index.high_water(key)
-            if (expected_generation or 0) != high:
-                raise StaleSessionError(
-                    f"expected generation {expected_generation or 0} of {key.identity}/"
-                    f"{key.instance}, but its high-water generation is {high}"
-                )
-            await self._supersede(key)
-            self._check_usable()
-            record = OpenRecord(
-                handle=Handle(key=key, token=str(uuid.uuid4()), generation=high + 1),
-                request_id=request_id,
-                lease=seconds,
-                limits=negotiated,
+        await self._locks.acquire(key)
+        try:
+            return await self._open_locked(
+                key, request_id, expected_generation, seconds, negotiated
             )
-            self._opening += 1
-            try:
-                await self._persist(record)
-                # The record is durable: from here on nothing may stop the session from
-                # coming to exist (O11), and its lease starts now (O9).
-                session = _Session(record, trio.current_time() + seconds)
-                self._sessions[record.handle.token] = session
-                self._by_key.setdefault(key, {})[record.handle.token] = session
-                with trio.CancelScope(shield=True):
-                    # Bounded: the session task reports started as soon as its nursery is open.
-                    await self._start_session(session)
-            finally:
-                self._opening -= 1
-                self._opened.unpark_all()
-            return record
+        finally:
+            self._locks.release(key)
+
+    async def _open_locked(
+        self,
+        key: Key,
+        request_id: str,
+        expected_generation: int | None,
+        seconds: float,
+        negotiated: Limits,
+    ) -> SessionRecord:
+        """The part of :meth:`open` that runs holding the key's lock (O2)."""
+        self._check_usable()
+        prior = self._index.find_request(key, request_id)
+        if prior is not None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return prior
+        high = self._index.high_water(key)
+        if (expected_generation or 0) != high:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            raise StaleSessionError(
+                f"expected generation {expected_generation or 0} of {key.identity}/"
+                f"{key.instance}, but its high-water generation is {high}"
+            )
+        await self._supersede(key)
+        self._check_usable()
+        record = OpenRecord(
+            handle=Handle(key=key, token=str(uuid.uuid4()), generation=high + 1),
+            request_id=request_id,
+            lease=seconds,
+            limits=negotiated,
+        )
+        self._opening += 1
+        try:
+            await self._persist(record)
+            # The record is durable: from here on nothing may stop the session from
+            # coming to exist (O11), and its lease starts now (O9).
+            session = _Session(record, trio.current_time() + seconds)
+            self._sessions[record.handle.token] = session
+            self._by_key.setdefault(key, {})[record.handle.token] = session
+            self._start_session(session)
+        finally:
+            self._opening -= 1
+            self._opened.unpark_all()
+        return record
 
     async def _supersede(self, key: Key) -> None:
         """Stop every unfinished session of ``key`` and wait for their ends (O5)."""
@@ -379,11 +414,13 @@ class Supervisor:
                         extra=extra,
                     )
 
-    async def _start_session(self, session: _Session) -> None:
+    def _start_session(self, session: _Session) -> None:
         nursery = self._nursery
         if nursery is None:
             raise RuntimeError("the supervisor's nursery is gone")
-        await nursery.start(
+        # A task started this way always runs: if the supervisor is cancelled first, it
+        # meets the cancellation inside and still runs its stop (O11).
+        nursery.start_soon(
             self._run_session, session, name=f"trio_supervisor session {session.handle}"
         )
         if self._closing:
@@ -442,12 +479,12 @@ class Supervisor:
         session = self._session_of(handle)
         lifecycle = session.lifecycle
         if lifecycle.begin_load(load, trio.current_time()):
-            nursery = session.nursery
-            assert nursery is not None, "a live session has its nursery open"
+            # The session task runs the load: wake it if it is parked (it may not have
+            # run yet, and then it finds the request when it does).
             session.load_reply = _Reply()
-            nursery.start_soon(
-                self._run_loader, session, name=f"trio_supervisor loader {session.handle}"
-            )
+            parked, session.parked = session.parked, None
+            if parked is not None:
+                trio.lowlevel.reschedule(parked)
         elif lifecycle.code is not None:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return lifecycle.code
@@ -479,15 +516,15 @@ class Supervisor:
 
     # -- the session task and what runs in its nursery ------------------------------------
 
-    async def _run_session(
-        self, session: _Session, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
+    async def _run_session(self, session: _Session) -> None:
         lifecycle = session.lifecycle
         try:
             with session.scope:
+                if session.load_reply is None:
+                    await self._park(session)
                 async with trio.open_nursery() as nursery:
                     session.nursery = nursery
-                    task_status.started()
+                    await self._run_loader(session)
                     await trio.sleep_forever()
         except Exception as error:
             self._health.poison(error)
@@ -514,6 +551,17 @@ class Supervisor:
             else:
                 session.outcome.fail(outcome)
             self._answer_load(session)
+
+    @staticmethod
+    async def _park(session: _Session) -> None:
+        """Sleep until :meth:`load` wakes the session, or its scope is cancelled."""
+        session.parked = trio.lowlevel.current_task()
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            session.parked = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
     def _answer_load(self, session: _Session) -> None:
         """Tell a load that did not succeed why, once its session stopped (L5, L6)."""
