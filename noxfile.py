@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, typecheck, examples, conformance (the deep profile), mutants."""
+"""Sessions: tests, lint, typecheck, examples, conformance (deep profile), mutants, bench."""
 
 from __future__ import annotations
 
@@ -51,3 +51,10 @@ def mutants(session: nox.Session) -> None:
     session.install("-e", ".[test]", "mutmut>=3.3")
     session.run("mutmut", "run", *session.posargs)
     session.run("mutmut", "results")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The side-by-side benchmarks; pass ``-- --json out.json`` to keep the figures."""
+    session.install("-e", ".")
+    session.run("python", "-m", "benchmarks", *session.posargs)

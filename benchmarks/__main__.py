@@ -1,0 +1,58 @@
+"""``python -m benchmarks [--quick] [--json PATH] [--only NAME ...] [--rounds N]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from . import child, control, durable, memory, recovery
+from .measure import Result, machine, render
+
+# Each group runs its scenarios; the order puts the cheap ones first.
+GROUPS: dict[str, Callable[[bool, int], list[Result]]] = {
+    "control": control.run,
+    "memory": memory.run,
+    "durable": durable.run,
+    "recovery": recovery.run,
+    "child": child.run,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results here")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per scenario (>= 1)")
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted(GROUPS), metavar="GROUP", help="run only these"
+    )
+    options = parser.parse_args(argv)
+    if options.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    results: list[Result] = []
+    started = time.perf_counter()
+    for name, run in GROUPS.items():
+        if options.only and name not in options.only:
+            continue
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        results.extend(run(options.quick, options.rounds))
+    elapsed = time.perf_counter() - started
+    print(render(results))
+    missed = [result.name for result in results if not result.met]
+    print(f"\n{len(results) - len(missed)} of {len(results)} targets met in {elapsed:.0f} s")
+    if options.json is not None:
+        document = {
+            "machine": machine(),
+            "quick": options.quick,
+            "results": [result.as_json() for result in results],
+        }
+        options.json.write_text(json.dumps(document, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

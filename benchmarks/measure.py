@@ -1,0 +1,122 @@
+"""Rounds, medians and ratios: how every scenario is measured and reported.
+
+Each scenario measures ours and its baseline alternately in this one process (ours first
+on even rounds, the baseline first on odd ones, so neither always runs on a warm or a
+cold machine), at least five rounds, and reports medians with their ranges. ``ratio`` is
+always ours / baseline in the scenario's unit; ``better`` says which way is good.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any, Literal
+
+import attrs
+
+Better = Literal["higher", "lower"]
+
+
+@attrs.frozen(kw_only=True)
+class Result:
+    name: str
+    unit: str
+    better: Better
+    target: float
+    ours: list[float]
+    baseline: list[float]
+    note: str = ""
+    extra: dict[str, Any] = attrs.Factory(dict)
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ours) / statistics.median(self.baseline)
+
+    @property
+    def met(self) -> bool:
+        return self.ratio >= self.target if self.better == "higher" else self.ratio <= self.target
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "ours": statistics.median(self.ours),
+            "baseline": statistics.median(self.baseline),
+            "ratio": self.ratio,
+            "unit": self.unit,
+            "better": self.better,
+            "target": self.target,
+            "met": self.met,
+            "ours_range": [min(self.ours), max(self.ours)],
+            "baseline_range": [min(self.baseline), max(self.baseline)],
+            "rounds": len(self.ours),
+            "note": self.note,
+            **({"extra": self.extra} if self.extra else {}),
+        }
+
+
+def compare(
+    name: str,
+    *,
+    ours: Callable[[], float],
+    baseline: Callable[[], float],
+    unit: str,
+    better: Better,
+    target: float,
+    rounds: int,
+    note: str = "",
+) -> Result:
+    """Measure ``ours`` and ``baseline`` alternately for ``rounds`` rounds."""
+    mine: list[float] = []
+    theirs: list[float] = []
+    for round_ in range(rounds):
+        if round_ % 2 == 0:
+            mine.append(ours())
+            theirs.append(baseline())
+        else:
+            theirs.append(baseline())
+            mine.append(ours())
+    return Result(
+        name=name, unit=unit, better=better, target=target, ours=mine, baseline=theirs, note=note
+    )
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "python": sys.version.split()[0],
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+    }
+
+
+def render(results: list[Result]) -> str:
+    rows = [["scenario", "ours", "baseline", "unit", "ratio", "target", "met"]]
+    for result in results:
+        sign = ">=" if result.better == "higher" else "<="
+        rows.append(
+            [
+                result.name,
+                _spread(result.ours),
+                _spread(result.baseline),
+                result.unit,
+                f"{result.ratio:.3f}",
+                f"{sign} {result.target}",
+                "yes" if result.met else "NO",
+            ]
+        )
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def _spread(values: list[float]) -> str:
+    """The median and the range of some measurements."""
+    return f"{statistics.median(values):,.4g} [{min(values):,.4g}-{max(values):,.4g}]"

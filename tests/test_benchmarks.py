@@ -1,0 +1,67 @@
+"""The benchmark suite runs end to end (tiny sizes) and writes the documented JSON.
+
+A smoke test: it checks that every scenario ran and the shape of what it reports, never
+a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+SCENARIOS = {
+    "control.sequential",
+    "control.concurrent",
+    "control.scaling",
+    "memory.idle_session",
+    "durable.concurrent",
+    "durable.vs_memory",
+    "child.cycle",
+    "recovery.10k",
+    "terminate.cooperative",
+}
+
+
+def test_the_quick_suite_reports_every_scenario_as_documented(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--rounds", "2", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    document = json.loads(out.read_text())
+    assert set(document["machine"]) >= {"python", "platform", "cpus"}
+    results = document["results"]
+    assert {result["name"] for result in results} == SCENARIOS
+    assert len(results) == len(SCENARIOS)
+    for result in results:
+        assert set(result) >= {
+            "name",
+            "ours",
+            "baseline",
+            "ratio",
+            "unit",
+            "better",
+            "target",
+            "met",
+        }
+        assert result["better"] in ("higher", "lower")
+        assert result["ours"] > 0 and result["baseline"] > 0
+        assert math.isclose(result["ratio"], result["ours"] / result["baseline"])
+        expected = (
+            result["ratio"] >= result["target"]
+            if result["better"] == "higher"
+            else result["ratio"] <= result["target"]
+        )
+        assert result["met"] is expected
+        assert result["rounds"] == 2
+        # The printed table names every scenario too.
+        assert result["name"] in completed.stdout
