@@ -54,7 +54,8 @@ def test_the_quick_suite_reports_every_scenario_as_documented(tmp_path: Path) ->
             "met",
         }
         assert result["better"] in ("higher", "lower")
-        assert result["ours"] > 0 and result["baseline"] > 0
+        assert result["ours"] > 0
+        assert result["baseline"] > 0
         assert math.isclose(result["ratio"], result["ours"] / result["baseline"])
         expected = (
             result["ratio"] >= result["target"]

@@ -215,6 +215,77 @@ def test_retention_matches_the_memory_store(
     assert sqlite_marks == memory_marks
 
 
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    batches=st.lists(operations, min_size=1, max_size=4),
+    per_key=st.integers(1, 3),
+    total=st.integers(1, 5),
+)
+def test_retention_in_batches_and_across_reopens_matches_the_memory_store(
+    tmp_path: Path, batches: list[list[tuple[str, int, bool]]], per_key: int, total: int
+) -> None:
+    # Each batch is one transaction (save_many), and the file is closed and opened again
+    # between batches: what the store knows of the table must survive both.
+    retention = Retention(stopped_per_key=per_key, stopped_total=total)
+
+    async def apply() -> tuple[list[SessionRecord], list[SessionRecord], object, object]:
+        path = tmp_path / f"b{abs(hash((repr(batches), per_key, total)))}.db"
+        path.unlink(missing_ok=True)
+        memory = MemoryStore(retention=retention)
+        for batch in batches:
+            records: list[SessionRecord] = [
+                stopped(instance, generation) if stop else open_record(instance, generation)
+                for instance, generation, stop in batch
+            ]
+            for record in records:
+                await memory.save(record)
+            async with SqliteStore(path, retention=retention) as sqlite:
+                await sqlite.save_many(records)
+        async with SqliteStore(path, retention=retention) as sqlite:
+            return (
+                list(await memory.list()),
+                list(await sqlite.list()),
+                await memory.high_water(),
+                await sqlite.high_water(),
+            )
+
+    in_memory, in_sqlite, memory_marks, sqlite_marks = trio.run(apply)
+    assert in_sqlite == in_memory
+    assert sqlite_marks == memory_marks
+
+
+async def test_a_failed_transaction_changes_nothing_and_later_saves_apply_retention(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db"
+    retention = Retention(stopped_per_key=1, stopped_total=10)
+    async with SqliteStore(path, retention=retention) as store:
+        await store.save(stopped("a", 1))
+    # A trigger makes any transaction that writes generation 3 of "a" fail.
+    connection = sqlite3.connect(path)
+    poisoned = stopped("a", 3).handle.token
+    connection.execute(
+        "CREATE TRIGGER refuse BEFORE INSERT ON records "
+        f"WHEN NEW.token = '{poisoned}' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+    )
+    connection.commit()
+    connection.close()
+    async with SqliteStore(path, retention=retention) as store:
+        with pytest.raises(StateStorageError, match="refused"):
+            await store.save_many([stopped("a", 2), stopped("a", 3)])
+        # Nothing of the failed batch landed: a1 is still a's one Stopped record.
+        assert [record.handle.generation for record in await store.list()] == [1]
+        assert (await store.high_water())[Key(identity="p", instance="a")] == 1
+        # A later save evicts a1, as if the failed batch had never been tried.
+        await store.save(stopped("a", 4))
+        assert [record.handle.generation for record in await store.list()] == [4]
+        await store.save(stopped("b", 1))
+        kept = [(r.handle.key.instance, r.handle.generation) for r in await store.list()]
+        assert kept == [("a", 4), ("b", 1)]
+
+
 async def test_the_high_water_outlives_eviction_and_generations_continue(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     fake = FakeExecution()

@@ -173,9 +173,14 @@ def structure(data: object) -> SessionRecord:
     return record
 
 
+# One encoder for every record: json.dumps with options builds a new one per call. A
+# record is a tree of fresh dicts, so there are no cycles to look for.
+_encoder: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False)
+
+
 def encode(record: SessionRecord) -> str:
     """Return a record as compact versioned JSON text."""
-    return json.dumps(unstructure(record), separators=(",", ":"), allow_nan=False)
+    return _encoder.encode(unstructure(record))
 
 
 def decode(text: str | bytes) -> SessionRecord:

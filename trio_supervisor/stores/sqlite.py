@@ -220,6 +220,85 @@ class SqliteStore:
         return job.result
 
 
+class _Mirror:
+    """What the worker knows of the table, so that a write needs no reads first.
+
+    The save counter, every Stopped row's token in stop order (overall and per key) and
+    the high-water marks; read once when the file opens, kept in step by every write,
+    and read again after a write that failed.
+    """
+
+    __slots__ = ("by_key", "high", "saved", "stopped", "stops")
+
+    def __init__(self, saved: int, stops: int) -> None:
+        self.saved = saved  # the last save order given
+        self.stops = stops  # the last stop order given
+        self.stopped: dict[str, tuple[int, tuple[str, str]]] = {}  # oldest first
+        self.by_key: dict[tuple[str, str], dict[str, None]] = {}  # oldest first
+        self.high: dict[tuple[str, str], int] = {}
+
+    @classmethod
+    def read(cls, connection: sqlite3.Connection) -> _Mirror:
+        saved, stops = connection.execute(
+            "SELECT coalesce(max(saved), 0), coalesce(max(stopped), 0) FROM records"
+        ).fetchone()
+        mirror = cls(saved, stops)
+        rows = connection.execute(
+            "SELECT token, identity, instance, stopped FROM records "
+            "WHERE stopped IS NOT NULL ORDER BY stopped"
+        ).fetchall()
+        for token, identity, instance, order in rows:
+            key = (identity, instance)
+            mirror.stopped[token] = (order, key)
+            mirror.by_key.setdefault(key, {})[token] = None
+        for identity, instance, generation in connection.execute(
+            "SELECT identity, instance, generation FROM high_water"
+        ).fetchall():
+            if isinstance(generation, int):  # a malformed mark is reported by high_water()
+                mirror.high[(identity, instance)] = generation
+        return mirror
+
+    def stop(self, token: str, key: tuple[str, str]) -> int:
+        """The stop order of a Stopped record: its old one if it was Stopped already."""
+        known = self.stopped.get(token)
+        if known is not None:
+            return known[0]
+        self.stops += 1
+        self.stopped[token] = (self.stops, key)
+        self.by_key.setdefault(key, {})[token] = None
+        return self.stops
+
+    def unstop(self, token: str) -> None:
+        known = self.stopped.pop(token, None)
+        if known is not None:
+            self._forget(token, known[1])
+
+    def raise_high_water(self, key: tuple[str, str], generation: int) -> bool:
+        """Whether ``generation`` is above the key's mark (which it then becomes)."""
+        if generation <= self.high.get(key, 0):
+            return False
+        self.high[key] = generation
+        return True
+
+    def evict(self, key: tuple[str, str], retention: Retention) -> list[str]:
+        """The tokens retention drops once ``key`` got a new Stopped record."""
+        evicted = []
+        of_key = self.by_key.get(key, {})
+        while len(of_key) > retention.stopped_per_key:
+            evicted.append(next(iter(of_key)))
+            self.unstop(evicted[-1])
+        while len(self.stopped) > retention.stopped_total:
+            evicted.append(next(iter(self.stopped)))
+            self.unstop(evicted[-1])
+        return evicted
+
+    def _forget(self, token: str, key: tuple[str, str]) -> None:
+        of_key = self.by_key[key]
+        del of_key[token]
+        if not of_key:
+            del self.by_key[key]
+
+
 class _Worker:
     """The thread that owns the connection."""
 
@@ -227,9 +306,7 @@ class _Worker:
         self._store = store
         self._connection: sqlite3.Connection | None = None
         self._open_error: StateStorageError | None = None
-        self._saved = 0
-        self._stopped = 0
-        self._stopped_count = 0
+        self._mirror: _Mirror | None = None
 
     def run(self) -> None:
         jobs = self._store._jobs
@@ -299,70 +376,74 @@ class _Worker:
                     f"this library reads version {SCHEMA_VERSION}"
                 )
             connection.execute("COMMIT")
-            saved, stopped, count = connection.execute(
-                "SELECT coalesce(max(saved), 0), coalesce(max(stopped), 0), count(stopped) "
-                "FROM records"
-            ).fetchone()
+            mirror = _Mirror.read(connection)
         except sqlite3.Error as error:
             raise StateStorageError(_explain(path, "open", error)) from error
         self._connection = connection
-        self._saved, self._stopped, self._stopped_count = saved, stopped, count
+        self._mirror = mirror
 
     def _write(self, jobs: list[_Job]) -> None:
         connection = self._connection
         assert connection is not None
+        mirror = self._mirror
+        if mirror is None:
+            try:
+                mirror = self._mirror = _Mirror.read(connection)
+            except sqlite3.Error as error:
+                failure = StateStorageError(_explain(self._store.path, "save", error))
+                failure.__cause__ = error
+                for job in jobs:
+                    job.error = failure
+                return
         retention = self._store.retention
-        saved, stopped, count = self._saved, self._stopped, self._stopped_count
+        # The whole batch is worked out here, against the mirror; SQLite then gets one
+        # statement per kind of change, each run over all its rows.
+        upserts: dict[str, tuple[str, str, str, int, int | None, str]] = {}
+        deletes: set[str] = set()
+        raised: dict[tuple[str, str], int] = {}
+        for job in jobs:
+            for record, body in job.rows:
+                handle = record.handle
+                token = handle.token
+                key = (handle.key.identity, handle.key.instance)
+                mirror.saved += 1
+                stop_order = None
+                if isinstance(record, StoppedRecord):
+                    stop_order = mirror.stop(token, key)
+                else:
+                    mirror.unstop(token)  # a caller un-stopped a record; so did the index
+                deletes.discard(token)
+                upserts[token] = (token, key[0], key[1], mirror.saved, stop_order, body)
+                if mirror.raise_high_water(key, handle.generation):
+                    raised[key] = handle.generation
+                if stop_order is None:
+                    continue
+                # Retention: the newest per key, then a cap on all.
+                for evicted in mirror.evict(key, retention):
+                    upserts.pop(evicted, None)
+                    deletes.add(evicted)
         try:
             connection.execute("BEGIN IMMEDIATE")
-            for job in jobs:
-                for record, body in job.rows:
-                    handle = record.handle
-                    key = handle.key
-                    saved += 1
-                    row = connection.execute(
-                        "SELECT stopped FROM records WHERE token = ?", (handle.token,)
-                    ).fetchone()
-                    was_stopped = row is not None and row[0] is not None
-                    stop_order = None
-                    newly_stopped = False
-                    if isinstance(record, StoppedRecord):
-                        if was_stopped:
-                            stop_order = row[0]
-                        else:
-                            stopped += 1
-                            stop_order = stopped
-                            newly_stopped = True
-                    elif was_stopped:
-                        count -= 1  # a caller un-stopped a record; the memory index agrees
-                    connection.execute(
-                        "INSERT INTO records (token, identity, instance, saved, stopped, body) "
-                        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (token) DO UPDATE SET "
-                        "saved = excluded.saved, stopped = excluded.stopped, body = excluded.body",
-                        (handle.token, key.identity, key.instance, saved, stop_order, body),
-                    )
-                    connection.execute(
-                        "INSERT INTO high_water (identity, instance, generation) VALUES (?, ?, ?) "
-                        "ON CONFLICT (identity, instance) DO UPDATE SET "
-                        "generation = max(generation, excluded.generation)",
-                        (key.identity, key.instance, handle.generation),
-                    )
-                    if not newly_stopped:
-                        continue
-                    count += 1
-                    # Retention, in the same transaction: the newest per key, then a cap.
-                    count -= connection.execute(
-                        "DELETE FROM records WHERE token IN (SELECT token FROM records "
-                        "WHERE identity = ? AND instance = ? AND stopped IS NOT NULL "
-                        "ORDER BY stopped DESC LIMIT -1 OFFSET ?)",
-                        (key.identity, key.instance, retention.stopped_per_key),
-                    ).rowcount
-                    if count > retention.stopped_total:
-                        count -= connection.execute(
-                            "DELETE FROM records WHERE token IN (SELECT token FROM records "
-                            "WHERE stopped IS NOT NULL ORDER BY stopped LIMIT ?)",
-                            (count - retention.stopped_total,),
-                        ).rowcount
+            if deletes:
+                connection.executemany(
+                    "DELETE FROM records WHERE token = ?", [(token,) for token in deletes]
+                )
+            connection.executemany(
+                "INSERT INTO records (token, identity, instance, saved, stopped, body) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (token) DO UPDATE SET "
+                "saved = excluded.saved, stopped = excluded.stopped, body = excluded.body",
+                upserts.values(),
+            )
+            if raised:
+                connection.executemany(
+                    "INSERT INTO high_water (identity, instance, generation) VALUES (?, ?, ?) "
+                    "ON CONFLICT (identity, instance) DO UPDATE SET "
+                    "generation = max(generation, excluded.generation)",
+                    [
+                        (identity, instance, generation)
+                        for (identity, instance), generation in raised.items()
+                    ],
+                )
             connection.execute("COMMIT")
         except sqlite3.Error as error:
             if connection.in_transaction:
@@ -371,8 +452,10 @@ class _Worker:
             failure.__cause__ = error
             for job in jobs:
                 job.error = failure
+            # The mirror ran ahead of a transaction that did not happen: it is read again
+            # before the next write.
+            self._mirror = None
             return
-        self._saved, self._stopped, self._stopped_count = saved, stopped, count
         self._store.commits += 1
 
     def _read(self, job: _Job) -> None:
