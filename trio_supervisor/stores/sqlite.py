@@ -52,10 +52,12 @@ CREATE TABLE IF NOT EXISTS records (
     stopped  INTEGER,           -- stop order, NULL while not Stopped: retention's order
     body     TEXT NOT NULL      -- the versioned JSON record
 );
-CREATE INDEX IF NOT EXISTS records_saved ON records (saved);
-CREATE INDEX IF NOT EXISTS records_stopped ON records (stopped) WHERE stopped IS NOT NULL;
-CREATE INDEX IF NOT EXISTS records_key_stopped
-    ON records (identity, instance, stopped) WHERE stopped IS NOT NULL;
+-- No secondary indexes: every write goes by token, and the orders above are only read
+-- when the file opens (retention's) or at recovery (list's), by one scan each. An index
+-- would cost every save an update to spare those two scans a sort.
+DROP INDEX IF EXISTS records_saved;
+DROP INDEX IF EXISTS records_stopped;
+DROP INDEX IF EXISTS records_key_stopped;
 CREATE TABLE IF NOT EXISTS high_water (
     identity   TEXT NOT NULL,
     instance   TEXT NOT NULL,
