@@ -83,9 +83,9 @@ def reap_orphans() -> None:
             return
 
 
-def run(*arguments: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run(*arguments: str, timeout: float = 60, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, *arguments], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, *arguments], capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
 
 
@@ -119,8 +119,10 @@ def held(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], set[int]]]:
 
 
 def test_the_runner_shows_every_plugin_s_lifecycle(tmp_path: Path) -> None:
-    done = run(str(RUNNER), "--state", str(tmp_path), "--lease", str(LEASE))
+    # As the README's main job runs it: the default state directory, relative to here.
+    done = run(str(RUNNER), "--lease", str(LEASE), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
+    assert (tmp_path / "runner-state" / "runner.db").exists()
     table = rows(done.stdout)
     assert "Disposed  exited (code 0)" in table["runner/heartbeat"]
     assert "Expired   exited (code 0)" in table["runner/expiring"]

@@ -130,6 +130,22 @@ async def test_an_interrupt_right_after_start_still_ends_the_child_by_sigterm(
         assert termination.exit in (ExitStatus(code=0), ExitStatus(signal=signal.SIGTERM))
 
 
+async def test_a_relative_state_directory_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    async with (
+        SubprocessExecution("state", entry_paths=[PLUGINS]) as relative,
+        open_supervisor(MemoryStore(), relative, lease=30.0, grace=1.0) as sup,
+    ):
+        handle = await opened(sup)
+        await sup.load(handle, Load(specifier="heartbeat:main"))
+        await until_logged(relative, handle, "beat 1")
+        with trio.fail_after(BOUND):
+            assert (await sup.dispose(handle)).kind == "exited"
+    assert relative.log_path(handle).is_relative_to(tmp_path / "state")
+
+
 async def test_a_plugin_ignoring_sigterm_is_killed_after_the_grace(sup: Supervisor) -> None:
     handle, _ = await loaded_child(sup, "stubborn:main")
     await trio.sleep(0.2)  # let it install its SIG_IGN

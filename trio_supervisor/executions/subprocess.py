@@ -203,7 +203,8 @@ class SubprocessExecution:
         python: str = sys.executable,
         subreaper: bool = True,
     ) -> None:
-        self.state_directory = Path(state_directory)
+        # Absolute: children run with the state directory as their working directory.
+        self.state_directory = Path(state_directory).absolute()
         self.entry_paths = tuple(str(Path(path).resolve()) for path in entry_paths)
         self.commands: dict[str, tuple[str, ...]] = {}
         for name, argv in (commands or {}).items():
