@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -98,3 +99,39 @@ def test_text_that_is_not_json_is_refused() -> None:
         codec.decode("{")
     with pytest.raises(RecordFormatError, match="must be a JSON object"):
         codec.decode("[1]")
+
+
+def _corruptions(data: object) -> list[object]:
+    """Copies of ``data`` with one value replaced, removed or added, everywhere in it."""
+    variants: list[object] = []
+    if isinstance(data, dict):
+        for name, value in data.items():
+            replacements: list[object] = [None, "3", 3, 1.5, True, [], {}]
+            variants.extend({**data, name: replacement} for replacement in replacements)
+            variants.append({key: item for key, item in data.items() if key != name})
+            variants.extend({**data, name: inner} for inner in _corruptions(value))
+        variants.append({**data, "extra": 1})
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            variants.extend(
+                [*data[:index], inner, *data[index + 1 :]] for inner in _corruptions(value)
+            )
+    return variants
+
+
+@given(record=records())
+def test_the_fast_reader_accepts_and_refuses_exactly_what_the_detailed_one_does(
+    record: SessionRecord,
+) -> None:
+    # Reading tries a converter without detailed validation first; it must never accept
+    # what the detailed one refuses, nor build something else.
+    fields = codec.unstructure(record)
+    del fields["version"]
+    for variant in _corruptions(fields)[:400]:
+        detailed: object = None
+        fast: object = None
+        with contextlib.suppress(Exception):
+            detailed = codec.converter.structure(variant, SessionRecord)  # type: ignore[arg-type]
+        with contextlib.suppress(Exception):
+            fast = codec._fast.structure(variant, SessionRecord)  # type: ignore[arg-type]
+        assert fast == detailed, variant
