@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import os
 import signal
+import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -37,6 +40,39 @@ def _children(pid: int) -> list[tuple[int, str]]:
         except (OSError, ValueError):
             continue
     return found
+
+
+# A test that deadlocks never ends under an autojump clock (nothing is left to jump to).
+# Rather than hang the run, end it with every thread's traceback. Seconds of real time
+# per test; 0 turns the guard off (the deep conformance profile runs for minutes).
+HANG_TIMEOUT = float(os.environ.get("TRIO_SUPERVISOR_TEST_TIMEOUT", "600"))
+
+
+@pytest.fixture(autouse=True)
+def no_hang(request: pytest.FixtureRequest) -> Iterator[None]:
+    if HANG_TIMEOUT <= 0:
+        yield
+        return
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+
+    def hung() -> None:
+        if capture is not None:
+            capture.suspend_global_capture(in_=True)  # write to the real stderr
+        sys.stderr.write(
+            f"\n{request.node.nodeid} still runs after {HANG_TIMEOUT:g} s: deadlocked? "
+            "Every thread's traceback follows; the run ends here.\n"
+        )
+        sys.stderr.flush()
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(1)
+
+    timer = threading.Timer(HANG_TIMEOUT, hung)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 @pytest.fixture(scope="session", autouse=True)
