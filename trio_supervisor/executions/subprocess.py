@@ -1,7 +1,8 @@
 """Children as OS processes that cannot escape (Linux).
 
-Each child is ``python -I _bootstrap.py`` started in a session and process group of its
-own, talking to us over a socket pair (see ``_bootstrap.py`` for the protocol). What a
+Each child is ``python -I`` running ``_bootstrap.py`` (compiled once into the state
+directory), started in a session and process group of its own, talking to us over a
+socket pair (see ``_bootstrap.py`` for the protocol). What a
 remote host may run is decided here, by the runner's owner:
 
 * **entry points** ``package.module:function``, found only on the ``entry_paths`` the
