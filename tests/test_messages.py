@@ -290,3 +290,22 @@ def test_recovering_a_stopped_record_is_refused_by_name() -> None:
     assert stopped.reason == Recovery()
     with pytest.raises(ValueError, match=r"^a Stopped record needs no recovery$"):
         recovered(stopped, Termination(kind="exited", exit=ExitStatus(code=0)))
+
+
+def _task_names(task: trio.lowlevel.Task) -> list[str]:
+    names = [task.name]
+    for nursery in task.child_nurseries:
+        for child in nursery.child_tasks:
+            names.extend(_task_names(child))
+    return names
+
+
+async def test_tasks_are_named_after_their_session(sup: Supervisor) -> None:
+    # What a debugger or a Trio instrument shows: which session a task belongs to.
+    handle = await opened(sup)
+    await sup.load(handle, Load(specifier="plugin:main"))
+    root = trio.lowlevel.current_root_task()
+    assert root is not None
+    names = _task_names(root)
+    assert f"trio_supervisor session {handle}" in names
+    assert f"trio_supervisor exit watcher {handle}" in names
