@@ -56,15 +56,18 @@ def no_hang(request: pytest.FixtureRequest) -> Iterator[None]:
     capture = request.config.pluginmanager.getplugin("capturemanager")
 
     def hung() -> None:
-        if capture is not None:
-            capture.suspend_global_capture(in_=True)  # write to the real stderr
-        sys.stderr.write(
-            f"\n{request.node.nodeid} still runs after {HANG_TIMEOUT:g} s: deadlocked? "
-            "Every thread's traceback follows; the run ends here.\n"
-        )
-        sys.stderr.flush()
-        faulthandler.dump_traceback(all_threads=True)
-        os._exit(1)
+        try:
+            if capture is not None:
+                capture.suspend_global_capture(in_=True)  # write to the real stderr
+            stream = sys.__stderr__ or sys.stderr
+            stream.write(
+                f"\n{request.node.nodeid} still runs after {HANG_TIMEOUT:g} s: deadlocked? "
+                "Every thread's traceback follows; the run ends here.\n"
+            )
+            stream.flush()
+            faulthandler.dump_traceback(file=stream, all_threads=True)
+        finally:
+            os._exit(1)
 
     timer = threading.Timer(HANG_TIMEOUT, hung)
     timer.daemon = True

@@ -851,6 +851,11 @@ def _counts(model: Model) -> dict[SessionId, dict[str, int]]:
     }
 
 
+def _fingerprint(model: Model) -> str:
+    """A text equal for two model states that behave the same from here on."""
+    return repr(sorted(vars(model).items()))
+
+
 def _interleave(
     model: Model,
     plan: list[_Planned],
@@ -859,9 +864,24 @@ def _interleave(
 ) -> Model | None:
     """A model state reached by an interleaving of ``plan`` that gives ``outcomes``."""
 
+    # Interleavings of independent steps often reach the same state by different orders;
+    # remembering the (position, state) pairs already found to lead nowhere keeps the
+    # search from exploring each of them again (without it, a burst that nothing
+    # explains, which is what a broken adapter produces, takes exponential time).
+    dead_ends: set[tuple[tuple[int, ...], tuple[tuple[Key, int], ...], str]] = set()
+
     def search(state: Model, positions: tuple[int, ...], lock: dict[Key, int]) -> Model | None:
         if all(position < 0 for position in positions):
             return state if matches(state) else None
+        seen = (positions, tuple(sorted(lock.items(), key=repr)), _fingerprint(state))
+        if seen in dead_ends:
+            return None
+        found = explore(state, positions, lock)
+        if found is None:
+            dead_ends.add(seen)
+        return found
+
+    def explore(state: Model, positions: tuple[int, ...], lock: dict[Key, int]) -> Model | None:
         for index, operation in enumerate(plan):
             position = positions[index]
             if position < 0:
