@@ -6,6 +6,7 @@ adapter's failure, that the original exception is kept as the cause.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -309,3 +310,70 @@ async def test_tasks_are_named_after_their_session(sup: Supervisor) -> None:
     names = _task_names(root)
     assert f"trio_supervisor session {handle}" in names
     assert f"trio_supervisor exit watcher {handle}" in names
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"key": "plugin/a"}, TypeError, "key must be a Key, not str"),
+        ({"request_id": ""}, ValueError, "request_id must be a non-empty str, got ''"),
+        ({"request_id": 5}, ValueError, "request_id must be a non-empty str, got 5"),
+        (
+            {"expected_generation": True},
+            ValueError,
+            "expected_generation must be None or an int >= 0, got True",
+        ),
+        (
+            {"expected_generation": "1"},
+            ValueError,
+            "expected_generation must be None or an int >= 0, got '1'",
+        ),
+        ({"lease": -1.0}, ValueError, "lease must be a finite number of seconds > 0, got -1.0"),
+        ({"limits": {}}, TypeError, "limits must be Limits, not dict"),
+    ],
+)
+async def test_open_names_the_argument_it_refuses(
+    sup: Supervisor, arguments: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    call: dict[str, Any] = {"key": KEY, "request_id": "r1", **arguments}
+    with pytest.raises(error) as caught:
+        await sup.open(call.pop("key"), call.pop("request_id"), **call)
+    assert str(caught.value) == message
+    assert await sup.high_water(KEY) is None  # and nothing was opened
+
+
+async def test_key_locks_are_dropped_once_nobody_holds_or_waits(
+    sup: Supervisor, fake: FakeExecution, autojump_clock: trio.testing.MockClock
+) -> None:
+    fake.behave("slow", exit_delay=0.8)
+    first = await opened(sup)
+    await sup.load(first, Load(specifier="slow"))
+    async with trio.open_nursery() as nursery:
+        # Superseding waits 0.8 s for the slow child, holding the key's lock; a second
+        # open waits for the lock and is cancelled while it waits.
+        nursery.start_soon(functools.partial(sup.open, KEY, "r2", expected_generation=1))
+        await trio.sleep(0.1)
+        with trio.move_on_after(0.1):
+            await sup.open(KEY, "r3", expected_generation=1)
+        assert list(sup._locks._locks) == [KEY]
+    assert sup._locks._locks == {}
+    record = await sup.open(KEY, "r4", expected_generation=2)
+    assert record.handle.generation == 3
+    assert sup._locks._locks == {}
+    await sup.dispose(record.handle)
+    assert record.handle.token not in sup._sessions  # P5: its record answers from now on
+
+
+async def test_a_troubled_supersede_is_logged_with_the_session(
+    sup: Supervisor, fake: FakeExecution, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.behave("flaky", interrupt_error=RuntimeError("no signal"))
+    first = await opened(sup)
+    await sup.load(first, Load(specifier="flaky"))
+    with caplog.at_level("WARNING", logger="trio_supervisor"):
+        await sup.open(KEY, "r2", expected_generation=1)
+    [warning] = [record for record in caplog.records if "superseded" in record.getMessage()]
+    assert warning.getMessage() == (
+        "terminating the superseded generation 1 of plugin/a had problems: RuntimeError: no signal"
+    )
+    assert (warning.identity, warning.instance, warning.generation) == ("plugin", "a", 1)  # type: ignore[attr-defined]
