@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -53,3 +54,17 @@ async def during_shutdown(
 
         callers.start_soon(late)
     return handle
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of a process (``/proc/PID/stat``), or None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2 :].decode().split()[0]
+
+
+def running(pid: int) -> bool:
+    """Whether a process exists and is not a zombie."""
+    return process_state(pid) not in (None, "Z")

@@ -19,22 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from .harness import running
+
 ROOT = Path(__file__).parent.parent
 RUNNER = ROOT / "examples" / "runner.py"
 CYCLE = Path(__file__).parent / "crash_cycle.py"
 LEASE = 2.0
-
-
-def state_of(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    return stat[stat.rindex(b")") + 2 :].decode().split()[0]
-
-
-def running(pid: int) -> bool:
-    return state_of(pid) not in (None, "Z")
 
 
 def descendants(pid: int) -> set[int]:

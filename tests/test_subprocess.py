@@ -36,23 +36,10 @@ from trio_supervisor import (
 )
 from trio_supervisor.executions.subprocess import boot_id, start_time
 
-from .harness import opened
+from .harness import opened, running
 
 PLUGINS = Path(__file__).parent.parent / "examples" / "plugins"
 BOUND = 20.0
-
-
-def state(pid: int) -> str | None:
-    """The state letter of a process, or None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    return stat[stat.rindex(b")") + 2 :].decode().split()[0]
-
-
-def running(pid: int) -> bool:
-    return state(pid) not in (None, "Z")
 
 
 @pytest.fixture
