@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ from trio_supervisor import (
     Termination,
     codec,
 )
+from trio_supervisor.stores.base import Store
 from trio_supervisor.testing import FakeExecution
 
 from .harness import KEY, opened, supervise
@@ -177,6 +179,16 @@ async def test_retention_keeps_the_newest_per_key_and_a_total_cap(tmp_path: Path
         assert (await store.high_water())[Key(identity="p", instance="a")] == 4
 
 
+async def contents(*stores: Store) -> list[tuple[list[SessionRecord], Mapping[Key, int]]]:
+    """Each store's records and high-water marks."""
+    return [(list(await store.list()), await store.high_water()) for store in stores]
+
+
+def operation(instance: str, generation: int, stop: bool) -> SessionRecord:
+    """The record one step of a retention test saves."""
+    return stopped(instance, generation) if stop else open_record(instance, generation)
+
+
 operations = st.lists(
     st.tuples(st.sampled_from("abc"), st.integers(min_value=1, max_value=6), st.booleans()),
     max_size=25,
@@ -192,25 +204,18 @@ def test_retention_matches_the_memory_store(
 ) -> None:
     retention = Retention(stopped_per_key=per_key, stopped_total=total)
 
-    async def apply() -> tuple[list[SessionRecord], list[SessionRecord], object, object]:
+    async def apply() -> list[tuple[list[SessionRecord], Mapping[Key, int]]]:
         path = tmp_path / f"r{abs(hash((tuple(ops), per_key, total)))}.db"
         path.unlink(missing_ok=True)
         memory = MemoryStore(retention=retention)
         async with SqliteStore(path, retention=retention) as sqlite:
             for instance, generation, stop in ops:
-                record: SessionRecord = (
-                    stopped(instance, generation) if stop else open_record(instance, generation)
-                )
+                record = operation(instance, generation, stop)
                 await memory.save(record)
                 await sqlite.save(record)
-            return (
-                list(await memory.list()),
-                list(await sqlite.list()),
-                await memory.high_water(),
-                await sqlite.high_water(),
-            )
+            return await contents(memory, sqlite)
 
-    in_memory, in_sqlite, memory_marks, sqlite_marks = trio.run(apply)
+    (in_memory, memory_marks), (in_sqlite, sqlite_marks) = trio.run(apply)
     assert in_sqlite == in_memory
     assert sqlite_marks == memory_marks
 
@@ -230,28 +235,20 @@ def test_retention_in_batches_and_across_reopens_matches_the_memory_store(
     # between batches: what the store knows of the table must survive both.
     retention = Retention(stopped_per_key=per_key, stopped_total=total)
 
-    async def apply() -> tuple[list[SessionRecord], list[SessionRecord], object, object]:
+    async def apply() -> list[tuple[list[SessionRecord], Mapping[Key, int]]]:
         path = tmp_path / f"b{abs(hash((repr(batches), per_key, total)))}.db"
         path.unlink(missing_ok=True)
         memory = MemoryStore(retention=retention)
         for batch in batches:
-            records: list[SessionRecord] = [
-                stopped(instance, generation) if stop else open_record(instance, generation)
-                for instance, generation, stop in batch
-            ]
+            records = [operation(*step) for step in batch]
             for record in records:
                 await memory.save(record)
             async with SqliteStore(path, retention=retention) as sqlite:
                 await sqlite.save_many(records)
         async with SqliteStore(path, retention=retention) as sqlite:
-            return (
-                list(await memory.list()),
-                list(await sqlite.list()),
-                await memory.high_water(),
-                await sqlite.high_water(),
-            )
+            return await contents(memory, sqlite)
 
-    in_memory, in_sqlite, memory_marks, sqlite_marks = trio.run(apply)
+    (in_memory, memory_marks), (in_sqlite, sqlite_marks) = trio.run(apply)
     assert in_sqlite == in_memory
     assert sqlite_marks == memory_marks
 
