@@ -30,7 +30,6 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Self
 
-import attrs
 import trio
 
 from ..codec import decode, encode
@@ -66,6 +65,35 @@ CREATE TABLE IF NOT EXISTS high_water (
 ) WITHOUT ROWID;
 """
 
+# A batch is one statement: rows inserted into this view, each a change that the trigger
+# applies (a record to write, a record to delete, a high-water mark to raise). One
+# statement is one call into SQLite, which runs without the GIL: the worker needs the
+# GIL back once per batch, not once per row, and the event loop keeps it meanwhile.
+# Both live in the connection's temporary schema; the file never holds them.
+_CHANGES = (
+    """
+CREATE TEMP VIEW changes (token, identity, instance, saved, stopped, body, generation)
+    AS SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL WHERE 0
+""",
+    """
+CREATE TEMP TRIGGER apply_change INSTEAD OF INSERT ON changes BEGIN
+    DELETE FROM records WHERE NEW.body IS NULL AND token = NEW.token;
+    INSERT INTO records (token, identity, instance, saved, stopped, body)
+        SELECT NEW.token, NEW.identity, NEW.instance, NEW.saved, NEW.stopped, NEW.body
+        WHERE NEW.body IS NOT NULL
+        ON CONFLICT (token) DO UPDATE SET
+            saved = excluded.saved, stopped = excluded.stopped, body = excluded.body;
+    INSERT INTO high_water (identity, instance, generation)
+        SELECT NEW.identity, NEW.instance, NEW.generation
+        WHERE NEW.generation IS NOT NULL
+        ON CONFLICT (identity, instance) DO UPDATE SET
+            generation = max(generation, excluded.generation);
+END
+""",
+)
+# A row of the view: token, identity, instance, saved, stopped, body, generation.
+_Change = tuple[str | None, str | None, str | None, int | None, int | None, str | None, int | None]
+
 
 class _State(enum.Enum):
     QUEUED = "queued"  # the caller may still take it back
@@ -73,32 +101,40 @@ class _State(enum.Enum):
     WITHDRAWN = "withdrawn"  # the caller was cancelled first; the worker skips it
 
 
-@attrs.define(eq=False)
 class _Job:
-    """One request to the worker, and the way its answer gets back to the event loop."""
+    """One request to the worker, and the task that waits for its answer."""
 
-    kind: str  # "open", "save", "list", "high_water", "close"
-    rows: list[tuple[SessionRecord, str]] = attrs.Factory(list)
-    token: trio.lowlevel.TrioToken | None = None
-    done: trio.Event = attrs.Factory(trio.Event)
-    state: _State = _State.QUEUED
-    lock: threading.Lock = attrs.Factory(threading.Lock)
-    result: Any = None
-    error: BaseException | None = None
+    __slots__ = ("error", "kind", "result", "rows", "state", "task", "token")
+
+    def __init__(self, kind: str, rows: list[tuple[SessionRecord, str]] | None = None) -> None:
+        self.kind = kind  # "open", "save", "list", "high_water", "close"
+        self.rows = rows or []
+        self.state = _State.QUEUED
+        self.task = trio.lowlevel.current_task()
+        self.token = trio.lowlevel.current_trio_token()
+        self.result: Any = None
+        self.error: BaseException | None = None
 
     def take(self) -> bool:
-        with self.lock:
+        """The worker's claim on the job: False if its caller withdrew it first."""
+        with _claims:
             if self.state is _State.QUEUED:
                 self.state = _State.TAKEN
                 return True
             return False
 
     def withdraw(self) -> bool:
-        with self.lock:
+        """The caller's claim: False if the worker took the job first."""
+        with _claims:
             if self.state is _State.QUEUED:
                 self.state = _State.WITHDRAWN
                 return True
             return False
+
+
+# Guards every job's state: the caller and the worker both move it out of QUEUED, and
+# only one of them may. Held for a comparison and an assignment, so one lock serves all.
+_claims: Final = threading.Lock()
 
 
 class SqliteStore:
@@ -188,12 +224,12 @@ class SqliteStore:
         if self._thread is None:
             await trio.lowlevel.checkpoint()
             return
-        job = _Job("close", token=trio.lowlevel.current_trio_token())
+        job = _Job("close")
         job.state = _State.TAKEN
         self._jobs.put(job)
-        with trio.CancelScope(shield=True):
-            # Bounded by the writes already queued; the thread exits right after.
-            await job.done.wait()
+        # Bounded by the writes already queued; the thread exits right after. A
+        # cancellation waits for it too (and is seen at the caller's next checkpoint).
+        await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
 
     # -- talking to the worker ---------------------------------------------------------
 
@@ -206,17 +242,15 @@ class SqliteStore:
                 target=_Worker(self).run, name=f"trio_supervisor sqlite {self.path}", daemon=True
             )
             self._thread.start()
-        job.token = trio.lowlevel.current_trio_token()
         self._jobs.put(job)
-        try:
-            await job.done.wait()
-        except trio.Cancelled:
-            if job.withdraw():
-                raise
-            # The worker took it, so the write may land: wait for the answer and
-            # report it. Bounded by one transaction (and SQLite's lock timeout).
-            with trio.CancelScope(shield=True):
-                await job.done.wait()
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            # Still queued: take it back and let the cancellation through. Taken: the
+            # write may land, so wait for its answer and report it; bounded by one
+            # transaction (and SQLite's lock timeout).
+            return trio.lowlevel.Abort.SUCCEEDED if job.withdraw() else trio.lowlevel.Abort.FAILED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
         if job.error is not None:
             raise job.error
         return job.result
@@ -378,6 +412,8 @@ class _Worker:
                     f"this library reads version {SCHEMA_VERSION}"
                 )
             connection.execute("COMMIT")
+            for statement in _CHANGES:
+                connection.execute(statement)
             mirror = _Mirror.read(connection)
         except sqlite3.Error as error:
             raise StateStorageError(_explain(path, "open", error)) from error
@@ -398,11 +434,11 @@ class _Worker:
                     job.error = failure
                 return
         retention = self._store.retention
-        # The whole batch is worked out here, against the mirror; SQLite then gets one
-        # statement per kind of change, each run over all its rows.
-        upserts: dict[str, tuple[str, str, str, int, int | None, str]] = {}
-        deletes: set[str] = set()
-        raised: dict[tuple[str, str], int] = {}
+        # The whole batch is worked out here, against the mirror, into rows of the
+        # ``changes`` view; SQLite then gets them as one statement.
+        upserts: dict[str, _Change] = {}
+        deletes: dict[str, _Change] = {}
+        raised: dict[tuple[str, str], _Change] = {}
         for job in jobs:
             for record, body in job.rows:
                 handle = record.handle
@@ -414,39 +450,34 @@ class _Worker:
                     stop_order = mirror.stop(token, key)
                 else:
                     mirror.unstop(token)  # a caller un-stopped a record; so did the index
-                deletes.discard(token)
-                upserts[token] = (token, key[0], key[1], mirror.saved, stop_order, body)
+                deletes.pop(token, None)
+                upserts[token] = (token, *key, mirror.saved, stop_order, body, None)
                 if mirror.raise_high_water(key, handle.generation):
-                    raised[key] = handle.generation
+                    raised[key] = (None, *key, None, None, None, handle.generation)
                 if stop_order is None:
                     continue
                 # Retention: the newest per key, then a cap on all.
                 for evicted in mirror.evict(key, retention):
                     upserts.pop(evicted, None)
-                    deletes.add(evicted)
+                    deletes[evicted] = (evicted, None, None, None, None, None, None)
+        changes = [*deletes.values(), *upserts.values(), *raised.values()]
+        # Most batches fit one statement, which is then its own transaction.
+        per_statement = connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // 7
+        chunks = [
+            changes[start : start + per_statement]
+            for start in range(0, len(changes), per_statement)
+        ]
         try:
-            connection.execute("BEGIN IMMEDIATE")
-            if deletes:
-                connection.executemany(
-                    "DELETE FROM records WHERE token = ?", [(token,) for token in deletes]
+            if len(chunks) > 1:
+                connection.execute("BEGIN IMMEDIATE")
+            for chunk in chunks:
+                connection.execute(
+                    "INSERT INTO changes VALUES "
+                    + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(chunk)),
+                    [value for change in chunk for value in change],
                 )
-            connection.executemany(
-                "INSERT INTO records (token, identity, instance, saved, stopped, body) "
-                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (token) DO UPDATE SET "
-                "saved = excluded.saved, stopped = excluded.stopped, body = excluded.body",
-                upserts.values(),
-            )
-            if raised:
-                connection.executemany(
-                    "INSERT INTO high_water (identity, instance, generation) VALUES (?, ?, ?) "
-                    "ON CONFLICT (identity, instance) DO UPDATE SET "
-                    "generation = max(generation, excluded.generation)",
-                    [
-                        (identity, instance, generation)
-                        for (identity, instance), generation in raised.items()
-                    ],
-                )
-            connection.execute("COMMIT")
+            if connection.in_transaction:
+                connection.execute("COMMIT")
         except sqlite3.Error as error:
             if connection.in_transaction:
                 connection.execute("ROLLBACK")
@@ -519,16 +550,16 @@ def _explain(path: str, action: str, error: sqlite3.Error) -> str:
 
 def _deliver(jobs: Sequence[_Job | None]) -> None:
     """Wake the callers of finished jobs, one callback per event loop."""
-    by_loop: dict[trio.lowlevel.TrioToken, list[trio.Event]] = {}
+    by_loop: dict[trio.lowlevel.TrioToken, list[trio.lowlevel.Task]] = {}
     for job in jobs:
-        if job is not None and job.token is not None:
-            by_loop.setdefault(job.token, []).append(job.done)
-    for token, events in by_loop.items():
+        if job is not None:
+            by_loop.setdefault(job.token, []).append(job.task)
+    for token, tasks in by_loop.items():
         # A finished event loop has nobody waiting any more.
         with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(_set_all, events)
+            token.run_sync_soon(_wake_all, tasks)
 
 
-def _set_all(events: list[trio.Event]) -> None:
-    for event in events:
-        event.set()
+def _wake_all(tasks: list[trio.lowlevel.Task]) -> None:
+    for task in tasks:
+        trio.lowlevel.reschedule(task)
