@@ -10,7 +10,7 @@ length, then the payload):
     supervisor -> child   {"command": "renew", "lease": 5.0}    any number of times
     supervisor -> child   {"command": "start"}
     child -> supervisor   {"event": "started"}  or  {"event": "failed", ...}
-    supervisor -> child   {"command": "interrupt"}  just before it sends SIGTERM
+    supervisor -> child   {"command": "interrupt"}  right after it sends SIGTERM
 
 Before any of the caller's code runs, this process resolves the specifier (finding the
 module file on the configured paths without importing it, or the executable of a named

@@ -584,10 +584,13 @@ class _ProcessUnit:
             await self._send({"command": "renew", "lease": lease})
 
     async def interrupt(self) -> None:
-        # Disarm the child's lease watchdog first, so it cannot cut a graceful stop short.
+        # The signal first: the child starts on its way out while the message that
+        # disarms its lease watchdog (so the lease cannot cut the graceful stop short)
+        # follows. The watchdog cannot fire in between: it waits for the lease plus a
+        # second of slack, and the session was live, so its lease had not run out.
+        _signal_group(self._identity.pgid or self._process.pid, signal.SIGTERM)
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await self._send({"command": "interrupt"})
-        _signal_group(self._identity.pgid or self._process.pid, signal.SIGTERM)
 
     async def kill(self) -> None:
         await trio.lowlevel.checkpoint()
