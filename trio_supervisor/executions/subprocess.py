@@ -140,13 +140,13 @@ async def _group_gone(pgid: int) -> None:
     """Return once no process is left in the group.
 
     Members that were re-parented to us (when this process is a child subreaper) are
-    reaped here, or they would stay in the group as zombies.
+    reaped here, or they would stay in the group as zombies. Not a checkpoint when the
+    group is gone already: callers wait for the leader first.
     """
     while True:
         _reap_group(pgid)
         if not _group_exists(pgid):
-            await trio.lowlevel.checkpoint()
-            return
+            return  # the caller's wait for the leader was the checkpoint
         await trio.sleep(GROUP_POLL)
 
 
@@ -419,6 +419,7 @@ class SubprocessExecution:
         if _live_members(pgid):
             # The leader is dead, its group is not: only its descendants can hold the id.
             _signal_group(pgid, signal.SIGKILL)
+            await trio.lowlevel.checkpoint()
             await _group_gone(pgid)
             return Termination(kind="killed", exit=ExitStatus(code=None, signal=None))
         _reap_group(pgid)
@@ -618,5 +619,6 @@ class _ProcessUnit:
         # Closing the socket is the child's dead-man switch if anything still runs.
         await self._control.aclose()
         # Once the group is gone its output ends; let the last of it reach the log.
-        with trio.move_on_after(1.0):
-            await self.output_done.wait()
+        if not self.output_done.is_set():  # it is when the child wrote the log itself
+            with trio.move_on_after(1.0):
+                await self.output_done.wait()
