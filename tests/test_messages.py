@@ -377,3 +377,74 @@ async def test_a_troubled_supersede_is_logged_with_the_session(
         "terminating the superseded generation 1 of plugin/a had problems: RuntimeError: no signal"
     )
     assert (warning.identity, warning.instance, warning.generation) == ("plugin", "a", 1)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error", "message"),
+    [
+        ("lease", 0, ValueError, "lease must be a finite number of seconds > 0, got 0"),
+        ("lease", -2.5, ValueError, "lease must be a finite number of seconds > 0, got -2.5"),
+        (
+            "lease",
+            float("inf"),
+            ValueError,
+            "lease must be a finite number of seconds > 0, got inf",
+        ),
+        ("lease", True, TypeError, "lease must be a number of seconds, not bool"),
+        ("lease", "5", TypeError, "lease must be a number of seconds, not str"),
+        ("grace", -0.5, ValueError, "grace must be a finite number of seconds >= 0, got -0.5"),
+        (
+            "grace",
+            float("nan"),
+            ValueError,
+            "grace must be a finite number of seconds >= 0, got nan",
+        ),
+        (
+            "confirmation_timeout",
+            0.0,
+            ValueError,
+            "confirmation_timeout must be a finite number of seconds > 0, got 0.0",
+        ),
+        (
+            "confirmation_timeout",
+            None,
+            TypeError,
+            "confirmation_timeout must be a number of seconds, not NoneType",
+        ),
+    ],
+)
+async def test_open_supervisor_names_the_duration_it_refuses(
+    option: str, value: object, error: type[Exception], message: str
+) -> None:
+    store = MemoryStore()
+    store_before = list(await store.list())
+    fake = FakeExecution()
+    with pytest.raises(error) as caught:
+        async with supervise(store, fake, **{option: value}):
+            pytest.fail("a supervisor ran with a bad duration")
+    assert str(caught.value) == message
+    assert list(await store.list()) == store_before  # and nothing was recovered or written
+
+
+async def test_a_zero_grace_is_accepted_and_goes_straight_to_the_kill(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # grace=0 is allowed (>= 0): the interrupt gets no time, the kill follows at once (P3).
+    fake = FakeExecution()
+    fake.behave("stubborn", ignore_interrupt=True)
+    async with supervise(MemoryStore(), fake, grace=0) as sup:
+        handle = await opened(sup)
+        await sup.load(handle, Load(specifier="stubborn"))
+        termination = await sup.dispose(handle)
+    assert termination.kind == "killed"
+
+
+@pytest.mark.parametrize(("lease", "shown"), [(0, "0"), (-1, "-1"), (float("nan"), "nan")])
+async def test_open_refuses_a_lease_that_is_not_a_positive_duration(
+    sup: Supervisor, lease: float, shown: str
+) -> None:
+    with pytest.raises(
+        ValueError, match=rf"^lease must be a finite number of seconds > 0, got {shown}$"
+    ):
+        await sup.open(KEY, "r1", expected_generation=None, lease=lease)
+    assert await sup.high_water(KEY) is None

@@ -251,6 +251,28 @@ async def test_o8_a_failed_save_poisons_and_no_session_exists(fake: FakeExecutio
             assert await inner.list() == []
 
 
+async def test_o8_a_store_failing_in_its_own_way_is_reported_as_a_storage_error(
+    fake: FakeExecution,
+) -> None:
+    # A store adapter that raises something else than StateStorageError: the caller and
+    # the health check see a StateStorageError that names what the store raised.
+    class Broken(MemoryStore):
+        async def save(self, record: SessionRecord) -> None:
+            await trio.lowlevel.checkpoint()
+            raise RuntimeError("disk full")
+
+    with pytest.RaisesGroup(StateStorageError):
+        async with supervise(Broken(), fake) as sup:
+            with pytest.raises(StateStorageError) as caught:
+                await sup.open(KEY, "r1")
+            assert (
+                str(caught.value) == "the store failed to save a record: RuntimeError('disk full')"
+            )
+            assert isinstance(caught.value.__cause__, RuntimeError)
+            assert sup.poisoned is caught.value
+            assert await sup.high_water(KEY) is None
+
+
 async def test_o8_the_record_is_durable_when_open_returns(
     sup: Supervisor, store: MemoryStore
 ) -> None:

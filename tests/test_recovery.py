@@ -119,10 +119,13 @@ async def test_v2_a_failed_recovery_keeps_the_supervisor_from_starting(fake: Fak
     records = await left_behind(store)
     fake.recoveries["c2"] = ExecutionError("cannot open a pidfd")
     entered = False
-    with pytest.raises(TerminationUnconfirmedError, match="1 orphaned children") as caught:
+    with pytest.raises(TerminationUnconfirmedError) as caught:
         async with supervise(store, fake):
             entered = True
     assert not entered
+    assert str(caught.value) == (
+        "1 orphaned children could not be confirmed gone; the supervisor does not start"
+    )
     assert [str(cause) for cause in caught.value.causes] == ["cannot open a pidfd"]
     after = {record.handle.token: record for record in await store.list()}
     # What could be confirmed is recorded; the one that could not stays for next time.
@@ -266,3 +269,49 @@ async def test_s2_high_water_is_the_highest_generation_or_none(sup: Supervisor) 
     await opened(sup, request_id="r2")
     assert await sup.high_water(KEY) == 2
     assert await sup.high_water(OTHER) is None
+
+
+async def test_v1_a_store_that_fails_to_read_in_its_own_way_is_a_storage_error(
+    fake: FakeExecution,
+) -> None:
+    class Unreadable(MemoryStore):
+        async def list(self) -> list[SessionRecord]:
+            raise RuntimeError("disk on fire")
+
+    with pytest.raises(StateStorageError) as caught:
+        async with supervise(Unreadable(), fake):
+            pytest.fail("the supervisor started on a store it could not read")
+    assert str(caught.value) == "the store could not be read: RuntimeError('disk on fire')"
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert fake.calls == []  # nothing was recovered
+
+
+async def test_v2_an_adapter_whose_recover_returns_no_termination_is_unconfirmed(
+    fake: FakeExecution,
+) -> None:
+    class Vague(FakeExecution):
+        async def recover(self, child: ChildIdentity) -> Termination:
+            await trio.lowlevel.checkpoint()
+            return "gone"  # type: ignore[return-value]
+
+    store = MemoryStore()
+    orphan = LoadedRecord(load=LOAD, code=CODE, child=child("c"), **base(handle_of("a")))
+    await store.save(orphan)
+    with pytest.raises(TerminationUnconfirmedError) as caught:
+        async with supervise(store, Vague()):
+            pytest.fail("the supervisor started with an orphan it could not vouch for")
+    [cause] = caught.value.causes
+    assert isinstance(cause, ExecutionError)
+    assert str(cause) == "recover returned 'gone', not a Termination"
+    assert await store.list() == [orphan]  # left for the next start to try again
+
+
+async def test_v3_recovery_logs_how_many_sessions_it_stopped(
+    fake: FakeExecution, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = MemoryStore()
+    await left_behind(store)  # five sessions that were not Stopped, one that was
+    with caplog.at_level("INFO", logger="trio_supervisor"):
+        async with supervise(store, fake):
+            pass
+    assert "recovered 5 sessions left over from an earlier run" in caplog.messages

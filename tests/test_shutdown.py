@@ -34,7 +34,7 @@ async def test_z1_closing_is_set_first_so_new_work_is_refused(
             ("renew", sup.renew(handle)),
             ("load", sup.load(handle, Load(specifier="slow"))),
         ):
-            with pytest.raises(RunnerClosingError):
+            with pytest.raises(RunnerClosingError, match=r"^the supervisor is shutting down$"):
                 await call
             refused.append(name)
         assert (await sup.status(handle)).handle == handle
@@ -145,3 +145,29 @@ async def test_z3_a_cancelled_block_still_reaps_every_child(
     assert isinstance(record, StoppedRecord)
     assert record.reason == Shutdown()
     assert fake.units[0].exited
+
+
+async def test_z3_a_cancelled_block_still_reports_the_problems_of_its_terminations(
+    store: MemoryStore, fake: FakeExecution, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The shutdown is shielded: the cancellation that ended the block neither cuts the
+    # terminations short nor swallows what went wrong in them.
+    fake.behave("leaky", exit_delay=0.5, aclose_error=OSError("fd already closed"))
+    with pytest.RaisesGroup(OSError, flatten_subgroups=True) as caught:
+        with trio.move_on_after(1.0):
+            async with supervise(store, fake) as sup:
+                handle = await opened(sup)
+                await sup.load(handle, Load(specifier="leaky"))
+                await trio.sleep_forever()
+    # Past the cancel scope, the cancellation is gone and the problem is what is left.
+    assert [str(problem) for problem in _leaves(caught.value)] == ["fd already closed"]
+    assert trio.current_time() == pytest.approx(1.5)
+    [record] = await store.list()
+    assert isinstance(record, StoppedRecord)
+    assert record.termination.kind == "exited"
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in _leaves(inner)]
+    return [error]
