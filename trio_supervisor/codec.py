@@ -81,9 +81,15 @@ def _tagged(
     by_tag = {tag: member for member, tag in tags.items()}
     known = ", ".join(sorted(by_tag))
 
+    # Each member's own hook, looked up once: records are encoded on every save.
+    hooks: dict[type, Callable[[Any], dict[str, Any]]] = {}
+
     def unstructure_tagged(value: Any) -> dict[str, Any]:
         member = type(value)
-        data: dict[str, Any] = target.unstructure(value, unstructure_as=member)
+        hook = hooks.get(member)
+        if hook is None:
+            hook = hooks[member] = target.get_unstructure_hook(member)
+        data = hook(value)
         data[tag_name] = tags[member]
         return data
 
@@ -150,9 +156,12 @@ def _describe(error: BaseException, kind: type | None) -> str:
     return cattrs.v.format_exception(error, kind)
 
 
+_unstructure_record: Final = converter.get_unstructure_hook(SessionRecord)
+
+
 def unstructure(record: SessionRecord) -> dict[str, Any]:
     """Return the versioned JSON-ready form of a record."""
-    data: dict[str, Any] = converter.unstructure(record, unstructure_as=SessionRecord)
+    data: dict[str, Any] = _unstructure_record(record)
     data["version"] = VERSION
     return data
 
