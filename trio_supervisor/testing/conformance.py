@@ -51,6 +51,7 @@ from ..model import (
 )
 from ..model import Load as LoadRequest
 from ..stores.base import Store
+from ..stores.memory import MemoryStore
 from ..supervisor import Supervisor, open_supervisor
 from .harnesses import FakeHarness, Harness
 from .incarnation import ClockGuard, Faults, Incarnation, Log
@@ -136,10 +137,21 @@ class Operation:
 class World:
     """One example's Trio run, in its own thread."""
 
-    def __init__(self, store_factory: StoreFactory, harness: Harness) -> None:
+    def __init__(
+        self,
+        store_factory: StoreFactory,
+        harness: Harness,
+        store_answers_outside: bool | None = None,
+    ) -> None:
         self.store_factory = store_factory
         self.harness = harness
         self.store = store_factory(None)
+        # A MemoryStore answers within the run; any other store is taken to do real I/O.
+        self.store_answers_outside = (
+            not isinstance(self.store, MemoryStore)
+            if store_answers_outside is None
+            else store_answers_outside
+        )
         self.clock = trio.testing.MockClock()
         self.log = Log()
         self.faults = Faults()
@@ -194,7 +206,12 @@ class World:
     async def enter(self) -> BaseException | None:
         """Start a supervisor on the store; return what ``open_supervisor`` raised."""
         incarnation = Incarnation(
-            self.store, self.harness.execution, self.log, self.guard, self.faults
+            self.store,
+            self.harness.execution,
+            self.log,
+            self.guard,
+            self.faults,
+            store_answers_outside=self.store_answers_outside,
         )
         self.incarnation = incarnation
         self.exit_error = None
@@ -330,12 +347,13 @@ class ConformanceMachine(RuleBasedStateMachine):
     store_factory: ClassVar[StoreFactory]
     harness_factory: ClassVar[Callable[[], Harness]]
     restartable: ClassVar[bool] = True
+    store_answers_outside: ClassVar[bool | None] = None
 
     def __init__(self) -> None:
         super().__init__()
         harness = type(self).harness_factory()
         self.harness = harness
-        self.world = World(type(self).store_factory, harness)
+        self.world = World(type(self).store_factory, harness, type(self).store_answers_outside)
         retention = self.world.store.retention
         if retention.stopped_total < 10_000:
             raise ValueError(
@@ -927,6 +945,7 @@ def conformance_machine(
     *,
     restartable: bool = True,
     profile: str | None = None,
+    store_answers_outside: bool | None = None,
 ) -> type[ConformanceMachine]:
     """Build the conformance machine for a store and an execution adapter.
 
@@ -941,6 +960,12 @@ def conformance_machine(
         restartable: Whether the machine restarts (cleanly, and by crashing).
         profile: ``"ci"``, ``"deep"`` or ``"quick"`` (a smoke test); by default
             ``$TRIO_SUPERVISOR_CONFORMANCE``, else ``"ci"``.
+        store_answers_outside: Whether the store's answers come from outside the Trio
+            run (a worker thread, a socket). The machine then makes one store call at a
+            time, once every other task waits, so that an example replays exactly
+            (Hypothesis requires it) whatever the thread's timing. By default: True for
+            any store but a ``MemoryStore``. Say False only for a store that answers
+            within the run: the machine then explores more interleavings.
 
     Returns:
         A ``RuleBasedStateMachine`` subclass; pytest collects its ``TestCase``.
@@ -954,5 +979,6 @@ def conformance_machine(
     Conformance.store_factory = staticmethod(store_factory)
     Conformance.harness_factory = staticmethod(harness)
     Conformance.restartable = restartable
+    Conformance.store_answers_outside = store_answers_outside
     Conformance.TestCase.settings = settings.get_profile(f"trio_supervisor-{chosen}")
     return Conformance

@@ -11,14 +11,20 @@ Each incarnation of the supervisor gets its store and execution through wrappers
   tries reaches neither the disk nor the children, and the next incarnation finds the
   store and the children as the crash left them;
 * hold the virtual clock still while the store does real I/O (:class:`ClockGuard`),
-  so a save costs no virtual time even on a store backed by a thread.
+  so a save costs no virtual time even on a store backed by a thread;
+* for a store that answers from outside the Trio run (a worker thread, a socket), make
+  one store call at a time, and only once every other task waits. Hypothesis seeds
+  Trio's scheduler, so an example replays the same way only if the run takes the same
+  scheduling steps; a real thread finishing a little sooner or later would otherwise
+  change how many steps run between two saves, and with that every later interleaving.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import TypeVar
 
 import attrs
 import trio
@@ -42,6 +48,8 @@ from ..stores.base import Store
 from .model import SessionId
 
 __all__ = ["ClockGuard", "Entry", "Incarnation", "Log"]
+
+_T = TypeVar("_T")
 
 
 class ClockGuard:
@@ -133,13 +141,15 @@ class Incarnation:
         log: Log,
         guard: ClockGuard,
         faults: Faults,
+        *,
+        store_answers_outside: bool = False,
     ) -> None:
         self.log = log
         self.guard = guard
         self.faults = faults
         self.cut_off = False
         self._waits: set[trio.CancelScope] = set()
-        self.store = _Store(self, store)
+        self.store = _Store(self, store, one_at_a_time=store_answers_outside)
         self.execution = _Execution(self, execution)
 
     def cut(self) -> None:
@@ -167,13 +177,24 @@ class Faults:
 
 
 class _Store:
-    def __init__(self, incarnation: Incarnation, inner: Store) -> None:
+    def __init__(self, incarnation: Incarnation, inner: Store, *, one_at_a_time: bool) -> None:
         self._incarnation = incarnation
         self._inner = inner
+        self._turn: trio.Lock | None = trio.Lock() if one_at_a_time else None
 
     @property
     def retention(self) -> Retention:
         return self._inner.retention
+
+    async def _io(self, call: Callable[[], Awaitable[_T]]) -> _T:
+        with self._incarnation.guard.doing_io():
+            if self._turn is None:
+                return await call()
+            async with self._turn:
+                # Every other task parks first, so the answer reaches an idle run: when
+                # it comes makes no difference to what runs next (see the module docs).
+                await trio.testing.wait_all_tasks_blocked()
+                return await call()
 
     async def save(self, record: SessionRecord) -> None:
         incarnation = self._incarnation
@@ -186,17 +207,14 @@ class _Store:
             incarnation.log.entries.append(Entry("save", session, phase, done=False))
             await trio.lowlevel.checkpoint()
             raise StateStorageError(f"injected failure saving a {phase} record")
-        with incarnation.guard.doing_io():
-            await self._inner.save(record)
+        await self._io(lambda: self._inner.save(record))
         incarnation.log.entries.append(Entry("save", session, phase))
 
     async def list(self) -> Sequence[SessionRecord]:
-        with self._incarnation.guard.doing_io():
-            return await self._inner.list()
+        return await self._io(self._inner.list)
 
     async def high_water(self) -> Mapping[Key, int]:
-        with self._incarnation.guard.doing_io():
-            return await self._inner.high_water()
+        return await self._io(self._inner.high_water)
 
 
 class _Execution:
