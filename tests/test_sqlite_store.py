@@ -283,6 +283,32 @@ async def test_a_failed_transaction_changes_nothing_and_later_saves_apply_retent
         assert kept == [("a", 4), ("b", 1)]
 
 
+async def test_a_batch_of_several_statements_is_still_one_transaction(tmp_path: Path) -> None:
+    # A batch is written as multi-row statements of at most the connection's variable
+    # limit; one bigger than that takes several, which must land together or not at all.
+    with sqlite3.connect(":memory:") as probe:
+        per_statement = probe.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // 7
+    batch = [open_record(f"k{number}", 1) for number in range(per_statement + 10)]
+    path = tmp_path / "state.db"
+    async with SqliteStore(path) as store:
+        await store.save(open_record("first", 1))
+    connection = sqlite3.connect(path)
+    connection.execute(
+        "CREATE TRIGGER refuse BEFORE INSERT ON records "
+        f"WHEN NEW.token = '{batch[-1].handle.token}' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+    )
+    connection.commit()
+    connection.close()
+    async with SqliteStore(path) as store:
+        with pytest.raises(StateStorageError, match="refused"):
+            await store.save_many(batch)
+        assert [record.handle.key.instance for record in await store.list()] == ["first"]
+        assert list(await store.high_water()) == [Key(identity="p", instance="first")]
+        await store.save_many(batch[:-1])  # the same batch but for the refused record
+        assert len(await store.list()) == len(batch)
+        assert len(await store.high_water()) == len(batch)
+
+
 async def test_the_high_water_outlives_eviction_and_generations_continue(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     fake = FakeExecution()

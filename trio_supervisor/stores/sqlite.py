@@ -489,7 +489,8 @@ class _Worker:
             # before the next write.
             self._mirror = None
             return
-        self._store.commits += 1
+        if chunks:
+            self._store.commits += 1
 
     def _read(self, job: _Job) -> None:
         connection = self._connection
