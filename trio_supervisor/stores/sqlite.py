@@ -343,6 +343,7 @@ class _Worker:
         self._connection: sqlite3.Connection | None = None
         self._open_error: StateStorageError | None = None
         self._mirror: _Mirror | None = None
+        self._rows_per_statement = 1  # the connection's variable limit over 7 columns
 
     def run(self) -> None:
         jobs = self._store._jobs
@@ -419,6 +420,7 @@ class _Worker:
             raise StateStorageError(_explain(path, "open", error)) from error
         self._connection = connection
         self._mirror = mirror
+        self._rows_per_statement = connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // 7
 
     def _write(self, jobs: list[_Job]) -> None:
         connection = self._connection
@@ -462,7 +464,7 @@ class _Worker:
                     deletes[evicted] = (evicted, None, None, None, None, None, None)
         changes = [*deletes.values(), *upserts.values(), *raised.values()]
         # Most batches fit one statement, which is then its own transaction.
-        per_statement = connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // 7
+        per_statement = self._rows_per_statement
         chunks = [
             changes[start : start + per_statement]
             for start in range(0, len(changes), per_statement)
