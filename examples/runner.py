@@ -90,7 +90,9 @@ async def main(state: Path, lease: float, hold: bool) -> None:
     store = Journal(state / "runner.db", retention=Retention(stopped_per_key=1))
     async with (
         store,
-        SubprocessExecution(state, entry_paths=[PLUGINS], commands=COMMANDS) as execution,
+        SubprocessExecution(
+            state, entry_paths=[PLUGINS], commands=COMMANDS, standby=True
+        ) as execution,
     ):
         left = [record for record in await store.list() if not isinstance(record, StoppedRecord)]
         async with open_supervisor(

@@ -21,6 +21,7 @@ SCENARIOS = {
     "durable.concurrent",
     "durable.vs_memory",
     "child.cycle",
+    "child.cycle.cold",
     "recovery.10k",
     "terminate.cooperative",
 }

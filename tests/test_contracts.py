@@ -52,3 +52,9 @@ class TestSubprocessExecution(ExecutionContract):
     @pytest.fixture
     def harness_factory(self, tmp_path: Path) -> Callable[[], Harness]:
         return lambda: SubprocessHarness(tmp_path)
+
+
+class TestSubprocessExecutionWithStandby(ExecutionContract):
+    @pytest.fixture
+    def harness_factory(self, tmp_path: Path) -> Callable[[], Harness]:
+        return lambda: SubprocessHarness(tmp_path, standby=True)

@@ -6,6 +6,7 @@ group of its own. Messages are length-prefixed ``marshal`` values (4-byte big-en
 length, then the payload):
 
     supervisor -> child   {"command": "spawn", ...}     what to run, limits, context
+                          (to a standby started ahead, also "log" and "environment")
     child -> supervisor   {"event": "resolved", "code": {...}}  or  {"event": "failed", ...}
     supervisor -> child   {"command": "renew", "lease": 5.0}    any number of times
     supervisor -> child   {"command": "start"}
@@ -261,6 +262,15 @@ def resolve(spec: dict[str, Any]) -> dict[str, str | None]:
     }
 
 
+def take_over(log: str, environment: dict[str, str]) -> None:
+    """Send output to the session's log and take its environment (a standby's start)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.update(environment)
+
+
 def apply_limits(limits: dict[str, int | None]) -> None:
     if all(value is None for value in limits.values()):
         return
@@ -400,6 +410,9 @@ def main() -> int:
     if not isinstance(spec, dict) or spec.get("command") != "spawn":
         return 2
     try:
+        if "log" in spec:
+            # Started ahead as a standby: now it becomes the session's child.
+            take_over(spec["log"], spec["environment"])
         code = resolve(spec)
         apply_limits(spec["limits"])
     except Refused as error:

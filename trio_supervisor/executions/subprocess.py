@@ -54,6 +54,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
+import attrs
 import trio
 
 from ..background import open_background_nursery
@@ -192,6 +193,14 @@ class SubprocessExecution:
             to us, not to PID 1 (which in a container may never reap it), and is reaped
             when its group is waited for. Orphans of *other* children of this process
             then come to it as well; turn this off if something else reaps them.
+        standby: Keep one bootstrap interpreter started ahead of the next load, so a
+            load does not wait for Python to start (most of a minimal child's load
+            time). The standby runs none of the caller's code: it waits for its spawn
+            message, then takes the session's environment and log file like a child
+            started for it. It costs one idle interpreter while the execution runs, and
+            serves loads without ``Limits.output_bytes`` (capped output is copied
+            through a pipe made at spawn). If the supervisor dies, the standby sees its
+            socket close and exits.
     """
 
     def __init__(
@@ -203,6 +212,7 @@ class SubprocessExecution:
         environment: Mapping[str, str] | None = None,
         python: str = sys.executable,
         subreaper: bool = True,
+        standby: bool = False,
     ) -> None:
         # Absolute: children run with the state directory as their working directory.
         self.state_directory = Path(state_directory).absolute()
@@ -225,6 +235,9 @@ class SubprocessExecution:
         self._stack: contextlib.AsyncExitStack | None = None
         self._logs: dict[tuple[str, str, int], Path] = {}
         self._bootstrap = BOOTSTRAP
+        self.standby = standby
+        self._ready: _Interpreter | None = None
+        self._filling = False
 
     async def __aenter__(self) -> Self:
         if self._stack is not None:
@@ -239,6 +252,8 @@ class SubprocessExecution:
             self._bootstrap = await trio.to_thread.run_sync(
                 _compile_bootstrap, self.state_directory
             )
+        if self.standby:
+            self._nursery.start_soon(self._fill_standby, name="standby interpreter")
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
@@ -250,7 +265,13 @@ class SubprocessExecution:
         self._nursery = None
         # The output copiers end with their children; any still running are cut off.
         nursery.cancel_scope.cancel()
-        return await stack.__aexit__(*exc_info)
+        try:
+            return await stack.__aexit__(*exc_info)
+        finally:
+            ready, self._ready = self._ready, None
+            if ready is not None:
+                with trio.CancelScope(shield=True):
+                    await ready.discard()
 
     # -- logs -------------------------------------------------------------------------
 
@@ -286,14 +307,70 @@ class SubprocessExecution:
             "nor a package.module:function entry point"
         )
 
-    def _environment(self, handle: Handle) -> dict[str, str]:
+    def _base_environment(self) -> dict[str, str]:
         environment = {name: os.environ[name] for name in ALLOWED_ENVIRONMENT if name in os.environ}
         environment.update(self.environment)
+        environment["PYTHONUNBUFFERED"] = "1"
+        return environment
+
+    def _environment(self, handle: Handle) -> dict[str, str]:
+        environment = self._base_environment()
         environment["TRIO_SUPERVISOR_IDENTITY"] = handle.key.identity
         environment["TRIO_SUPERVISOR_INSTANCE"] = handle.key.instance
         environment["TRIO_SUPERVISOR_GENERATION"] = str(handle.generation)
-        environment["PYTHONUNBUFFERED"] = "1"
         return environment
+
+    async def _start_interpreter(self, environment: Mapping[str, str], output: int) -> _Interpreter:
+        """A bootstrap process, waiting for its spawn message on the returned socket."""
+        ours, theirs = socket.socketpair()
+        try:
+            process = await trio.lowlevel.open_process(
+                [self.python, "-I", str(self._bootstrap), str(theirs.fileno())],
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=output,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+                env=dict(environment),
+                cwd=self.state_directory,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return _Interpreter(process, ours)
+
+    async def _fill_standby(self) -> None:
+        """Start the next standby interpreter, unless one is there or on its way."""
+        if self._ready is not None or self._filling or self._nursery is None:
+            await trio.lowlevel.checkpoint()
+            return
+        self._filling = True
+        try:
+            # Output goes nowhere until the spawn message names the session's log.
+            interpreter = await self._start_interpreter(
+                self._base_environment(), subprocess.DEVNULL
+            )
+        except OSError:
+            return  # the next load starts its own interpreter, and reports the error
+        finally:
+            self._filling = False
+        # Kept even if the execution is closing: its exit discards the standby once
+        # this task has ended.
+        self._ready = interpreter
+
+    def _take_standby(self, limits: Limits) -> _Interpreter | None:
+        standby = self._ready
+        if standby is None or limits.output_bytes is not None:
+            return None
+        self._ready = None
+        if self._nursery is not None:
+            self._nursery.start_soon(self._fill_standby, name="standby interpreter")
+        if standby.process.poll() is not None:
+            standby.control.close()  # it died while it waited (reaped by poll)
+            return None
+        return standby
 
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> _ProcessUnit:
         """Start the bootstrap for ``load``; return once it resolved the code.
@@ -309,55 +386,8 @@ class SubprocessExecution:
                 "SubprocessExecution is not running: enter it with `async with` first"
             )
         plan = self._plan(load)
-        ours, theirs = socket.socketpair()
         log = self.log_path(handle)
-        if limits.output_bytes is None:
-            # No cap: the child writes into its log file itself, and nothing is copied.
-            reader, writer = -1, os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        else:
-            reader, writer = os.pipe()
-        try:
-            process = await trio.lowlevel.open_process(
-                [self.python, "-I", str(self._bootstrap), str(theirs.fileno())],
-                stdin=subprocess.DEVNULL,
-                stdout=writer,
-                stderr=writer,
-                pass_fds=(theirs.fileno(),),
-                start_new_session=True,
-                env=self._environment(handle),
-                cwd=self.state_directory,
-            )
-        except OSError as error:
-            ours.close()
-            if reader >= 0:
-                os.close(reader)
-            raise ExecutionError(
-                f"cannot start the child for {load.specifier!r}: {error}"
-            ) from error
-        finally:
-            theirs.close()
-            os.close(writer)
-        identity = ChildIdentity(
-            adapter=ADAPTER,
-            ref=f"{process.pid}:{start_time(process.pid)}",
-            pid=process.pid,
-            pgid=process.pid,
-            start_time=start_time(process.pid),
-            boot_id=self._boot_id,
-        )
-        unit = _ProcessUnit(self, process, identity, ours, load)
-        if reader < 0:
-            unit.output_done.set()
-        else:
-            nursery.start_soon(
-                _copy_output,
-                reader,
-                log,
-                limits.output_bytes,
-                unit.output_done,
-                name=f"output of {load.specifier}",
-            )
-        spec = {
+        spec: dict[str, Any] = {
             "command": "spawn",
             "specifier": load.specifier,
             "limits": {
@@ -374,9 +404,82 @@ class SubprocessExecution:
             },
             **plan,
         }
+        standby = self._take_standby(limits)
+        if standby is not None:
+            # Started ahead: it learns where its output goes and its environment now.
+            warm = {**spec, "log": str(log), "environment": self._environment(handle)}
+            unit = await self._prepare(nursery, handle, load, standby, warm, None, log, limits)
+            if unit is not None:
+                return unit
+            # It died before it answered: nothing of the caller's ran; start afresh.
+        if limits.output_bytes is None:
+            # No cap: the child writes into its log file itself, and nothing is copied.
+            reader, writer = -1, os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        else:
+            reader, writer = os.pipe()
         try:
-            await unit._send(spec)
-            reply = await unit._receive()
+            interpreter = await self._start_interpreter(self._environment(handle), writer)
+        except OSError as error:
+            if reader >= 0:
+                os.close(reader)
+            raise ExecutionError(
+                f"cannot start the child for {load.specifier!r}: {error}"
+            ) from error
+        finally:
+            os.close(writer)
+        unit = await self._prepare(nursery, handle, load, interpreter, spec, reader, log, limits)
+        if unit is None:
+            raise ExecutionError(f"the child for {load.specifier!r} exited before it reported")
+        return unit
+
+    async def _prepare(
+        self,
+        nursery: trio.Nursery,
+        handle: Handle,
+        load: Load,
+        interpreter: _Interpreter,
+        spec: Mapping[str, Any],
+        reader: int | None,
+        log: Path,
+        limits: Limits,
+    ) -> _ProcessUnit | None:
+        """Send the spawn message; the resolved unit, or None if the child died first.
+
+        ``reader`` is the pipe of capped output (copied into ``log``), or None when
+        the child writes its log itself.
+        """
+        process = interpreter.process
+        identity = ChildIdentity(
+            adapter=ADAPTER,
+            ref=f"{process.pid}:{start_time(process.pid)}",
+            pid=process.pid,
+            pgid=process.pid,
+            start_time=start_time(process.pid),
+            boot_id=self._boot_id,
+        )
+        unit = _ProcessUnit(self, process, identity, interpreter.control, load)
+        if reader is None or reader < 0:
+            unit.output_done.set()
+        else:
+            nursery.start_soon(
+                _copy_output,
+                reader,
+                log,
+                limits.output_bytes,
+                unit.output_done,
+                name=f"output of {load.specifier}",
+            )
+        try:
+            try:
+                await unit._send(spec)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                reply: dict[str, Any] = {"event": "eof"}
+            else:
+                reply = await unit._receive()
+            if reply.get("event") == "eof":
+                with trio.CancelScope(shield=True):
+                    await unit._destroy()
+                return None
             if reply.get("event") != "resolved":
                 raise _failure(reply, load.specifier)
             code = reply["code"]
@@ -511,6 +614,22 @@ async def _copy(reader: int, path: Path, cap: int | None) -> None:
                 await log.write(
                     f"\n[trio_supervisor: output beyond {cap} bytes dropped]\n".encode()
                 )
+
+
+@attrs.define(eq=False)
+class _Interpreter:
+    """A started bootstrap that has not been told what to run yet."""
+
+    process: trio.Process
+    control: socket.socket
+
+    async def discard(self) -> None:
+        """End it and reap it. It ran nothing and is alone in its process group."""
+        self.control.close()
+        if self.process.poll() is None:  # not reaped, so its pid is still ours
+            self.process.kill()
+        with trio.move_on_after(5.0):
+            await self.process.wait()
 
 
 class _ProcessUnit:

@@ -166,6 +166,8 @@ class SubprocessHarness:
 
     Args:
         state_directory: Where the execution keeps its logs, and the plugin its mailbox.
+        standby: Passed to ``SubprocessExecution``: loads run in interpreters started
+            ahead of them.
     """
 
     specifiers = ("conformance_waiter:main", "conformance_waiter:asynchronous")
@@ -173,13 +175,14 @@ class SubprocessHarness:
     broken = None
     scripted = False
 
-    def __init__(self, state_directory: str | os.PathLike[str]) -> None:
+    def __init__(self, state_directory: str | os.PathLike[str], *, standby: bool = False) -> None:
         self.mailbox = Path(state_directory) / "mailbox"
         self.mailbox.mkdir(parents=True, exist_ok=True)
         self.subprocess = SubprocessExecution(
             state_directory,
             entry_paths=[Path(__file__).with_name("plugins")],
             environment={"WAITER_MAILBOX": str(self.mailbox)},
+            standby=standby,
         )
         self.execution: Execution = self.subprocess
 

@@ -1,0 +1,178 @@
+"""SubprocessExecution(standby=True): the interpreter started ahead of the next load.
+
+Real processes and the real clock; every wait is bounded and none is a timing assertion.
+The standby is found the way an operator would find it: a process of ours running the
+bootstrap that no session names as its child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from trio_supervisor import (
+    Handle,
+    Limits,
+    Load,
+    LoadedRecord,
+    MemoryStore,
+    SubprocessExecution,
+    Supervisor,
+    open_supervisor,
+)
+
+from .harness import opened, process_state, running
+
+PLUGINS = Path(__file__).parent.parent / "examples" / "plugins"
+BOUND = 20.0
+
+
+def bootstraps() -> set[int]:
+    """Our live child processes that run the bootstrap."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if int(fields[1]) == os.getpid() and fields[0] != b"Z" and b"bootstrap" in command:
+            found.add(int(entry.name))
+    return found
+
+
+async def standby_other_than(*taken: int) -> int:
+    """The waiting interpreter: a bootstrap of ours that is none of ``taken``."""
+    with trio.fail_after(BOUND):
+        while True:
+            waiting = bootstraps() - set(taken)
+            if waiting:
+                assert len(waiting) == 1, f"more than one standby: {waiting}"
+                return waiting.pop()
+            await trio.sleep(0.01)
+
+
+@pytest.fixture
+async def execution(tmp_path: Path) -> AsyncIterator[SubprocessExecution]:
+    async with SubprocessExecution(tmp_path, entry_paths=[PLUGINS], standby=True) as execution:
+        yield execution
+
+
+@pytest.fixture
+async def sup(execution: SubprocessExecution) -> AsyncIterator[Supervisor]:
+    async with open_supervisor(
+        MemoryStore(), execution, lease=30.0, grace=1.0, confirmation_timeout=5.0
+    ) as supervisor:
+        yield supervisor
+
+
+async def report_of(execution: SubprocessExecution, handle: Handle) -> dict[str, object]:
+    with trio.fail_after(BOUND):
+        while "REPORT " not in execution.logs(handle):  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    log = execution.logs(handle)
+    report: dict[str, object] = json.loads(log.split("REPORT ", 1)[1].splitlines()[0])
+    return report
+
+
+async def test_a_load_runs_in_the_interpreter_started_ahead_as_the_session_s_child(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    ahead = await standby_other_than()
+    handle = await opened(sup, limits=Limits(open_files=64, cpu_seconds=30))
+    await sup.load(handle, Load(specifier="inspector:main", config={"chatter": 3}))
+    record = await sup.status(handle)
+    assert isinstance(record, LoadedRecord)
+    assert record.child.pid == ahead
+    assert record.child.pgid == ahead
+    # It took its session's environment, limits and log, like a child started for it.
+    report = await report_of(execution, handle)
+    environment = report["environment"]
+    assert isinstance(environment, dict)
+    assert environment["TRIO_SUPERVISOR_IDENTITY"] == handle.key.identity
+    assert environment["TRIO_SUPERVISOR_INSTANCE"] == handle.key.instance
+    assert environment["TRIO_SUPERVISOR_GENERATION"] == str(handle.generation)
+    assert report["limits"] == {
+        "RLIMIT_AS": resource.getrlimit(resource.RLIMIT_AS)[0],  # inherited: not limited
+        "RLIMIT_CPU": 30,
+        "RLIMIT_NOFILE": 64,
+        "RLIMIT_FSIZE": resource.getrlimit(resource.RLIMIT_FSIZE)[0],
+    }
+    assert "xxx" in execution.logs(handle)
+    # The next one is already on its way.
+    following = await standby_other_than(ahead)
+    with trio.fail_after(BOUND):
+        await sup.dispose(handle)
+    assert not running(ahead)
+    assert running(following)
+
+
+async def test_the_execution_s_exit_ends_its_standby(tmp_path: Path) -> None:
+    async with SubprocessExecution(tmp_path, entry_paths=[PLUGINS], standby=True):
+        ahead = await standby_other_than()
+    assert process_state(ahead) is None, "the standby was not ended and reaped"
+
+
+@pytest.mark.parametrize("reaped_first", [True, False], ids=["reaped", "just-killed"])
+async def test_a_standby_that_died_is_replaced_by_a_fresh_child(
+    sup: Supervisor, execution: SubprocessExecution, reaped_first: bool
+) -> None:
+    ahead = await standby_other_than()
+    os.kill(ahead, signal.SIGKILL)
+    if reaped_first:
+        with trio.fail_after(BOUND):
+            while process_state(ahead) != "Z":  # noqa: ASYNC110
+                await trio.sleep(0.01)
+    handle = await opened(sup)
+    await sup.load(handle, Load(specifier="inspector:main"))
+    record = await sup.status(handle)
+    assert isinstance(record, LoadedRecord)
+    assert record.child.pid != ahead
+    report = await report_of(execution, handle)
+    environment = report["environment"]
+    assert isinstance(environment, dict)
+    assert environment["TRIO_SUPERVISOR_INSTANCE"] == handle.key.instance
+    with trio.fail_after(BOUND):
+        await sup.dispose(handle)
+
+
+async def test_capped_output_gets_a_child_of_its_own_and_the_standby_waits_on(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    ahead = await standby_other_than()
+    handle = await opened(sup, limits=Limits(output_bytes=1000))
+    await sup.load(handle, Load(specifier="inspector:main", config={"chatter": 5000}))
+    record = await sup.status(handle)
+    assert isinstance(record, LoadedRecord)
+    assert record.child.pid != ahead
+    with trio.fail_after(BOUND):
+        while "output beyond" not in execution.logs(handle):  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    assert running(ahead)
+    assert bootstraps() == {ahead, record.child.pid}
+    with trio.fail_after(BOUND):
+        await sup.dispose(handle)
+
+
+async def test_a_standby_whose_supervisor_is_gone_exits_by_itself(
+    execution: SubprocessExecution,
+) -> None:
+    ahead = await standby_other_than()
+    # What the supervisor's death looks like from the standby: its socket closes.
+    ready = execution._ready  # white-box: the only handle on the waiting socket
+    assert ready is not None
+    assert ready.process.pid == ahead
+    ready.control.close()
+    with trio.fail_after(BOUND):
+        code = await ready.process.wait()
+    assert code == 2
