@@ -419,15 +419,18 @@ class SubprocessExecution:
             reader, writer = os.pipe()
         try:
             interpreter = await self._start_interpreter(self._environment(handle), writer)
-        except OSError as error:
+        except BaseException as error:
             if reader >= 0:
                 os.close(reader)
-            raise ExecutionError(
-                f"cannot start the child for {load.specifier!r}: {error}"
-            ) from error
+            if isinstance(error, OSError):
+                raise ExecutionError(
+                    f"cannot start the child for {load.specifier!r}: {error}"
+                ) from error
+            raise
         finally:
             os.close(writer)
-        unit = await self._prepare(nursery, handle, load, interpreter, spec, reader, log, limits)
+        copied = reader if reader >= 0 else None
+        unit = await self._prepare(nursery, handle, load, interpreter, spec, copied, log, limits)
         if unit is None:
             raise ExecutionError(f"the child for {load.specifier!r} exited before it reported")
         return unit
@@ -458,7 +461,7 @@ class SubprocessExecution:
             boot_id=self._boot_id,
         )
         unit = _ProcessUnit(self, process, identity, interpreter.control, load)
-        if reader is None or reader < 0:
+        if reader is None:
             unit.output_done.set()
         else:
             nursery.start_soon(
