@@ -149,7 +149,7 @@ def _freeze_config(value: object) -> Mapping[str, JSON]:
 # -- identities -----------------------------------------------------------------------
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, cache_hash=True)  # a key is hashed at every index it meets
 class Key:
     """What a session is for: an identity (say, a plugin) and an instance of it."""
 

@@ -420,8 +420,13 @@ class Supervisor:
             raise RuntimeError("the supervisor's nursery is gone")
         # A task started this way always runs: if the supervisor is cancelled first, it
         # meets the cancellation inside and still runs its stop (O11).
+        handle = session.handle
         nursery.start_soon(
-            self._run_session, session, name=f"trio_supervisor session {session.handle}"
+            self._run_session,
+            session,
+            # Not the handle's repr: a task's name is made for every session.
+            name=f"trio_supervisor session {handle.key.identity}/{handle.key.instance}"
+            f" #{handle.generation}",
         )
         if self._closing:
             # Opened while the shutdown began: it stops like every other (Z2).
