@@ -308,8 +308,9 @@ async def test_tasks_are_named_after_their_session(sup: Supervisor) -> None:
     root = trio.lowlevel.current_root_task()
     assert root is not None
     names = _task_names(root)
-    assert f"trio_supervisor session {handle}" in names
-    assert f"trio_supervisor exit watcher {handle}" in names
+    where = f"{handle.key.identity}/{handle.key.instance} #{handle.generation}"
+    assert f"trio_supervisor session {where}" in names
+    assert f"trio_supervisor exit watcher {where}" in names
 
 
 @pytest.mark.parametrize(

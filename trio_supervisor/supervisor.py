@@ -420,14 +420,7 @@ class Supervisor:
             raise RuntimeError("the supervisor's nursery is gone")
         # A task started this way always runs: if the supervisor is cancelled first, it
         # meets the cancellation inside and still runs its stop (O11).
-        handle = session.handle
-        nursery.start_soon(
-            self._run_session,
-            session,
-            # Not the handle's repr: a task's name is made for every session.
-            name=f"trio_supervisor session {handle.key.identity}/{handle.key.instance}"
-            f" #{handle.generation}",
-        )
+        nursery.start_soon(self._run_session, session, name=_task_name("session", session.handle))
         if self._closing:
             # Opened while the shutdown began: it stops like every other (Z2).
             self._request_stop(session, Shutdown())
@@ -608,7 +601,7 @@ class Supervisor:
             nursery = session.nursery
             assert nursery is not None
             nursery.start_soon(
-                self._watch_exit, session, unit, name=f"trio_supervisor exit watcher {handle}"
+                self._watch_exit, session, unit, name=_task_name("exit watcher", handle)
             )
             await self._call(unit.start(), "starting the child")
             code = self._code_of(unit)
@@ -874,6 +867,16 @@ def _child_of(record: SessionRecord) -> ChildIdentity | None:
     if isinstance(active, LoadingRecord | LoadedRecord):
         return active.child
     return None
+
+
+def _task_name(role: str, handle: Handle) -> str:
+    """What a debugger or an instrument shows for a session's task: role, key, generation.
+
+    Made for every session, so not from the handle's repr (which costs more).
+    """
+    return (
+        f"trio_supervisor {role} {handle.key.identity}/{handle.key.instance} #{handle.generation}"
+    )
 
 
 @contextlib.asynccontextmanager
