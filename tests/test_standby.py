@@ -123,6 +123,17 @@ async def test_the_execution_s_exit_ends_its_standby(tmp_path: Path) -> None:
     assert process_state(ahead) is None, "the standby was not ended and reaped"
 
 
+async def test_an_execution_closed_while_its_standby_starts_leaves_no_process(
+    tmp_path: Path,
+) -> None:
+    # The standby's start is under way (or not begun) when the execution exits.
+    for attempt in range(5):
+        async with SubprocessExecution(tmp_path / str(attempt), standby=True):
+            for _ in range(attempt):
+                await trio.lowlevel.checkpoint()
+        assert bootstraps() == set(), f"left running after {attempt} checkpoints"
+
+
 @pytest.mark.parametrize("reaped_first", [True, False], ids=["reaped", "just-killed"])
 async def test_a_standby_that_died_is_replaced_by_a_fresh_child(
     sup: Supervisor, execution: SubprocessExecution, reaped_first: bool
