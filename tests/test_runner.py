@@ -126,12 +126,29 @@ def test_the_runner_shows_every_plugin_s_lifecycle(tmp_path: Path) -> None:
     assert all(" 1 " in line for line in table.values())
 
 
+def standby_of(runner: subprocess.Popen[str]) -> int:
+    """The runner's standby interpreter: a bootstrap whose output goes nowhere yet."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for pid in descendants(runner.pid):
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+                output = os.readlink(f"/proc/{pid}/fd/1")
+            except OSError:
+                continue
+            if b"bootstrap" in command and output == "/dev/null":
+                return pid
+        time.sleep(0.02)
+    raise AssertionError("the runner has no standby interpreter")
+
+
 def test_a_killed_runner_leaves_no_child_or_grandchild_behind(
     held: tuple[subprocess.Popen[str], set[int]],
 ) -> None:
     runner, pids = held
     assert len(pids) >= 7 + 2, "seven children and the spawner's two grandchildren"
     assert all(running(pid) for pid in pids)
+    pids = pids | {standby_of(runner)}  # it runs with standby=True: that one goes too
     runner.send_signal(signal.SIGKILL)
     runner.wait()
     survivors = gone_within(pids, LEASE + 2)
