@@ -268,6 +268,7 @@ def take_over(log: str, environment: dict[str, str]) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    os.environ.clear()  # exactly the session's, whatever the standby started with
     os.environ.update(environment)
 
 
