@@ -102,6 +102,18 @@ async def test_a_load_runs_in_the_interpreter_started_ahead_as_the_session_s_chi
     assert environment["TRIO_SUPERVISOR_IDENTITY"] == handle.key.identity
     assert environment["TRIO_SUPERVISOR_INSTANCE"] == handle.key.instance
     assert environment["TRIO_SUPERVISOR_GENERATION"] == str(handle.generation)
+    assert set(environment) <= {
+        "PATH",
+        "LANG",
+        "LC_ALL",
+        "LC_CTYPE",
+        "TZ",
+        "TMPDIR",
+        "PYTHONUNBUFFERED",
+        "TRIO_SUPERVISOR_IDENTITY",
+        "TRIO_SUPERVISOR_INSTANCE",
+        "TRIO_SUPERVISOR_GENERATION",
+    }
     assert report["limits"] == {
         "RLIMIT_AS": resource.getrlimit(resource.RLIMIT_AS)[0],  # inherited: not limited
         "RLIMIT_CPU": 30,
