@@ -1,15 +1,16 @@
-"""What the tests share: keys, and a supervisor with test timings."""
+"""What the tests share: keys, a supervisor with test timings, and process helpers."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from trio_supervisor import Handle, Key, Load, Supervisor, open_supervisor
+from trio_supervisor import Handle, Key, Load, SubprocessExecution, Supervisor, open_supervisor
 from trio_supervisor.stores.base import Store
 from trio_supervisor.testing import FakeExecution
 
@@ -68,3 +69,18 @@ def process_state(pid: int) -> str | None:
 def running(pid: int) -> bool:
     """Whether a process exists and is not a zombie."""
     return process_state(pid) not in (None, "Z")
+
+
+async def until_logged(
+    execution: SubprocessExecution, handle: Handle, text: str, *, bound: float = 20.0
+) -> None:
+    """Wait, bounded, until the child wrote ``text`` (its log is a file: we poll it)."""
+    with trio.fail_after(bound):
+        while text not in execution.logs(handle):  # noqa: ASYNC110
+            await trio.sleep(0.02)
+
+
+def report_in(log: str) -> dict[str, Any]:
+    """The JSON report the ``inspector`` example plugin printed into its log."""
+    report: dict[str, Any] = json.loads(log.split("REPORT ", 1)[1].splitlines()[0])
+    return report

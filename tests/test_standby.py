@@ -7,12 +7,12 @@ bootstrap that no session names as its child.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -28,7 +28,7 @@ from trio_supervisor import (
     open_supervisor,
 )
 
-from .harness import opened, process_state, running
+from .harness import opened, process_state, report_in, running, until_logged
 
 PLUGINS = Path(__file__).parent.parent / "examples" / "plugins"
 BOUND = 20.0
@@ -76,13 +76,9 @@ async def sup(execution: SubprocessExecution) -> AsyncIterator[Supervisor]:
         yield supervisor
 
 
-async def report_of(execution: SubprocessExecution, handle: Handle) -> dict[str, object]:
-    with trio.fail_after(BOUND):
-        while "REPORT " not in execution.logs(handle):  # noqa: ASYNC110
-            await trio.sleep(0.01)
-    log = execution.logs(handle)
-    report: dict[str, object] = json.loads(log.split("REPORT ", 1)[1].splitlines()[0])
-    return report
+async def report_of(execution: SubprocessExecution, handle: Handle) -> dict[str, Any]:
+    await until_logged(execution, handle, "REPORT ", bound=BOUND)
+    return report_in(execution.logs(handle))
 
 
 async def test_a_load_runs_in_the_interpreter_started_ahead_as_the_session_s_child(
@@ -178,9 +174,7 @@ async def test_capped_output_gets_a_child_of_its_own_and_the_standby_waits_on(
     record = await sup.status(handle)
     assert isinstance(record, LoadedRecord)
     assert record.child.pid != ahead
-    with trio.fail_after(BOUND):
-        while "output beyond" not in execution.logs(handle):  # noqa: ASYNC110
-            await trio.sleep(0.01)
+    await until_logged(execution, handle, "output beyond", bound=BOUND)
     assert running(ahead)
     assert bootstraps() == {ahead, record.child.pid}
     with trio.fail_after(BOUND):

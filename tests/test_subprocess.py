@@ -36,7 +36,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.executions.subprocess import boot_id, start_time
 
-from .harness import opened, running
+from .harness import opened, report_in, running, until_logged
 
 PLUGINS = Path(__file__).parent.parent / "examples" / "plugins"
 BOUND = 20.0
@@ -65,13 +65,6 @@ async def until_stopped(sup: Supervisor, handle: Handle) -> StoppedRecord:
             record = await sup.status(handle)
             if isinstance(record, StoppedRecord):
                 return record
-            await trio.sleep(0.02)
-
-
-async def until_logged(execution: SubprocessExecution, handle: Handle, text: str) -> None:
-    """Wait, bounded, until the child wrote ``text`` (its log is a file: we poll it)."""
-    with trio.fail_after(BOUND):
-        while text not in execution.logs(handle):  # noqa: ASYNC110
             await trio.sleep(0.02)
 
 
@@ -248,7 +241,7 @@ async def test_limits_environment_and_output_cap_are_applied(
     await until_logged(execution, handle, "output beyond")
     del os.environ["TRIO_SUPERVISOR_TEST_SECRET"]
     log = execution.logs(handle)
-    report = json.loads(log.split("REPORT ", 1)[1].splitlines()[0])
+    report = report_in(log)
     assert report["limits"] == {
         "RLIMIT_AS": 512 * 1024 * 1024,
         "RLIMIT_CPU": 30,
