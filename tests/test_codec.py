@@ -20,6 +20,18 @@ def test_every_record_round_trips(record: SessionRecord) -> None:
 
 
 @given(record=records())
+def test_encode_writes_exactly_the_json_of_the_converters_form(record: SessionRecord) -> None:
+    # encode writes text straight from the record; the converter's dicts are the reference.
+    reference = json.dumps(codec.unstructure(record), separators=(",", ":"), allow_nan=False)
+    assert codec.encode(record) == reference
+
+
+def test_a_field_type_the_writer_does_not_know_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match="cannot write <class 'bytes'>"):
+        codec._writer(bytes)
+
+
+@given(record=records())
 def test_records_are_tagged_by_phase_and_reason_kind(record: SessionRecord) -> None:
     data = codec.unstructure(record)
     assert data["phase"] == record.phase.value

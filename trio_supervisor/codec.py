@@ -13,9 +13,13 @@ generation stored as ``"3"`` is an error, not 3.
 from __future__ import annotations
 
 import json
+import math
+import types
+import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
+import attrs
 import cattrs
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
@@ -118,6 +122,14 @@ def _kind_of(member: type) -> str:
     return member.__name__
 
 
+# Each tagged union: the field that names the member, and the member's name.
+_UNIONS: Final[tuple[tuple[Any, str, Callable[[Any], str]], ...]] = (
+    (StopReason, "kind", _kind_of),
+    (ActiveRecord, "phase", _phase_of),
+    (SessionRecord, "phase", _phase_of),
+)
+
+
 def _configure(target: cattrs.Converter) -> cattrs.Converter:
     """Teach a converter the record format: strict scalars, Load, the tagged unions."""
     target.register_structure_hook(str, _strict(str))
@@ -133,9 +145,8 @@ def _configure(target: cattrs.Converter) -> cattrs.Converter:
             Load, target, _cattrs_forbid_extra_keys=True, config=override(struct_hook=_config_as_is)
         ),
     )
-    _tagged(target, StopReason, "kind", _kind_of)
-    _tagged(target, ActiveRecord, "phase", _phase_of)
-    _tagged(target, SessionRecord, "phase", _phase_of)
+    for union, tag_name, tag_of in _UNIONS:
+        _tagged(target, union, tag_name, tag_of)
     return target
 
 
@@ -201,9 +212,90 @@ def structure(data: object) -> SessionRecord:
 _encoder: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False)
 
 
+# -- writing JSON text straight from a record ------------------------------------------
+#
+# ``encode`` runs on every save. Instead of building the dicts of ``unstructure`` and
+# handing them to ``json``, each record class gets a generated function that writes its
+# text field by field: the same fields in the same order, the same tags, the same
+# escaping, so the text is exactly ``_encoder.encode(unstructure(record))`` (the tests
+# hold it to that for every kind of record). Load.config, free-form JSON, still goes
+# through ``json``.
+
+_Writer = Callable[[Any], str]
+_quote: Final[_Writer] = json.encoder.encode_basestring_ascii  # json's own, as _encoder uses
+
+
+def _finite(value: float) -> str:
+    # Records refuse non-finite floats already; refuse them here too, as json would.
+    if not math.isfinite(value):
+        raise ValueError(f"Out of range float values are not JSON compliant: {value!r}")
+    return float.__repr__(value)
+
+
+def _config_text(value: Any) -> str:
+    return _encoder.encode(_thaw(value))
+
+
+def _writer(kind: Any) -> _Writer:
+    """The function that writes a value of the (resolved) type ``kind``."""
+    for union, tag_name, tag_of in _UNIONS:
+        if kind == union:
+            members = {
+                member: _object_writer(member, tag_name, tag_of(member))
+                for member in union.__args__
+            }
+            return lambda value: members[type(value)](value)
+    args = typing.get_args(kind)
+    origin = typing.get_origin(kind)
+    if kind is str or (origin is Literal and all(isinstance(arg, str) for arg in args)):
+        return _quote
+    if kind is int:
+        return int.__repr__
+    if kind is float:
+        return _finite
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = _writer(args[0])
+        return lambda value: "[" + ",".join(map(item, value)) + "]"
+    if attrs.has(kind):
+        return _object_writer(kind)
+    raise TypeError(f"the codec cannot write {kind!r} as JSON")
+
+
+def _object_writer(cls: type, *tail: object) -> _Writer:
+    """Generate the writer of an attrs class; ``tail`` is (name, value) pairs to end with."""
+    hints = typing.get_type_hints(cls)
+    scope: dict[str, Any] = {}
+    parts = []  # each a "name":value of the object, in an f-string
+    for index, field in enumerate(attrs.fields(cls)):
+        kind, write, read = hints[field.name], f"w{index}", f"value.{field.name}"
+        optional = isinstance(kind, types.UnionType) and type(None) in kind.__args__
+        if cls is Load and field.name == "config":
+            scope[write] = _config_text
+        elif optional:
+            (present,) = (arg for arg in kind.__args__ if arg is not type(None))
+            scope[write] = _writer(present)
+        else:
+            scope[write] = _writer(kind)
+        text = f'"null" if {read} is None else {write}({read})' if optional else f"{write}({read})"
+        parts.append(f'"{field.name}":{{{text}}}')
+    for index, (name, constant) in enumerate(zip(tail[::2], tail[1::2], strict=True)):
+        scope[f"t{index}"] = f"{_quote(str(name))}:{_encoder.encode(constant)}"
+        parts.append(f"{{t{index}}}")
+    source = "def write(value):\n    return f'{{" + ",".join(parts) + "}}'\n"
+    exec(compile(source, f"<trio_supervisor.codec writer of {cls.__qualname__}>", "exec"), scope)
+    write_object: _Writer = scope["write"]
+    return write_object
+
+
+_record_writers: Final[dict[type, _Writer]] = {
+    member: _object_writer(member, "phase", _phase_of(member), "version", VERSION)
+    for member in SessionRecord.__args__
+}
+
+
 def encode(record: SessionRecord) -> str:
     """Return a record as compact versioned JSON text."""
-    return _encoder.encode(unstructure(record))
+    return _record_writers[type(record)](record)
 
 
 def decode(text: str | bytes) -> SessionRecord:
