@@ -404,3 +404,24 @@ async def test_a_closed_store_refuses_saves(tmp_path: Path) -> None:
     await store.aclose()
     with pytest.raises(StateStorageError, match="closed"):
         await store.save(open_record("a", 2))
+
+
+async def test_a_mark_raised_by_a_record_the_same_batch_evicts_is_kept(tmp_path: Path) -> None:
+    # Generation 5 raises the key's mark and stops first; generation 2 stops after it and
+    # evicts it (one Stopped record per key). The mark rode in 5's row: it must survive.
+    path = tmp_path / "state.db"
+    retention = Retention(stopped_per_key=1)
+    async with SqliteStore(path, retention=retention) as store:
+        await store.save_many([stopped("a", 5), stopped("a", 2)])
+    async with SqliteStore(path, retention=retention) as store:
+        assert [record.handle.generation for record in await store.list()] == [2]
+        assert await store.high_water() == {Key(identity="p", instance="a"): 5}
+
+
+async def test_a_mark_stays_when_its_token_is_saved_again_in_the_batch(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    async with SqliteStore(path) as store:
+        await store.save_many([open_record("a", 3), stopped("a", 3)])
+    async with SqliteStore(path) as store:
+        assert await store.list() == [stopped("a", 3)]
+        assert await store.high_water() == {Key(identity="p", instance="a"): 3}

@@ -66,7 +66,8 @@ CREATE TABLE IF NOT EXISTS high_water (
 """
 
 # A batch is one statement: rows inserted into this view, each a change that the trigger
-# applies (a record to write, a record to delete, a high-water mark to raise). One
+# applies (a record to write, with the high-water mark it raises if any; a record to
+# delete; a mark alone, when the batch evicted the record that raised it). One
 # statement is one call into SQLite, which runs without the GIL: the worker needs the
 # GIL back once per batch, not once per row, and the event loop keeps it meanwhile.
 # Both live in the connection's temporary schema; the file never holds them.
@@ -440,7 +441,7 @@ class _Worker:
         # ``changes`` view; SQLite then gets them as one statement.
         upserts: dict[str, _Change] = {}
         deletes: dict[str, _Change] = {}
-        raised: dict[tuple[str, str], _Change] = {}
+        marks: list[_Change] = []  # raised marks whose records the batch then evicted
         for job in jobs:
             for record, body in job.rows:
                 handle = record.handle
@@ -453,16 +454,24 @@ class _Worker:
                 else:
                     mirror.unstop(token)  # a caller un-stopped a record; so did the index
                 deletes.pop(token, None)
-                upserts[token] = (token, *key, mirror.saved, stop_order, body, None)
-                if mirror.raise_high_water(key, handle.generation):
-                    raised[key] = (None, *key, None, None, None, handle.generation)
+                # A raised high-water mark travels in its record's row (the trigger
+                # applies both), and stays there if the token is saved again.
+                earlier = upserts.get(token)
+                mark = (
+                    handle.generation if mirror.raise_high_water(key, handle.generation) else None
+                )
+                if mark is None and earlier is not None:
+                    mark = earlier[6]
+                upserts[token] = (token, *key, mirror.saved, stop_order, body, mark)
                 if stop_order is None:
                     continue
                 # Retention: the newest per key, then a cap on all.
                 for evicted in mirror.evict(key, retention):
-                    upserts.pop(evicted, None)
+                    dropped = upserts.pop(evicted, None)
+                    if dropped is not None and dropped[6] is not None:
+                        marks.append((None, dropped[1], dropped[2], None, None, None, dropped[6]))
                     deletes[evicted] = (evicted, None, None, None, None, None, None)
-        changes = [*deletes.values(), *upserts.values(), *raised.values()]
+        changes = [*deletes.values(), *upserts.values(), *marks]
         # Most batches fit one statement, which is then its own transaction.
         per_statement = self._rows_per_statement
         chunks = [
