@@ -331,7 +331,8 @@ class Supervisor:
         seconds = self._lease if lease is None else _seconds("lease", lease)
         if limits is not None and not isinstance(limits, Limits):
             raise TypeError(f"limits must be Limits, not {type(limits).__name__}")
-        negotiated = negotiate(self._limits, limits or Limits())
+        # No request: the supervisor's own limits, shared (records are immutable).
+        negotiated = self._limits if limits is None else negotiate(self._limits, limits)
 
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_usable()
