@@ -12,6 +12,7 @@ generation stored as ``"3"`` is an error, not 3.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import types
@@ -236,6 +237,7 @@ def _config_text(value: Any) -> str:
     return _encoder.encode(_thaw(value))
 
 
+@functools.cache  # each class's writer is generated once, however many records hold it
 def _writer(kind: Any) -> _Writer:
     """The function that writes a value of the (resolved) type ``kind``."""
     for union, tag_name, tag_of in _UNIONS:
@@ -287,15 +289,18 @@ def _object_writer(cls: type, *tail: object) -> _Writer:
     return write_object
 
 
-_record_writers: Final[dict[type, _Writer]] = {
-    member: _object_writer(member, "phase", _phase_of(member), "version", VERSION)
-    for member in SessionRecord.__args__
-}
+# Each made on first use: generating them all would slow every import by a few ms.
+_record_writers: Final[dict[type, _Writer]] = {}
 
 
 def encode(record: SessionRecord) -> str:
     """Return a record as compact versioned JSON text."""
-    return _record_writers[type(record)](record)
+    kind = type(record)
+    write = _record_writers.get(kind)
+    if write is None:
+        write = _object_writer(kind, "phase", _phase_of(kind), "version", VERSION)
+        _record_writers[kind] = write
+    return write(record)
 
 
 def decode(text: str | bytes) -> SessionRecord:
