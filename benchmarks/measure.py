@@ -69,18 +69,26 @@ def compare(
     note: str = "",
 ) -> Result:
     """Measure ``ours`` and ``baseline`` alternately for ``rounds`` rounds."""
-    mine: list[float] = []
-    theirs: list[float] = []
-    for round_ in range(rounds):
-        if round_ % 2 == 0:
-            mine.append(ours())
-            theirs.append(baseline())
-        else:
-            theirs.append(baseline())
-            mine.append(ours())
+    mine, theirs = interleaved(ours, baseline, rounds)
     return Result(
         name=name, unit=unit, better=better, target=target, ours=mine, baseline=theirs, note=note
     )
+
+
+def interleaved(
+    first: Callable[[], float], second: Callable[[], float], rounds: int
+) -> tuple[list[float], list[float]]:
+    """Measure two things alternately, each going first on every other round."""
+    firsts: list[float] = []
+    seconds: list[float] = []
+    for round_ in range(rounds):
+        if round_ % 2 == 0:
+            firsts.append(first())
+            seconds.append(second())
+        else:
+            seconds.append(second())
+            firsts.append(first())
+    return firsts, seconds
 
 
 def machine() -> dict[str, Any]:
@@ -114,6 +122,10 @@ def render(results: list[Result]) -> str:
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * width for width in widths))
+    for result in results:
+        if result.extra:
+            details = ", ".join(f"{name}={value:.4g}" for name, value in result.extra.items())
+            lines.append(f"{result.name}: {details}")
     return "\n".join(lines)
 
 

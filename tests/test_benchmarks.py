@@ -67,3 +67,7 @@ def test_the_quick_suite_reports_every_scenario_as_documented(tmp_path: Path) ->
         assert result["rounds"] == 2
         # The printed table names every scenario too.
         assert result["name"] in completed.stdout
+    # recovery.10k also reports the floor V3 sets: writing back the Stopped records alone.
+    (recovery,) = (result for result in results if result["name"] == "recovery.10k")
+    assert recovery["extra"]["write_back_floor_s"] > 0
+    assert recovery["extra"]["floor_ratio"] > 0

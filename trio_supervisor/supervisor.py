@@ -76,7 +76,7 @@ from .model import (
 )
 from .retention import RecordIndex, Retention
 from .stores.base import BatchStore, Store
-from .termination import faults, release, terminate
+from .termination import NO_CHILD, faults, release, terminate
 
 __all__ = ["Supervisor", "open_supervisor"]
 
@@ -796,9 +796,7 @@ class Supervisor:
             for record in pending:
                 child = _child_of(record)
                 if child is None:
-                    terminations[record.handle.token] = Termination(
-                        kind="exited", exit=ExitStatus(code=0, signal=None)
-                    )
+                    terminations[record.handle.token] = NO_CHILD
                 else:
                     nursery.start_soon(confirm, record, child)
 

@@ -14,9 +14,10 @@ from .errors import ExecutionError, TerminationUnconfirmedError
 from .executions.base import Unit
 from .model import ExitStatus, Fault, Termination
 
-__all__ = ["faults", "release", "terminate"]
+__all__ = ["NO_CHILD", "faults", "release", "terminate"]
 
-_NO_CHILD = Termination(kind="exited", exit=ExitStatus(code=0, signal=None))
+# The termination of a session without a child (P3, V2); immutable, so one serves all.
+NO_CHILD = Termination(kind="exited", exit=ExitStatus(code=0, signal=None))
 
 
 def faults(problems: list[Exception]) -> tuple[Fault, ...]:
@@ -52,7 +53,7 @@ async def terminate(
     if exit is not None:
         return Termination(kind="exited", exit=exit)
     if unit is None:
-        return _NO_CHILD
+        return NO_CHILD
     with trio.move_on_after(grace):
         try:
             await unit.interrupt()
