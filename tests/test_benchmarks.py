@@ -71,3 +71,7 @@ def test_the_quick_suite_reports_every_scenario_as_documented(tmp_path: Path) ->
     (recovery,) = (result for result in results if result["name"] == "recovery.10k")
     assert recovery["extra"]["write_back_floor_s"] > 0
     assert recovery["extra"]["floor_ratio"] > 0
+    # terminate.cooperative also reports the floor of section 5's shape with the watchdog.
+    (terminate,) = (result for result in results if result["name"] == "terminate.cooperative")
+    assert terminate["extra"]["session_floor_s"] > 0
+    assert terminate["extra"]["floor_ratio"] > 0

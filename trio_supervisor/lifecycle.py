@@ -127,6 +127,7 @@ class Lifecycle:
     """
 
     __slots__ = (
+        "_active",
         "_open",
         "child",
         "code",
@@ -148,6 +149,8 @@ class Lifecycle:
         self.child: ChildIdentity | None = None
         self.code: CodeIdentity | None = None
         self.stopped: StoppedRecord | None = None
+        # The active record once built: a stop writes it into two records (P2, P5).
+        self._active: ActiveRecord | None = None
 
     # -- reading ------------------------------------------------------------------------
 
@@ -166,6 +169,8 @@ class Lifecycle:
         base = self._open
         if self.load is None:
             return base
+        if self._active is not None:
+            return self._active
         common = {
             "handle": base.handle,
             "request_id": base.request_id,
@@ -173,9 +178,13 @@ class Lifecycle:
             "limits": base.limits,
             "load": self.load,
         }
+        built: ActiveRecord
         if self.code is not None and self.child is not None:
-            return LoadedRecord(code=self.code, child=self.child, **common)  # type: ignore[arg-type]
-        return LoadingRecord(child=self.child, **common)  # type: ignore[arg-type]
+            built = LoadedRecord(code=self.code, child=self.child, **common)  # type: ignore[arg-type]
+        else:
+            built = LoadingRecord(child=self.child, **common)  # type: ignore[arg-type]
+        self._active = built
+        return built
 
     def check_live(self, now: float) -> None:
         """Refuse to act on a session that is stopping or whose lease ran out (R3, R4).
@@ -222,6 +231,7 @@ class Lifecycle:
             return False
         self.phase = self._next(Event.BEGIN_LOAD)
         self.load = load
+        self._active = None
         return True
 
     def request_stop(self, reason: StopReason, exit: ExitStatus | None = None) -> bool:
@@ -270,6 +280,7 @@ class Lifecycle:
         """Take in that the Loading record naming ``child`` is durable."""
         self.phase = self._next(Event.REGISTER)
         self.child = child
+        self._active = None
 
     def loaded_record(self, code: CodeIdentity, now: float) -> LoadedRecord:
         """The Loaded record, to be written once the child started (L4).
@@ -296,6 +307,7 @@ class Lifecycle:
         """Take in that the Loaded record is durable."""
         self.phase = self._next(Event.LOADED)
         self.code = code
+        self._active = None
 
     def stopping_record(self) -> StoppingRecord:
         """The Stopping record of the stop in progress (P2)."""
