@@ -100,6 +100,9 @@ async def _floor_cycle() -> tuple[float, float]:
             with trio.move_on_after(GRACE):  # P3: interrupt, wait for the exit
                 process.send_signal(signal.SIGTERM)
                 await process.wait()
+            if process.returncode is None:  # P3: then the kill
+                process.kill()
+                await process.wait()
             await stdout.aclose()  # P4
             await trio.lowlevel.checkpoint()  # P5: the Stopped record is saved
         stopped.set()  # P6
