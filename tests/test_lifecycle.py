@@ -79,7 +79,11 @@ def test_a_session_moves_open_loading_loaded_stopping_stopped() -> None:
     with_child = lifecycle.child_record(CHILD, now=1.0)
     assert with_child.child == CHILD
     assert lifecycle.child is None, "asking for the record changes nothing"
+    assert lifecycle.active().child is None  # type: ignore[union-attr]
     lifecycle.register(CHILD)
+    # The active record is built once per change, and each change shows in it.
+    assert lifecycle.active() == with_child
+    assert lifecycle.active() is lifecycle.active()
     loaded = lifecycle.loaded_record(CODE, now=1.0)
     lifecycle.loaded(CODE)
     assert phase_of(lifecycle) is Phase.LOADED
