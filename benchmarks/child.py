@@ -22,7 +22,6 @@ in the result's ``extra``.
 from __future__ import annotations
 
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,13 +29,12 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import attrs
 import trio
 import trio.testing
 
 from trio_supervisor import Key, Load, MemoryStore, SubprocessExecution, open_supervisor
 
-from .measure import Result, compare, interleaved
+from .measure import Result, compare, with_floor
 
 PLUGINS = Path(__file__).parent / "plugins"
 PLUGIN = (PLUGINS / "minimal.py").read_text()
@@ -153,23 +151,22 @@ def ours(cycles: int, which: int, *, standby: bool = False) -> float:
 
 def run(quick: bool, rounds: int) -> list[Result]:
     cycles = 3 if quick else 10
-    terminate = compare(
-        "terminate.cooperative",
-        ours=lambda: ours(cycles, 1),
+    terminate = with_floor(
+        compare(
+            "terminate.cooperative",
+            ours=lambda: ours(cycles, 1),
+            baseline=lambda: raw(cycles, 1),
+            unit="s",
+            better="lower",
+            target=1.2,
+            rounds=rounds,
+            note="dispose of a running child that exits on SIGTERM vs raw SIGTERM + wait",
+        ),
+        "session_floor_s",
+        floor=lambda: raw(cycles, 1, _floor_cycle),
         baseline=lambda: raw(cycles, 1),
-        unit="s",
-        better="lower",
-        target=1.2,
         rounds=rounds,
-        note="dispose of a running child that exits on SIGTERM vs raw SIGTERM + wait",
     )
-    floors, baselines = interleaved(
-        lambda: raw(cycles, 1, _floor_cycle), lambda: raw(cycles, 1), rounds
-    )
-    floor = {
-        "session_floor_s": statistics.median(floors),
-        "floor_ratio": statistics.median(floors) / statistics.median(baselines),
-    }
     return [
         compare(
             "child.cycle",
@@ -193,5 +190,5 @@ def run(quick: bool, rounds: int) -> list[Result]:
             note="as child.cycle, with the default standby=False: the interpreter starts "
             "during the load",
         ),
-        attrs.evolve(terminate, extra=floor),
+        terminate,
     ]

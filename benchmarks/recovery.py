@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
-import statistics
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-import attrs
 import trio
 
 from trio_supervisor import Handle, Key, Limits, OpenRecord, SqliteStore, open_supervisor
 from trio_supervisor.testing import FakeExecution
 
-from .measure import Result, compare, interleaved
+from .measure import Result, compare, with_floor
 
 
 def _prepare(path: Path, records: int) -> None:
@@ -116,16 +114,13 @@ def run(quick: bool, rounds: int) -> list[Result]:
             note=f"open_supervisor over {records:,} unstopped records vs sqlite3 read+write",
         )
         stopped = _stopped_bodies(template, scratch)
-        floors, baselines = interleaved(
-            lambda: baseline(template, scratch, stopped),
-            lambda: baseline(template, scratch),
-            rounds,
-        )
-        floor_ratio = statistics.median(floors) / statistics.median(baselines)
         return [
-            attrs.evolve(
+            with_floor(
                 result,
-                extra={"write_back_floor_s": statistics.median(floors), "floor_ratio": floor_ratio},
+                "write_back_floor_s",
+                floor=lambda: baseline(template, scratch, stopped),
+                baseline=lambda: baseline(template, scratch),
+                rounds=rounds,
             )
         ]
     finally:
