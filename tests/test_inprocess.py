@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 
 import pytest
 import trio
@@ -95,7 +94,8 @@ async def test_a_plugin_runs_as_a_task_with_its_context(
         assert code.digest is not None
         assert code.digest.startswith("sha256:")
         termination = await sup.dispose(handle)
-        assert termination == Termination(kind="exited", exit=ExitStatus(signal=signal.SIGTERM))
+        assert termination == Termination(kind="exited", exit=ExitStatus(cancelled=True))
+        assert termination.describe() == "exited (cancelled)"
         assert execution.running == 0
 
 
@@ -120,7 +120,8 @@ async def test_a_plugin_ignoring_the_interrupt_is_killed(
         handle = await opened(sup)
         await sup.load(handle, Load(specifier="stubborn"))
         termination = await sup.dispose(handle)
-        assert termination == Termination(kind="killed", exit=ExitStatus(signal=signal.SIGKILL))
+        assert termination == Termination(kind="killed", exit=ExitStatus(cancelled=True))
+        assert termination.describe() == "killed (did not stop in time; cancelled)"
 
 
 async def test_a_plugin_that_shields_itself_forever_is_unconfirmed(
@@ -221,9 +222,7 @@ async def test_recovery_kills_a_task_a_crashed_supervisor_left_running() -> None
             record = await second.status(handle)
             assert isinstance(record, StoppedRecord)
             assert record.reason == Recovery()
-            assert record.termination == Termination(
-                kind="killed", exit=ExitStatus(signal=signal.SIGKILL)
-            )
+            assert record.termination == Termination(kind="killed", exit=ExitStatus(cancelled=True))
             assert execution.running == 0
 
 
@@ -231,6 +230,7 @@ async def test_recover_of_a_gone_or_foreign_child() -> None:
     async with InProcessExecution(PLUGINS) as execution:
         gone = await execution.recover(ChildIdentity(adapter="inprocess", ref="nope"))
         assert gone == Termination(kind="exited", exit=ExitStatus(code=None, signal=None))
+        assert gone.describe() == "exited (already gone; exit status unknown)"
         with pytest.raises(ExecutionError, match="not made by the in-process execution"):
             await execution.recover(ChildIdentity(adapter="subprocess", ref="1", pid=1))
 
@@ -242,4 +242,4 @@ async def test_leaving_the_execution_cancels_what_still_runs() -> None:
         await unit.start()
         assert execution.running == 1
     assert execution.running == 0
-    assert await unit.wait() == ExitStatus(signal=signal.SIGKILL)
+    assert await unit.wait() == ExitStatus(cancelled=True)

@@ -195,6 +195,10 @@ async def test_grandchildren_that_ignore_sigterm_do_not_survive_a_dispose(
     # grandchildren outlived the SIGTERM, and the group was killed after the grace.
     assert termination.kind == kind
     assert not any(running(pid) for pid in grandchildren)
+    # Whoever killed them (the child's bootstrap after the plugin cleaned up, or the
+    # supervisor's kill of the group), the termination says they had to be killed.
+    assert termination.exit.descendants_killed == 2
+    assert "2 descendants killed" in termination.describe()
 
 
 async def test_a_named_command_runs_under_the_same_rules(
@@ -318,11 +322,16 @@ async def test_recovery_kills_a_live_recorded_child_and_its_group(tmp_path: Path
             with trio.fail_after(BOUND):
                 termination = await second.recover(record.child)
         assert termination.kind == "killed"
+        assert termination.exit.descendants_killed == 2
         assert record.child.pid is not None
         assert not running(record.child.pid)
         assert not any(running(pid) for pid in grandchildren)
         with trio.fail_after(BOUND):
             await until_stopped(sup, handle)
+        # Found again once it is gone: nothing is signalled, and the report says so.
+        async with SubprocessExecution(tmp_path / "c") as third:
+            again = await third.recover(record.child)
+        assert again.describe() == "exited (already gone; exit status unknown)"
 
 
 async def test_the_dead_man_switch_ends_a_child_whose_unit_is_dropped(tmp_path: Path) -> None:

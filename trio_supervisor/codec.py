@@ -233,6 +233,10 @@ def _finite(value: float) -> str:
     return float.__repr__(value)
 
 
+def _boolean(value: bool) -> str:
+    return "true" if value else "false"
+
+
 def _config_text(value: Any) -> str:
     return _encoder.encode(_thaw(value))
 
@@ -251,6 +255,8 @@ def _writer(kind: Any) -> _Writer:
     origin = typing.get_origin(kind)
     if kind is str or (origin is Literal and all(isinstance(arg, str) for arg in args)):
         return _quote
+    if kind is bool:
+        return _boolean
     if kind is int:
         return int.__repr__
     if kind is float:

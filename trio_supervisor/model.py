@@ -1,4 +1,4 @@
-"""The values of DESIGN.md section 3: keys, handles, loads, limits, records.
+"""The values of docs/design.md, "Public surface": keys, handles, loads, limits, records.
 
 Every class here is frozen, slotted and keyword-only, and checks its fields when it is
 built, so an invalid value never exists: an empty identity, a lease that is not a
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+import signal
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, TypeAlias
@@ -268,12 +269,51 @@ class ChildIdentity:
 # -- termination ----------------------------------------------------------------------
 
 
+def _plain_integer(value: object) -> object:
+    # A signal number is often a ``signal.Signals`` member; stored, it reads back as a
+    # plain int, so it is one from the start (the same value before and after storage).
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def _count(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    _integer(instance, attribute, value)
+    assert isinstance(value, int)
+    if value < 0:
+        raise ValueError(f"{_where(instance, attribute)} must be >= 0, got {value}")
+
+
+def _flag(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{_where(instance, attribute)} must be a bool, not {type(value).__name__}")
+
+
 @attrs.frozen(kw_only=True)
 class ExitStatus:
-    """How a child ended: an exit code, or the signal that ended it (both None: unknown)."""
+    """How a child ended.
+
+    Attributes:
+        code: Its exit code, when it exited (or returned) with one.
+        signal: The number of the signal that ended it, for a process.
+        cancelled: True for an in-process task that ended by cancellation: no signal
+            exists for a task, so ``signal`` stays None.
+        descendants_killed: How many processes the child left behind had to be killed
+            as it ended (grandchildren that ignored the interrupt, say).
+
+    ``code`` and ``signal`` both None, and not ``cancelled``: the status is unknown (the
+    child was already gone when recovery looked for it).
+    """
 
     code: int | None = attrs.field(default=None, validator=_optional_integer)
-    signal: int | None = attrs.field(default=None, validator=_optional_integer)
+    signal: int | None = attrs.field(
+        default=None, converter=_plain_integer, validator=_optional_integer
+    )
+    cancelled: bool = attrs.field(default=False, validator=_flag)
+    descendants_killed: int = attrs.field(default=0, validator=_count)
+
+    @property
+    def known(self) -> bool:
+        """Whether anything is known of how the child ended."""
+        return self.cancelled or self.code is not None or self.signal is not None
 
 
 @attrs.frozen(kw_only=True)
@@ -317,6 +357,38 @@ class Termination:
     )
     exit: ExitStatus = attrs.field(validator=attrs.validators.instance_of(ExitStatus))
     cause: tuple[Fault, ...] = attrs.field(default=(), converter=_faults)
+
+    def describe(self) -> str:
+        """One line for people: ``exited (code 0)``, ``killed (SIGKILL)``, ...
+
+        In-process tasks read ``exited (cancelled)`` or ``killed (did not stop in time;
+        cancelled)``; a child recovery found already dead reads ``exited (already gone;
+        exit status unknown)``; descendants that had to be killed, and problems met on
+        the way, are counted at the end.
+        """
+        status = self.exit
+        if status.cancelled:
+            details = ["did not stop in time; cancelled" if self.kind == "killed" else "cancelled"]
+        elif status.code is not None:
+            details = [f"code {status.code}"]
+        elif status.signal is not None:
+            details = [_signal_name(status.signal)]
+        else:
+            details = ["already gone; exit status unknown"]
+        if status.descendants_killed:
+            plural = "s" if status.descendants_killed != 1 else ""
+            details.append(f"{status.descendants_killed} descendant{plural} killed")
+        if self.cause:
+            plural = "s" if len(self.cause) != 1 else ""
+            details.append(f"{len(self.cause)} problem{plural}")
+        return f"{self.kind} ({'; '.join(details)})"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 # -- stop reasons ---------------------------------------------------------------------

@@ -12,6 +12,8 @@ length, then the payload):
     supervisor -> child   {"command": "start"}
     child -> supervisor   {"event": "started"}  or  {"event": "failed", ...}
     supervisor -> child   {"command": "interrupt"}  right after it sends SIGTERM
+    child -> supervisor   {"event": "swept", "killed": 2}  as it exits, if it had to
+                          kill what the entry point left in its group
 
 Before any of the caller's code runs, this process resolves the specifier (finding the
 module file on the configured paths without importing it, or the executable of a named
@@ -123,10 +125,22 @@ def has_children() -> bool:
     return True
 
 
-def kill_the_rest_of_the_group() -> None:
-    """SIGKILL every other process of this group (what the entry point left behind)."""
+def sweep(control: Control) -> None:
+    """Kill what the entry point left in the group; tell the supervisor how many."""
+    killed = kill_the_rest_of_the_group()
+    if killed:
+        control.send({"event": "swept", "killed": killed})
+
+
+def kill_the_rest_of_the_group() -> int:
+    """SIGKILL every other process of this group (what the entry point left behind).
+
+    Returns:
+        How many processes were killed.
+    """
     if not has_children():
-        return  # nothing was started, so nothing can be left
+        return 0  # nothing was started, so nothing can be left
+    killed = 0
     group, me = os.getpgrp(), os.getpid()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
@@ -135,8 +149,9 @@ def kill_the_rest_of_the_group() -> None:
             with open(f"/proc/{entry}/stat", "rb") as file:
                 stat = file.read()
             fields = stat[stat.rindex(b")") + 2 :].split()
-            if int(fields[2]) == group:
+            if int(fields[2]) == group and fields[0] != b"Z":
                 os.kill(int(entry), SIGKILL)
+                killed += 1
         except (OSError, ValueError):
             continue
     # Reap those that are our children, so none lingers as a zombie of this group.
@@ -144,9 +159,9 @@ def kill_the_rest_of_the_group() -> None:
         try:
             pid, _ = os.waitpid(-group, os.WNOHANG)
         except ChildProcessError:
-            return
+            return killed
         if pid == 0:
-            return
+            return killed
 
 
 class Watchdog:
@@ -433,7 +448,7 @@ def main() -> int:
     context = spec["context"]
     if spec["kind"] == "command":
         status = run_command(spec, control)
-        kill_the_rest_of_the_group()
+        sweep(control)
         if status < 0:
             die_by(-status)
         return status
@@ -450,7 +465,7 @@ def main() -> int:
         # the "started" event was being sent) or just as it ended.
         result = "interrupted"
     INTERRUPTS.over = True
-    kill_the_rest_of_the_group()
+    sweep(control)
     if result == "interrupted":
         die_by(SIGTERM)
     return result if isinstance(result, int) else 1

@@ -1,4 +1,4 @@
-"""The execution protocols (DESIGN.md section 7)."""
+"""The execution protocols (docs/design.md, "Adapters")."""
 
 from __future__ import annotations
 

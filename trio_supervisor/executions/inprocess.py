@@ -12,9 +12,10 @@ the kill, and the supervisor reports ``TerminationUnconfirmedError`` after its
 confirmation timeout; it is the one thing an in-process child can do that a process
 cannot. Run untrusted code in the subprocess execution instead.
 
-Exit statuses follow the process convention: a plugin that returns gives code 0 (or
-the int it returned), one that raises gives code 1, one ended by interrupt or kill gives
-signal ``SIGTERM`` or ``SIGKILL``.
+Exit statuses: a plugin that returns gives code 0 (or the int it returned), one that
+raises gives code 1. A task has no signals: one ended by interrupt or kill is
+``cancelled`` (the termination's kind says which: ``exited`` when it stopped within the
+grace, ``killed`` when it had to be cancelled outright).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
-import signal
 import types
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -53,6 +53,7 @@ __all__ = ["InProcessExecution", "Plugin", "PluginContext"]
 logger = logging.getLogger("trio_supervisor")
 
 ADAPTER = "inprocess"
+_CANCELLED = ExitStatus(cancelled=True)
 
 
 @attrs.frozen(kw_only=True)
@@ -248,25 +249,18 @@ class _TaskUnit:
 
     async def _run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         code: int | None = None
-        signal_number: int | None = None
         try:
-            with self._kill_scope:
-                with self._interrupt_scope:
-                    task_status.started()
-                    result = await self._plugin(self._context)
-                    code = result if isinstance(result, int) and not isinstance(result, bool) else 0
-                if self._interrupt_scope.cancelled_caught:
-                    signal_number = signal.SIGTERM
-            if self._kill_scope.cancelled_caught:
-                signal_number = signal.SIGKILL
+            with self._kill_scope, self._interrupt_scope:
+                task_status.started()
+                result = await self._plugin(self._context)
+                code = result if isinstance(result, int) and not isinstance(result, bool) else 0
         except Exception:
             logger.exception("the in-process plugin %r raised", self._code.specifier)
             code = 1
         finally:
-            if code is None and signal_number is None:
-                # Torn down from outside (the execution's nursery was cancelled).
-                signal_number = signal.SIGKILL
-            self._finish(ExitStatus(code=code, signal=signal_number))
+            # No code: it was cancelled, by interrupt, by kill, or from outside (the
+            # execution's nursery was cancelled).
+            self._finish(_CANCELLED if code is None else ExitStatus(code=code))
 
     def _finish(self, status: ExitStatus) -> None:
         if self._status is None:
@@ -277,7 +271,7 @@ class _TaskUnit:
     def cancel_outright(self) -> None:
         self._kill_scope.cancel()
         if not self._started:
-            self._finish(ExitStatus(code=None, signal=signal.SIGKILL))
+            self._finish(_CANCELLED)
 
     async def renew(self, lease: float) -> None:
         # The supervisor enforces the lease of a task: it shares our event loop.
@@ -287,7 +281,7 @@ class _TaskUnit:
         await trio.lowlevel.checkpoint()
         self._interrupt_scope.cancel()
         if not self._started:
-            self._finish(ExitStatus(code=None, signal=signal.SIGTERM))
+            self._finish(_CANCELLED)
 
     async def kill(self) -> None:
         await trio.lowlevel.checkpoint()

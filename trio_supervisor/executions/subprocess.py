@@ -522,12 +522,13 @@ class SubprocessExecution:
                 # The pid was reused by a process that leads a group of that id: theirs.
                 await trio.lowlevel.checkpoint()
                 return gone
-        if _live_members(pgid):
+        left = _live_members(pgid)
+        if left:
             # The leader is dead, its group is not: only its descendants can hold the id.
             _signal_group(pgid, signal.SIGKILL)
             await trio.lowlevel.checkpoint()
             await _group_gone(pgid)
-            return Termination(kind="killed", exit=ExitStatus(code=None, signal=None))
+            return Termination(kind="killed", exit=ExitStatus(descendants_killed=len(left)))
         _reap_group(pgid)
         await trio.lowlevel.checkpoint()
         return gone
@@ -543,13 +544,16 @@ class SubprocessExecution:
             if start_time(pid) != recorded:
                 await trio.lowlevel.checkpoint()
                 return Termination(kind="exited", exit=ExitStatus())
+            descendants = sum(1 for member in _live_members(pgid) if member != pid)
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             _signal_group(pgid, signal.SIGKILL)
             await trio.lowlevel.wait_readable(pidfd)  # readable once the process exited
             status = _reap(pid)
             await _group_gone(pgid)
-            return Termination(kind="killed", exit=status)
+            return Termination(
+                kind="killed", exit=attrs.evolve(status, descendants_killed=descendants)
+            )
         finally:
             os.close(pidfd)
 
@@ -651,8 +655,14 @@ class _ProcessUnit:
         self._identity = identity
         self.code = CodeIdentity(specifier=load.specifier)
         self._specifier = load.specifier
+        self._socket = control  # the same socket, for reading what is left at exit
         self._control = trio.SocketStream(trio.socket.from_stdlib_socket(control))
         self._buffer = b""
+        # Processes the child left in its group that had to be killed: counted by the
+        # bootstrap as it exits ("swept"), and by our own kill of the group.
+        self._descendants_killed = 0
+        self._status: ExitStatus | None = None
+        self._wait_lock = trio.Lock()
         self._send_lock = trio.StrictFIFOLock()
         self._started = False
         self._closed = False
@@ -717,13 +727,47 @@ class _ProcessUnit:
 
     async def kill(self) -> None:
         await trio.lowlevel.checkpoint()
-        _signal_group(self._identity.pgid or self._process.pid, signal.SIGKILL)
+        pgid = self._identity.pgid or self._process.pid
+        # Whatever of the group is not the leader is something the child left behind.
+        self._descendants_killed += sum(
+            1 for pid in _live_members(pgid) if pid != self._process.pid
+        )
+        _signal_group(pgid, signal.SIGKILL)
 
     async def wait(self) -> ExitStatus:
-        returncode = await self._process.wait()
-        # The leader is gone; the child is gone when its whole group is.
-        await _group_gone(self._identity.pgid or self._process.pid)
-        return _status(returncode)
+        async with self._wait_lock:  # one waiter works it out; the others read it
+            if self._status is None:
+                returncode = await self._process.wait()
+                # The leader is gone; the child is gone when its whole group is.
+                await _group_gone(self._identity.pgid or self._process.pid)
+                self._read_leftovers()
+                self._status = attrs.evolve(
+                    _status(returncode), descendants_killed=self._descendants_killed
+                )
+            return self._status
+
+    def _read_leftovers(self) -> None:
+        """Take in what the bootstrap said as it exited (how many it swept).
+
+        Everything it sent is in the socket already: it has exited. So this reads
+        without waiting, and stops at the first empty read.
+        """
+        while True:
+            try:
+                chunk = self._socket.recv(65536, socket.MSG_DONTWAIT)
+            except (BlockingIOError, OSError):
+                break
+            if not chunk:
+                break
+            self._buffer += chunk
+        while len(self._buffer) >= 4:
+            size = int.from_bytes(self._buffer[:4], "big")
+            if len(self._buffer) < 4 + size:
+                break
+            message = marshal.loads(self._buffer[4 : 4 + size])
+            self._buffer = self._buffer[4 + size :]
+            if isinstance(message, dict) and message.get("event") == "swept":
+                self._descendants_killed += int(message.get("killed", 0))
 
     async def _destroy(self) -> None:
         await self.aclose()
