@@ -1,4 +1,4 @@
-"""open: O1-O11."""
+"""open: O1-O11 of docs/design.md, "Semantics"."""
 
 from __future__ import annotations
 
@@ -127,14 +127,18 @@ async def test_o3_a_repeated_request_id_returns_the_record_in_whatever_phase(
 
 async def test_o4_expected_generation_must_equal_the_high_water(sup: Supervisor) -> None:
     with pytest.raises(
-        StaleSessionError, match=r"expected generation 1 .* high-water generation is 0"
+        StaleSessionError, match=r"expected generation 1, but its high-water generation is 0"
     ):
         await sup.open(KEY, "r1", expected_generation=1)
     first = await sup.open(KEY, "r1")  # None means 0
     assert first.handle.generation == 1
-    with pytest.raises(StaleSessionError):
+    with pytest.raises(StaleSessionError) as never:
         await sup.open(KEY, "r2")
-    with pytest.raises(StaleSessionError):
+    assert never.value.detail == (
+        "plugin/a: expected a key never opened, but its high-water generation is 1; "
+        "pass expected_generation=1 to open the next one"
+    )
+    with pytest.raises(StaleSessionError, match="expected generation 0, but"):
         await sup.open(KEY, "r2", expected_generation=0)
     second = await sup.open(KEY, "r2", expected_generation=1)
     assert second.handle.generation == 2

@@ -1,6 +1,6 @@
 """The Trio driver: sessions as tasks, their leases as cancel-scope deadlines.
 
-Shape (DESIGN.md section 5)::
+Shape (docs/design.md, "Shape in Trio")::
 
     open_supervisor ── supervisor nursery (owns every session)
                         └─ session task ── session cancel scope (deadline = the lease)
@@ -361,9 +361,15 @@ class Supervisor:
         high = self._index.high_water(key)
         if (expected_generation or 0) != high:
             await trio.lowlevel.cancel_shielded_checkpoint()
+            expected = (
+                "a key never opened"
+                if expected_generation is None
+                else f"generation {expected_generation}"
+            )
             raise StaleSessionError(
-                f"expected generation {expected_generation or 0} of {key.identity}/"
-                f"{key.instance}, but its high-water generation is {high}"
+                f"{key.identity}/{key.instance}: expected {expected}, but its high-water "
+                f"generation is {high}; pass expected_generation={high or None} to open "
+                "the next one"
             )
         await self._supersede(key)
         self._check_usable()
