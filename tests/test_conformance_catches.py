@@ -47,7 +47,7 @@ def memory(previous: Store | None) -> Store:
     return previous or MemoryStore(retention=RETENTION)
 
 
-STORE = "the store differs|no interleaving of the burst explains"
+STORE = "and it differs|no interleaving of the burst explains"
 
 
 def finds(store_factory: Any = memory, harness_factory: Any = None, *, match: str) -> None:
@@ -91,7 +91,7 @@ class OnePerKeyStore(MemoryStore):
 
 
 class NoHighWaterStore(MemoryStore):
-    """Keeps no high-water marks of its own (DESIGN.md section 7 asks for them)."""
+    """Keeps no high-water marks of its own (docs/design.md, "Adapters", asks for them)."""
 
     async def high_water(self) -> Mapping[Key, int]:
         await super().high_water()
@@ -165,11 +165,14 @@ def test_it_finds_a_store_that_ignores_its_retention() -> None:
 
 
 def test_it_finds_an_execution_whose_wait_returns_before_the_exit() -> None:
-    finds(harness_factory=harness_of(EarlyWaitExecution), match=f"expected|{STORE}|alive|calls")
+    finds(
+        harness_factory=harness_of(EarlyWaitExecution),
+        match=f"the model expects|{STORE}|alive|got the calls",
+    )
 
 
 def test_it_finds_an_execution_that_lies_about_recovery() -> None:
     finds(
         harness_factory=harness_of(LyingRecoveryExecution),
-        match=f"alive True, the model says False|recovery should fail|{STORE}",
+        match=f"is alive, the model says gone|recovery should fail|{STORE}",
     )

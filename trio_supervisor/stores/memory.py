@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Self
 
 import trio
 
@@ -13,7 +14,7 @@ __all__ = ["MemoryStore"]
 
 
 class MemoryStore:
-    """Records in a dict, with the retention policy of DESIGN.md section 6.
+    """Records in a dict, with the retention policy of docs/design.md, "Persistence and retention".
 
     One MemoryStore may serve several supervisors one after the other, which is how
     tests restart a supervisor "on the same storage".
@@ -32,6 +33,21 @@ class MemoryStore:
         for key, generation in self._index.high_waters().items():
             twin._index.raise_high_water(key, generation)
         return twin
+
+    async def __aenter__(self) -> Self:
+        await trio.lowlevel.checkpoint()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Nothing to release; the records stay, so the store can be used again.
+
+        Every store is used as ``async with``; this one keeps its records when it is
+        left, as a file would, which is how tests restart a supervisor on it.
+        """
+        await trio.lowlevel.checkpoint()
 
     @property
     def retention(self) -> Retention:

@@ -27,7 +27,7 @@ import math
 import os
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import attrs
 import trio
@@ -132,6 +132,23 @@ class Operation:
     name: str
     outcome: Outcome | None = None
     value: object = None
+    what: str = ""  # the call with its arguments, for failure messages
+
+    @property
+    def call(self) -> str:
+        """The call as a failure message names it, with the rules it is held to."""
+        rules = _RULES.get(self.name)
+        return f"{self.what or self.name}" + (f" ({rules} in docs/design.md)" if rules else "")
+
+
+# The rules of docs/design.md section "Semantics" each operation is held to.
+_RULES: Final = {
+    "open": "O1-O11",
+    "renew": "R1-R6",
+    "load": "L1-L6, P1-P6",
+    "dispose": "D1-D5, P1-P6",
+    "status": "S1",
+}
 
 
 class World:
@@ -384,12 +401,13 @@ class ConformanceMachine(RuleBasedStateMachine):
             event(f"{actual.name} -> {predicted.outcome[1]}")
         if predicted.outcome is None:
             assert actual.outcome is None, (
-                f"{actual.name}: the model says it still waits, it returned {actual.outcome}"
+                f"{actual.call}: the model says it still waits, it returned {actual.outcome}"
             )
             self.pending.append((predicted, actual))
             return
         assert actual.outcome == predicted.outcome, (
-            f"{actual.name}: expected {predicted.outcome}, got {actual.outcome}"
+            f"{actual.call}: the model expects {predicted.outcome}, "
+            f"the supervisor gave {actual.outcome}"
         )
         self._adopt(actual)
 
@@ -405,20 +423,25 @@ class ConformanceMachine(RuleBasedStateMachine):
                 event(f"{actual.name} waited, then -> {predicted.outcome}")
                 self.pending.remove((predicted, actual))
                 assert actual.outcome == predicted.outcome, (
-                    f"{actual.name}, which waited: expected {predicted.outcome}, "
-                    f"got {actual.outcome}"
+                    f"{actual.call}, which waited: the model expects {predicted.outcome}, "
+                    f"the supervisor gave {actual.outcome}"
                 )
                 self._adopt(actual)
             else:
                 assert actual.outcome is None, (
-                    f"{actual.name}: the model says it still waits, it returned {actual.outcome}"
+                    f"{actual.call}: the model says it still waits, it returned {actual.outcome}"
                 )
 
     def _run(
-        self, name: str, predicted: Any, call: Callable[[Supervisor], Awaitable[object]]
+        self,
+        name: str,
+        predicted: Any,
+        call: Callable[[Supervisor], Awaitable[object]],
+        what: str,
     ) -> None:
         expected = self.model.start(name, predicted)
         actual = self.world.call(self.world.begin, name, call)
+        actual.what = what
         self._check(expected, actual)
 
     # -- choosing sessions ------------------------------------------------------------------
@@ -479,6 +502,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             "open",
             self.model.open(key, request, expected, lease),
             lambda sup: sup.open(key, request, expected_generation=expected, lease=lease),
+            f"open({_name(key)}, {request!r}, expected_generation={expected}, lease={lease})",
         )
 
     def _choose(self, pick: int) -> SessionId | None:
@@ -499,7 +523,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         ident = self._choose(pick)
         assert ident is not None
         handle = self.handles[ident]
-        self._run("renew", self.model.renew(ident), lambda sup: sup.renew(handle))
+        self._run(
+            "renew", self.model.renew(ident), lambda sup: sup.renew(handle), f"renew({_of(ident)})"
+        )
 
     @precondition(lambda self: bool(self.handles))
     @rule(
@@ -521,6 +547,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             "load",
             self.model.load(ident, specifier),
             lambda sup: sup.load(handle, LoadRequest(specifier=specifier)),
+            f"load({_of(ident)}, {specifier!r})",
         )
 
     @precondition(lambda self: bool(self.handles))
@@ -529,7 +556,12 @@ class ConformanceMachine(RuleBasedStateMachine):
         ident = self._choose(pick)
         assert ident is not None
         handle = self.handles[ident]
-        self._run("dispose", self.model.dispose(ident), lambda sup: sup.dispose(handle))
+        self._run(
+            "dispose",
+            self.model.dispose(ident),
+            lambda sup: sup.dispose(handle),
+            f"dispose({_of(ident)})",
+        )
 
     @precondition(lambda self: bool(self.handles))
     @rule(pick=st.integers(0, 1000))
@@ -537,7 +569,12 @@ class ConformanceMachine(RuleBasedStateMachine):
         ident = self._pick(pick, self._known())
         assert ident is not None
         handle = self.handles[ident]
-        self._run("status", self.model.status(ident), lambda sup: sup.status(handle))
+        self._run(
+            "status",
+            self.model.status(ident),
+            lambda sup: sup.status(handle),
+            f"status({_of(ident)})",
+        )
 
     @precondition(lambda self: bool(self.handles))
     @rule(pick=st.integers(0, 1000), how=st.sampled_from(["generation", "token", "key"]))
@@ -775,18 +812,30 @@ class ConformanceMachine(RuleBasedStateMachine):
     def the_clocks_agree(self) -> None:
         now = self.world.call(self.world.settle)
         assert math.isclose(now, self.model.now), (
-            f"virtual time {now}, the model's {self.model.now}"
+            f"the run's virtual time is {now}, the model's {self.model.now}: some wait of the "
+            "supervisor did not end when the rules say (T1 leases, P3 grace and confirmation)"
         )
 
     @invariant()
     def the_store_holds_what_was_acknowledged(self) -> None:
         records, marks = self.world.call(self.world.contents)
         stored = {(r.handle.key, r.handle.generation): durable(r) for r in records}
-        assert len(stored) == len(records), "two records of one session"
+        assert len(stored) == len(records), (
+            "a save replaces its token's earlier record (docs/design.md, Adapters), but the "
+            "store lists two records of one session: "
+            + ", ".join(sorted(f"{_of(ident)}" for ident in stored))
+        )
         assert stored == self.model.store, _difference(stored, self.model.store)
-        assert marks == self.model.high, f"high-water {marks}, the model says {self.model.high}"
+        assert marks == self.model.high, (
+            "every key's high-water is kept apart from retention and never evicted (V5, "
+            f"section Persistence): the store says {_marks(marks)}, the model "
+            f"{_marks(self.model.high)}"
+        )
         live = [r.handle.key for r in records if r.phase.value in ("Open", "Loading", "Loaded")]
-        assert len(live) == len(set(live)), f"more than one live session of a key: {live}"
+        assert len(live) == len(set(live)), (
+            "at most one live record per key (O5 supersedes the older): "
+            + ", ".join(_name(key) for key in live)
+        )
 
     @invariant()
     def children_live_and_die_as_the_model_says(self) -> None:
@@ -797,18 +846,28 @@ class ConformanceMachine(RuleBasedStateMachine):
         for ident, child in self.model.children.items():
             identity = log.children.get(ident)
             assert identity is not None, (
-                f"{ident}: the model has a child the execution never spawned"
+                f"the child of {_of(ident)}: the model has one (L4), the execution never spawned it"
             )
             alive = living[ident]
-            assert alive == child.alive, f"{ident}: alive {alive}, the model says {child.alive}"
+            assert alive == child.alive, (
+                f"the child of {_of(ident)} is {'alive' if alive else 'gone'}, the model says "
+                f"{'alive' if child.alive else 'gone'} (P3: every stop ends its child; X1, V2)"
+            )
             counts = calls[ident]
             assert counts == expected_calls[ident], (
-                f"{ident}: calls {counts}, the model says {expected_calls[ident]}"
+                f"the child of {_of(ident)} got the calls {counts}, the model says "
+                f"{expected_calls[ident]} (P3 interrupt then kill, P4 one release, V2 recover)"
             )
             exactly_once = [name for name in ("interrupt", "kill", "aclose") if counts[name] > 1]
-            assert not exactly_once, f"{ident}: more than one {exactly_once}"
+            assert not exactly_once, (
+                f"the child of {_of(ident)} got more than one {exactly_once}: a session is "
+                "terminated exactly once (P1, section Shape in Trio)"
+            )
         for ident in log.children:
-            assert ident in self.model.children, f"{ident}: a child the model never spawned"
+            assert ident in self.model.children, (
+                f"the execution spawned a child for {_of(ident)} that the model never asked "
+                "for (L3, L4)"
+            )
 
     def _calls(self) -> dict[SessionId, dict[str, int]]:
         log = self.world.log
@@ -826,7 +885,8 @@ class ConformanceMachine(RuleBasedStateMachine):
                 stopping.add(entry.session)
             elif entry.what in ("interrupt", "kill"):
                 assert entry.session in stopping, (
-                    f"{entry.session} was sent {entry.what} while live"
+                    f"the child of {_of(entry.session)} was sent {entry.what} before its "
+                    "Stopping record was saved (P2 persists Stopping before P3 signals)"
                 )
 
 
@@ -928,8 +988,28 @@ def _interleave(
     return search(model, tuple(0 for _ in plan), {})
 
 
+def _name(key: Key) -> str:
+    return f"{key.identity}/{key.instance}"
+
+
+def _of(ident: SessionId) -> str:
+    """A session as messages name it: ``conformance/a#2``."""
+    return f"{_name(ident[0])}#{ident[1]}"
+
+
+def _marks(marks: Mapping[Key, int]) -> str:
+    return (
+        "{"
+        + ", ".join(f"{_name(key)}: {mark}" for key, mark in sorted(marks.items(), key=repr))
+        + "}"
+    )
+
+
 def _difference(stored: Mapping[SessionId, Durable], expected: Mapping[SessionId, Durable]) -> str:
-    lines = ["the store differs from what the model says was acknowledged:"]
+    lines = [
+        "the store must hold exactly the records the supervisor had acknowledged (O8, L3, "
+        "L4, P2, P5, V3, with retention), and it differs:"
+    ]
     for ident in sorted(set(stored) | set(expected), key=lambda i: (i[0].instance, i[1])):
         if stored.get(ident) != expected.get(ident):
             lines.append(

@@ -9,8 +9,11 @@ every test of the kit against your adapter::
         def store_factory(self, tmp_path):
             return lambda previous, retention: MyStore(tmp_path / "db", retention=retention)
 
-The kits use Trio's real clock: executions may run real processes. Every wait is
-bounded by ``fail_after`` so a broken adapter fails instead of hanging.
+The kits carry pytest-trio's ``trio`` marker, so they run in any project that has
+pytest-trio installed, with or without ``trio_mode``. They use Trio's real clock:
+executions may run real processes. Every wait is bounded by ``fail_after`` so a broken
+adapter fails instead of hanging, and every failure says which promise broke and with
+which record or call.
 """
 
 from __future__ import annotations
@@ -56,6 +59,13 @@ def _record(instance: str, generation: int, *, stopped: bool = False) -> Session
     return StoppedRecord.of(opened, Disposed(), Termination(kind="exited", exit=ExitStatus(code=0)))
 
 
+def _differ(promise: str, expected: list[SessionRecord], got: list[SessionRecord]) -> str:
+    def short(records: list[SessionRecord]) -> list[str]:
+        return [f"{r.handle.key.instance}#{r.handle.generation} {r.phase.value}" for r in records]
+
+    return f"{promise}: expected {short(expected)}, got {short(got)}"
+
+
 async def _close(store: Store) -> None:
     closer = getattr(store, "aclose", None)
     if closer is not None:
@@ -63,12 +73,14 @@ async def _close(store: Store) -> None:
 
 
 class StoreContract:
-    """What every store must do (DESIGN.md sections 6 and 7).
+    """What every store must do (docs/design.md, "Persistence and retention" and "Adapters").
 
     Provide a fixture ``store_factory`` returning ``factory(previous, retention)``:
     a fresh store when ``previous`` is None, else the same storage reopened (the
     previous store is closed first, if it has ``aclose``).
     """
+
+    pytestmark = pytest.mark.trio
 
     async def _reopen(self, factory: StoreFactory, store: Store, retention: Retention) -> Store:
         await _close(store)
@@ -82,11 +94,21 @@ class StoreContract:
             for record in records:
                 await store.save(record)
             store = await self._reopen(store_factory, store, retention)
-            assert list(await store.list()) == records
-            assert dict(await store.high_water()) == {
+            listed = list(await store.list())
+            assert listed == records, _differ(
+                "a saved record survives a reopen, and list() gives records in save order",
+                records,
+                listed,
+            )
+            marks = dict(await store.high_water())
+            expected = {
                 Key(identity="contract", instance="a"): 2,
                 Key(identity="contract", instance="b"): 1,
             }
+            assert marks == expected, (
+                f"high_water() after a reopen must give every key's highest generation "
+                f"saved: expected {expected}, got {marks}"
+            )
         await _close(store)
 
     async def test_a_record_replaces_its_token_s_earlier_record(
@@ -97,7 +119,13 @@ class StoreContract:
             await store.save(_record("a", 1))
             await store.save(_record("b", 1))
             await store.save(_record("a", 1, stopped=True))
-            assert list(await store.list()) == [_record("b", 1), _record("a", 1, stopped=True)]
+            listed = list(await store.list())
+            assert listed == [_record("b", 1), _record("a", 1, stopped=True)], _differ(
+                "a save replaces the earlier record of its token (and moves it to the end "
+                "of the save order)",
+                [_record("b", 1), _record("a", 1, stopped=True)],
+                listed,
+            )
         await _close(store)
 
     async def test_retention_keeps_the_newest_stopped_records_per_key(
@@ -111,7 +139,10 @@ class StoreContract:
             await store.save(_record("a", 6))
             store = await self._reopen(store_factory, store, retention)
             kept = [record.handle.generation for record in await store.list()]
-            assert kept == [4, 5, 6], "the two newest Stopped records, and every live one"
+            assert kept == [4, 5, 6], (
+                "retention with stopped_per_key=2 keeps the two newest Stopped records of a "
+                f"key and every live one: expected generations [4, 5, 6], got {kept}"
+            )
         await _close(store)
 
     async def test_retention_caps_the_stopped_records_in_all(
@@ -123,7 +154,10 @@ class StoreContract:
             for instance in "abcde":
                 await store.save(_record(instance, 1, stopped=True))
             kept = [record.handle.key.instance for record in await store.list()]
-            assert kept == ["c", "d", "e"], "the oldest Stopped records go first"
+            assert kept == ["c", "d", "e"], (
+                "retention with stopped_total=3 drops the oldest Stopped records first: "
+                f"expected the records of keys ['c', 'd', 'e'], got {kept}"
+            )
         await _close(store)
 
     async def test_the_high_water_outlives_eviction_and_reopen(
@@ -136,8 +170,15 @@ class StoreContract:
                 await store.save(_record("a", generation, stopped=True))
             await store.save(_record("b", 1, stopped=True))  # evicts every record of "a"
             store = await self._reopen(store_factory, store, retention)
-            assert [record.handle.key.instance for record in await store.list()] == ["b"]
-            assert (await store.high_water())[Key(identity="contract", instance="a")] == 3
+            kept = [record.handle.key.instance for record in await store.list()]
+            assert kept == ["b"], (
+                f"with stopped_total=1 only the newest Stopped record stays: got {kept}"
+            )
+            mark = (await store.high_water()).get(Key(identity="contract", instance="a"))
+            assert mark == 3, (
+                "a key's high-water outlives the eviction of all its records and a reopen "
+                f"(never derived from retained records): expected 3 for contract/a, got {mark}"
+            )
         await _close(store)
 
     async def test_concurrent_saves_all_land(self, store_factory: StoreFactory) -> None:
@@ -148,7 +189,10 @@ class StoreContract:
                 for number in range(100):
                     nursery.start_soon(store.save, _record(f"k{number:03d}", 1))
             store = await self._reopen(store_factory, store, retention)
-            assert len(await store.list()) == 100
+            landed = len(await store.list())
+            assert landed == 100, (
+                f"100 concurrent saves each returned, so all 100 must be durable: {landed} are"
+            )
         await _close(store)
 
     async def test_a_cancelled_save_either_landed_or_never_happened(
@@ -161,16 +205,28 @@ class StoreContract:
                 with trio.move_on_after(0) as scope:
                     await store.save(record)
                 stored = {kept.handle.token for kept in await store.list()}
-                assert (record.handle.token in stored) != scope.cancelled_caught
+                landed = record.handle.token in stored
+                assert landed != scope.cancelled_caught, (
+                    f"a cancelled save either raises Cancelled and writes nothing, or writes "
+                    f"and returns normally: the save of contract/a generation {generation} "
+                    + (
+                        "raised Cancelled, yet its record landed (does save checkpoint "
+                        "after writing?)"
+                        if landed
+                        else "returned normally, yet its record is not in the store"
+                    )
+                )
         await _close(store)
 
 
 class ExecutionContract:
-    """What every execution must do (DESIGN.md section 7).
+    """What every execution must do (docs/design.md, "Adapters").
 
     Provide a fixture ``harness_factory`` returning a new, not yet entered
     :class:`~trio_supervisor.testing.harnesses.Harness` for the adapter.
     """
+
+    pytestmark = pytest.mark.trio
 
     @pytest.fixture
     async def harness(self, harness_factory: Callable[[], Harness]) -> AsyncIterator[Harness]:
@@ -186,15 +242,20 @@ class ExecutionContract:
         load = Load(specifier=harness.specifiers[0])
         with trio.fail_after(BOUND):
             unit = await harness.execution.spawn(self._handle(), load, Limits())
-            assert unit.code.specifier == load.specifier
+            assert unit.code.specifier == load.specifier, (
+                f"unit.code.specifier must be the load's specifier {load.specifier!r}, "
+                f"got {unit.code.specifier!r}"
+            )
             identity = unit.identity
             await unit.renew(5.0)
             await unit.start()
-            assert harness.alive(identity)
+            assert harness.alive(identity), f"after start() the child {identity} must run"
             await unit.renew(5.0)
             await unit.kill()
             await unit.wait()
-            assert not harness.alive(identity)
+            assert not harness.alive(identity), (
+                f"once wait() returned after kill(), the child {identity} must be gone"
+            )
             await unit.aclose()
 
     async def test_an_unresolvable_specifier_is_a_package_error(self, harness: Harness) -> None:
@@ -218,12 +279,19 @@ class ExecutionContract:
                 for _ in range(3):
                     nursery.start_soon(wait)
                 await trio.testing.wait_all_tasks_blocked()
-                assert statuses == [], "wait returned before the child exited"
+                assert statuses == [], (
+                    f"wait() returned {statuses} before the child {unit.identity} exited"
+                )
                 await unit.interrupt()
-            assert len(statuses) == 3
-            assert len(set(statuses)) == 1
-            assert statuses[0].signal is not None or statuses[0].code is not None
-            assert not harness.alive(unit.identity)
+            assert len(set(statuses)) == 1, (
+                f"three waiters of one exit must see one status, got {statuses}"
+            )
+            assert statuses[0].known, (
+                f"an interrupted child's status must say how it ended, got {statuses[0]}"
+            )
+            assert not harness.alive(unit.identity), (
+                f"once wait() returned, the child {unit.identity} must be gone"
+            )
             await unit.aclose()
 
     async def test_a_child_that_exits_by_itself_reports_its_code(self, harness: Harness) -> None:
@@ -234,7 +302,10 @@ class ExecutionContract:
             )
             await unit.start()
             harness.exit(handle, unit.identity, 3)
-            assert await unit.wait() == ExitStatus(code=3)
+            status = await unit.wait()
+            assert status.code == 3, (
+                f"a child that exits by itself with code 3 must report code 3, got {status}"
+            )
             await unit.aclose()
 
     async def test_releasing_a_unit_that_never_started_ends_it(self, harness: Harness) -> None:
@@ -243,7 +314,9 @@ class ExecutionContract:
                 self._handle(), Load(specifier=harness.specifiers[0]), Limits()
             )
             await unit.aclose()
-            assert not harness.alive(unit.identity)
+            assert not harness.alive(unit.identity), (
+                f"aclose() of a unit never started must end its child {unit.identity}"
+            )
 
     async def test_recover_of_a_dead_child_signals_nothing(self, harness: Harness) -> None:
         with trio.fail_after(BOUND):
@@ -255,7 +328,10 @@ class ExecutionContract:
             await unit.wait()
             await unit.aclose()
             termination = await harness.execution.recover(unit.identity)
-            assert termination.kind == "exited"
+            assert termination.kind == "exited", (
+                f"recover() of a child that is gone must signal nothing and say 'exited': "
+                f"recover({unit.identity}) gave {termination}"
+            )
 
     async def test_recover_of_a_live_child_kills_it(self, harness: Harness) -> None:
         with trio.fail_after(BOUND):
@@ -265,7 +341,14 @@ class ExecutionContract:
             await unit.start()
             # The supervisor that started it is gone; a new one finds it by its identity.
             termination = await harness.execution.recover(unit.identity)
-            assert termination.kind == "killed"
-            assert not harness.alive(unit.identity)
-            assert termination.exit.signal is not None or termination.exit.code is not None
+            assert termination.kind == "killed", (
+                f"recover() of a live child must kill it and say 'killed': "
+                f"recover({unit.identity}) gave {termination}"
+            )
+            assert not harness.alive(unit.identity), (
+                f"once recover() returned, the child {unit.identity} must be gone"
+            )
+            assert termination.exit.known, (
+                f"recover() of a child it killed must say how it ended, got {termination}"
+            )
             await unit.aclose()

@@ -1,4 +1,4 @@
-"""A reference model of DESIGN.md section 4, for the conformance machine.
+"""A reference model of docs/design.md, "Semantics", for the conformance machine.
 
 It is written from the document, not from the engine: it imports neither the lifecycle
 nor the supervisor, only the value types. It is a discrete-event simulation on a
