@@ -5,6 +5,10 @@ from __future__ import annotations
 import nox
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
+# Reuse a session's environment when it exists: every session installs the project in
+# editable mode, so a reused one sees the current code and pip only checks the pins.
+# CI starts from a fresh clone (and .ci/run removes .nox), so it always builds afresh.
+nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
 
 

@@ -8,7 +8,7 @@ for its ready line, sending SIGTERM, and reaping it.
 which starts each child's interpreter during its load.
 
 Also measured for terminate.cooperative, against the same baseline: the floor that the
-shape of DESIGN.md section 5 with P2-P6, and the child-side watchdog the subprocess
+shape of docs/design.md, "Shape in Trio" with P2-P6, and the child-side watchdog the subprocess
 issue requires, set for a dispose in Trio. Its child is the baseline's plus one thread
 blocked on a read, as the watchdog waits on the control pipe while the entry point
 runs. A task in a session nursery watches for the exit, and the stop request cancels

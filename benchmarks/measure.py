@@ -85,7 +85,7 @@ def with_floor(
 ) -> Result:
     """``result`` with a floor measured against the same baseline, in its ``extra``.
 
-    A floor is the least any implementation that keeps DESIGN.md's rules can do; its
+    A floor is the least any implementation that keeps the rules of docs/design.md can do; its
     median goes in as ``name`` and its ratio to the baseline's as ``floor_ratio``.
     """
     floors, baselines = interleaved(floor, baseline, rounds)

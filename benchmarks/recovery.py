@@ -6,11 +6,12 @@ writes the Stopped records back. Baseline: sqlite3 reading those rows and writin
 back once, in one transaction.
 
 Also measured, against the same baseline: the floor that V3 and the record format
-(DESIGN.md section 6) set for any implementation. It is sqlite3 reading the rows and
-writing back, in one transaction, the very Stopped records our recovery wrote (each
-holds its ``previous`` snapshot, so it is about twice the size of the row it replaces),
-with their parsing, checking and encoding done beforehand, untimed. Its ratio is in the
-result's ``extra``: no implementation that writes those records can beat it.
+(docs/design.md, "Persistence and retention") set for any implementation. It is sqlite3
+reading the rows and writing back, in one transaction, the very Stopped records our
+recovery wrote (each holds its ``previous`` snapshot, so it is about twice the size of
+the row it replaces), with their parsing, checking and encoding done beforehand,
+untimed. Its ratio is in the result's ``extra``: no implementation that writes those
+records can beat it.
 """
 
 from __future__ import annotations

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from trio_supervisor import SessionRecord, SqliteStore, StoppedRecord, Termination
+from trio_supervisor import SessionRecord, SqliteStore, StoppedRecord
 
 
 class Journal(SqliteStore):
@@ -43,18 +42,6 @@ def table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def ending(termination: Termination) -> str:
-    """``exited (code 0)``, ``killed (SIGKILL)``, ..."""
-    status = termination.exit
-    if status.code is not None:
-        how = f"code {status.code}"
-    elif status.signal is not None:
-        how = signal.Signals(status.signal).name
-    else:
-        how = "status unknown"
-    return f"{termination.kind} ({how})"
-
-
 def describe(record: SessionRecord, phases: Mapping[str, list[str]]) -> list[str]:
     """Session, generation, phases, stop reason and termination of one record."""
     key = record.handle.key
@@ -62,7 +49,7 @@ def describe(record: SessionRecord, phases: Mapping[str, list[str]]) -> list[str
     reason = termination = ""
     if isinstance(record, StoppedRecord):
         reason = record.reason.kind
-        termination = ending(record.termination)
+        termination = record.termination.describe()
     return [
         f"{key.identity}/{key.instance}",
         str(record.handle.generation),

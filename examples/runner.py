@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import trio
-from reporting import Journal, describe, ending, table
+from reporting import Journal, describe, table
 
 from trio_supervisor import (
     Handle,
@@ -71,7 +71,7 @@ async def report_recovery(supervisor: Supervisor, left: Sequence[SessionRecord])
     rows = [["session", "gen", "was", "child pid", "recovery"]]
     for record in left:
         now = await supervisor.status(record.handle)
-        outcome = ending(now.termination) if isinstance(now, StoppedRecord) else now.phase.value
+        outcome = now.termination.describe() if isinstance(now, StoppedRecord) else now.phase.value
         key = record.handle.key
         rows.append(
             [
@@ -98,16 +98,24 @@ async def main(state: Path, lease: float, hold: bool) -> None:
         async with open_supervisor(
             store, execution, lease=lease, grace=1.0, confirmation_timeout=5.0
         ) as supervisor:
+            print(f"state: {state} (the store runner.db, the children's logs/)")
             await report_recovery(supervisor, left)
             handles: dict[str, Handle] = {}
+            continued: list[str] = []
             for name, (specifier, config, limits, _) in SESSIONS.items():
                 key = Key(identity="runner", instance=name)
                 high = await supervisor.high_water(key)
+                if high is not None:
+                    continued.append(f"{name} {high}->{high + 1}")
                 record = await supervisor.open(
                     key, f"{name}-{(high or 0) + 1}", expected_generation=high, limits=limits
                 )
                 handles[name] = record.handle
                 await supervisor.load(record.handle, Load(specifier=specifier, config=config))
+            if continued:
+                print("generations continue from the stored high-water:", ", ".join(continued))
+            else:
+                print("a fresh store: every key starts at generation 1")
             if hold:
                 holding = f"runner {os.getpid()} holds {len(handles)} children"
                 print(f"{holding}; kill -9 it, then run it again", flush=True)
@@ -150,4 +158,4 @@ if __name__ == "__main__":
     )
     arguments = parser.parse_args()
     arguments.state.mkdir(parents=True, exist_ok=True)
-    trio.run(main, arguments.state, arguments.lease, arguments.hold)
+    trio.run(main, arguments.state.absolute(), arguments.lease, arguments.hold)

@@ -1,4 +1,4 @@
-"""health: H1-H3."""
+"""health: H1-H3 of docs/design.md, "Semantics"."""
 
 from __future__ import annotations
 

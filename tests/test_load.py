@@ -1,4 +1,4 @@
-"""load: L1-L6."""
+"""load: L1-L6 of docs/design.md, "Semantics"."""
 
 from __future__ import annotations
 

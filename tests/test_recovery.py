@@ -1,4 +1,4 @@
-"""recovery, entering open_supervisor: V1-V5; and status, high_water: S1-S2."""
+"""recovery, entering open_supervisor: V1-V5; status, high_water: S1-S2 (docs/design.md)."""
 
 from __future__ import annotations
 

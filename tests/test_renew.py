@@ -1,4 +1,4 @@
-"""renew: R1-R6."""
+"""renew: R1-R6 of docs/design.md, "Semantics"."""
 
 from __future__ import annotations
 

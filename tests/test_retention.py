@@ -1,4 +1,4 @@
-"""The record index: retention (DESIGN.md section 6) and O(1) lookups."""
+"""The record index: retention and O(1) lookups (docs/design.md, "Persistence...")."""
 
 from __future__ import annotations
 

@@ -94,8 +94,10 @@ def held(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], set[int]]]:
     )
     try:
         assert runner.stdout is not None
-        line = runner.stdout.readline()  # the readiness handshake
-        assert "holds 7 children" in line, line
+        # The readiness handshake: the line saying it holds its children (after the
+        # lines saying where its state lives and where its generations start).
+        lines = [runner.stdout.readline() for _ in range(3)]
+        assert "holds 7 children" in lines[-1], lines
         pids = descendants(runner.pid)
         yield runner, pids
     finally:
@@ -119,7 +121,8 @@ def test_the_runner_shows_every_plugin_s_lifecycle(tmp_path: Path) -> None:
     assert "Disposed  killed (SIGKILL)" in table["runner/stubborn"]
     assert "Exited    exited (code 1)" in table["runner/crasher"]
     assert "the crasher crashed" in table["runner/crasher"]
-    assert "Disposed  exited (SIGTERM)" in table["runner/spawner"]
+    # Its grandchildren ignore SIGTERM: the child's bootstrap had to kill them.
+    assert "Disposed  exited (SIGTERM; 2 descendants killed)" in table["runner/spawner"]
     assert "Exited    exited (code 1)" in table["runner/hungry"]
     assert "MemoryError" in table["runner/hungry"]
     assert "Disposed  exited (SIGTERM)" in table["runner/sleeper"]
@@ -164,13 +167,17 @@ def test_a_restarted_runner_recovers_and_generations_continue(
     again = run(str(RUNNER), "--state", str(tmp_path), "--lease", str(LEASE))
     assert again.returncode == 0, again.stderr
     recovery, _, report = again.stdout.partition("\n\n")
+    assert recovery.startswith(f"state: {tmp_path}"), recovery
     # Four run until killed; the crasher, the hungry one and the expiring one may or
     # may not have ended by themselves before the kill.
-    found = re.match(r"recovered (\d) sessions", recovery)
+    found = re.search(r"^recovered (\d) sessions", recovery, flags=re.MULTILINE)
     assert found, recovery
     assert 4 <= int(found.group(1)) <= 7
     for name in ("heartbeat", "stubborn", "spawner", "sleeper"):
-        assert f"runner/{name}" in recovery
+        # Their dead-man switch ended them with the runner: recovery finds them gone.
+        [line] = [line for line in recovery.splitlines() if f"runner/{name} " in line]
+        assert line.endswith("exited (already gone; exit status unknown)"), line
+    assert "generations continue from the stored high-water: heartbeat 1->2" in report
     assert all(" 2 " in line for line in rows(report).values()), report
     assert not gone_within(pids, LEASE + 2)
 

@@ -1,4 +1,4 @@
-"""shutdown, leaving open_supervisor: Z1-Z3."""
+"""shutdown, leaving open_supervisor: Z1-Z3 of docs/design.md, "Semantics"."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Child exit (X1), lease expiry (T1), dispose (D1-D5) and the stop itself (P1-P6)."""
+"""Child exit X1, lease expiry T1, dispose D1-D5 and the stop P1-P6 (docs/design.md)."""
 
 from __future__ import annotations
 

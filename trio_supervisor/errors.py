@@ -1,4 +1,4 @@
-"""The errors of DESIGN.md section 3.
+"""The errors of docs/design.md, "Public surface".
 
 Every error a supervisor raises on purpose is a :class:`SupervisorError`. Each class has
 a ``code``: the reference implementation's name for it, which is also its wire code, so

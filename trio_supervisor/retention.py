@@ -1,4 +1,4 @@
-"""Retention (DESIGN.md section 6) and the index of retained records.
+"""Retention (docs/design.md, "Persistence and retention") and the index of retained records.
 
 Every record that is not Stopped is kept. Of Stopped records, the newest
 ``stopped_per_key`` of each key are kept, and no more than ``stopped_total`` in all;

@@ -1,4 +1,4 @@
-"""The store protocol (DESIGN.md section 7)."""
+"""The store protocol (docs/design.md, "Adapters")."""
 
 from __future__ import annotations
 

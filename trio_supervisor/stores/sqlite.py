@@ -10,8 +10,9 @@
 * Group commit: saves that arrive while a transaction is being written wait in the
   queue and are written together in the next transaction, so 100 concurrent saves cost
   a handful of fsyncs, not 100. Each save returns only after its own batch committed.
-* Retention (DESIGN.md section 6) is applied in the same transaction as the save, and
-  the high-water generation of every key lives in its own table, never evicted.
+* Retention (docs/design.md, "Persistence and retention") is applied in the same
+  transaction as the save, and the high-water generation of every key lives in its own
+  table, never evicted.
 
 Cancelling a save is safe: while the record still waits in the queue, it is taken
 back and ``Cancelled`` is raised; once the worker took it, the save waits for the
