@@ -17,7 +17,7 @@ import json
 import math
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Final, Literal, TypeVar
 
 import attrs
@@ -31,6 +31,7 @@ from .model import (
     Phase,
     SessionRecord,
     StopReason,
+    thaw,
 )
 
 __all__ = ["VERSION", "converter", "decode", "encode", "structure", "unstructure"]
@@ -59,14 +60,6 @@ def _strict(kind: type[_T], *accepted: type) -> Callable[[object, type], _T]:
 
 
 # -- Load.config: an immutable JSON value in memory, plain JSON in storage ---------------
-
-
-def _thaw(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {name: _thaw(item) for name, item in value.items()}
-    if isinstance(value, tuple):
-        return [_thaw(item) for item in value]
-    return value
 
 
 def _config_as_is(value: object, _: object) -> object:
@@ -138,7 +131,7 @@ def _configure(target: cattrs.Converter) -> cattrs.Converter:
     target.register_structure_hook(float, _strict(float, int, float))
     target.register_structure_hook(bool, _strict(bool))
     target.register_unstructure_hook(
-        Load, make_dict_unstructure_fn(Load, target, config=override(unstruct_hook=_thaw))
+        Load, make_dict_unstructure_fn(Load, target, config=override(unstruct_hook=thaw))
     )
     target.register_structure_hook(
         Load,
@@ -238,7 +231,7 @@ def _boolean(value: bool) -> str:
 
 
 def _config_text(value: Any) -> str:
-    return _encoder.encode(_thaw(value))
+    return _encoder.encode(thaw(value))
 
 
 @functools.cache  # each class's writer is generated once, however many records hold it

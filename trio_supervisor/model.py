@@ -45,6 +45,7 @@ __all__ = [
     "Superseded",
     "Termination",
     "negotiate",
+    "thaw",
 ]
 
 JSON: TypeAlias = bool | int | float | str | Sequence["JSON"] | Mapping[str, "JSON"] | None
@@ -138,6 +139,16 @@ def _freeze_json(value: object, where: str = "config") -> Any:
     if isinstance(value, list | tuple):
         return tuple(_freeze_json(item, f"{where}[{index}]") for index, item in enumerate(value))
     raise TypeError(f"{where} holds a {type(value).__name__}, which is not a JSON value")
+
+
+def thaw(value: object) -> Any:
+    """The plain JSON form of a frozen JSON value: read-only mappings become dicts,
+    tuples (and lists) become lists. The inverse of what ``Load`` does to its config."""
+    if isinstance(value, Mapping):
+        return {name: thaw(item) for name, item in value.items()}
+    if isinstance(value, tuple | list):
+        return [thaw(item) for item in value]
+    return value
 
 
 def _freeze_config(value: object) -> Mapping[str, JSON]:
