@@ -1,7 +1,9 @@
-"""trio_supervisor: run code for remote hosts on Trio, and never lose track of it."""
+"""trio_supervisor: run code for remote hosts on Trio, and never lose track of it.
 
-from .codec import decode as decode
-from .codec import encode as encode
+The face of the package: re-exports only. The design is in docs/design.md; the record
+format's converter, ``encode`` and ``decode`` are in :mod:`trio_supervisor.codec`.
+"""
+
 from .errors import ExecutionError as ExecutionError
 from .errors import LeaseExpiredError as LeaseExpiredError
 from .errors import PackageError as PackageError

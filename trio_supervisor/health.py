@@ -8,15 +8,24 @@ failures are kept too, so shutdown can report every one of them (Z3).
 
 from __future__ import annotations
 
+import logging
+
 import trio
 
 from .errors import SupervisorError
 
 __all__ = ["Health"]
 
+logger = logging.getLogger(__name__)
+
 
 class Health:
-    """The poisoned-or-not state of one supervisor."""
+    """The poisoned-or-not state of one supervisor.
+
+    Attributes:
+        failures: Every failure recorded, the poisoning one first, each once; the
+            shutdown reports them all (Z3).
+    """
 
     __slots__ = ("_event", "failures")
 
@@ -44,6 +53,12 @@ class Health:
             error = SupervisorError(f"a background task of the supervisor crashed: {failure!r}")
             error.__cause__ = failure
         if all(error is not known for known in self.failures):
+            if not self.failures:
+                logger.error(
+                    "the supervisor is poisoned: it refuses new work, and drains and reaps "
+                    "what runs: %s",
+                    error,
+                )
             self.failures.append(error)
         self._event.set()
         return error

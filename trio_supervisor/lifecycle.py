@@ -60,6 +60,7 @@ from .model import (
     StoppingRecord,
     StopReason,
     Termination,
+    carried,
 )
 
 __all__ = ["Event", "Lifecycle", "recovered", "stop_error"]
@@ -171,18 +172,11 @@ class Lifecycle:
             return base
         if self._active is not None:
             return self._active
-        common = {
-            "handle": base.handle,
-            "request_id": base.request_id,
-            "lease": base.lease,
-            "limits": base.limits,
-            "load": self.load,
-        }
         built: ActiveRecord
         if self.code is not None and self.child is not None:
-            built = LoadedRecord(code=self.code, child=self.child, **common)  # type: ignore[arg-type]
+            built = LoadedRecord(**carried(base), load=self.load, code=self.code, child=self.child)
         else:
-            built = LoadingRecord(child=self.child, **common)  # type: ignore[arg-type]
+            built = LoadingRecord(**carried(base), load=self.load, child=self.child)
         self._active = built
         return built
 
@@ -267,14 +261,7 @@ class Lifecycle:
             raise ExecutionError("the execution adapter registered more than one child")
         record = self.active()
         assert isinstance(record, LoadingRecord)
-        return LoadingRecord(
-            handle=record.handle,
-            request_id=record.request_id,
-            lease=record.lease,
-            limits=record.limits,
-            load=record.load,
-            child=child,
-        )
+        return LoadingRecord(**carried(record), load=record.load, child=child)
 
     def register(self, child: ChildIdentity) -> None:
         """Take in that the Loading record naming ``child`` is durable."""
@@ -293,15 +280,7 @@ class Lifecycle:
         self._next(Event.LOADED)
         if self.child is None or self.load is None:
             raise ExecutionError("the execution adapter started without registering its child")
-        return LoadedRecord(
-            handle=self._open.handle,
-            request_id=self._open.request_id,
-            lease=self._open.lease,
-            limits=self._open.limits,
-            load=self.load,
-            code=code,
-            child=self.child,
-        )
+        return LoadedRecord(**carried(self._open), load=self.load, code=code, child=self.child)
 
     def loaded(self, code: CodeIdentity) -> None:
         """Take in that the Loaded record is durable."""

@@ -505,6 +505,20 @@ class LoadedRecord(_Record):
     phase: ClassVar[Literal[Phase.LOADED]] = Phase.LOADED
 
 
+def carried(record: _Record) -> dict[str, Any]:
+    """The fields a session's record carries into the record of its next phase.
+
+    Every record of a session repeats its handle, request id, lease and limits; each
+    next record is built from these and what the new phase adds.
+    """
+    return {
+        "handle": record.handle,
+        "request_id": record.request_id,
+        "lease": record.lease,
+        "limits": record.limits,
+    }
+
+
 ActiveRecord: TypeAlias = OpenRecord | LoadingRecord | LoadedRecord
 _ACTIVE = (OpenRecord, LoadingRecord, LoadedRecord)
 _REASONS = (Expired, Disposed, Exited, LoadFailed, Superseded, Shutdown, Recovery)
@@ -532,14 +546,7 @@ class StoppingRecord(_Record):
     @classmethod
     def of(cls, previous: ActiveRecord, reason: StopReason) -> StoppingRecord:
         """The Stopping record of the session whose active record is ``previous``."""
-        return cls(
-            handle=previous.handle,
-            request_id=previous.request_id,
-            lease=previous.lease,
-            limits=previous.limits,
-            previous=previous,
-            reason=reason,
-        )
+        return cls(**carried(previous), previous=previous, reason=reason)
 
 
 @attrs.frozen(kw_only=True)
@@ -557,15 +564,7 @@ class StoppedRecord(_Record):
         cls, previous: ActiveRecord, reason: StopReason, termination: Termination
     ) -> StoppedRecord:
         """The Stopped record of the session whose active record is ``previous``."""
-        return cls(
-            handle=previous.handle,
-            request_id=previous.request_id,
-            lease=previous.lease,
-            limits=previous.limits,
-            previous=previous,
-            reason=reason,
-            termination=termination,
-        )
+        return cls(**carried(previous), previous=previous, reason=reason, termination=termination)
 
 
 SessionRecord: TypeAlias = (

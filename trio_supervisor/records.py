@@ -1,0 +1,125 @@
+"""What the supervisor knows to be durable, and its one door to the store.
+
+Persistence is write-ahead: a record is saved before the state it describes is acted on
+(O8, L3, L4, P2, P5), and :class:`Records` takes a record into its index only once the
+store acknowledged it. So the index is exactly what a restart would find, and every
+lookup the supervisor makes (a handle's record, a request id, a key's high-water) is
+answered from it in O(1), never from the store.
+
+Everything a store raises comes through :func:`storage_call`, so it is wrapped into a
+:class:`~trio_supervisor.errors.StateStorageError` at this one place, whatever the
+adapter raised; and a save that fails poisons the supervisor (H1).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
+
+from .errors import StateStorageError
+from .health import Health
+from .model import Key, SessionRecord
+from .retention import RecordIndex, Retention
+from .stores.base import BatchStore, Store
+
+__all__ = ["Records", "storage_call"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+async def storage_call(call: Awaitable[_T], failed: str) -> _T:
+    """Await a store call; anything but a StateStorageError becomes one.
+
+    Args:
+        call: The store's coroutine.
+        failed: What went wrong, for the message: ``"the store failed to ..."``.
+    """
+    try:
+        return await call
+    except StateStorageError:
+        raise
+    except Exception as failure:
+        raise StateStorageError(f"{failed}: {failure!r}") from failure
+
+
+class Records:
+    """The records a supervisor's store acknowledged, and how to add to them.
+
+    Attributes:
+        index: Every retained record, with O(1) lookups, as durable as the store says.
+    """
+
+    __slots__ = ("_health", "_store", "index")
+
+    def __init__(self, store: Store, retention: Retention, health: Health) -> None:
+        self._store = store
+        self._health = health
+        self.index = RecordIndex(retention)
+
+    async def save(self, record: SessionRecord) -> list[SessionRecord]:
+        """Make ``record`` durable, then take it in (O8, O10, H1).
+
+        Returns:
+            The records retention evicted from the index, oldest first.
+
+        Raises:
+            StateStorageError: The store did not acknowledge it; the supervisor is
+                poisoned.
+        """
+        try:
+            await storage_call(self._store.save(record), "the store failed to save a record")
+        except StateStorageError as failure:
+            handle = record.handle
+            logger.error(
+                "the %s record of %s/%s generation %d could not be saved: %s",
+                record.phase.value,
+                handle.key.identity,
+                handle.key.instance,
+                handle.generation,
+                failure,
+                extra={
+                    "identity": handle.key.identity,
+                    "instance": handle.key.instance,
+                    "generation": handle.generation,
+                },
+            )
+            self._health.poison(failure)
+            raise
+        return self.index.save(record)
+
+    async def save_all(self, records: Sequence[SessionRecord]) -> None:
+        """Make several records durable (at once, where the store can), then take them in.
+
+        For recovery, which runs before the supervisor is usable: a failure is raised,
+        and the supervisor never starts, so nothing is poisoned.
+        """
+        if isinstance(self._store, BatchStore):
+            call = self._store.save_many(records)
+        else:
+            call = self._save_each(records)
+        await storage_call(call, "the store failed to save recovered records")
+        self.index.save_all(records)
+
+    async def _save_each(self, records: Sequence[SessionRecord]) -> None:
+        for record in records:
+            await self._store.save(record)
+
+    async def read(self) -> Sequence[SessionRecord]:
+        """Read every stored record and high-water mark into the index (V1, V5).
+
+        Returns:
+            The records, in the order they were last saved.
+        """
+        records = await storage_call(self._store.list(), "the store could not be read")
+        marks = await storage_call(self._store.high_water(), "the store could not be read")
+        self.index.save_all(records)
+        for key, generation in marks.items():
+            self.index.raise_high_water(key, generation)
+        return records
+
+    def high_water(self, key: Key) -> int:
+        """The highest generation ever opened for ``key``; 0 if none."""
+        return self.index.high_water(key)

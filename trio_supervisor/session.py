@@ -1,0 +1,461 @@
+"""One session as a Trio task: its lease, its loader, its exit watcher and its stop.
+
+Theory of operation
+-------------------
+Each session is one task in the supervisor's nursery (docs/design.md, "Shape in
+Trio")::
+
+    session task ── session cancel scope (deadline = the lease)
+                      └─ session nursery (opened by the first load)
+                           ├─ loader       (the session task itself)
+                           └─ exit watcher (only while a child is registered)
+
+A session without a child is one parked task: it needs no nursery, loader or watcher
+until a load wakes it, and most sessions of a control plane never load.
+
+**Where a stop happens.** Every stop request (dispose, supersede, the child's exit,
+shutdown, a failed load) goes through :meth:`Session.request_stop`, which fixes the
+reason once (P1) and cancels the session scope. The lease timer is that same scope's
+deadline: when it passes, the scope cancels itself (T1). Either way the session task
+wakes up in :meth:`Session.run`, and only there is the child terminated
+(:meth:`Session._stop`: persist Stopping, terminate, release, persist Stopped; P2-P5),
+in a shielded scope with a bound. So termination happens exactly once, at one place,
+whatever asked for it; everyone else waits for the published outcome (P6).
+
+The lifecycle (:class:`~trio_supervisor.lifecycle.Lifecycle`) decides which move is
+legal; this module persists, signals, waits and publishes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+import attrs
+import trio
+
+from .errors import ExecutionError, StateStorageError, SupervisorError, TerminationUnconfirmedError
+from .executions.base import Execution, Unit
+from .health import Health
+from .lifecycle import Lifecycle, stop_error
+from .model import (
+    ChildIdentity,
+    CodeIdentity,
+    Exited,
+    ExitStatus,
+    Expired,
+    Fault,
+    Handle,
+    Load,
+    LoadFailed,
+    OpenRecord,
+    SessionRecord,
+    Shutdown,
+    StopReason,
+    Termination,
+)
+from .termination import faults, release, terminate
+
+__all__ = ["Reply", "Services", "Session", "adapter_call", "adapter_error", "task_name"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+# Seconds a store save may take before a stop gives up on it (it has two: Stopping and
+# Stopped). Stores must answer in bounded time; this only keeps a broken one from
+# holding a shutdown forever.
+SAVE_BOUND = 30.0
+
+
+class Reply(Generic[_T]):
+    """A result published once and read by any number of waiters."""
+
+    __slots__ = ("_event", "error", "value")
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self.value: _T | None = None
+        self.error: SupervisorError | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def set(self, value: _T) -> None:
+        if not self.done:
+            self.value = value
+            self._event.set()
+
+    def fail(self, error: SupervisorError) -> None:
+        if not self.done:
+            self.error = error
+            self._event.set()
+
+    async def wait(self) -> _T:
+        await self._event.wait()
+        if self.error is not None:
+            raise self.error.again()
+        assert self.value is not None
+        return self.value
+
+
+@attrs.frozen
+class Services:
+    """What a session needs of the supervisor that owns it.
+
+    Attributes:
+        execution: Spawns the session's child.
+        health: Poisoned by a failure the supervisor cannot vouch for (H1).
+        persist: Makes a record durable (and poisons on failure).
+        grace: Seconds between the interrupt and the kill (P3).
+        confirmation: Seconds to wait for an exit after the kill, and for a release.
+        stopped: Called once the session's Stopped record is durable (P5): from then
+            on its record answers for it.
+        ended: Called once the stop is over, before anyone hears of it (P6).
+    """
+
+    execution: Execution
+    health: Health
+    persist: Callable[[SessionRecord], Awaitable[None]]
+    grace: float
+    confirmation: float
+    stopped: Callable[[Session], None]
+    ended: Callable[[Session], None]
+
+
+def adapter_error(error: Exception, what: str) -> SupervisorError:
+    """An adapter's failure as one of the documented errors."""
+    if isinstance(error, SupervisorError):
+        return error
+    wrapped = ExecutionError(f"{what} failed: {error!r}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+async def adapter_call(call: Awaitable[_T], what: str) -> _T:
+    """Await an adapter call; its failures become documented errors."""
+    try:
+        return await call
+    except Exception as error:
+        raise adapter_error(error, what) from error
+
+
+def task_name(role: str, handle: Handle) -> str:
+    """What a debugger or an instrument shows for a session's task: role, key, generation.
+
+    Made for every session, so not from the handle's repr (which costs more).
+    """
+    return (
+        f"trio_supervisor {role} {handle.key.identity}/{handle.key.instance} #{handle.generation}"
+    )
+
+
+def _fields(handle: Handle) -> dict[str, object]:
+    """A session's key and generation, as a log record's fields."""
+    return {
+        "identity": handle.key.identity,
+        "instance": handle.key.instance,
+        "generation": handle.generation,
+    }
+
+
+class Session:
+    """The driver's side of one session: its lifecycle and its Trio machinery."""
+
+    __slots__ = (
+        "_services",
+        "lifecycle",
+        "load_failure",
+        "load_reply",
+        "nursery",
+        "outcome",
+        "parked",
+        "problems",
+        "scope",
+        "spawned",
+        "unit",
+    )
+
+    def __init__(self, record: OpenRecord, deadline: float, services: Services) -> None:
+        self._services = services
+        self.lifecycle = Lifecycle(record, deadline)
+        # The lease timer: renew moves the deadline, a stop request cancels it.
+        self.scope = trio.CancelScope(deadline=deadline)
+        self.nursery: trio.Nursery | None = None
+        # The session task while it waits for its first load (see _park).
+        self.parked: trio.lowlevel.Task | None = None
+        # What spawn returned (released when the session ends), and the unit once its
+        # identity is durable (terminated when the session ends).
+        self.spawned: Unit | None = None
+        self.unit: Unit | None = None
+        self.load_reply: Reply[CodeIdentity] | None = None
+        self.load_failure: SupervisorError | None = None
+        self.outcome: Reply[Termination] = Reply()
+        # The exceptions behind the termination's cause, for the shutdown report (Z3).
+        self.problems: list[Exception] = []
+
+    @property
+    def handle(self) -> Handle:
+        return self.lifecycle.record.handle
+
+    # -- what the supervisor's calls do here ------------------------------------------
+
+    async def renew(self) -> float:
+        """Move the lease (R4, R6), then forward it to the child (R5)."""
+        lifecycle = self.lifecycle
+        self.scope.deadline = lifecycle.renew(trio.current_time())
+        lease = lifecycle.record.lease
+        unit = self.unit
+        if unit is not None:
+            await adapter_call(unit.renew(lease), "forwarding the lease to the child")
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return lease
+
+    async def load(self, load: Load) -> CodeIdentity:
+        """Start the load, or join the one asked for before (L1-L3, L6)."""
+        lifecycle = self.lifecycle
+        if lifecycle.begin_load(load, trio.current_time()):
+            # The session task runs the load: wake it if it is parked (it may not have
+            # run yet, and then it finds the request when it does).
+            self.load_reply = Reply()
+            parked, self.parked = self.parked, None
+            if parked is not None:
+                trio.lowlevel.reschedule(parked)
+        elif lifecycle.code is not None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return lifecycle.code
+        reply = self.load_reply
+        assert reply is not None
+        return await reply.wait()
+
+    def request_stop(self, reason: StopReason, exit: ExitStatus | None = None) -> None:
+        """Ask the session to stop; the first request fixes the reason (P1)."""
+        if self.lifecycle.request_stop(reason, exit):
+            self.scope.cancel()
+
+    # -- the session task ---------------------------------------------------------------
+
+    async def run(self) -> None:
+        """The session task: park, load, wait; then stop, exactly once."""
+        lifecycle = self.lifecycle
+        services = self._services
+        try:
+            with self.scope:
+                if self.load_reply is None:
+                    await self._park()
+                async with trio.open_nursery() as nursery:
+                    self.nursery = nursery
+                    await self._run_loader()
+                    await trio.sleep_forever()
+        except* trio.Cancelled:
+            # The supervisor's nursery is cancelled from outside (its block was): the
+            # session stops as in a shutdown, and this task ends with it. Not re-raised:
+            # the block's own Cancelled carries the cancellation out, and a copy from
+            # every session would bury the block's errors in nested groups.
+            pass
+        except* Exception as group:
+            # A bug in the driver (the loader catches the adapters' failures): H1.
+            services.health.poison(group.exceptions[0] if len(group.exceptions) == 1 else group)
+        finally:
+            self.nursery = None
+            if lifecycle.live:
+                # The scope's deadline is the lease, and renew moves it: reaching the
+                # deadline is expiry (T1). Any other wake-up without a stop request is
+                # the supervisor's nursery being cancelled from outside.
+                expired = trio.current_time() >= lifecycle.deadline
+                lifecycle.request_stop(Expired() if expired else Shutdown())
+                if expired:
+                    logger.info(
+                        "the lease of %s expired",
+                        task_name("session", self.handle),
+                        extra=_fields(self.handle),
+                    )
+            outcome = await self._stop_shielded()
+            # P6: the stop is over before anyone hears of it, so whoever waited (an open
+            # superseding this session, the shutdown) finds the key free.
+            services.ended(self)
+            if isinstance(outcome, Termination):
+                self.outcome.set(outcome)
+            else:
+                self.outcome.fail(outcome)
+            self._answer_load()
+
+    async def _stop_shielded(self) -> Termination | SupervisorError:
+        services = self._services
+        # Shielded: termination must run to its end even when the supervisor is torn
+        # down by a cancellation, or a child could outlive its session. Every wait inside
+        # is bounded (grace, then confirmation for the kill and for the release, and
+        # SAVE_BOUND for each of the two saves); this bound is their sum, a backstop.
+        bound = services.grace + 2 * services.confirmation + 2 * SAVE_BOUND
+        with trio.move_on_after(bound, shield=True) as scope:
+            try:
+                return await self._stop()
+            except Exception as error:
+                return services.health.poison(error)
+        assert scope.cancelled_caught
+        return services.health.poison(
+            TerminationUnconfirmedError(
+                f"stopping {task_name('session', self.handle)} took longer than {bound:g} s"
+            )
+        )
+
+    async def _park(self) -> None:
+        """Sleep until :meth:`load` wakes the session, or its scope is cancelled."""
+        self.parked = trio.lowlevel.current_task()
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self.parked = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def _answer_load(self) -> None:
+        """Tell a load that did not succeed why, once its session stopped (L5, L6)."""
+        reply = self.load_reply
+        reason = self.lifecycle.reason
+        if reply is None or reply.done or reason is None:
+            return
+        error = self.load_failure or stop_error(reason)
+        poison = self._services.health.error
+        if poison is not None and poison is not error:
+            error.add_note(f"the supervisor is poisoned: {poison!r}")
+        reply.fail(error)
+
+    async def _run_loader(self) -> None:
+        lifecycle = self.lifecycle
+        services = self._services
+        reply = self.load_reply
+        load = lifecycle.load
+        assert reply is not None
+        assert load is not None
+        handle = lifecycle.record.handle
+        try:
+            # L3: Loading is durable before anything is spawned.
+            await services.persist(lifecycle.active())
+            unit = await adapter_call(
+                services.execution.spawn(handle, load, lifecycle.record.limits),
+                "spawning the child",
+            )
+            # The unit belongs to the session from here: it is released when the session ends.
+            self.spawned = unit
+            record = lifecycle.child_record(_identity_of(unit), trio.current_time())
+            await adapter_call(
+                unit.renew(lifecycle.remaining(trio.current_time())),
+                "forwarding the lease to the child",
+            )
+            # L4, write-ahead: a crash after this save can always find the child.
+            await services.persist(record)
+            assert record.child is not None
+            lifecycle.register(record.child)
+            self.unit = unit
+            nursery = self.nursery
+            assert nursery is not None
+            nursery.start_soon(self._watch_exit, unit, name=task_name("exit watcher", handle))
+            await adapter_call(unit.start(), "starting the child")
+            code = _code_of(unit)
+            loaded = lifecycle.loaded_record(code, trio.current_time())
+            await services.persist(loaded)
+            lifecycle.loaded(code)
+        except Exception as failure:
+            # L5: the load's caller hears of the failure once the session stopped, so
+            # by then the child it may have left is reaped (see _answer_load).
+            error = adapter_error(failure, "loading")
+            self.load_failure = error
+            logger.warning(
+                "loading %r into %s failed: %s",
+                load.specifier,
+                task_name("session", handle),
+                error,
+                extra=_fields(handle),
+            )
+            if lifecycle.live:
+                self.request_stop(LoadFailed(cause=(Fault.of(error),)))
+        else:
+            reply.set(code)
+
+    async def _watch_exit(self, unit: Unit) -> None:
+        try:
+            status = await unit.wait()
+        except Exception as error:
+            self._services.health.poison(adapter_error(error, "watching the child"))
+            return
+        # X1: it exited by itself; the stop sends no signal.
+        self.request_stop(Exited(), status)
+
+    async def _stop(self) -> Termination | SupervisorError:
+        """Persist Stopping, terminate, release, persist Stopped (P2-P5).
+
+        Returns:
+            The stop's outcome, for the caller to publish (P6).
+        """
+        lifecycle = self.lifecycle
+        services = self._services
+        # P2: the session is fenced in memory already; if this save fails, termination
+        # still runs and the storage error is the stop's outcome.
+        fenced_error: StateStorageError | None = None
+        try:
+            await self._save_within_bound(lifecycle.stopping_record())
+        except StateStorageError as error:
+            fenced_error = error
+        problems = self.problems
+        try:
+            termination = await terminate(
+                self.unit,
+                lifecycle.exit,
+                grace=services.grace,
+                confirmation=services.confirmation,
+                problems=problems,
+            )
+        except TerminationUnconfirmedError as error:
+            await release(self.spawned, confirmation=services.confirmation, problems=problems)
+            error.causes = tuple(problems)
+            logger.error(
+                "the child of %s was killed and its exit is still unconfirmed: %s",
+                task_name("session", self.handle),
+                error,
+                extra=_fields(self.handle),
+            )
+            # The child may still run: the supervisor can no longer vouch for it (H1).
+            return services.health.poison(error)
+        await release(self.spawned, confirmation=services.confirmation, problems=problems)
+        if len(problems) > len(termination.cause):
+            termination = attrs.evolve(termination, cause=faults(problems))
+        stopped = lifecycle.stopped_record(termination)
+        try:
+            await self._save_within_bound(stopped)
+        except StateStorageError as error:
+            return fenced_error or error
+        # P5: durable, so the session object can go; its record answers from now on.
+        lifecycle.finish(stopped)
+        services.stopped(self)
+        return fenced_error or termination
+
+    async def _save_within_bound(self, record: SessionRecord) -> None:
+        """Save a record of the stop; a store that does not answer counts as failed."""
+        with trio.move_on_after(SAVE_BOUND) as scope:
+            await self._services.persist(record)
+        if scope.cancelled_caught:
+            failure = StateStorageError(
+                f"the store did not save the {record.phase.value} record of "
+                f"{task_name('session', self.handle)} within {SAVE_BOUND:g} s"
+            )
+            raise self._services.health.poison(failure)
+
+
+def _identity_of(unit: Unit) -> ChildIdentity:
+    identity = unit.identity
+    if not isinstance(identity, ChildIdentity):
+        raise ExecutionError(
+            f"the unit's identity is a {type(identity).__name__}, not a ChildIdentity"
+        )
+    return identity
+
+
+def _code_of(unit: Unit) -> CodeIdentity:
+    code = unit.code
+    if not isinstance(code, CodeIdentity):
+        raise ExecutionError(f"the unit's code is a {type(code).__name__}, not a CodeIdentity")
+    return code
