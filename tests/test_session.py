@@ -80,3 +80,25 @@ async def test_a_cancelled_block_raises_its_problems_as_one_flat_group(
     assert all(isinstance(error, StateStorageError) for error in group.exceptions)
     assert len(group.exceptions) == 4  # two sessions, each a Stopping and a Stopped save
     assert all(unit.exited for unit in fake.units)
+
+
+async def test_skip_grace_cuts_every_termination_short(
+    fake: FakeExecution, autojump_clock: trio.testing.MockClock
+) -> None:
+    fake.behave("stubborn:main", ignore_interrupt=True)
+    async with supervise(MemoryStore(), fake, grace=5.0) as sup:
+        first = await opened(sup)
+        await sup.load(first, Load(specifier="stubborn:main"))
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sup.dispose, first)
+            await trio.sleep(1.0)  # one second into a grace of five
+            sup.skip_grace()
+        assert trio.current_time() - started == pytest.approx(1.0)  # killed at once
+        assert (await sup.dispose(first)).kind == "killed"
+        # A stop that starts later has no grace at all.
+        second = await opened(sup, Key(identity="plugin", instance="b"))
+        await sup.load(second, Load(specifier="stubborn:main"))
+        started = trio.current_time()
+        assert (await sup.dispose(second)).kind == "killed"
+        assert trio.current_time() == pytest.approx(started)

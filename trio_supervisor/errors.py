@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import ClassVar, Self
 
 __all__ = [
+    "BY_CODE",
     "ExecutionError",
     "LeaseExpiredError",
     "PackageError",
@@ -122,3 +123,21 @@ class RunnerClosingError(SupervisorError):
     """The supervisor is shutting down and accepts no new work."""
 
     code = "RunnerClosing"
+
+
+BY_CODE: dict[str, type[SupervisorError]] = {
+    kind.code: kind
+    for kind in (
+        SupervisorError,
+        StaleSessionError,
+        LeaseExpiredError,
+        SessionStoppedError,
+        SessionConflictError,
+        StateStorageError,  # before its subclass: a wire code names the documented class
+        ExecutionError,
+        PackageError,
+        TerminationUnconfirmedError,
+        RunnerClosingError,
+    )
+}
+"""Every error class by its wire code, for a client that gets the code back."""

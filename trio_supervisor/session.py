@@ -101,7 +101,7 @@ class Reply(Generic[_T]):
         return self.value
 
 
-@attrs.frozen
+@attrs.define
 class Services:
     """What a session needs of the supervisor that owns it.
 
@@ -123,6 +123,15 @@ class Services:
     confirmation: float
     stopped: Callable[[Session], None]
     ended: Callable[[Session], None]
+    # The graces of the terminations under way; all cut short by skip_grace.
+    graces: set[trio.CancelScope] = attrs.field(factory=set)
+    hurried: bool = False
+
+    def skip_grace(self) -> None:
+        """From now on, terminations go straight from the interrupt to the kill."""
+        self.hurried = True
+        for scope in self.graces:
+            scope.cancel()
 
 
 def adapter_error(error: Exception, what: str) -> SupervisorError:
@@ -405,9 +414,10 @@ class Session:
             termination = await terminate(
                 self.unit,
                 lifecycle.exit,
-                grace=services.grace,
+                grace=0.0 if services.hurried else services.grace,
                 confirmation=services.confirmation,
                 problems=problems,
+                graces=services.graces,
             )
         except TerminationUnconfirmedError as error:
             await release(self.spawned, confirmation=services.confirmation, problems=problems)

@@ -158,6 +158,44 @@ class Supervisor:
         """Block until the supervisor is poisoned, then raise the poisoning error (H3)."""
         await self._health.wait_failed()
 
+    @property
+    def closing(self) -> bool:
+        """True once the shutdown began (Z1)."""
+        return self._closing
+
+    def records(self) -> list[SessionRecord]:
+        """Every retained record, in the order it was last saved: for operators.
+
+        Each record holds its session's handle, token included: the capability to act
+        on the session. Show them to whoever may act on every session, and no one else.
+        """
+        return list(self._records.index)
+
+    def find(self, key: Key, generation: int) -> SessionRecord | None:
+        """The retained record of ``key``'s ``generation``, if any: for operators.
+
+        Live sessions are found at once; a stopped one by a scan of the retained
+        records (operator calls are rare; the hosts' calls carry a handle).
+        """
+        for session in self._by_key.get(key, {}).values():
+            if session.handle.generation == generation:
+                record = self._records.index.get(session.handle.token)
+                if record is not None:
+                    return record
+        for record in self._records.index:
+            if record.handle.key == key and record.handle.generation == generation:
+                return record
+        return None
+
+    def skip_grace(self) -> None:
+        """Stop waiting for children to end by themselves: every stop kills at once.
+
+        For an operator in a hurry (a second Ctrl-C): terminations under way skip the
+        rest of their grace, and later ones have none. Children are still killed, and
+        their exit confirmed, as P3 says.
+        """
+        self._services.skip_grace()
+
     # -- open -------------------------------------------------------------------------
 
     async def open(

@@ -32,6 +32,7 @@ async def terminate(
     grace: float,
     confirmation: float,
     problems: list[Exception],
+    graces: set[trio.CancelScope] | None = None,
 ) -> Termination:
     """Stop ``unit`` and return how it ended.
 
@@ -41,6 +42,8 @@ async def terminate(
         grace: How long to wait for an exit after interrupting.
         confirmation: How long to wait for an exit after killing.
         problems: Where the exceptions met on the way are appended.
+        graces: Where the grace's scope is kept while it runs, so that it can be cut
+            short (an operator's second signal: see ``Supervisor.skip_grace``).
 
     Returns:
         ``exited`` with code 0 when there is no child; ``exited`` with the child's status
@@ -54,7 +57,9 @@ async def terminate(
         return Termination(kind="exited", exit=exit)
     if unit is None:
         return NO_CHILD
-    with trio.move_on_after(grace):
+    with trio.move_on_after(grace) as grace_scope:
+        if graces is not None:
+            graces.add(grace_scope)
         try:
             await unit.interrupt()
             status = await unit.wait()
@@ -62,6 +67,9 @@ async def terminate(
             problems.append(error)
         else:
             return Termination(kind="exited", exit=status, cause=faults(problems))
+        finally:
+            if graces is not None:
+                graces.discard(grace_scope)
     with trio.move_on_after(confirmation):
         try:
             await unit.kill()
@@ -92,3 +100,4 @@ async def release(unit: Unit | None, *, confirmation: float, problems: list[Exce
         problems.append(
             ExecutionError("releasing the unit took longer than the confirmation timeout")
         )
+
