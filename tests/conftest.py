@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from trio_supervisor import MemoryStore, Supervisor
+from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.testing import FakeExecution
 
 from .harness import supervise
@@ -26,19 +27,14 @@ def _children(pid: int) -> list[tuple[int, str]]:
     """Processes whose parent is ``pid``: (pid, command line)."""
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        stat = read_stat(int(entry.name)) if entry.name.isdigit() else None
+        if stat is None or stat.ppid != pid:
             continue
         try:
-            stat = (entry / "stat").read_text()
-            # The command name may hold spaces and parentheses; the fields follow the last ")".
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[1]) == pid:
-                command = (
-                    (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                )
-                found.append((int(entry.name), command.strip() or stat.split()[1]))
-        except (OSError, ValueError):
-            continue
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # it exited meanwhile
+        found.append((int(entry.name), command.strip() or stat.name))
     return found
 
 

@@ -54,7 +54,7 @@ class CrashingStore(SqliteStore):
 
 
 class Reporting(SubprocessExecution):
-    async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:  # type: ignore[override]
+    async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
         unit = await super().spawn(handle, load, limits)
         print(f"child {unit.identity.pid}", flush=True)
         return unit

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from trio_supervisor import Handle, Key, Load, SubprocessExecution, Supervisor, open_supervisor
+from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.stores.base import Store
 from trio_supervisor.testing import FakeExecution
 
@@ -59,11 +59,8 @@ async def during_shutdown(
 
 def process_state(pid: int) -> str | None:
     """The state letter of a process (``/proc/PID/stat``), or None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    return stat[stat.rindex(b")") + 2 :].decode().split()[0]
+    stat = read_stat(pid)
+    return None if stat is None else stat.state
 
 
 def running(pid: int) -> bool:

@@ -20,18 +20,19 @@ import trio._core._run
 
 from trio_supervisor import Key, Load, MemoryStore, Retention, SessionRecord
 from trio_supervisor.stores.base import Store
-from trio_supervisor.testing.conformance import KEYS, World
-from trio_supervisor.testing.harnesses import FakeHarness
+from trio_supervisor.testing import FakeHarness
+from trio_supervisor.testing.conformance import KEYS
+from trio_supervisor.testing.world import World
 
-RETENTION = Retention(stopped_per_key=2, stopped_total=100_000)
+RETENTION = Retention(stopped_per_key=2, stopped_total=5)
 JITTER = random.SystemRandom()  # real time, on purpose: not seeded by anything
 
 
 class ThreadedStore:
     """A MemoryStore whose saves are answered from a worker thread, a little late."""
 
-    def __init__(self) -> None:
-        self._inner = MemoryStore(retention=RETENTION)
+    def __init__(self, retention: Retention) -> None:
+        self._inner = MemoryStore(retention=retention)
 
     @property
     def retention(self) -> Retention:
@@ -48,14 +49,14 @@ class ThreadedStore:
         return await self._inner.high_water()
 
 
-def _same_store(previous: Store | None) -> Store:
-    return previous or ThreadedStore()
+def _same_store(previous: Store | None, retention: Retention) -> Store:
+    return previous or ThreadedStore(retention)
 
 
 def _scenario(store_answers_outside: bool) -> tuple[str, ...]:
     """Concurrent opens, loads, a dispose, a supersede and twin opens; the log of it."""
     trio._core._run._r.seed(0)  # what Hypothesis does before each example
-    world = World(_same_store, FakeHarness(), store_answers_outside)
+    world = World(_same_store, FakeHarness(), RETENTION, store_answers_outside)
     try:
         world.call(world.enter)
         opened = world.call(world.burst, [("open", lambda s, k=k: s.open(k, "r")) for k in KEYS])

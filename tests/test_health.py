@@ -8,12 +8,15 @@ import trio.testing
 
 from trio_supervisor import (
     ExecutionError,
+    ExitStatus,
     Key,
     Load,
+    LoadedRecord,
     MemoryStore,
     StateStorageError,
     StoppedRecord,
     Supervisor,
+    Termination,
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
@@ -62,8 +65,11 @@ async def test_h2_poisoned_open_renew_load_fail_and_dispose_status_work(
             ):
                 with pytest.raises(StateStorageError):
                     await refused
-            assert (await sup.status(draining)).handle == draining
-            assert (await sup.dispose(disposed)).kind == "exited"
+            assert isinstance(await sup.status(draining), LoadedRecord)
+            assert await sup.dispose(disposed) == Termination(
+                kind="exited", exit=ExitStatus(code=0)
+            )
+            assert isinstance(await sup.status(disposed), StoppedRecord)
             # Leases keep running: the loaded session drains and its child is reaped.
             await trio.sleep(6.0)
             record = await sup.status(draining)

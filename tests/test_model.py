@@ -10,13 +10,19 @@ import pytest
 from hypothesis import given
 
 from trio_supervisor import (
+    Disposed,
+    Exited,
     ExitStatus,
+    Expired,
     Fault,
     Handle,
     Key,
     Limits,
     Load,
+    LoadFailed,
     OpenRecord,
+    Recovery,
+    Shutdown,
     StoppedRecord,
     StoppingRecord,
     Superseded,
@@ -87,8 +93,20 @@ def test_load_config_is_an_immutable_copy() -> None:
     assert hash(load) == hash(Load(specifier="x", config={"z": 1}))
 
 
-def test_stop_reasons_know_their_kind() -> None:
-    assert Superseded().kind == "Superseded"
+@pytest.mark.parametrize(
+    ("reason", "kind"),
+    [
+        (Expired(), "Expired"),
+        (Disposed(), "Disposed"),
+        (Exited(), "Exited"),
+        (LoadFailed(cause=(Fault(type="KeyError", message="'x'"),)), "LoadFailed"),
+        (Superseded(), "Superseded"),
+        (Shutdown(), "Shutdown"),
+        (Recovery(), "Recovery"),
+    ],
+)
+def test_stop_reasons_know_their_kind(reason: object, kind: str) -> None:
+    assert reason.kind == kind  # type: ignore[attr-defined]
 
 
 def test_stopping_record_must_belong_to_its_previous_session() -> None:

@@ -86,9 +86,12 @@ async def test_v1_every_stored_record_is_read_before_the_supervisor_is_usable(
     store = MemoryStore()
     records = await left_behind(store)
     async with supervise(store, fake) as sup:
-        for record in records.values():
-            assert (await sup.status(record.handle)).handle == record.handle
-            assert await sup.high_water(record.handle.key) == 1
+        # What status answers is what the store holds after recovery, record by record.
+        stored = {record.handle: record for record in await store.list()}
+        assert set(stored) == {record.handle for record in records.values()}
+        for handle, record in stored.items():
+            assert await sup.status(handle) == record
+            assert await sup.high_water(handle.key) == 1
 
 
 async def test_v2_children_are_recovered_and_childless_records_exit_zero(
@@ -239,8 +242,12 @@ async def test_v3_a_store_that_cannot_save_recovered_records_keeps_it_from_start
 
 
 async def test_s1_status_returns_the_record_only_for_a_matching_handle(sup: Supervisor) -> None:
-    handle = await opened(sup)
-    assert (await sup.status(handle)).handle == handle
+    opened_record = await sup.open(KEY, "r1")
+    handle = opened_record.handle
+    assert await sup.status(handle) == opened_record
+    await sup.load(handle, Load(specifier="x"))
+    loaded = await sup.status(handle)
+    assert isinstance(loaded, LoadedRecord), "the last durable record, not the first"
     for stale in (
         attrs.evolve(handle, token="f" * 36),
         attrs.evolve(handle, generation=2),

@@ -8,10 +8,10 @@ fails the run if any process outlives it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
-import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -34,12 +34,14 @@ from trio_supervisor import (
     Termination,
     open_supervisor,
 )
-from trio_supervisor.executions.subprocess import boot_id, start_time
+from trio_supervisor.executions._groups import boot_id, start_time
+from trio_supervisor.executions._unit import ProcessUnit
 
 from .harness import opened, report_in, running, until_logged
 
 PLUGINS = Path(__file__).parent.parent / "examples" / "plugins"
 BOUND = 20.0
+RECOVERY_LOGGER = "trio_supervisor.executions.subprocess"
 
 
 @pytest.fixture
@@ -72,8 +74,6 @@ async def loaded_child(
     sup: Supervisor, specifier: str, **options: object
 ) -> tuple[Handle, LoadedRecord]:
     handle = await opened(sup, request_id=specifier, **options)  # type: ignore[arg-type]
-    limits = options.get("limits")
-    del limits
     await sup.load(handle, Load(specifier=specifier))
     record = await sup.status(handle)
     assert isinstance(record, LoadedRecord)
@@ -126,9 +126,11 @@ async def test_a_relative_state_directory_works(
     assert relative.log_path(handle).is_relative_to(tmp_path / "state")
 
 
-async def test_a_plugin_ignoring_sigterm_is_killed_after_the_grace(sup: Supervisor) -> None:
+async def test_a_plugin_ignoring_sigterm_is_killed_after_the_grace(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
     handle, _ = await loaded_child(sup, "stubborn:main")
-    await trio.sleep(0.2)  # let it install its SIG_IGN
+    await until_logged(execution, handle, "ignoring SIGTERM")  # its SIG_IGN is in place
     with trio.fail_after(BOUND):
         termination = await sup.dispose(handle)
     assert termination == Termination(kind="killed", exit=ExitStatus(signal=signal.SIGKILL))
@@ -230,9 +232,10 @@ async def test_the_child_is_known_and_persisted_before_it_runs_code(sup: Supervi
 
 
 async def test_limits_environment_and_output_cap_are_applied(
-    sup: Supervisor, execution: SubprocessExecution
+    sup: Supervisor, execution: SubprocessExecution, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    os.environ["TRIO_SUPERVISOR_TEST_SECRET"] = "must not leak"
+    monkeypatch.setenv("TRIO_SUPERVISOR_TEST_SECRET", "must not leak")
+    monkeypatch.setenv("TZ", "UTC")  # on the allowlist: passed on
     limits = Limits(
         memory_bytes=512 * 1024 * 1024,
         cpu_seconds=30,
@@ -243,7 +246,6 @@ async def test_limits_environment_and_output_cap_are_applied(
     handle = await opened(sup, limits=limits)
     await sup.load(handle, Load(specifier="inspector:main", config={"chatter": 10_000}))
     await until_logged(execution, handle, "output beyond")
-    del os.environ["TRIO_SUPERVISOR_TEST_SECRET"]
     log = execution.logs(handle)
     report = report_in(log)
     assert report["limits"] == {
@@ -258,6 +260,8 @@ async def test_limits_environment_and_output_cap_are_applied(
     assert environment["TRIO_SUPERVISOR_GENERATION"] == str(handle.generation)
     assert handle.token not in json.dumps(environment)
     assert "TRIO_SUPERVISOR_TEST_SECRET" not in environment
+    assert environment["TZ"] == "UTC"
+    assert environment["PYTHONUNBUFFERED"] == "1"
     assert set(environment) <= {
         "PATH",
         "LANG",
@@ -273,10 +277,33 @@ async def test_limits_environment_and_output_cap_are_applied(
     await sup.dispose(handle)
 
 
+def signals_sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Record every real signal this process sends from now on (probes, signal 0, are not).
+
+    Each entry is (how, target, signal): ``kill`` to a pid, ``killpg`` to a group, or
+    ``pidfd`` to a pidfd's number.
+    """
+    sent: list[tuple[str, int, int]] = []
+
+    def spy(how: str, real: Callable[[int, int], None]) -> Callable[[int, int], None]:
+        def send(target: int, number: int) -> None:
+            if number != 0:
+                sent.append((how, target, int(number)))
+            real(target, number)
+
+        return send
+
+    monkeypatch.setattr(os, "kill", spy("kill", os.kill))
+    monkeypatch.setattr(os, "killpg", spy("killpg", os.killpg))
+    monkeypatch.setattr(signal, "pidfd_send_signal", spy("pidfd", signal.pidfd_send_signal))
+    return sent
+
+
 async def test_recovery_leaves_a_process_with_a_reused_pid_alone(
-    execution: SubprocessExecution,
+    execution: SubprocessExecution, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     stranger = await trio.lowlevel.open_process(["sleep", "30"], start_new_session=True)
+    sent = signals_sent(monkeypatch)
     try:
         real = start_time(stranger.pid)
         assert real is not None
@@ -290,8 +317,8 @@ async def test_recovery_leaves_a_process_with_a_reused_pid_alone(
         )
         termination = await execution.recover(record)
         assert termination == Termination(kind="exited", exit=ExitStatus())
-        await trio.sleep(0.1)
-        assert running(stranger.pid), "recovery signalled a process that is not the recorded child"
+        assert sent == [], "recovery signalled a process that is not the recorded child"
+        assert running(stranger.pid)
         other_boot = ChildIdentity(
             adapter="subprocess",
             ref="r",
@@ -301,13 +328,16 @@ async def test_recovery_leaves_a_process_with_a_reused_pid_alone(
             boot_id="another-boot",
         )
         assert (await execution.recover(other_boot)).kind == "exited"
+        assert sent == []
         assert running(stranger.pid)
     finally:
         stranger.kill()
         await stranger.wait()
 
 
-async def test_recovery_kills_a_live_recorded_child_and_its_group(tmp_path: Path) -> None:
+async def test_recovery_kills_a_live_recorded_child_and_its_group(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     async with (
         SubprocessExecution(tmp_path / "a", entry_paths=[PLUGINS]) as first,
         open_supervisor(MemoryStore(), first, lease=30.0, grace=1.0) as sup,
@@ -319,11 +349,16 @@ async def test_recovery_kills_a_live_recorded_child_and_its_group(tmp_path: Path
         ]
         # Another execution (a restarted runner) finds the child by its identity alone.
         async with SubprocessExecution(tmp_path / "b") as second:
-            with trio.fail_after(BOUND):
+            with trio.fail_after(BOUND), caplog.at_level(logging.WARNING, RECOVERY_LOGGER):
                 termination = await second.recover(record.child)
         assert termination.kind == "killed"
         assert termination.exit.descendants_killed == 2
         assert record.child.pid is not None
+        # The orphan's kill is logged, named by its pid (recovery knows no key, no token).
+        [logged] = [logged for logged in caplog.records if logged.name == RECOVERY_LOGGER]
+        assert logged.levelno == logging.WARNING
+        assert logged.__dict__["pid"] == record.child.pid
+        assert logged.__dict__["descendants_killed"] == 2
         assert not running(record.child.pid)
         assert not any(running(pid) for pid in grandchildren)
         with trio.fail_after(BOUND):
@@ -338,10 +373,10 @@ async def test_the_dead_man_switch_ends_a_child_whose_unit_is_dropped(tmp_path: 
     handle = Handle(key=Key(identity="p", instance="a"), token="t" * 32, generation=1)
     async with SubprocessExecution(tmp_path, entry_paths=[PLUGINS]) as execution:
         unit = await execution.spawn(handle, Load(specifier="heartbeat:main"), Limits())
+        assert isinstance(unit, ProcessUnit)
         await unit.renew(30.0)
         await unit.start()
-        pid = unit.identity.pid
-        assert pid is not None
+        await until_logged(execution, handle, "beat 1")
         # The control socket closes, as it would if the supervisor died.
         await unit._control.aclose()
         with trio.fail_after(BOUND):
@@ -372,11 +407,20 @@ def test_sessions_record_what_they_ran(tmp_path: Path) -> None:
             async with open_supervisor(store, execution, grace=1.0) as sup:
                 handle = await opened(sup)
                 await sup.load(handle, Load(specifier="heartbeat:main"))
+                # Inside its entry point, so SIGTERM reaches it as a KeyboardInterrupt.
+                await until_logged(execution, handle, "beat 1")
                 await sup.dispose(handle)
             records.extend(await store.list())
 
     trio.run(main)
     [record] = records
     assert isinstance(record, StoppedRecord)
-    assert record.previous.code.specifier == "heartbeat:main"  # type: ignore[union-attr]
-    assert sys.executable
+    assert record.reason.kind == "Disposed"
+    assert record.termination == Termination(kind="exited", exit=ExitStatus(code=0))
+    loaded = record.previous
+    assert isinstance(loaded, LoadedRecord)
+    assert loaded.code.origin == str(PLUGINS / "heartbeat.py")
+    assert loaded.code.digest is not None
+    assert loaded.code.digest.startswith("sha256:")
+    assert loaded.child.adapter == "subprocess"
+    assert loaded.child.boot_id == boot_id()

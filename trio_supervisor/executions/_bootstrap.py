@@ -146,6 +146,9 @@ def kill_the_rest_of_the_group() -> int:
         if not entry.isdigit() or int(entry) == me:
             continue
         try:
+            # Our own reading of /proc/PID/stat, not the package's (``_groups.read_stat``):
+            # this file runs in the child and imports nothing of the package, which would
+            # pull in Trio and attrs and cost every load its start-up time.
             with open(f"/proc/{entry}/stat", "rb") as file:
                 stat = file.read()
             fields = stat[stat.rindex(b")") + 2 :].split()

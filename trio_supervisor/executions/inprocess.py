@@ -47,10 +47,11 @@ from ..model import (
     Load,
     Termination,
 )
+from .base import Unit
 
 __all__ = ["InProcessExecution", "Plugin", "PluginContext"]
 
-logger = logging.getLogger("trio_supervisor")
+logger = logging.getLogger(__name__)
 
 ADAPTER = "inprocess"
 _CANCELLED = ExitStatus(cancelled=True)
@@ -121,7 +122,7 @@ class InProcessExecution:
         """True while the plugin task of ``child`` runs."""
         return child.ref in self._live
 
-    async def spawn(self, handle: Handle, load: Load, limits: Limits) -> _TaskUnit:
+    async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
         """Resolve the load's specifier and make its unit, not yet started.
 
         Raises:
@@ -255,7 +256,19 @@ class _TaskUnit:
                 result = await self._plugin(self._context)
                 code = result if isinstance(result, int) and not isinstance(result, bool) else 0
         except Exception:
-            logger.exception("the in-process plugin %r raised", self._code.specifier)
+            key = self._context.key
+            logger.exception(
+                "the in-process plugin %r of %s/%s #%d raised",
+                self._code.specifier,
+                key.identity,
+                key.instance,
+                self._context.generation,
+                extra={
+                    "identity": key.identity,
+                    "instance": key.instance,
+                    "generation": self._context.generation,
+                },
+            )
             code = 1
         finally:
             # No code: it was cancelled, by interrupt, by kill, or from outside (the

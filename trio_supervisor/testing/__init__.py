@@ -1,7 +1,69 @@
-"""Tools for testing code built on trio_supervisor, and adapters for it."""
+"""Tools for testing code built on trio_supervisor, and adapters for it.
+
+The fakes (``FakeExecution``, ``FaultyStore``) need nothing beyond the package. The
+conformance machine needs Hypothesis, and the contract kits pytest and pytest-trio:
+test-only dependencies, so those names are imported on first use, and
+``import trio_supervisor.testing`` works without them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .fakes import Behaviour as Behaviour
 from .fakes import Call as Call
 from .fakes import FakeExecution as FakeExecution
 from .fakes import FakeUnit as FakeUnit
 from .fakes import FaultyStore as FaultyStore
+
+if TYPE_CHECKING:
+    from .conformance import ConformanceMachine as ConformanceMachine
+    from .conformance import conformance_machine as conformance_machine
+    from .contracts import ExecutionContract as ExecutionContract
+    from .contracts import StoreContract as StoreContract
+    from .harnesses import FakeHarness as FakeHarness
+    from .harnesses import Harness as Harness
+    from .harnesses import InProcessHarness as InProcessHarness
+    from .harnesses import SubprocessHarness as SubprocessHarness
+
+__all__ = [
+    "Behaviour",
+    "Call",
+    "ConformanceMachine",
+    "ExecutionContract",
+    "FakeExecution",
+    "FakeHarness",
+    "FakeUnit",
+    "FaultyStore",
+    "Harness",
+    "InProcessHarness",
+    "StoreContract",
+    "SubprocessHarness",
+    "conformance_machine",
+]
+
+# Imported on first use: the module of each name.
+_LAZY = {
+    "ConformanceMachine": ".conformance",  # needs hypothesis
+    "conformance_machine": ".conformance",
+    "ExecutionContract": ".contracts",  # needs pytest
+    "StoreContract": ".contracts",
+    "FakeHarness": ".harnesses",
+    "Harness": ".harnesses",
+    "InProcessHarness": ".harnesses",
+    "SubprocessHarness": ".harnesses",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

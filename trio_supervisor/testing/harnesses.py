@@ -1,14 +1,18 @@
 """What the conformance machine needs to drive an execution adapter.
 
 An adapter author wraps their execution in a :class:`Harness`: which specifiers load,
-which one fails to resolve, and how to make a child exit by itself. Two harnesses ship
-here, for the fake execution (every behaviour scriptable) and the in-process one.
+which one fails to resolve, how to make a child exit by itself, and what exit status its
+children report for each way they end (the model predicts every termination whole, so it
+must know that a process reports ``SIGTERM`` where a Trio task reports that it was
+cancelled). Three harnesses ship here: for the fake execution (every behaviour
+scriptable), the in-process one and the subprocess one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, Self, runtime_checkable
@@ -16,11 +20,13 @@ from typing import Any, Protocol, Self, runtime_checkable
 import trio
 
 from ..errors import ExecutionError, PackageError
+from ..executions._groups import group_exists, read_stat
 from ..executions.base import Execution
 from ..executions.inprocess import InProcessExecution, PluginContext
-from ..executions.subprocess import SubprocessExecution, start_time
-from ..model import ChildIdentity, Handle
+from ..executions.subprocess import SubprocessExecution
+from ..model import ChildIdentity, ExitStatus, Handle
 from .fakes import FakeExecution
+from .model import Ending
 
 __all__ = ["FakeHarness", "Harness", "InProcessHarness", "SubprocessHarness"]
 
@@ -74,6 +80,20 @@ class Harness(Protocol):
         """Whether the child still runs."""
         ...
 
+    def exit_status(self, ending: Ending, code: int = 0) -> ExitStatus:
+        """The exit status the adapter reports for a child of ``specifiers`` ending so.
+
+        Args:
+            ending: ``"exit"``: ``unit.wait()`` of a child that exited by itself with
+                ``code`` (see :meth:`exit`); ``"interrupt"``: of a child that ended on
+                ``unit.interrupt()``; ``"kill"``: of one that ended on ``unit.kill()``;
+                ``"recover"``: the status in the termination ``execution.recover``
+                returns for a child it killed; ``"gone"``: the same for a child it
+                found already gone.
+            code: The child's own exit code, for ``"exit"``.
+        """
+        ...
+
 
 class FakeHarness:
     """The scriptable fake: every behaviour of the machine is available."""
@@ -110,6 +130,20 @@ class FakeHarness:
 
     def alive(self, child: ChildIdentity) -> bool:
         return not self.fake.unit_by_ref(child.ref).exited
+
+    def exit_status(self, ending: Ending, code: int = 0) -> ExitStatus:
+        # The fake reports the signals a process would; recovery kills a live unit.
+        interrupted = self.fake.default.interrupt_code
+        statuses = {
+            "exit": ExitStatus(code=code),
+            "interrupt": ExitStatus(signal=signal.SIGTERM)
+            if interrupted is None
+            else ExitStatus(code=interrupted),
+            "kill": ExitStatus(signal=signal.SIGKILL),
+            "recover": ExitStatus(signal=signal.SIGKILL),
+            "gone": ExitStatus(),
+        }
+        return statuses[ending]
 
 
 class InProcessHarness:
@@ -160,6 +194,17 @@ class InProcessHarness:
     def alive(self, child: ChildIdentity) -> bool:
         return self.inprocess.runs(child)
 
+    def exit_status(self, ending: Ending, code: int = 0) -> ExitStatus:
+        # A task has no signals (deviation (j)): interrupt, kill and recovery cancel it.
+        statuses = {
+            "exit": ExitStatus(code=code),
+            "interrupt": ExitStatus(cancelled=True),
+            "kill": ExitStatus(cancelled=True),
+            "recover": ExitStatus(cancelled=True),
+            "gone": ExitStatus(),
+        }
+        return statuses[ending]
+
 
 class SubprocessHarness:
     """The subprocess execution, with a plugin that exits when told to (through a file).
@@ -202,22 +247,24 @@ class SubprocessHarness:
     def heal(self, child: ChildIdentity) -> None:
         raise NotImplementedError("use the fake execution to script ignored signals")
 
+    def exit_status(self, ending: Ending, code: int = 0) -> ExitStatus:
+        # The bootstrap dies by SIGTERM when interrupted, and every kill is SIGKILL to
+        # the group; the waiter plugin leaves no descendants behind.
+        statuses = {
+            "exit": ExitStatus(code=code),
+            "interrupt": ExitStatus(signal=signal.SIGTERM),
+            "kill": ExitStatus(signal=signal.SIGKILL),
+            "recover": ExitStatus(signal=signal.SIGKILL),
+            "gone": ExitStatus(),
+        }
+        return statuses[ending]
+
     def alive(self, child: ChildIdentity) -> bool:
         assert child.pid is not None
         assert child.pgid is not None
-        state = _state_of(child.pid)
-        if state is not None and state != "Z" and start_time(child.pid) == child.start_time:
+        stat = read_stat(child.pid)
+        if stat is not None and stat.running and stat.start_time == child.start_time:
             return True
-        try:
-            os.killpg(child.pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
-def _state_of(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    return stat[stat.rindex(b")") + 2 :].decode().split()[0]
+        # The leader is gone; the child lives on while anything (a zombie too) holds
+        # its process group.
+        return group_exists(child.pgid)

@@ -7,110 +7,60 @@ ignores its interrupt waits for the grace to pass); :meth:`Model.advance` moves 
 clock, fires every deadline in order and resumes whatever waited.
 
 For each operation the model predicts the result or the error class, and after every
-step it knows what the store must hold: each record's phase, whether it names a child,
-its stop reason and its termination kind, and each key's high-water generation.
+step it knows what the store must hold (:mod:`.model_store`): each record's phase,
+whether it names a child, its stop reason and its whole termination, and each key's
+high-water generation, with retention applied per key and in all.
 
 The children of the model behave like the conformance harnesses' units: a child exits at
 once on a signal it heeds, one that ignores its interrupt is killed after the grace, one
-that ignores the kill too is "unconfirmed" after the confirmation timeout.
+that ignores the kill too is "unconfirmed" after the confirmation timeout. How a child
+reports its end differs per execution (a process reports the signal, an in-process task
+that it was cancelled), so the model asks ``exit_status``, which the harness provides,
+for the :class:`~trio_supervisor.model.ExitStatus` of each way a child ends (``Ending``).
 
 Sessions are named by ``(key, generation)``; tokens are random and the model never needs
-them.
+them. What the model holds of each session and child is in :mod:`.model_state`, what it
+holds of the store in :mod:`.model_store`.
+
+Where the run may order events at one virtual instant either way (stops whose deadlines
+coincide, a shutdown stopping everything at once, concurrent operations), the model
+cannot predict the order: it evicts in an order of its own and takes the store's choice
+once it has seen the store, and it accepts whichever of the poisonings of that instant
+the supervisor reports first (:meth:`Model.learn_poisoning`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Generator, Iterable
-from typing import Literal, TypeAlias
+from typing import Literal
 
-from ..model import Key
+from ..model import ExitStatus, Key, Termination
+from .model_state import (
+    NO_CHILD,
+    STORAGE,
+    UNCONFIRMED,
+    Child,
+    Ending,
+    Outcome,
+    Pending,
+    Session,
+    error,
+    ok,
+)
+from .model_store import Durable, ModelStore, SessionId
 
-__all__ = ["Child", "Durable", "Model", "Outcome", "Pending", "SessionId", "error", "ok"]
-
-SessionId: TypeAlias = tuple[Key, int]
-Outcome: TypeAlias = tuple[Literal["ok", "error", "crash"], object]
-
-
-def ok(value: object = None) -> Outcome:
-    return ("ok", value)
-
-
-def error(name: str) -> Outcome:
-    return ("error", name)
-
-
-STORAGE = "StateStorageError"
-UNCONFIRMED = "TerminationUnconfirmedError"
-
-
-@dataclasses.dataclass
-class Child:
-    """The model's idea of a session's child."""
-
-    ignore_interrupt: bool = False
-    ignore_kill: bool = False
-    alive: bool = True
-    started: bool = False
-    interrupts: int = 0
-    kills: int = 0
-    closes: int = 0
-    recovers: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Durable:
-    """What the store holds for one session (the fields the machine compares)."""
-
-    phase: str
-    child: bool
-    request_id: str
-    previous: str | None = None  # the phase of ``previous``, for Stopping and Stopped
-    previous_child: bool | None = None
-    reason: str | None = None
-    termination: str | None = None
-
-
-@dataclasses.dataclass
-class Session:
-    key: Key
-    generation: int
-    request_id: str
-    lease: float
-    deadline: float
-    specifier: str | None = None
-    child: Child | None = None  # spawned (owned by the session)
-    registered: bool = False  # the child's record is durable
-    loaded: bool = False
-    reason: str | None = None  # None while live
-    exit_code: int | None = None  # the child exited by itself (X1)
-    stage: str = "live"  # live, interrupting, killing, over
-    stage_until: float = math.inf
-    fenced: bool = False  # the Stopping save failed (P2)
-    outcome: Outcome | None = None  # of the stop, once over
-    load_failure: str | None = None
-    stopped: bool = False  # the Stopped record is durable
-
-    @property
-    def ident(self) -> SessionId:
-        return (self.key, self.generation)
-
-    @property
-    def active_phase(self) -> str:
-        if self.loaded:
-            return "Loaded"
-        return "Loading" if self.specifier is not None else "Open"
-
-
-@dataclasses.dataclass
-class Pending:
-    """An operation that waits for something (a stop to be over)."""
-
-    name: str
-    steps: Generator[Session, None, Outcome]
-    waiting: Session | None = None
-    outcome: Outcome | None = None
+__all__ = [
+    "Child",
+    "Durable",
+    "Ending",
+    "Model",
+    "Outcome",
+    "Pending",
+    "SessionId",
+    "error",
+    "ok",
+]
 
 
 class Model:
@@ -121,8 +71,12 @@ class Model:
         grace: Seconds between interrupt and kill.
         confirmation: Seconds between kill and giving up (and recovery's timeout).
         stopped_per_key: The store's retention of Stopped records per key.
+        stopped_total: The store's retention of Stopped records in all.
         missing: The specifier whose spawn fails with PackageError.
         broken: The specifier whose start fails with ExecutionError, if any.
+        exit_status: The status the execution's children report when they end in a
+            given way (with a given code, for ``"exit"``); a plain function, since the
+            model is copied while bursts are explained.
     """
 
     def __init__(
@@ -132,28 +86,27 @@ class Model:
         grace: float,
         confirmation: float,
         stopped_per_key: int,
+        stopped_total: int,
         missing: str,
         broken: str | None,
+        exit_status: Callable[[Ending, int], ExitStatus],
     ) -> None:
         self.lease = lease
         self.grace = grace
         self.confirmation = confirmation
-        self.per_key = stopped_per_key
         self.missing = missing
         self.broken = broken
+        self.exit_status = exit_status
         self.now = 0.0
-        # The store: durable records, their save order, the high-water marks.
-        self.store: dict[SessionId, Durable] = {}
-        self.saved_order: dict[SessionId, int] = {}
-        self.stop_order: dict[Key, list[int]] = {}
-        self.high: dict[Key, int] = {}
-        self._saves = 0
-        self.broken_store = False
-        self.fail_once: list[Callable[[SessionId, str], bool]] = []
+        self.store = ModelStore(stopped_per_key, stopped_total)
         # The running supervisor.
         self.sessions: dict[SessionId, Session] = {}  # the session objects it holds
         self.children: dict[SessionId, Child] = {}  # every child ever spawned
         self.poisoned: str | None = None
+        # What else poisoned it at the instant of the first poisoning: which came first
+        # is the scheduler's choice (see learn_poisoning).
+        self.poisoned_with: set[str] = set()
+        self._poisoned_at: int | None = None
         self.closing = False
         self.pending: list[Pending] = []
 
@@ -161,45 +114,32 @@ class Model:
 
     def _save(self, ident: SessionId, record: Durable) -> bool:
         """Save one record; False (and poisoned) when the store refuses it."""
-        refuse = self.broken_store
-        for index, rule in enumerate(self.fail_once):
-            if rule(ident, record.phase):
-                del self.fail_once[index]
-                refuse = True
-                break
-        if refuse:
+        if self.store.refuses(ident, record.phase):
             self.poison(STORAGE)
             return False
-        key, generation = ident
-        self._saves += 1
-        first_stop = record.phase == "Stopped" and (
-            ident not in self.store or self.store[ident].phase != "Stopped"
-        )
-        self.store[ident] = record
-        self.saved_order[ident] = self._saves
-        self.high[key] = max(self.high.get(key, 0), generation)
-        if first_stop:
-            order = self.stop_order.setdefault(key, [])
-            order.append(generation)
-            while len(order) > self.per_key:
-                self._evict((key, order.pop(0)))
+        for evicted in self.store.save(ident, record):
+            self.sessions.pop(evicted, None)  # O10: its session object is retired
         return True
 
-    def _evict(self, ident: SessionId) -> None:
-        del self.store[ident]
-        del self.saved_order[ident]
-        # O10: its session object is retired with it.
-        self.sessions.pop(ident, None)
-
     def poison(self, name: str) -> None:
+        store = self.store
         if self.poisoned is None:
-            self.poisoned = name
+            self.poisoned, self.poisoned_with = name, {name}
+            self._poisoned_at = store.instant if store.joined else None
+        elif store.joined and store.instant == self._poisoned_at:
+            self.poisoned_with.add(name)
 
-    def durable_of_request(self, key: Key, request_id: str) -> SessionId | None:
-        for ident, record in self.store.items():
-            if ident[0] == key and record.request_id == request_id:
-                return ident
-        return None
+    def learn_poisoning(self, name: str | None, *, settled: bool = False) -> None:
+        """Take the supervisor's word on which poisoning of one instant came first.
+
+        Args:
+            name: The class name of the supervisor's poisoning error, or None.
+            settled: The step is over: from now on only that name is expected.
+        """
+        if name in self.poisoned_with:
+            self.poisoned = name
+        if settled:
+            self.poisoned_with = {self.poisoned} if self.poisoned else set()
 
     # -- checks shared by the operations --------------------------------------------
 
@@ -215,7 +155,7 @@ class Model:
 
     def _session(self, ident: SessionId) -> Session | Outcome:
         """R2/R3 for a handle: the live session object, or the error."""
-        record = self.store.get(ident)
+        record = self.store.records.get(ident)
         if record is None:
             return error("StaleSessionError")
         session = self.sessions.get(ident)
@@ -286,10 +226,10 @@ class Model:
 
     def open_supersede(self, key: Key, request_id: str, expected: int | None) -> Outcome | None:
         """O3-O5, holding the key's lock: the outcome if decided, else None."""
-        prior = self.durable_of_request(key, request_id)
+        prior = self.store.of_request(key, request_id)
         if prior is not None:  # O3
-            return ok((prior[1], self.store[prior].phase))
-        if (expected or 0) != self.high.get(key, 0):  # O4
+            return ok((prior[1], self.store.records[prior].phase))
+        if (expected or 0) != self.store.high.get(key, 0):  # O4
             return error("StaleSessionError")
         for session in self.superseded(key):
             self._request_stop(session, "Superseded")  # O5
@@ -304,7 +244,7 @@ class Model:
         refused = self._usable()  # O6
         if refused:
             return refused
-        generation = self.high.get(key, 0) + 1
+        generation = self.store.high.get(key, 0) + 1
         ident = (key, generation)
         if not self._save(ident, Durable("Open", False, request_id)):  # O8
             return error(STORAGE)
@@ -372,7 +312,7 @@ class Model:
         return None
 
     def dispose(self, ident: SessionId) -> Generator[Session, None, Outcome]:
-        record = self.store.get(ident)
+        record = self.store.records.get(ident)
         if record is None:  # D2
             return error("StaleSessionError")
         if record.phase == "Stopped":  # D3
@@ -387,7 +327,7 @@ class Model:
         return session.outcome
 
     def status(self, ident: SessionId) -> Outcome:
-        record = self.store.get(ident)
+        record = self.store.records.get(ident)
         if record is None:
             return error("StaleSessionError")
         return ok((ident[1], record.phase))
@@ -399,30 +339,45 @@ class Model:
         child = self.children[ident]
         if not child.alive:
             return
-        child.alive = False
+        self._end(child, "exit", code)
         session = self.sessions.get(ident)
         if session is None or session.stage == "over":
             return
         if session.reason is None:
-            self._request_stop(session, "Exited", exit_code=code)  # X1
+            self._request_stop(session, "Exited")  # X1: no signal, the child's own status
         elif session.stage == "interrupting":
             self._finish(session, "exited")
         elif session.stage == "killing":
             self._finish(session, "killed")
         self._wake()
 
+    def running_children(self) -> list[SessionId]:
+        """The sessions whose child is registered, started and still runs."""
+        return [
+            ident
+            for ident, session in self.sessions.items()
+            if session.registered
+            and session.child is not None
+            and session.child.started
+            and session.child.alive
+        ]
+
     def ignore(self, ident: SessionId, *, interrupt: bool, kill: bool) -> None:
         child = self.children[ident]
         child.ignore_interrupt = child.ignore_interrupt or interrupt
         child.ignore_kill = child.ignore_kill or kill
 
+    def _end(self, child: Child, ending: Ending, code: int = 0) -> None:
+        """The child ends, and reports what the execution's children report for ``ending``."""
+        child.alive = False
+        child.exit = self.exit_status(ending, code)
+
     # -- the stop, exactly once -----------------------------------------------------------
 
-    def _request_stop(self, session: Session, reason: str, exit_code: int | None = None) -> None:
+    def _request_stop(self, session: Session, reason: str) -> None:
         if session.reason is not None:  # P1
             return
         session.reason = reason
-        session.exit_code = exit_code
         stopping = Durable(
             "Stopping",
             False,
@@ -434,12 +389,12 @@ class Model:
         if not self._save(session.ident, stopping):  # P2
             session.fenced = True
         child = session.child if session.registered else None
-        if exit_code is not None or child is None or not child.alive:
+        if child is None or not child.alive:  # P3: no child, or it exited by itself
             self._finish(session, "exited")
             return
         child.interrupts += 1
         if not child.ignore_interrupt:
-            child.alive = False
+            self._end(child, "interrupt")
             self._finish(session, "exited")
             return
         session.stage, session.stage_until = "interrupting", self.now + self.grace
@@ -448,8 +403,9 @@ class Model:
         child = session.child
         assert child is not None
         child.kills += 1
-        if not child.ignore_kill or not child.alive:
-            child.alive = False
+        if child.alive and not child.ignore_kill:
+            self._end(child, "kill")
+        if not child.alive:
             self._finish(session, "killed")
             return
         session.stage, session.stage_until = "killing", self.now + self.confirmation
@@ -461,7 +417,11 @@ class Model:
             if not child.started:
                 child.alive = False
 
-    def _finish(self, session: Session, kind: str) -> None:
+    def _finish(self, session: Session, kind: Literal["exited", "killed"]) -> None:
+        child = session.child if session.registered else None
+        status = NO_CHILD if child is None else child.exit
+        assert status is not None, "the model ends a stop before its child ended"
+        termination = Termination(kind=kind, exit=status)
         self._release(session)
         session.stage, session.stage_until = "over", math.inf
         assert session.reason is not None
@@ -472,12 +432,12 @@ class Model:
             previous=session.active_phase,
             previous_child=session.registered,
             reason=session.reason,
-            termination=kind,
+            termination=termination,
         )
         if self._save(session.ident, stopped):  # P5
             session.stopped = True
             self.sessions.pop(session.ident, None)
-            session.outcome = error(STORAGE) if session.fenced else ok(kind)
+            session.outcome = error(STORAGE) if session.fenced else ok(termination)
         else:
             session.outcome = error(STORAGE)
 
@@ -505,14 +465,15 @@ class Model:
             if when > target:
                 break
             self.now = when
-            for session in list(self.sessions.values()):
-                if session.reason is None and session.deadline <= when:
-                    self._request_stop(session, "Expired")  # T1
-                elif session.stage == "interrupting" and session.stage_until <= when:
-                    self._kill(session)
-                elif session.stage == "killing" and session.stage_until <= when:
-                    self._unconfirmed(session)
-            self._wake()
+            with self.store.together():  # what happens at one instant, in any order
+                for session in list(self.sessions.values()):
+                    if session.reason is None and session.deadline <= when:
+                        self._request_stop(session, "Expired")  # T1
+                    elif session.stage == "interrupting" and session.stage_until <= when:
+                        self._kill(session)
+                    elif session.stage == "killing" and session.stage_until <= when:
+                        self._unconfirmed(session)
+                self._wake()
         self.now = target
 
     def settle_time(self) -> float:
@@ -537,9 +498,10 @@ class Model:
             When the shutdown is over, and whether it raises an error group.
         """
         self.closing = True
-        for session in list(self.sessions.values()):
-            if session.stage != "over":
-                self._request_stop(session, "Shutdown")
+        with self.store.together():  # Z2: all at once
+            for session in list(self.sessions.values()):
+                if session.stage != "over":
+                    self._request_stop(session, "Shutdown")
         self.advance(self.settle_time())
         raises = self.poisoned is not None
         self._forget_supervisor()
@@ -553,65 +515,67 @@ class Model:
         self.sessions.clear()
         self.pending.clear()
         self.poisoned = None
+        self.poisoned_with = set()
         self.closing = False
-        self.fail_once.clear()
+        self.store.fail_once.clear()
 
-    def recover(self, *, heal: Callable[[SessionId], None] | None = None) -> Outcome:
+    def recover(self) -> Outcome:
         """Enter a new supervisor on the store (V1-V5).
 
         Returns:
             ok, or the error ``open_supervisor`` raises.
         """
-        self.broken_store = False
-        pending = sorted(
-            (ident for ident, record in self.store.items() if record.phase != "Stopped"),
-            key=self.saved_order.__getitem__,
-        )
+        self.store.broken = False
+        groups = self.store.pending_recovery()
+        pending = [ident for group in groups for ident in group]
         failed = False
         waited = False
-        results: dict[SessionId, str] = {}
+        results: dict[SessionId, Termination] = {}
         for ident in pending:
-            record = self.store[ident]
+            record = self.store.records[ident]
             has_child = record.previous_child if record.phase == "Stopping" else record.child
             if not has_child:
-                results[ident] = "exited"
+                results[ident] = Termination(kind="exited", exit=NO_CHILD)
                 continue
             child = self.children[ident]
             child.recovers += 1
             if not child.alive:
-                results[ident] = "exited"
+                results[ident] = Termination(kind="exited", exit=self.exit_status("gone", 0))
             elif child.ignore_kill:
                 failed = waited = True
             else:
-                child.alive = False
-                results[ident] = "killed"
-        for ident in pending:
-            if ident not in results:
-                continue
-            record = self.store[ident]
-            if record.phase == "Stopping":
-                previous, previous_child = record.previous, record.previous_child
-            else:
-                previous, previous_child = record.phase, record.child
-            self._save(
-                ident,
-                Durable(
-                    "Stopped",
-                    False,
-                    record.request_id,
-                    previous=previous,
-                    previous_child=previous_child,
-                    reason="Recovery",
-                    termination=results[ident],
-                ),
-            )
+                self._end(child, "recover")
+                assert child.exit is not None
+                results[ident] = Termination(kind="killed", exit=child.exit)
+        for group in groups:
+            with self.store.together():  # V3: in the store's order, unknown within an instant
+                for ident in group:
+                    if ident in results:
+                        self._recovered(ident, results[ident])
         if waited:
             self.now += self.confirmation
         return error(UNCONFIRMED) if failed else ok()
 
+    def _recovered(self, ident: SessionId, termination: Termination) -> None:
+        record = self.store.records[ident]
+        if record.phase == "Stopping":
+            previous, previous_child = record.previous, record.previous_child
+        else:
+            previous, previous_child = record.phase, record.child
+        stopped = Durable(
+            "Stopped",
+            False,
+            record.request_id,
+            previous=previous,
+            previous_child=previous_child,
+            reason="Recovery",
+            termination=termination,
+        )
+        self._save(ident, stopped)
+
     def immortal_orphans(self) -> Iterable[SessionId]:
         """Children that recovery cannot kill (they ignore the kill)."""
-        for ident, record in self.store.items():
+        for ident, record in self.store.records.items():
             if record.phase == "Stopped":
                 continue
             child = self.children.get(ident)

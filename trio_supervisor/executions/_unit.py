@@ -1,0 +1,268 @@
+"""One child process, and the control socket to its bootstrap.
+
+Theory of operation: a :class:`ProcessUnit` is made around a bootstrap interpreter that
+is running but has been told nothing yet. :meth:`ProcessUnit.resolve` sends it the
+spawn message and reads back what code it found; only then does the supervisor make
+the child's identity durable and call :meth:`ProcessUnit.start`. The socket carries
+length-prefixed ``marshal`` values (a 4-byte big-endian length, then the payload; see
+``_bootstrap.py`` for every message), because the bootstrap must not import ``json``.
+
+Rules that never bend:
+
+* Signals go to the child's process group by its recorded pgid, never to a pid alone,
+  so a grandchild is reached after the leader exited.
+* :meth:`ProcessUnit.wait` returns only once the leader exited *and* its group is
+  empty; it is the only thing that confirms an exit. ``interrupt`` and ``kill`` are
+  requests.
+* Closing the socket is the child's dead-man switch: whatever still runs in the group
+  when the unit is closed kills itself.
+* A unit that was never started ran none of the caller's code, so abandoning it is a
+  plain SIGKILL and a reap.
+
+Races this guards against:
+
+* The child exits while a message is on its way: a broken socket is the same as EOF,
+  and EOF before an answer is "the child died first", not a protocol error.
+* The bootstrap reports what it swept from its group (``{"event": "swept"}``) just
+  before it exits, when nobody reads the socket any more: :meth:`ProcessUnit.wait`
+  takes those last messages in without waiting, since everything the child sent is in
+  the socket once it has exited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import marshal
+import math
+import signal
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import trio
+
+from ..errors import ExecutionError, PackageError
+from ..model import ChildIdentity, CodeIdentity, ExitStatus, Load
+from ._groups import exit_status, group_gone, live_members, signal_group
+
+__all__ = ["ProcessUnit", "failure"]
+
+_CHUNK = 65536
+_EOF: dict[str, Any] = {"event": "eof"}
+# How long an abandoned child, killed, may take to be reaped; how long the last of its
+# copied output may take to reach the log once its group is gone.
+KILL_CONFIRMATION = 5.0
+OUTPUT_DRAIN = 1.0
+
+
+def _frame(message: Mapping[str, Any]) -> bytes:
+    payload = marshal.dumps(dict(message))
+    return len(payload).to_bytes(4, "big") + payload
+
+
+def _take_message(buffer: bytes) -> tuple[Any, bytes] | None:
+    """The first whole message in ``buffer`` and what follows it, or None if incomplete."""
+    if len(buffer) < 4:
+        return None
+    size = int.from_bytes(buffer[:4], "big")
+    if len(buffer) < 4 + size:
+        return None
+    return marshal.loads(buffer[4 : 4 + size]), buffer[4 + size :]
+
+
+def failure(reply: Mapping[str, Any], specifier: str) -> Exception:
+    """The error a reply other than the expected one stands for."""
+    if reply.get("event") == "eof":
+        return ExecutionError(f"the child for {specifier!r} exited before it reported")
+    message = str(reply.get("message", reply))
+    if reply.get("kind") == "PackageError":
+        return PackageError(message)
+    return ExecutionError(message)
+
+
+class ProcessUnit:
+    """One child process and the control socket to its bootstrap.
+
+    Args:
+        process: The bootstrap interpreter, which leads its own process group.
+        identity: The child identity the supervisor records.
+        control: Our end of the socket pair; the unit owns it from now on.
+        load: What the child is to run.
+    """
+
+    def __init__(
+        self,
+        process: trio.Process,
+        identity: ChildIdentity,
+        control: socket.socket,
+        load: Load,
+    ) -> None:
+        self._process = process
+        self._identity = identity
+        self._pgid = identity.pgid or process.pid
+        self.code = CodeIdentity(specifier=load.specifier)
+        self._specifier = load.specifier
+        self._socket = control  # the same socket, for reading what is left at exit
+        self._control = trio.SocketStream(trio.socket.from_stdlib_socket(control))
+        self._buffer = b""
+        # Processes the child left in its group that had to be killed: counted by the
+        # bootstrap as it exits ("swept"), and by our own kill of the group.
+        self._descendants_killed = 0
+        self._status: ExitStatus | None = None
+        self._wait_lock = trio.Lock()
+        self._send_lock = trio.StrictFIFOLock()
+        self._started = False
+        self._closed = False
+        self.output_done = trio.Event()
+
+    @property
+    def identity(self) -> ChildIdentity:
+        return self._identity
+
+    async def _send(self, message: Mapping[str, Any]) -> None:
+        async with self._send_lock:
+            await self._control.send_all(_frame(message))
+
+    async def _receive(self) -> dict[str, Any]:
+        while (taken := _take_message(self._buffer)) is None:
+            try:
+                chunk = await self._control.receive_some(_CHUNK)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                chunk = b""
+            if not chunk:
+                return dict(_EOF)
+            self._buffer += chunk
+        message: dict[str, Any]
+        message, self._buffer = taken
+        return message
+
+    async def resolve(self, spec: Mapping[str, Any]) -> bool:
+        """Send the spawn message and take in the code the bootstrap resolved.
+
+        Returns:
+            True once the code is known (:attr:`code`); False when the child died before
+            it answered, and has been reaped.
+
+        Raises:
+            PackageError: The bootstrap refused the specifier (the child is reaped).
+            ExecutionError: It could not prepare the child (the child is reaped).
+        """
+        try:
+            try:
+                await self._send(spec)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                reply = dict(_EOF)
+            else:
+                reply = await self._receive()
+            if reply.get("event") == "resolved":
+                code = reply["code"]
+                self.code = CodeIdentity(
+                    specifier=self._specifier,
+                    origin=code["origin"],
+                    digest=code["digest"],
+                    version=code["version"],
+                )
+                return True
+            if reply.get("event") != "eof":
+                raise failure(reply, self._specifier)
+        except BaseException:
+            await self._abandon()
+            raise
+        await self._abandon()
+        return False
+
+    async def _abandon(self) -> None:
+        """Release a child that will never start; nothing of the caller's ran in it."""
+        # Shielded: this runs as spawn fails or is cancelled, and a child left here
+        # would be one nobody recorded. Bounded: aclose waits at most KILL_CONFIRMATION
+        # for the reap and OUTPUT_DRAIN for the output; this is the ceiling on both.
+        with trio.move_on_after(KILL_CONFIRMATION + OUTPUT_DRAIN, shield=True):
+            await self.aclose()
+
+    async def start(self) -> None:
+        if self._started:
+            await trio.lowlevel.checkpoint()
+            raise ExecutionError("this unit was started already")
+        self._started = True
+        try:
+            await self._send({"command": "start"})
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            raise ExecutionError(
+                f"the child for {self._specifier!r} is gone before it started"
+            ) from error
+        reply = await self._receive()
+        if reply.get("event") != "started":
+            raise failure(reply, self._specifier)
+
+    async def renew(self, lease: float) -> None:
+        if not math.isfinite(lease):
+            await trio.lowlevel.checkpoint()
+            return
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._send({"command": "renew", "lease": lease})
+
+    async def interrupt(self) -> None:
+        # The signal first: the child starts on its way out while the message that
+        # disarms its lease watchdog (so the lease cannot cut the graceful stop short)
+        # follows. The watchdog cannot fire in between: it waits for the lease plus a
+        # second of slack, and the session was live, so its lease had not run out.
+        signal_group(self._pgid, signal.SIGTERM)
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._send({"command": "interrupt"})
+
+    async def kill(self) -> None:
+        await trio.lowlevel.checkpoint()
+        # Whatever of the group is not the leader is something the child left behind.
+        self._descendants_killed += sum(
+            1 for pid in live_members(self._pgid) if pid != self._process.pid
+        )
+        signal_group(self._pgid, signal.SIGKILL)
+
+    async def wait(self) -> ExitStatus:
+        async with self._wait_lock:  # one waiter works it out; the others read it
+            if self._status is None:
+                returncode = await self._process.wait()
+                # The leader is gone; the child is gone when its whole group is.
+                await group_gone(self._pgid)
+                self._read_leftovers()
+                self._status = attrs.evolve(
+                    exit_status(returncode), descendants_killed=self._descendants_killed
+                )
+            return self._status
+
+    def _read_leftovers(self) -> None:
+        """Take in what the bootstrap said as it exited (how many it swept).
+
+        Everything it sent is in the socket already: it has exited. So this reads
+        without waiting, and stops at the first empty read.
+        """
+        while True:
+            try:
+                chunk = self._socket.recv(_CHUNK, socket.MSG_DONTWAIT)
+            except OSError:  # BlockingIOError included: nothing more to read
+                break
+            if not chunk:
+                break
+            self._buffer += chunk
+        while (taken := _take_message(self._buffer)) is not None:
+            message, self._buffer = taken
+            if isinstance(message, dict) and message.get("event") == "swept":
+                self._descendants_killed += int(message.get("killed", 0))
+
+    async def aclose(self) -> None:
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        if self._process.returncode is None and not self._started:
+            # Never started: nothing of the caller's ran; it simply goes, and is reaped.
+            signal_group(self._pgid, signal.SIGKILL)
+            with trio.move_on_after(KILL_CONFIRMATION):
+                await self.wait()
+        # Closing the socket is the child's dead-man switch if anything still runs.
+        await self._control.aclose()
+        # Once the group is gone its output ends; let the last of it reach the log.
+        if not self.output_done.is_set():  # it is when the child wrote the log itself
+            with trio.move_on_after(OUTPUT_DRAIN):
+                await self.output_done.wait()
