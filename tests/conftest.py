@@ -18,7 +18,34 @@ from trio_supervisor import MemoryStore, Supervisor
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.testing import FakeExecution
 
+from . import harness
 from .harness import supervise
+
+# The tests of these rules run twice: on the embedded supervisor, and over the wire
+# (SERVICE.md section A), except those marked ``embedded_only`` (they look inside it).
+WIRE_MODULES = ("test_open", "test_renew", "test_load", "test_stop", "test_recovery")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    module = metafunc.module.__name__.rpartition(".")[2]
+    if (
+        module in WIRE_MODULES
+        and "wire" in metafunc.fixturenames
+        and metafunc.definition.get_closest_marker("embedded_only") is None
+    ):
+        metafunc.parametrize("wire", ["embedded", "remote"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def wire(request: pytest.FixtureRequest) -> Iterator[str]:
+    """How this test reaches its supervisor: "embedded", or "remote" over HTTP."""
+    chosen = getattr(request, "param", "embedded")
+    harness.WIRE[0] = chosen
+    try:
+        yield chosen
+    finally:
+        harness.WIRE[0] = "embedded"
+
 
 _PR_SET_CHILD_SUBREAPER = 36
 

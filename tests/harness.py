@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, cast
 
 import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
 
-from trio_supervisor import Handle, Key, Load, SubprocessExecution, Supervisor, open_supervisor
+from trio_supervisor import (
+    Handle,
+    Key,
+    Load,
+    SubprocessExecution,
+    Supervisor,
+    SupervisorError,
+    open_supervisor,
+)
+from trio_supervisor.background import open_background_nursery
+from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.executions._groups import read_stat
+from trio_supervisor.service import create_app
 from trio_supervisor.stores.base import Store
 from trio_supervisor.testing import FakeExecution
 
@@ -18,13 +32,96 @@ KEY = Key(identity="plugin", instance="a")
 OTHER = Key(identity="plugin", instance="b")
 
 
-def supervise(
-    store: Store, execution: Any, **options: Any
-) -> contextlib.AbstractAsyncContextManager[Supervisor]:
-    """open_supervisor with the short timings the tests use unless they say otherwise."""
+# How the tests of the rules reach the supervisor: "embedded" (the object itself), or
+# "remote" (a RemoteSupervisor through a real Hypercorn server on an ephemeral loopback
+# port, in the test's own Trio run). Set per test by the ``wire`` fixture (conftest.py).
+WIRE = ["embedded"]
+HOSTS_TOKEN = "hosts-token-for-tests"
+OPERATOR_TOKEN = "operator-token-for-tests"
+
+
+@contextlib.asynccontextmanager
+async def supervise(store: Store, execution: Any, **options: Any) -> AsyncIterator[Supervisor]:
+    """open_supervisor with the short timings the tests use unless they say otherwise.
+
+    Yields the supervisor, or, when the test runs over the wire, a client of it. The
+    server outlives the supervisor's block, so calls made during its shutdown (Z1) and
+    the errors of leaving it (Z3) reach the test as they would embedded.
+    """
     settings: dict[str, Any] = {"lease": 10.0, "grace": 1.0, "confirmation_timeout": 1.0}
     settings.update(options)
-    return open_supervisor(store, execution, **settings)
+    if WIRE[0] == "embedded":
+        async with open_supervisor(store, execution, **settings) as supervisor:
+            yield supervisor
+        return
+    async with supervise_served(store, execution, **settings) as (_, remote):
+        # It mirrors Supervisor's calls, values and errors: the tests use it as one.
+        yield cast("Supervisor", remote)
+
+
+@contextlib.asynccontextmanager
+async def supervise_served(
+    store: Store, execution: Any, **settings: Any
+) -> AsyncIterator[tuple[Supervisor, RemoteSupervisor]]:
+    """A supervisor and a client of its server, which outlives the supervisor's block."""
+    late = _Late()
+    async with (
+        served(cast("Supervisor", late)) as remote,
+        open_supervisor(store, execution, **settings) as supervisor,
+    ):
+        late.supervisor = supervisor
+        yield supervisor, remote
+
+
+class _Late:
+    """Stands for a supervisor that is not open yet when its server starts."""
+
+    supervisor: Supervisor | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        assert self.supervisor is not None, "a request came before the supervisor opened"
+        return getattr(self.supervisor, name)
+
+
+@contextlib.asynccontextmanager
+async def served(supervisor: Supervisor) -> AsyncIterator[RemoteSupervisor]:
+    """Serve ``supervisor`` on an ephemeral loopback port; yield a client connected to it."""
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.graceful_timeout = 1.0
+    app = create_app(supervisor, hosts_token=HOSTS_TOKEN, operator_token=OPERATOR_TOKEN)
+    stop = trio.Event()
+    async with contextlib.AsyncExitStack() as stack, open_background_nursery() as nursery:
+        # The readiness handshake: serve reports its bound address once it listens.
+        binds = await nursery.start(
+            functools.partial(serve, app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        )
+        remote = await stack.enter_async_context(connect(binds[0], token=HOSTS_TOKEN))
+        try:
+            yield remote
+        finally:
+            # The server stops first and answers what is in flight (a dispose that
+            # joined the shutdown, say); the client closes once it is done.
+            stop.set()
+
+
+def embedded() -> bool:
+    """Whether this test reaches its supervisor directly (not over the wire)."""
+    return WIRE[0] == "embedded"
+
+
+async def poisoning(supervisor: Supervisor) -> SupervisorError | None:
+    """The error that poisoned the supervisor, or None; over the wire, as open sees it."""
+    if embedded():
+        return supervisor.poisoned
+    try:
+        # Poisoned, open refuses at once (O1) and changes nothing. Healthy, this opens a
+        # probe session, which is why tests ask only when they expect the poison.
+        await supervisor.open(Key(identity="probe", instance="poisoned?"), "probe")
+    except SupervisorError as error:
+        return error
+    return None
 
 
 async def opened(

@@ -31,7 +31,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FakeUnit, FaultyStore
 
-from .harness import KEY, OTHER, during_shutdown, opened, supervise
+from .harness import KEY, OTHER, during_shutdown, opened, poisoning, supervise
 
 
 class WatchedExecution(FakeExecution):
@@ -241,7 +241,7 @@ async def test_l5_a_failed_save_fails_the_load_and_poisons(fake: FakeExecution) 
             handle = await opened(sup)
             with pytest.raises(StateStorageError):
                 await sup.load(handle, Load(specifier="x"))
-            assert sup.poisoned is not None
+            assert isinstance(await poisoning(sup), StateStorageError)
             record = await sup.status(handle)
             assert isinstance(record, StoppedRecord)
             assert isinstance(record.reason, LoadFailed)

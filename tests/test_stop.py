@@ -146,6 +146,7 @@ async def test_d3_dispose_of_a_stopped_session_returns_its_termination_again(
     assert len(fake.calls) == calls
 
 
+@pytest.mark.embedded_only  # it removes the session object by hand
 async def test_d4_dispose_of_a_known_record_without_a_session_object_is_stopped(
     sup: Supervisor, store: MemoryStore
 ) -> None:
