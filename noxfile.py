@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, typecheck, examples, conformance (deep profile), mutants, bench."""
+"""Sessions: tests, lint, typecheck, examples, conformance (deep profile), api, mutants, bench."""
 
 from __future__ import annotations
 
@@ -36,9 +36,12 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def examples(session: nox.Session) -> None:
-    """Run the example runner: real child processes on a SQLite store."""
+    """Run the example runner (real child processes on a SQLite store), then a remote host
+    against a runner service of its own (``examples/remote_host.py --serve``)."""
     session.install("-e", ".")
     session.run("python", "examples/runner.py", *session.posargs)
+    if "--hold" not in session.posargs:
+        session.run("python", "examples/remote_host.py", "--serve")
 
 
 @nox.session
@@ -48,6 +51,15 @@ def conformance(session: nox.Session) -> None:
     session.env["TRIO_SUPERVISOR_CONFORMANCE"] = "deep"
     session.env["TRIO_SUPERVISOR_TEST_TIMEOUT"] = "0"  # each machine runs for minutes
     session.run("python", "-m", "pytest", "tests/test_conformance.py", *session.posargs)
+
+
+@nox.session
+def api(session: nox.Session) -> None:
+    """Fuzz a live runner from its own OpenAPI document (schemathesis, >= 1,000 examples)."""
+    session.install("-e", ".[test]")
+    # Per operation: 9 of the 12 take input (the other 3 run a few times): 200 is ~1,800.
+    session.env["TRIO_SUPERVISOR_API_EXAMPLES"] = "200"
+    session.run("python", "-m", "pytest", "tests/test_api_fuzz.py", *session.posargs)
 
 
 @nox.session

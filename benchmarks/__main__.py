@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import child, control, durable, memory, recovery
+from . import child, control, durable, memory, recovery, service
 from .measure import Result, machine, render
 
 # Each group runs its scenarios; the order puts the cheap ones first.
@@ -18,6 +18,7 @@ GROUPS: dict[str, Callable[[bool, int], list[Result]]] = {
     "memory": memory.run,
     "durable": durable.run,
     "recovery": recovery.run,
+    "service": service.run,
     "child": child.run,
 }
 

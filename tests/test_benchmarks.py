@@ -24,6 +24,7 @@ SCENARIOS = {
     "child.cycle.cold",
     "recovery.10k",
     "terminate.cooperative",
+    "service.cycle",
 }
 
 

@@ -46,3 +46,25 @@ def test_the_example_reports_each_session_and_continues_generations(tmp_path: Pa
     assert "continuing from the stored high-water generation 1" in output
     second = rows(output)
     assert [second[name].split()[1] for name in sorted(second)] == ["2"] * 4
+
+
+REMOTE_HOST = Path(__file__).parent.parent / "examples" / "remote_host.py"
+
+
+def test_the_remote_host_example_runs_against_a_runner_of_its_own_twice() -> None:
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, str(REMOTE_HOST), "--serve", "--seconds", "1.5"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        lines = done.stdout.splitlines()
+        assert lines[0].startswith("connected to http://127.0.0.1:")
+        assert "beating: still Loaded after 1.5 s of 1.5-s leases" in lines
+        assert "beating: disposed, exited (code 0)" in lines
+        assert "spawning: disposed, exited (SIGTERM; 2 descendants killed)" in lines
+        assert any(line.startswith("a load of nowhere:main: PackageError: ") for line in lines)
+        assert any(line.startswith("a guessed token: StaleSessionError: ") for line in lines)
+        assert lines[-1] == "the runner stopped (exit status 0), every child reaped"

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
 from .errors import StateStorageError
+from .events import Watchers
 from .health import Health
 from .model import Key, SessionRecord
 from .retention import RecordIndex, Retention
@@ -50,14 +51,16 @@ class Records:
 
     Attributes:
         index: Every retained record, with O(1) lookups, as durable as the store says.
+        watchers: Who hears of each record once it is durable (``events.py``).
     """
 
-    __slots__ = ("_health", "_store", "index")
+    __slots__ = ("_health", "_store", "index", "watchers")
 
     def __init__(self, store: Store, retention: Retention, health: Health) -> None:
         self._store = store
         self._health = health
         self.index = RecordIndex(retention)
+        self.watchers = Watchers()
 
     async def save(self, record: SessionRecord) -> list[SessionRecord]:
         """Make ``record`` durable, then take it in (O8, O10, H1).
@@ -88,7 +91,9 @@ class Records:
             )
             self._health.poison(failure)
             raise
-        return self.index.save(record)
+        evicted = self.index.save(record)
+        self.watchers.publish(record)
+        return evicted
 
     async def save_all(self, records: Sequence[SessionRecord]) -> None:
         """Make several records durable (at once, where the store can), then take them in.
@@ -102,6 +107,8 @@ class Records:
             call = self._save_each(records)
         await storage_call(call, "the store failed to save recovered records")
         self.index.save_all(records)
+        for record in records:
+            self.watchers.publish(record)
 
     async def _save_each(self, records: Sequence[SessionRecord]) -> None:
         for record in records:

@@ -179,6 +179,7 @@ class Session:
         "load_failure",
         "load_reply",
         "nursery",
+        "opened_at",
         "outcome",
         "parked",
         "problems",
@@ -190,6 +191,7 @@ class Session:
     def __init__(self, record: OpenRecord, deadline: float, services: Services) -> None:
         self._services = services
         self.lifecycle = Lifecycle(record, deadline)
+        self.opened_at = deadline - record.lease  # when its lease began (O9)
         # The lease timer: renew moves the deadline, a stop request cancels it.
         self.scope = trio.CancelScope(deadline=deadline)
         self.nursery: trio.Nursery | None = None

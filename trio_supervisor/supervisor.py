@@ -36,7 +36,9 @@ from .errors import (
     SessionStoppedError,
     StaleSessionError,
     SupervisorError,
+    TerminationUnconfirmedError,
 )
+from .events import DEFAULT_BUFFER, Watch
 from .executions.base import Execution
 from .health import Health
 from .keylocks import KeyLocks
@@ -60,7 +62,7 @@ from .model import (
 from .records import Records
 from .recovery import recover
 from .retention import Retention
-from .session import Services, Session, task_name
+from .session import SAVE_BOUND, Services, Session, task_name
 from .stores.base import Store
 
 __all__ = ["Supervisor", "open_supervisor"]
@@ -186,6 +188,30 @@ class Supervisor:
             if record.handle.key == key and record.handle.generation == generation:
                 return record
         return None
+
+    def watch(self, buffer: int = DEFAULT_BUFFER) -> Watch:
+        """Watch every record the supervisor makes durable, from now on.
+
+        ``async with supervisor.watch() as events: async for event in events: ...``
+        gives each record once the store acknowledged it. The supervisor never waits
+        for a watcher: one that falls behind by more than ``buffer`` records loses the
+        rest and reads one :class:`~trio_supervisor.events.Overflow`; it should then list
+        the records afresh (:meth:`records`) and go on. The iteration ends when the
+        supervisor shuts down.
+        """
+        return self._records.watchers.watch(buffer)
+
+    def times(self, handle: Handle) -> tuple[float, float] | None:
+        """How long the session has existed and how long its lease has left, in seconds.
+
+        For operators. None once the session's task is over (stopped, or found by
+        recovery): records carry no times, and leases are not persisted (R6).
+        """
+        session = self._sessions.get(handle.token)
+        if session is None or session.handle != handle:
+            return None
+        now = trio.current_time()
+        return now - session.opened_at, session.lifecycle.remaining(now)
 
     def skip_grace(self) -> None:
         """Stop waiting for children to end by themselves: every stop kills at once.
@@ -569,9 +595,19 @@ _PROBLEMS = "the supervisor shut down with problems (Z3)"
 
 
 async def _shut_down(supervisor: Supervisor) -> list[Exception]:
-    # Shielded so that a cancelled block still reaps every child; bounded because each
-    # session's termination is (grace + confirmation_timeout, plus its store writes).
+    # Shielded so that a cancelled block still reaps every child. Every session's stop is
+    # bounded by the same sum (session.py); they run concurrently, and an open caught in
+    # its save waits at most one save. Past that bound something broke a promise: it is
+    # reported, and the block is left rather than held forever.
+    bound = supervisor._grace + 2 * supervisor._confirmation + 3 * SAVE_BOUND
     problems: list[Exception] = []
-    with trio.CancelScope(shield=True):
+    with trio.move_on_after(bound, shield=True) as scope:
         problems = await supervisor._shutdown()
+    if scope.cancelled_caught:
+        problems.append(
+            TerminationUnconfirmedError(
+                f"the shutdown took longer than {bound:g} s; some children may still run"
+            )
+        )
+    supervisor._records.watchers.close()
     return problems

@@ -1,0 +1,5 @@
+"""``python -m trio_supervisor``: the operator's command, as ``trio-supervisor``."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,441 @@
+"""The client of the runner service: the supervisor's API, over HTTP.
+
+``connect(url, token=...)`` gives a :class:`RemoteSupervisor` whose methods have the
+embedded :class:`~trio_supervisor.Supervisor`'s names, signatures, values and errors (an
+error's wire code maps back to its class), so code moves from embedded to remote by
+changing one line. :meth:`RemoteSupervisor.session` adds what a host needs on a
+network: it opens a session, renews its lease in the background every third of the
+lease, and disposes it when the block ends, however it ends. If the lease is lost for
+good (expired, stopped, superseded, stale), the block is cancelled and
+:class:`SessionLostError` says why.
+
+Calls that are safe to repeat (open by request id, renew, status, dispose) are retried
+with backoff when the connection fails, within the lease. The client imports only the
+package's values, errors and codec (and its background-nursery helper), never the
+service.
+
+Example::
+
+    async with connect("http://127.0.0.1:8470", token=token) as runner:
+        high = await runner.high_water(key)
+        async with runner.session(key, expected_generation=high) as session:
+            await session.load(Load(specifier="worker:main"))
+            ...  # renewed meanwhile
+        print(session.termination.describe())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import ssl
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Final, Self, TypeVar
+
+import httpx
+import trio
+
+from .background import open_background_nursery
+from .codec import converter
+from .errors import (
+    BY_CODE,
+    LeaseExpiredError,
+    SessionStoppedError,
+    StaleSessionError,
+    SupervisorError,
+)
+from .model import (
+    CodeIdentity,
+    Handle,
+    Key,
+    Limits,
+    Load,
+    SessionRecord,
+    Termination,
+)
+
+__all__ = [
+    "RemoteSession",
+    "RemoteSupervisor",
+    "RunnerAccessError",
+    "SessionLostError",
+    "connect",
+]
+
+_T = TypeVar("_T")
+
+# A renew that fails with one of these failed for good: the session is gone.
+_LOST: Final = (LeaseExpiredError, SessionStoppedError, StaleSessionError)
+FIRST_BACKOFF: Final = 0.05  # seconds before the first retry; doubled each time
+MAX_BACKOFF: Final = 2.0
+RETRY_WITHOUT_LEASE: Final = 15.0  # seconds an open is retried (it has no lease yet)
+
+
+class SessionLostError(SupervisorError):
+    """A session's lease could not be kept: it expired, stopped or was superseded.
+
+    Attributes:
+        cause: The error the renew met.
+    """
+
+    code = "SessionLost"
+
+    def __init__(self, detail: str, cause: BaseException | None = None) -> None:
+        super().__init__(detail)
+        self.cause = cause
+
+
+class RunnerAccessError(SupervisorError):
+    """The runner refused the token (401), or the call needs the operators' one (403)."""
+
+    code = "Unauthorized"
+
+
+def _error_of(response: httpx.Response) -> Exception:
+    """The exception a problem answer stands for."""
+    try:
+        problem = response.json()
+        code, detail = str(problem["code"]), str(problem["detail"])
+    except (ValueError, KeyError, TypeError):
+        return SupervisorError(f"the runner answered {response.status_code}: {response.text:.200}")
+    if response.status_code in (401, 403):
+        return RunnerAccessError(detail)
+    if code in ("InvalidRequest", "MalformedRequest", "RequestTooLarge"):
+        return ValueError(detail)
+    error = BY_CODE.get(code, SupervisorError)(detail)
+    notes = problem.get("notes")
+    if isinstance(notes, list):
+        for note in notes:
+            error.add_note(str(note))
+    return error
+
+
+def _check(value: object, kind: type, name: str) -> None:
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be a {kind.__name__}, not {type(value).__name__}")
+
+
+class RemoteSupervisor:
+    """A runner's supervisor, reached over HTTP. Made by :func:`connect`."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    async def aclose(self) -> None:
+        """Close the connections."""
+        await self._client.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- the calls -----------------------------------------------------------------------
+
+    async def _call(
+        self, path: str, body: Mapping[str, Any], *, retry_for: float | None = None
+    ) -> Any:
+        """POST ``body``; the answer's JSON, or the error it stands for.
+
+        Args:
+            retry_for: Seconds within which a failed connection is retried (for calls
+                that are safe to repeat); None: never retried.
+        """
+        deadline = None if retry_for is None else trio.current_time() + retry_for
+        backoff = FIRST_BACKOFF
+        while True:
+            try:
+                response = await self._client.post(path, json=body)
+            except httpx.TransportError:
+                if deadline is None or trio.current_time() + backoff >= deadline:
+                    raise
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+                continue
+            if response.status_code != 200:
+                raise _error_of(response)
+            return response.json()
+
+    async def open(
+        self,
+        key: Key,
+        request_id: str,
+        *,
+        expected_generation: int | None = None,
+        lease: float | None = None,
+        limits: Limits | None = None,
+    ) -> SessionRecord:
+        """Open the next generation of ``key`` (O1-O11); see ``Supervisor.open``.
+
+        Retried on a failed connection: the request id makes a repeated open return the
+        record of the first (O3).
+        """
+        _check(key, Key, "key")
+        if limits is not None:
+            _check(limits, Limits, "limits")
+        body = {
+            "key": converter.unstructure(key),
+            "request_id": request_id,
+            "expected_generation": expected_generation,
+            "lease": lease,
+            "limits": None if limits is None else converter.unstructure(limits),
+        }
+        answer = await self._call(
+            "/v1/open", body, retry_for=lease if lease is not None else RETRY_WITHOUT_LEASE
+        )
+        record: SessionRecord = _structure(answer["record"], SessionRecord)
+        return record
+
+    async def renew(self, handle: Handle, *, retry_for: float | None = None) -> float:
+        """Renew the session's lease (R1-R6); see ``Supervisor.renew``."""
+        answer = await self._call("/v1/renew", _handle(handle), retry_for=retry_for)
+        return float(answer["lease"])
+
+    async def load(self, handle: Handle, load: Load) -> CodeIdentity:
+        """Load code into the session's child (L1-L6); see ``Supervisor.load``."""
+        _check(load, Load, "load")
+        body = {**_handle(handle), "load": converter.unstructure(load)}
+        answer = await self._call("/v1/load", body)
+        code: CodeIdentity = _structure(answer["code"], CodeIdentity)
+        return code
+
+    async def dispose(self, handle: Handle, *, retry_for: float | None = None) -> Termination:
+        """Stop the session (D1-D5); see ``Supervisor.dispose``."""
+        answer = await self._call("/v1/dispose", _handle(handle), retry_for=retry_for)
+        termination: Termination = _structure(answer["termination"], Termination)
+        return termination
+
+    async def status(self, handle: Handle, *, retry_for: float | None = None) -> SessionRecord:
+        """The session's last durable record (S1); see ``Supervisor.status``."""
+        answer = await self._call("/v1/status", _handle(handle), retry_for=retry_for)
+        record: SessionRecord = _structure(answer["record"], SessionRecord)
+        return record
+
+    async def high_water(self, key: Key) -> int | None:
+        """The highest generation ever opened for ``key`` (S2)."""
+        _check(key, Key, "key")
+        answer = await self._call(
+            "/v1/high-water", {"key": converter.unstructure(key)}, retry_for=RETRY_WITHOUT_LEASE
+        )
+        generation = answer["generation"]
+        return None if generation is None else int(generation)
+
+    # -- the operators' calls (the operators' token) -----------------------------------
+
+    async def _get(self, path: str, **params: Any) -> httpx.Response:
+        query = {name: value for name, value in params.items() if value is not None}
+        response = await self._client.get(path, params=query)
+        if response.status_code != 200:
+            raise _error_of(response)
+        return response
+
+    async def sessions(
+        self, *, phase: str | None = None, identity: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Every retained record, tokens left out, ordered by key and generation.
+
+        Each is the record's JSON (``handle`` without its token), with ``age`` and
+        ``lease_left`` in seconds while its session runs (else null).
+        """
+        found: list[dict[str, Any]] = []
+        after: str | None = None
+        while True:
+            page = (
+                await self._get("/v1/sessions", phase=phase, identity=identity, after=after)
+            ).json()
+            found.extend(page["sessions"])
+            after = page["next"]
+            if after is None:
+                return found
+
+    async def logs(self, key: Key, generation: int, *, tail: int | None = None) -> str:
+        """What a session's child wrote (its last ``tail`` bytes)."""
+        _check(key, Key, "key")
+        response = await self._get(
+            "/v1/logs",
+            identity=key.identity,
+            instance=key.instance,
+            generation=generation,
+            tail=tail,
+        )
+        return response.text
+
+    async def admin_dispose(self, key: Key, generation: int) -> Termination:
+        """Dispose a session by key and generation, without its token (operators)."""
+        _check(key, Key, "key")
+        body = {"key": converter.unstructure(key), "generation": generation}
+        answer = await self._call("/v1/admin/dispose", body)
+        termination: Termination = _structure(answer["termination"], Termination)
+        return termination
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """Each record the runner makes durable (tokens left out), as it happens.
+
+        An ``{"event": "overflow"}`` item means the runner dropped some for this reader:
+        list the sessions afresh. Ends when the runner shuts down.
+        """
+        async with self._client.stream("GET", "/v1/events", timeout=None) as response:
+            if response.status_code != 200:
+                await response.aread()
+                raise _error_of(response)
+            kind = "record"
+            async for line in response.aiter_lines():
+                if line.startswith("event:"):
+                    kind = line.partition(":")[2].strip()
+                elif line.startswith("data:"):
+                    data = json.loads(line.partition(":")[2])
+                    yield {"event": kind, **data} if kind == "overflow" else data
+                    kind = "record"
+
+    async def health(self) -> dict[str, Any]:
+        """``/readyz``: ``{"status": "ready"}``, or the problem saying why not."""
+        response = await self._client.get("/readyz")
+        answer: dict[str, Any] = response.json()
+        return answer
+
+    # -- a session that keeps itself alive ---------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def session(
+        self,
+        key: Key,
+        *,
+        expected_generation: int | None = None,
+        request_id: str | None = None,
+        lease: float | None = None,
+        limits: Limits | None = None,
+    ) -> AsyncIterator[RemoteSession]:
+        """Open a session, keep its lease alive, and dispose it when the block ends.
+
+        The lease is renewed every third of its length in a background task. If a renew
+        fails for good, the block is cancelled and :class:`SessionLostError` is raised
+        with the cause. Leaving the block disposes the session, also when the block
+        raised or was cancelled; the dispose is shielded and bounded by the lease.
+
+        Raises:
+            SessionLostError: The session's lease was lost while the block ran.
+        """
+        record = await self.open(
+            key,
+            request_id or f"session-{uuid.uuid4()}",
+            expected_generation=expected_generation,
+            lease=lease,
+            limits=limits,
+        )
+        session = RemoteSession(self, record)
+        lost: list[SupervisorError] = []
+        try:
+            async with open_background_nursery() as nursery:
+                nursery.start_soon(self._keep_alive, session, lost, nursery.cancel_scope)
+                try:
+                    yield session
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            # Shielded: the session must not outlive the block, even a cancelled one;
+            # bounded: a runner that does not answer within the lease lets it expire.
+            with trio.move_on_after(record.lease, shield=True):
+                with contextlib.suppress(SupervisorError, httpx.HTTPError):
+                    session.termination = await self.dispose(record.handle, retry_for=record.lease)
+        if lost:
+            raise SessionLostError(
+                f"the session {key.identity}/{key.instance} generation "
+                f"{record.handle.generation} was lost: {lost[0].detail}",
+                lost[0],
+            ) from lost[0]
+
+    async def _keep_alive(
+        self, session: RemoteSession, lost: list[SupervisorError], body: trio.CancelScope
+    ) -> None:
+        lease = session.record.lease
+        every = lease / 3
+        while True:
+            await trio.sleep(every)
+            try:
+                # Retried within what is left of the lease after this period.
+                await self.renew(session.handle, retry_for=max(lease - every, 0.0))
+            except _LOST as error:
+                lost.append(error)
+                body.cancel()
+                return
+            except (SupervisorError, httpx.HTTPError) as error:
+                # Not lost yet (a runner closing, a network that failed for a while):
+                # the next period tries again, while the lease lasts.
+                session.last_error = error
+
+
+class RemoteSession:
+    """A session opened by :meth:`RemoteSupervisor.session`, renewed in the background.
+
+    Attributes:
+        record: The Open record the session began with.
+        handle: Its handle.
+        termination: How its child ended, once the block disposed it (else None).
+        last_error: The last renew that failed without losing the session, if any.
+    """
+
+    def __init__(self, runner: RemoteSupervisor, record: SessionRecord) -> None:
+        self._runner = runner
+        self.record = record
+        self.handle = record.handle
+        self.termination: Termination | None = None
+        self.last_error: Exception | None = None
+
+    async def load(self, load: Load) -> CodeIdentity:
+        """Load code into the session (L1-L6)."""
+        return await self._runner.load(self.handle, load)
+
+    async def renew(self) -> float:
+        """Renew now, besides the background renewal."""
+        return await self._runner.renew(self.handle)
+
+    async def status(self) -> SessionRecord:
+        """The session's last durable record."""
+        return await self._runner.status(self.handle)
+
+
+def _handle(handle: Handle) -> dict[str, Any]:
+    _check(handle, Handle, "handle")
+    return {"handle": converter.unstructure(handle)}
+
+
+def _structure(data: Any, kind: Any) -> Any:
+    """A value of the answer, read as strictly as a stored record is."""
+    try:
+        return converter.structure(data, kind)
+    except Exception as error:
+        raise SupervisorError(f"the runner's answer is not a valid {kind}: {error}") from error
+
+
+@contextlib.asynccontextmanager
+async def connect(
+    url: str,
+    *,
+    token: str,
+    request_timeout: float = 60.0,
+    verify: bool | str = True,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> AsyncIterator[RemoteSupervisor]:
+    """Connect to a runner.
+
+    Args:
+        url: The runner's URL, as its ``listening on`` line says.
+        token: The hosts' (or the operators') bearer token.
+        request_timeout: Seconds any one request may take (a load waits for its child).
+        verify: TLS verification: True, False, or a CA bundle's path.
+        transport: An httpx transport, for tests.
+    """
+    if not isinstance(token, str) or not token:
+        raise ValueError("token must be a non-empty str")
+    client = httpx.AsyncClient(
+        base_url=url,
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=httpx.Timeout(request_timeout, connect=min(request_timeout, 10.0)),
+        # A CA bundle's path becomes an SSL context: httpx no longer takes a path.
+        verify=ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify,
+        transport=transport,
+    )
+    async with RemoteSupervisor(client) as runner:
+        yield runner

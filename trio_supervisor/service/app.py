@@ -1,0 +1,422 @@
+"""The runner service's HTTP app: the supervisor's calls as JSON over HTTP.
+
+Theory of operation
+-------------------
+The app is a list of routes (Starlette, on AnyIO's Trio backend, in the supervisor's
+own Trio run). Each session route reads its body into a request class
+(``wire.py``), calls the one supervisor method it mirrors, and writes the answer with
+the same converter; errors are mapped to problem+json in one place,
+:func:`_problem_of`. The wire is a translation of the Python API, never a second
+implementation of a rule: every rule of docs/design.md keeps its meaning here.
+
+Who may call what: every ``/v1`` request carries ``Authorization: Bearer <token>``.
+The hosts' token allows the session calls (open ... high-water), where the session's
+own token in the handle remains the capability for that session; the operators' token
+allows everything, including the operator calls (sessions, logs, admin dispose), which
+answer 403 to the hosts' token. Tokens are compared in constant time. ``/healthz``,
+``/readyz`` and ``/openapi.json`` need no token.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, Protocol, runtime_checkable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from ..codec import converter
+from ..errors import RunnerClosingError, StaleSessionError, SupervisorError
+from ..model import Handle, Key, Phase, SessionRecord
+from ..supervisor import Supervisor
+from .metrics import Metrics
+from .openapi import document
+from .operators import operator_routes
+from .wire import (
+    AdminDisposeBody,
+    HandleBody,
+    KeyBody,
+    LoadBody,
+    OpenBody,
+    Problem,
+    problem_body,
+    public_record,
+    read_body,
+    status_of,
+)
+
+__all__ = ["MAX_BODY", "Logs", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY: Final = 1 << 20  # bytes: a larger body is a 413
+DRAIN: Final = 8 << 20  # bytes of an oversized body read (and dropped) before the 413
+RETRY_AFTER: Final = "5"  # seconds a client should wait before retrying a closing runner
+PAGE: Final = 100  # sessions per page by default
+MAX_PAGE: Final = 1000
+
+_HOSTS, _OPERATORS = "hosts", "operators"
+
+
+@runtime_checkable
+class Logs(Protocol):
+    """An execution that keeps its children's output (``SubprocessExecution`` does)."""
+
+    def logs(self, handle: Handle, *, tail: int | None = None) -> str: ...
+
+
+def create_app(
+    supervisor: Supervisor,
+    *,
+    hosts_token: str,
+    operator_token: str,
+    logs: Logs | None = None,
+    metrics: Metrics | None = None,
+) -> Starlette:
+    """The ASGI app serving ``supervisor``.
+
+    Args:
+        supervisor: The running supervisor the calls go to.
+        hosts_token: The bearer token of the hosts (session calls only).
+        operator_token: The bearer token of the operators (every call).
+        logs: Where ``GET /v1/logs`` reads a child's output; None: no logs are kept.
+        metrics: Where calls are counted, and what ``GET /metrics`` renders; None: no
+            metrics (the runner passes its own; see ``metrics.py``).
+    """
+    if not hosts_token or not operator_token or hosts_token == operator_token:
+        raise ValueError("the hosts' and the operators' tokens must be set and differ")
+    hosts_secret = hosts_token.encode()
+    operators_secret = operator_token.encode()
+
+    def role_of(request: Request) -> str | None:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            return None
+        secret = given.strip().encode()
+        # Both compared, always: the time taken says nothing about which one matched.
+        is_operator = hmac.compare_digest(secret, operators_secret)
+        is_host = hmac.compare_digest(secret, hosts_secret)
+        return _OPERATORS if is_operator else _HOSTS if is_host else None
+
+    def guarded(
+        handler: Callable[[Request], Awaitable[Response]],
+        *,
+        operators_only: bool = False,
+        call: str | None = None,
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            role = role_of(request)
+            try:
+                if role is None:
+                    raise Problem(401, "Unauthorized", "a valid bearer token is required")
+                if operators_only and role != _OPERATORS:
+                    raise Problem(403, "Forbidden", "this call is for the runner's operators")
+                answer = await handler(request)
+            except Exception as error:
+                answer = _problem_of(error, request, supervisor)
+                if call is not None and metrics is not None:
+                    metrics.called(call, _outcome(answer))
+                return answer
+            if call is not None and metrics is not None:
+                metrics.called(call, "ok")
+            return answer
+
+        return endpoint
+
+    def operators(
+        handler: Callable[[Request], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        return guarded(handler, operators_only=True)
+
+    # -- the session calls: one each per supervisor method -------------------------------
+
+    async def open_(request: Request) -> Response:
+        body = read_body(await _body(request), OpenBody)
+        record = await supervisor.open(
+            body.key,
+            body.request_id,
+            expected_generation=body.expected_generation,
+            lease=body.lease,
+            limits=body.limits,
+        )
+        return JSONResponse({"record": _record(record)})
+
+    async def renew(request: Request) -> Response:
+        body = read_body(await _body(request), HandleBody)
+        return JSONResponse({"lease": await supervisor.renew(body.handle)})
+
+    async def load(request: Request) -> Response:
+        body = read_body(await _body(request), LoadBody)
+        code = await supervisor.load(body.handle, body.load)
+        return JSONResponse({"code": converter.unstructure(code)})
+
+    async def dispose(request: Request) -> Response:
+        body = read_body(await _body(request), HandleBody)
+        termination = await supervisor.dispose(body.handle)
+        return JSONResponse({"termination": converter.unstructure(termination)})
+
+    async def status(request: Request) -> Response:
+        body = read_body(await _body(request), HandleBody)
+        return JSONResponse({"record": _record(await supervisor.status(body.handle))})
+
+    async def high_water(request: Request) -> Response:
+        body = read_body(await _body(request), KeyBody)
+        return JSONResponse({"generation": await supervisor.high_water(body.key)})
+
+    # -- the operator calls -----------------------------------------------------------------
+
+    def _with_times(record: SessionRecord) -> dict[str, Any]:
+        """A record as operators see it, with its age and lease left while it runs."""
+        times = supervisor.times(record.handle)
+        age, lease_left = times if times is not None else (None, None)
+        return {**public_record(record), "age": age, "lease_left": lease_left}
+
+    async def sessions(request: Request) -> Response:
+        query = request.query_params
+        phase = _phase(query.get("phase"))
+        identity = query.get("identity") or None
+        limit = _integer(query.get("limit"), "limit", PAGE, 1, MAX_PAGE)
+        after = _cursor(query.get("after"))
+        chosen = sorted(
+            (
+                record
+                for record in supervisor.records()
+                if (phase is None or record.phase is phase)
+                and (identity is None or record.handle.key.identity == identity)
+            ),
+            key=_order,
+        )
+        if after is not None:
+            chosen = [record for record in chosen if _order(record) > after]
+        page = chosen[:limit]
+        more = len(chosen) > limit
+        return JSONResponse(
+            {
+                "sessions": [_with_times(record) for record in page],
+                "next": _encode_cursor(_order(page[-1])) if more else None,
+            }
+        )
+
+    async def session_logs(request: Request) -> Response:
+        query = request.query_params
+        key = _key(query.get("identity"), query.get("instance"))
+        generation = _integer(query.get("generation"), "generation", None, 1, None)
+        tail = _integer(query.get("tail"), "tail", 0, 0, None) or None
+        record = supervisor.find(key, generation)
+        if record is None:
+            raise StaleSessionError(f"{key.identity}/{key.instance} has no retained {generation}")
+        if logs is None:
+            return PlainTextResponse("")
+        return PlainTextResponse(logs.logs(record.handle, tail=tail))
+
+    async def admin_dispose(request: Request) -> Response:
+        body = read_body(await _body(request), AdminDisposeBody)
+        record = supervisor.find(body.key, body.generation)
+        if record is None:
+            raise StaleSessionError(
+                f"{body.key.identity}/{body.key.instance} has no retained generation "
+                f"{body.generation}"
+            )
+        logger.info(
+            "an operator disposes %s/%s generation %d",
+            body.key.identity,
+            body.key.instance,
+            body.generation,
+            extra={
+                "identity": body.key.identity,
+                "instance": body.key.instance,
+                "generation": body.generation,
+            },
+        )
+        termination = await supervisor.dispose(record.handle)
+        return JSONResponse({"termination": converter.unstructure(termination)})
+
+    # -- no token needed ----------------------------------------------------------------------
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        if supervisor.poisoned is not None:
+            return _problem(503, supervisor.poisoned.code, f"poisoned: {supervisor.poisoned}")
+        if supervisor.closing:
+            return _problem(503, RunnerClosingError.code, "the runner is shutting down")
+        return JSONResponse({"status": "ready"})
+
+    openapi = document()
+
+    async def openapi_json(request: Request) -> Response:
+        return JSONResponse(openapi)
+
+    async def not_found(request: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        return _problem(
+            error.status_code,
+            "NotFound" if error.status_code == 404 else "MethodNotAllowed",
+            error.detail,
+        )
+
+    routes = [
+        Route("/v1/open", guarded(open_, call="open"), methods=["POST"]),
+        Route("/v1/renew", guarded(renew, call="renew"), methods=["POST"]),
+        Route("/v1/load", guarded(load, call="load"), methods=["POST"]),
+        Route("/v1/dispose", guarded(dispose, call="dispose"), methods=["POST"]),
+        Route("/v1/status", guarded(status, call="status"), methods=["POST"]),
+        Route("/v1/high-water", guarded(high_water, call="high_water"), methods=["POST"]),
+        Route("/v1/sessions", guarded(sessions, operators_only=True), methods=["GET"]),
+        Route("/v1/logs", guarded(session_logs, operators_only=True), methods=["GET"]),
+        Route("/v1/admin/dispose", guarded(admin_dispose, operators_only=True), methods=["POST"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+    ]
+    routes += operator_routes(supervisor, metrics, operators)
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
+
+
+def _outcome(answer: Response) -> str:
+    """The error code of a problem answer, for the calls' metric."""
+    try:
+        return str(json.loads(bytes(answer.body))["code"])
+    except (ValueError, KeyError, TypeError):
+        return str(answer.status_code)
+
+
+def _record(record: SessionRecord) -> Any:
+    return converter.unstructure(record, SessionRecord)
+
+
+async def _body(request: Request) -> bytes:
+    """The request's body, refused past :data:`MAX_BODY` bytes.
+
+    What is over the cap is read and dropped (up to :data:`DRAIN` bytes) before the 413,
+    so that a client still sending its body reads the answer instead of a reset
+    connection; past that, the connection is simply dropped.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise Problem(400, "MalformedRequest", "Content-Length is not a number") from None
+        if size > DRAIN:
+            raise Problem(413, "RequestTooLarge", f"the body is over {MAX_BODY} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > DRAIN:
+            break
+        if size <= MAX_BODY:
+            chunks.append(chunk)
+    if size > MAX_BODY:
+        raise Problem(413, "RequestTooLarge", f"the body is over {MAX_BODY} bytes")
+    return b"".join(chunks)
+
+
+def _problem(status: int, code: str, detail: str, **headers: str) -> Response:
+    return JSONResponse(
+        problem_body(status, code, detail),
+        status_code=status,
+        media_type="application/problem+json",
+        headers=headers or None,
+    )
+
+
+def _problem_of(error: Exception, request: Request, supervisor: Supervisor) -> Response:
+    """The one place an error becomes an HTTP answer."""
+    if isinstance(error, Problem):
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
+        if error.status in (401, 403):
+            logger.warning("refused %s %s: %s", request.method, request.url.path, error.detail)
+        return _problem(error.status, error.code, error.detail, **headers)
+    if isinstance(error, SupervisorError):
+        status = status_of(error, poisoned=supervisor.poisoned is not None)
+        headers = {"Retry-After": RETRY_AFTER} if isinstance(error, RunnerClosingError) else {}
+        body = problem_body(status, error.code, error.detail)
+        notes = getattr(error, "__notes__", None)
+        if notes:
+            body["notes"] = [str(note) for note in notes]  # L5: "the supervisor is poisoned"
+        return JSONResponse(
+            body, status_code=status, media_type="application/problem+json", headers=headers
+        )
+    if isinstance(error, ValueError | TypeError):
+        # The supervisor refused an argument; the message names it.
+        return _problem(422, "InvalidRequest", str(error))
+    logger.exception("%s %s failed", request.method, request.url.path)
+    return _problem(500, "InternalError", f"the runner failed: {type(error).__name__}")
+
+
+# -- query parameters ---------------------------------------------------------------------
+
+
+def _integer(value: str | None, name: str, default: int | None, low: int, high: int | None) -> int:
+    if value is None or value == "":
+        if default is None:
+            raise Problem(422, "InvalidRequest", f"the query parameter {name!r} is required")
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise Problem(
+            422, "InvalidRequest", f"the query parameter {name!r} must be an integer"
+        ) from None
+    if number < low or (high is not None and number > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise Problem(422, "InvalidRequest", f"the query parameter {name!r} must be {bound}")
+    return number
+
+
+def _key(identity: str | None, instance: str | None) -> Key:
+    try:
+        return Key(identity=identity or "", instance=instance or "")
+    except (ValueError, TypeError) as error:
+        raise Problem(422, "InvalidRequest", f"{error} (query parameters)") from None
+
+
+def _phase(value: str | None) -> Phase | None:
+    if not value:
+        return None
+    try:
+        return Phase(value)
+    except ValueError:
+        known = ", ".join(phase.value for phase in Phase)
+        raise Problem(
+            422, "InvalidRequest", f"the query parameter 'phase' must be one of {known}"
+        ) from None
+
+
+_Order = tuple[str, str, int]
+
+
+def _order(record: SessionRecord) -> _Order:
+    key = record.handle.key
+    return (key.identity, key.instance, record.handle.generation)
+
+
+def _encode_cursor(order: _Order) -> str:
+    return base64.urlsafe_b64encode(json.dumps(order).encode()).decode()
+
+
+def _cursor(value: str | None) -> _Order | None:
+    if not value:
+        return None
+    try:
+        identity, instance, generation = json.loads(base64.urlsafe_b64decode(value.encode()))
+        if not (
+            isinstance(identity, str) and isinstance(instance, str) and isinstance(generation, int)
+        ):
+            raise ValueError(value)
+    except (ValueError, TypeError, binascii.Error):
+        raise Problem(
+            422, "InvalidRequest", "the query parameter 'after' is not a cursor this runner gave"
+        ) from None
+    return (identity, instance, generation)

@@ -1,0 +1,181 @@
+"""The runner's metrics, in Prometheus' text format (``GET /metrics``; SERVICE.md B).
+
+Theory of operation
+-------------------
+Everything lives in the service's own ``CollectorRegistry``, never the global one, so
+two runners in one process (tests do that) never share a series. Three sources:
+
+* at scrape time, from the supervisor's retained records: sessions by phase, children
+  alive (a child is alive while its session is not Stopped), and whether the supervisor
+  is poisoned;
+* counted by the app as it answers: opens, renews, loads and disposes by outcome (``ok``
+  or the error's wire code);
+* followed from the supervisor's events (:meth:`Metrics.follow`): terminations by kind
+  and reason, and how long each stop took (from its Stopping record to its Stopped
+  record); and from the store (:class:`TimedStore`): how long each save took.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Final
+
+import trio
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import Counter as CounterMetric
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..events import Overflow
+from ..model import (
+    Key,
+    LoadedRecord,
+    LoadingRecord,
+    Phase,
+    SessionRecord,
+    StoppedRecord,
+    StoppingRecord,
+)
+from ..retention import Retention
+from ..stores.base import BatchStore, Store
+from ..supervisor import Supervisor
+
+__all__ = ["Metrics", "TimedStore"]
+
+PREFIX: Final = "trio_supervisor"
+CALLS: Final = ("open", "renew", "load", "dispose", "status", "high_water")
+
+
+class _Snapshot(Collector):
+    """The gauges read from the supervisor when Prometheus scrapes."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        records = self._supervisor.records()
+        phases = Counter(record.phase for record in records)
+        sessions = GaugeMetricFamily(
+            f"{PREFIX}_sessions", "Retained sessions by phase.", labels=["phase"]
+        )
+        for phase in Phase:
+            sessions.add_metric([phase.value], phases.get(phase, 0))
+        yield sessions
+        yield GaugeMetricFamily(
+            f"{PREFIX}_children_alive",
+            "Sessions whose child may run: it was registered and the session is not Stopped.",
+            value=sum(1 for record in records if _has_child(record)),
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_poisoned",
+            "1 while the supervisor is poisoned: it refuses new work.",
+            value=1 if self._supervisor.poisoned is not None else 0,
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+def _has_child(record: SessionRecord) -> bool:
+    if isinstance(record, StoppedRecord):
+        return False
+    active = record.previous if isinstance(record, StoppingRecord) else record
+    return isinstance(active, LoadingRecord | LoadedRecord) and active.child is not None
+
+
+class Metrics:
+    """The service's series, in a registry of its own.
+
+    Attributes:
+        registry: What ``GET /metrics`` renders.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.calls = CounterMetric(
+            f"{PREFIX}_calls",
+            "Session calls answered, by call and outcome (ok, or the error's code).",
+            ["call", "outcome"],
+            registry=self.registry,
+        )
+        self.terminations = CounterMetric(
+            f"{PREFIX}_terminations",
+            "Sessions stopped, by the termination's kind and the stop's reason.",
+            ["kind", "reason"],
+            registry=self.registry,
+        )
+        self.termination_seconds = Histogram(
+            f"{PREFIX}_termination_seconds",
+            "Seconds from a session's Stopping record to its Stopped record.",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.save_seconds = Histogram(
+            f"{PREFIX}_store_save_seconds",
+            "Seconds a store save took, from the call to its acknowledgement.",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1),
+            registry=self.registry,
+        )
+
+    def called(self, call: str, outcome: str) -> None:
+        """Count one answered call."""
+        self.calls.labels(call=call, outcome=outcome).inc()
+
+    async def follow(self, supervisor: Supervisor) -> None:
+        """Read the gauges from ``supervisor``, and count its terminations from its
+        events until it shuts down (run it as a task beside the supervisor)."""
+        snapshot = _Snapshot(supervisor)
+        self.registry.register(snapshot)
+        try:
+            await self._count(supervisor)
+        finally:
+            self.registry.unregister(snapshot)
+
+    async def _count(self, supervisor: Supervisor) -> None:
+        stopping: dict[str, float] = {}
+        async with supervisor.watch() as events:
+            async for event in events:
+                if isinstance(event, Overflow):
+                    stopping.clear()  # the durations of those stops are lost; counts too
+                    continue
+                token = event.handle.token
+                if isinstance(event, StoppingRecord):
+                    stopping[token] = trio.current_time()
+                elif isinstance(event, StoppedRecord):
+                    self.terminations.labels(
+                        kind=event.termination.kind, reason=event.reason.kind
+                    ).inc()
+                    began = stopping.pop(token, None)
+                    if began is not None:
+                        self.termination_seconds.observe(trio.current_time() - began)
+
+
+class TimedStore:
+    """A store that times every save into ``Metrics.save_seconds``; otherwise the store."""
+
+    def __init__(self, store: Store, histogram: Histogram) -> None:
+        self._store = store
+        self._histogram = histogram
+
+    @property
+    def retention(self) -> Retention:
+        return self._store.retention
+
+    async def save(self, record: SessionRecord) -> None:
+        began = trio.current_time()
+        await self._store.save(record)
+        self._histogram.observe(trio.current_time() - began)
+
+    async def save_many(self, records: Sequence[SessionRecord]) -> None:
+        if isinstance(self._store, BatchStore):
+            await self._store.save_many(records)
+        else:
+            for record in records:
+                await self.save(record)
+
+    async def list(self) -> Sequence[SessionRecord]:
+        return await self._store.list()
+
+    async def high_water(self) -> Mapping[Key, int]:
+        return await self._store.high_water()

@@ -1,0 +1,97 @@
+"""What operators get on top of the session calls: events, metrics and a dashboard.
+
+* ``GET /v1/events`` (operators): server-sent events, one per record the supervisor
+  makes durable (``event: record``, the record as ``/v1/sessions`` lists it, tokens left
+  out), and ``event: overflow`` when this reader fell behind and lost some: it should
+  list the sessions afresh. A reader that never reads does not slow the supervisor
+  (``events.py``: bounded buffers, publishing never waits).
+* ``GET /metrics`` (operators): the Prometheus text format of ``metrics.py``.
+* ``GET /``: the dashboard, one page with no external assets; it asks for the
+  operators' token once and keeps it in the tab's ``sessionStorage``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
+from typing import Final
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..events import Overflow
+from ..supervisor import Supervisor
+from .metrics import Metrics
+from .wire import public_record
+
+__all__ = ["operator_routes"]
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+EVENT_BUFFER: Final = 1024  # records one events reader may fall behind before overflow
+HEARTBEAT: Final = 15.0  # seconds between comments that keep an idle stream open
+
+
+def _dashboard() -> str:
+    return resources.files(__package__).joinpath("dashboard.html").read_text(encoding="utf-8")
+
+
+def operator_routes(
+    supervisor: Supervisor,
+    metrics: Metrics | None,
+    guard: Callable[[Endpoint], Endpoint],
+) -> list[Route]:
+    """The routes of events, metrics and the dashboard.
+
+    Args:
+        supervisor: What the events come from.
+        metrics: The series ``/metrics`` renders; None: no ``/metrics``.
+        guard: Wraps an endpoint so that only the operators' token may call it.
+    """
+    page = _dashboard()
+
+    async def events(request: Request) -> Response:
+        watch = supervisor.watch(EVENT_BUFFER)
+
+        async def stream() -> AsyncIterator[str]:
+            async with watch:
+                yield ": trio_supervisor events\n\n"  # headers out, reader knows we are here
+                async for event in watch:
+                    if isinstance(event, Overflow):
+                        yield f"event: overflow\ndata: {json.dumps({'lost': event.lost})}\n\n"
+                    else:
+                        record = json.dumps(public_record(event))
+                        yield f"event: record\ndata: {record}\n\n"
+
+        return StreamingResponse(
+            stream(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
+
+    async def render_metrics(request: Request) -> Response:
+        assert metrics is not None
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def dashboard(request: Request) -> Response:
+        return HTMLResponse(
+            page,
+            headers={
+                # Nothing outside the runner is reachable, and nothing else may run here.
+                "Content-Security-Policy": (
+                    "default-src 'self'; script-src 'unsafe-inline'; style-src "
+                    "'unsafe-inline'; connect-src 'self'; img-src 'self' data:"
+                ),
+                "Cache-Control": "no-store",
+            },
+        )
+
+    routes = [
+        Route("/v1/events", guard(events), methods=["GET"]),
+        Route("/", dashboard, methods=["GET"]),
+    ]
+    if metrics is not None:
+        routes.append(Route("/metrics", guard(render_metrics), methods=["GET"]))
+    return routes

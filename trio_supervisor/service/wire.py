@@ -1,0 +1,307 @@
+"""The wire format of the runner service: request bodies, answers, and errors.
+
+Every body is JSON read with the package's one cattrs converter
+(:data:`trio_supervisor.codec.converter`), into the small request classes below: a
+missing field, a field of the wrong JSON type, an unknown field or a value its class
+refuses is a 422 whose detail names the field by its path (``$.handle.generation``).
+Answers are written with the same converter, so a record on the wire has exactly the
+shape it has in storage (without the storage's ``version``).
+
+Errors are ``application/problem+json`` (RFC 9457): one table, :data:`STATUS`, maps
+each error class to its HTTP status, as SERVICE.md section A says.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Final, TypeVar
+
+import attrs
+import cattrs
+
+from ..codec import converter
+from ..errors import (
+    ExecutionError,
+    LeaseExpiredError,
+    PackageError,
+    RecordFormatError,
+    RunnerClosingError,
+    SessionConflictError,
+    SessionStoppedError,
+    StaleSessionError,
+    StateStorageError,
+    SupervisorError,
+    TerminationUnconfirmedError,
+)
+from ..model import Handle, Key, Limits, Load, SessionRecord
+
+__all__ = [
+    "MAX_LEASE",
+    "STATUS",
+    "AdminDisposeBody",
+    "HandleBody",
+    "KeyBody",
+    "LoadBody",
+    "OpenBody",
+    "Problem",
+    "public_record",
+    "read_body",
+    "status_of",
+]
+
+_T = TypeVar("_T")
+
+MAX_LEASE: Final = 1e9  # seconds (about 31 years): the longest lease a host may ask for
+
+
+# -- request bodies -----------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class OpenBody:
+    """``POST /v1/open``."""
+
+    key: Key
+    request_id: str
+    expected_generation: int | None = None
+    lease: float | None = None
+    limits: Limits | None = None
+
+
+@attrs.frozen(kw_only=True)
+class HandleBody:
+    """``POST /v1/renew``, ``/v1/dispose`` and ``/v1/status``."""
+
+    handle: Handle
+
+
+@attrs.frozen(kw_only=True)
+class LoadBody:
+    """``POST /v1/load``."""
+
+    handle: Handle
+    load: Load
+
+
+@attrs.frozen(kw_only=True)
+class KeyBody:
+    """``POST /v1/high-water``."""
+
+    key: Key
+
+
+@attrs.frozen(kw_only=True)
+class AdminDisposeBody:
+    """``POST /v1/admin/dispose``: an operator names a session by key and generation."""
+
+    key: Key
+    generation: int
+
+
+class Problem(Exception):
+    """A request the service refuses before it reaches the supervisor.
+
+    Attributes:
+        status: The HTTP status.
+        code: The problem's code (``MalformedRequest``, ``InvalidRequest``, ...).
+        detail: What is wrong, for the caller.
+    """
+
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.detail = detail
+
+
+def _describe(error: BaseException, kind: type | None) -> str:
+    # Our value classes word their errors for a reader; cattrs words the rest.
+    if isinstance(error, ValueError | TypeError) and not isinstance(error, KeyError) and str(error):
+        return str(error)
+    return cattrs.v.format_exception(error, kind)
+
+
+def read_body(raw: bytes, kind: type[_T]) -> _T:
+    """Parse and check a request body.
+
+    Raises:
+        Problem: 400 when it is not JSON, 422 when it is not a valid ``kind``.
+    """
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise Problem(400, "MalformedRequest", f"the body is not JSON: {error}") from error
+    except RecursionError:
+        # ``[[[...]]]`` a thousand deep was a 500 (RecursionError).
+        raise Problem(400, "MalformedRequest", "the body is nested too deeply") from None
+    if not isinstance(data, dict):
+        raise Problem(
+            422, "InvalidRequest", f"the body must be a JSON object @ $, not {data!r:.40}"
+        )
+    unencodable = _lone_surrogate(data)
+    if unencodable is not None:
+        raise Problem(
+            422,
+            "InvalidRequest",
+            f"a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
+            f"Unicode text @ {unencodable}",
+        )
+    try:
+        body = converter.structure(data, kind)
+    except Exception as error:
+        problems = cattrs.transform_error(error, "$", _describe)
+        raise Problem(422, "InvalidRequest", "; ".join(problems)) from error
+    # A key goes into the child's environment (and file names), which cannot hold a NUL:
+    # such a key was opened, then its load was a 500 (ExecutionError).
+    for where, key in _keys(body):
+        for name in ("identity", "instance"):
+            if "\0" in getattr(key, name):
+                raise Problem(
+                    422, "InvalidRequest", f"Key.{name} must not hold a NUL @ {where}.{name}"
+                )
+    # A child's lease watchdog waits in select(), which cannot wait past ~9.2e9 seconds:
+    # with a longer lease its thread died and the load never returned (found by fuzzing).
+    if isinstance(body, OpenBody) and body.lease is not None and body.lease > MAX_LEASE:
+        raise Problem(
+            422,
+            "InvalidRequest",
+            f"OpenBody.lease must be at most {MAX_LEASE:g} seconds, got {body.lease!r} @ $.lease",
+        )
+    return body
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """The path of a string (or member name) that is not UTF-8 encodable, if any.
+
+    JSON's ``\\ud800`` escapes let a body carry lone surrogates, which no store can
+    save: such a key reached SQLite and poisoned the runner.
+    Iterative, as the body may be nested as deep as the parser allows; the paths are
+    only spelled out once such a string is known to be there.
+    """
+    if not _any_lone_surrogate(data):
+        return None
+    stack: list[tuple[str, Any]] = [("$", data)]
+    while stack:
+        where, value = stack.pop()
+        if _is_unencodable(value):
+            return where
+        if isinstance(value, dict):
+            for name, item in value.items():
+                # The name is looked at before its value, so no path spelled out holds a
+                # name that cannot be written in the answer.
+                stack.append((f"{where}.{name}", item))
+                stack.append((f"{where} (a member's name)", name))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{index}]", item) for index, item in enumerate(value))
+    return "$"
+
+
+def _any_lone_surrogate(data: Any) -> bool:
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if _is_unencodable(value):
+            return True
+        if isinstance(value, dict):
+            stack.extend(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False
+
+
+def _is_unencodable(value: Any) -> bool:
+    if not isinstance(value, str) or value.isascii():
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _keys(body: object) -> list[tuple[str, Key]]:
+    """The keys a request body names, with their paths."""
+    keys = []
+    key = getattr(body, "key", None)
+    if isinstance(key, Key):
+        keys.append(("$.key", key))
+    handle = getattr(body, "handle", None)
+    if isinstance(handle, Handle):
+        keys.append(("$.handle.key", handle.key))
+    return keys
+
+
+# -- answers ------------------------------------------------------------------------------
+
+
+def public_record(record: SessionRecord) -> dict[str, Any]:
+    """A record as an operator sees it: the session tokens are left out."""
+    data: dict[str, Any] = converter.unstructure(record, SessionRecord)
+    _drop_tokens(data)
+    return data
+
+
+def _drop_tokens(data: Any) -> None:
+    if isinstance(data, dict):
+        handle = data.get("handle")
+        if isinstance(handle, dict):
+            handle.pop("token", None)
+        for value in data.values():
+            _drop_tokens(value)
+
+
+# -- errors -------------------------------------------------------------------------------
+
+# The HTTP status of each error class; the first match wins (subclasses come first).
+STATUS: Final[tuple[tuple[type[SupervisorError], int], ...]] = (
+    (StaleSessionError, 404),
+    (LeaseExpiredError, 410),
+    (SessionStoppedError, 409),
+    (SessionConflictError, 409),
+    (PackageError, 422),
+    (RunnerClosingError, 503),
+    (RecordFormatError, 500),
+    (StateStorageError, 503),
+    (ExecutionError, 500),
+    (TerminationUnconfirmedError, 500),
+)
+
+TITLES: Final[Mapping[int, str]] = {
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    409: "Conflict",
+    410: "Gone",
+    413: "Content Too Large",
+    421: "Misdirected Request",
+    422: "Unprocessable Content",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+def status_of(error: SupervisorError, *, poisoned: bool) -> int:
+    """The HTTP status of a supervisor error.
+
+    A plain :class:`SupervisorError` is the poisoning error of a crashed background
+    task: 503 while the supervisor is poisoned, 500 otherwise.
+    """
+    for kind, status in STATUS:
+        if isinstance(error, kind):
+            return status
+    return 503 if poisoned else 500
+
+
+def problem_body(status: int, code: str, detail: str) -> dict[str, Any]:
+    """The RFC 9457 body of an error."""
+    return {
+        "type": f"urn:trio-supervisor:{code}",
+        "title": TITLES.get(status, "Error"),
+        "status": status,
+        "detail": detail,
+        "code": code,
+    }
