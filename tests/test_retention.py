@@ -15,7 +15,7 @@ from trio_supervisor import (
     StoppedRecord,
     Termination,
 )
-from trio_supervisor.retention import RecordIndex
+from trio_supervisor.retention import RecordIndex, StopOrder
 
 DONE = Termination(kind="exited", exit=ExitStatus(code=0))
 
@@ -82,3 +82,38 @@ def test_a_record_replaces_its_token_and_moves_to_the_end() -> None:
 def test_retention_needs_positive_bounds(field: str) -> None:
     with pytest.raises(ValueError, match=f"Retention.{field} must be >= 1"):
         Retention(**{field: 0})
+
+
+def test_a_stop_keeps_its_place_and_number_when_the_token_stops_again() -> None:
+    stops: StopOrder[str] = StopOrder()
+    assert [stops.stop("t1", "a"), stops.stop("t2", "a"), stops.stop("t1", "a")] == [1, 2, 1]
+    assert stops.evict("a", Retention(stopped_per_key=1)) == ["t1"]
+
+
+def test_stops_read_back_from_storage_keep_their_order_and_numbering_goes_on() -> None:
+    stops: StopOrder[str] = StopOrder()
+    stops.restore("old", "a", 4)
+    stops.restore("older-of-b", "b", 9)
+    assert stops.stop("new", "a") == 10
+    assert stops.evict("a", Retention(stopped_per_key=1, stopped_total=10)) == ["old"]
+    assert stops.evict("b", Retention(stopped_per_key=1, stopped_total=1)) == ["older-of-b"]
+    assert "new" in stops
+    assert len(stops) == 1
+
+
+def test_eviction_takes_a_keys_oldest_first_then_the_oldest_of_all() -> None:
+    stops: StopOrder[str] = StopOrder()
+    for token, key in [("a1", "a"), ("b1", "b"), ("a2", "a"), ("a3", "a")]:
+        stops.stop(token, key)
+    assert stops.evict("a", Retention(stopped_per_key=2, stopped_total=2)) == ["a1", "b1"]
+    assert [token in stops for token in ("a1", "b1", "a2", "a3")] == [False, False, True, True]
+
+
+def test_forgetting_a_token_that_never_stopped_changes_nothing() -> None:
+    stops: StopOrder[str] = StopOrder()
+    stops.stop("a1", "a")
+    stops.forget("x")
+    stops.forget("a1")
+    stops.forget("a1")
+    assert len(stops) == 0
+    assert stops.evict("a", Retention(stopped_per_key=1, stopped_total=1)) == []

@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -19,10 +20,12 @@ from hypothesis import strategies as st
 from trio_supervisor import (
     Disposed,
     ExitStatus,
+    Fault,
     Handle,
     Key,
     Limits,
     Load,
+    LoadFailed,
     MemoryStore,
     OpenRecord,
     RecordFormatError,
@@ -141,12 +144,14 @@ async def test_a_copy_taken_mid_run_holds_everything_acknowledged(tmp_path: Path
 
 async def test_concurrent_saves_share_transactions(tmp_path: Path) -> None:
     async with SqliteStore(tmp_path / "state.db") as store:
-        before = store.commits
+        for generation in range(1, 4):
+            await store.save(open_record("a", generation))
+        assert store.commits == 3, "a save alone is a transaction of its own"
         async with trio.open_nursery() as nursery:
             for generation in range(1, 101):
                 nursery.start_soon(store.save, open_record(f"k{generation}", 1))
-        assert len(await store.list()) == 100
-        assert store.commits - before <= 10, "group commit batches the queue"
+        assert len(await store.list()) == 103
+        assert store.commits - 3 <= 10, "group commit batches the queue"
 
 
 async def test_a_save_cancelled_in_the_queue_writes_nothing(tmp_path: Path) -> None:
@@ -377,6 +382,71 @@ async def test_a_corrupt_row_is_a_clear_error_naming_it(
     with pytest.raises(RecordFormatError):
         async with SqliteStore(path) as store, supervise(store, FakeExecution()):
             pytest.fail("started on a corrupt store")
+
+
+def failed(record: OpenRecord, message: str) -> StoppedRecord:
+    termination = Termination(
+        kind="exited", exit=ExitStatus(code=1), cause=(Fault(type="OSError", message=message),)
+    )
+    return StoppedRecord.of(record, LoadFailed(cause=()), termination)
+
+
+async def test_records_json_writes_in_more_than_one_way_are_stored_as_they_are(
+    tmp_path: Path,
+) -> None:
+    # Text that is not ASCII, and what only the fallback writer writes: an integer beyond
+    # 64 bits and a lone surrogate (which SQLite could not store unescaped).
+    records: list[SessionRecord] = [
+        failed(open_record("a", 1), "fichier supprimé 🗑"),
+        failed(open_record("b", 1), "no such file: b'\udcff'"),
+        StoppedRecord.of(
+            OpenRecord(
+                handle=open_record("c", 1).handle,
+                request_id="r",
+                lease=5.0,
+                limits=Limits(memory_bytes=2**70),
+            ),
+            Disposed(),
+            DONE,
+        ),
+    ]
+    path = tmp_path / "state.db"
+    async with SqliteStore(path) as store:
+        await store.save_many(records)
+    async with SqliteStore(path) as store:
+        assert list(await store.list()) == records
+
+
+async def test_a_row_sqlite_lets_through_but_no_record_can_hold_is_named(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db"
+    async with SqliteStore(path) as store:
+        await store.save(open_record("a", 1))
+    corrupt(path, "UPDATE records SET token = NULL")  # a TEXT PRIMARY KEY may be NULL
+    async with SqliteStore(path) as store:
+        with pytest.raises(RecordFormatError, match="a record row is malformed") as caught:
+            await store.list()
+        assert str(path) in caught.value.detail
+
+
+async def test_a_store_that_failed_to_open_leaves_the_file_to_others(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    async with SqliteStore(path):
+        pass
+    corrupt(path, "UPDATE schema_version SET version = 9")
+    with pytest.raises(StateStorageError, match="schema version"):
+        async with SqliteStore(path):
+            pass
+    # Its worker thread ends (it may still be on its way out, but not stay).
+    for worker in threading.enumerate():
+        if worker.name == f"trio_supervisor sqlite {path}":
+            worker.join(timeout=5)
+            assert not worker.is_alive()
+    # Neither its connection nor its lock outlived it: the file can be repaired.
+    corrupt(path, "UPDATE schema_version SET version = 1")
+    async with SqliteStore(path) as store:
+        assert list(await store.list()) == []
 
 
 async def test_an_unknown_schema_version_is_refused(tmp_path: Path) -> None:

@@ -8,20 +8,23 @@ Reading is strict: an unknown version, an unknown tag, a missing or extra field,
 value of the wrong JSON type raises :class:`~trio_supervisor.errors.RecordFormatError`
 naming the field by its path (``$.previous.handle.generation``). Nothing is coerced: a
 generation stored as ``"3"`` is an error, not 3.
+
+:func:`encode` and :func:`decode` both go through :data:`converter`, so a hook
+registered on it (for :class:`~trio_supervisor.model.Limits`, say) takes effect in
+storage too. Writing is cattrs' generated unstructure functions and orjson; reading is
+``json`` and the converter (orjson would read an integer beyond 64 bits as a float).
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import math
-import types
 import typing
 from collections.abc import Callable
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, TypeVar
 
-import attrs
 import cattrs
+import orjson
+from cattrs.cols import list_structure_factory
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 from .errors import RecordFormatError
@@ -59,6 +62,24 @@ def _strict(kind: type[_T], *accepted: type) -> Callable[[object, type], _T]:
     return structure_scalar
 
 
+def _is_array(kind: Any) -> bool:
+    """Whether ``kind`` is ``tuple[X, ...]``, which is stored as a JSON array."""
+    return typing.get_origin(kind) is tuple and typing.get_args(kind)[1:] == (Ellipsis,)
+
+
+def _strict_array(kind: Any, target: cattrs.Converter) -> Callable[[object, Any], Any]:
+    # cattrs reads any iterable as a tuple: {} or "" would be read as (). Its list
+    # factory names a bad item by its index, as its tuple hooks do.
+    items = list_structure_factory(kind, target)
+
+    def structure_array(value: object, as_type: Any) -> tuple[Any, ...]:
+        if not isinstance(value, list):
+            raise TypeError(f"expected an array, got {type(value).__name__}")
+        return tuple(items(value, as_type))
+
+    return structure_array
+
+
 # -- Load.config: an immutable JSON value in memory, plain JSON in storage ---------------
 
 
@@ -79,17 +100,19 @@ def _tagged(
     by_tag = {tag: member for member, tag in tags.items()}
     known = ", ".join(sorted(by_tag))
 
-    # Each member's own hook, looked up once: records are encoded on every save.
-    hooks: dict[type, Callable[[Any], dict[str, Any]]] = {}
+    # A factory, so that cattrs makes the hook again (with the members' hooks of the
+    # moment) whenever a hook is registered: a user's hook counts from then on, even
+    # after records were written.
+    def unstructure_factory(_: Any) -> Callable[[Any], dict[str, Any]]:
+        hooks = {member: target.get_unstructure_hook(member) for member in members}
 
-    def unstructure_tagged(value: Any) -> dict[str, Any]:
-        member = type(value)
-        hook = hooks.get(member)
-        if hook is None:
-            hook = hooks[member] = target.get_unstructure_hook(member)
-        data = hook(value)
-        data[tag_name] = tags[member]
-        return data
+        def unstructure_tagged(value: Any) -> dict[str, Any]:
+            member = type(value)
+            data: dict[str, Any] = hooks[member](value)
+            data[tag_name] = tags[member]
+            return data
+
+        return unstructure_tagged
 
     def structure_tagged(value: object, _: object) -> Any:
         if not isinstance(value, dict):
@@ -103,7 +126,7 @@ def _tagged(
         fields = {name: item for name, item in value.items() if name != tag_name}
         return target.structure(fields, member)
 
-    target.register_unstructure_hook(union, unstructure_tagged)
+    target.register_unstructure_hook_factory(lambda kind: kind == union, unstructure_factory)
     target.register_structure_hook(union, structure_tagged)
 
 
@@ -125,11 +148,12 @@ _UNIONS: Final[tuple[tuple[Any, str, Callable[[Any], str]], ...]] = (
 
 
 def _configure(target: cattrs.Converter) -> cattrs.Converter:
-    """Teach a converter the record format: strict scalars, Load, the tagged unions."""
+    """Teach a converter the record format: strict scalars and arrays, Load, the unions."""
     target.register_structure_hook(str, _strict(str))
     target.register_structure_hook(int, _strict(int))
     target.register_structure_hook(float, _strict(float, int, float))
     target.register_structure_hook(bool, _strict(bool))
+    target.register_structure_hook_factory(_is_array, _strict_array)
     target.register_unstructure_hook(
         Load, make_dict_unstructure_fn(Load, target, config=override(unstruct_hook=thaw))
     )
@@ -145,10 +169,6 @@ def _configure(target: cattrs.Converter) -> cattrs.Converter:
 
 
 _configure(converter)
-# The same rules without cattrs' detailed validation, which records where every value
-# came from: several times faster. Reading tries it first and, only when a record is
-# bad, reads it again with ``converter`` to say exactly where.
-_fast: Final = _configure(cattrs.Converter(forbid_extra_keys=True, detailed_validation=False))
 
 
 # -- the record face -------------------------------------------------------------------
@@ -156,17 +176,14 @@ _fast: Final = _configure(cattrs.Converter(forbid_extra_keys=True, detailed_vali
 
 def _describe(error: BaseException, kind: type | None) -> str:
     # Our validators and hooks word their errors for a reader; cattrs words the rest.
-    if isinstance(error, ValueError | TypeError) and not isinstance(error, KeyError) and str(error):
+    if isinstance(error, ValueError | TypeError) and str(error):
         return str(error)
     return cattrs.v.format_exception(error, kind)
 
 
-_unstructure_record: Final = converter.get_unstructure_hook(SessionRecord)
-
-
 def unstructure(record: SessionRecord) -> dict[str, Any]:
     """Return the versioned JSON-ready form of a record."""
-    data: dict[str, Any] = _unstructure_record(record)
+    data: dict[str, Any] = converter.get_unstructure_hook(SessionRecord)(record)
     data["version"] = VERSION
     return data
 
@@ -188,12 +205,6 @@ def structure(data: object) -> SessionRecord:
         )
     fields = {name: item for name, item in data.items() if name != "version"}
     try:
-        fast: SessionRecord = _fast.structure(fields, SessionRecord)  # type: ignore[arg-type]
-    except Exception:  # read again below, to name the problem
-        pass
-    else:
-        return fast
-    try:
         record: SessionRecord = converter.structure(fields, SessionRecord)  # type: ignore[arg-type]
     except Exception as error:
         problems = cattrs.transform_error(error, "$", _describe)
@@ -201,105 +212,23 @@ def structure(data: object) -> SessionRecord:
     return record
 
 
-# One encoder for every record: json.dumps with options builds a new one per call. A
-# record is a tree of fresh dicts, so there are no cycles to look for.
+# ``encode``'s fallback, for what orjson refuses. Its text is orjson's but for non-ASCII
+# characters, which it escapes where orjson writes them as UTF-8; readers take both.
+# (json.dumps with options would build a new encoder per call; a record is a tree of
+# fresh dicts, so there are no cycles to look for.)
 _encoder: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False)
-
-
-# -- writing JSON text straight from a record ------------------------------------------
-#
-# ``encode`` runs on every save. Instead of building the dicts of ``unstructure`` and
-# handing them to ``json``, each record class gets a generated function that writes its
-# text field by field: the same fields in the same order, the same tags, the same
-# escaping, so the text is exactly ``_encoder.encode(unstructure(record))`` (the tests
-# hold it to that for every kind of record). Load.config, free-form JSON, still goes
-# through ``json``.
-
-_Writer = Callable[[Any], str]
-_quote: Final[_Writer] = json.encoder.encode_basestring_ascii  # json's own, as _encoder uses
-
-
-def _finite(value: float) -> str:
-    # Records refuse non-finite floats already; refuse them here too, as json would.
-    if not math.isfinite(value):
-        raise ValueError(f"Out of range float values are not JSON compliant: {value!r}")
-    return float.__repr__(value)
-
-
-def _boolean(value: bool) -> str:
-    return "true" if value else "false"
-
-
-def _config_text(value: Any) -> str:
-    return _encoder.encode(thaw(value))
-
-
-@functools.cache  # each class's writer is generated once, however many records hold it
-def _writer(kind: Any) -> _Writer:
-    """The function that writes a value of the (resolved) type ``kind``."""
-    for union, tag_name, tag_of in _UNIONS:
-        if kind == union:
-            members = {
-                member: _object_writer(member, tag_name, tag_of(member))
-                for member in union.__args__
-            }
-            return lambda value: members[type(value)](value)
-    args = typing.get_args(kind)
-    origin = typing.get_origin(kind)
-    if kind is str or (origin is Literal and all(isinstance(arg, str) for arg in args)):
-        return _quote
-    if kind is bool:
-        return _boolean
-    if kind is int:
-        return int.__repr__
-    if kind is float:
-        return _finite
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-        item = _writer(args[0])
-        return lambda value: "[" + ",".join(map(item, value)) + "]"
-    if attrs.has(kind):
-        return _object_writer(kind)
-    raise TypeError(f"the codec cannot write {kind!r} as JSON")
-
-
-def _object_writer(cls: type, *tail: object) -> _Writer:
-    """Generate the writer of an attrs class; ``tail`` is (name, value) pairs to end with."""
-    hints = typing.get_type_hints(cls)
-    scope: dict[str, Any] = {}
-    parts = []  # each a "name":value of the object, in an f-string
-    for index, field in enumerate(attrs.fields(cls)):
-        kind, write, read = hints[field.name], f"w{index}", f"value.{field.name}"
-        optional = isinstance(kind, types.UnionType) and type(None) in kind.__args__
-        if cls is Load and field.name == "config":
-            scope[write] = _config_text
-        elif optional:
-            (present,) = (arg for arg in kind.__args__ if arg is not type(None))
-            scope[write] = _writer(present)
-        else:
-            scope[write] = _writer(kind)
-        text = f'"null" if {read} is None else {write}({read})' if optional else f"{write}({read})"
-        parts.append(f'"{field.name}":{{{text}}}')
-    for index, (name, constant) in enumerate(zip(tail[::2], tail[1::2], strict=True)):
-        scope[f"t{index}"] = f"{_quote(str(name))}:{_encoder.encode(constant)}"
-        parts.append(f"{{t{index}}}")
-    source = "def write(value):\n    return f'{{" + ",".join(parts) + "}}'\n"
-    exec(compile(source, f"<trio_supervisor.codec writer of {cls.__qualname__}>", "exec"), scope)
-    write_object: _Writer = scope["write"]
-    return write_object
-
-
-# Each made on first use: generating them all would slow every import by a few ms.
-_record_writers: Final[dict[type, _Writer]] = {}
 
 
 def encode(record: SessionRecord) -> str:
     """Return a record as compact versioned JSON text."""
-    kind = type(record)
-    write = _record_writers.get(kind)
-    if write is None:
-        write = _object_writer(kind, "phase", _phase_of(kind), "version", VERSION)
-        _record_writers[kind] = write
-    return write(record)
+    data = unstructure(record)
+    try:
+        # No record holds a float that is not finite, which orjson would write as null.
+        return orjson.dumps(data).decode()
+    except orjson.JSONEncodeError:
+        # What orjson refuses and json writes: an int beyond 64 bits (a limit may be
+        # one) or a str with a lone surrogate (an OS error's message may hold one).
+        return _encoder.encode(data)
 
 
 def decode(text: str | bytes) -> SessionRecord:
@@ -310,6 +239,6 @@ def decode(text: str | bytes) -> SessionRecord:
     """
     try:
         data = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as error:
+    except ValueError as error:  # UnicodeDecodeError too, for bytes
         raise RecordFormatError(f"a stored record is not valid JSON: {error}") from error
     return structure(data)

@@ -5,20 +5,26 @@ Every record that is not Stopped is kept. Of Stopped records, the newest
 the oldest go first. The generation high-water of every key is kept apart and never
 evicted, so a key whose records were all evicted still continues at n + 1.
 
-:class:`RecordIndex` applies that policy on every save and answers the supervisor's
-lookups (by token, by key and request id, a key's high-water) in O(1). The memory store
-uses it as its storage; the supervisor keeps one as its view of what is durable.
+:class:`StopOrder` is that policy, once: the tokens of Stopped records in the order they
+stopped, in all and per key, and which of them a new stop evicts. Both keepers of
+records use it, so they cannot disagree on what exists: :class:`RecordIndex`, which
+also answers the supervisor's lookups (by token, by key and request id, a key's
+high-water) in O(1) and is the memory store's storage, and the SQLite store, which
+keeps one beside its table so that a save needs no reads first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from typing import Generic, TypeVar
 
 import attrs
 
 from .model import Key, SessionRecord, StoppedRecord
 
-__all__ = ["RecordIndex", "Retention"]
+__all__ = ["RecordIndex", "Retention", "StopOrder"]
+
+_K = TypeVar("_K", bound=Hashable)
 
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
@@ -41,19 +47,83 @@ class Retention:
     stopped_total: int = attrs.field(default=10_000, validator=_positive)
 
 
+class StopOrder(Generic[_K]):
+    """The tokens of Stopped records in the order they stopped, in all and per key.
+
+    Each stop gets a number, 1, 2, 3, ..., which a store can persist to find the order
+    again (:meth:`restore`). Insertion-ordered dictionaries keep the order, so
+    remembering, forgetting and evicting a token are O(1).
+    """
+
+    __slots__ = ("_by_key", "_last", "_tokens")
+
+    def __init__(self) -> None:
+        self._last = 0  # the last stop number given or restored
+        self._tokens: dict[str, tuple[int, _K]] = {}  # oldest first
+        self._by_key: dict[_K, dict[str, None]] = {}  # oldest first
+
+    def __contains__(self, token: object) -> bool:
+        return token in self._tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def stop(self, token: str, key: _K) -> int:
+        """Remember that ``token``'s record (of ``key``) stopped; return its stop number.
+
+        A token that is Stopped already keeps its place and its number.
+        """
+        known = self._tokens.get(token)
+        if known is not None:
+            return known[0]
+        self.restore(token, key, self._last + 1)
+        return self._last
+
+    def restore(self, token: str, key: _K, number: int) -> None:
+        """Take in a stop read back from storage; call it in stop order."""
+        self._last = max(self._last, number)
+        self._tokens[token] = (number, key)
+        self._by_key.setdefault(key, {})[token] = None
+
+    def forget(self, token: str) -> None:
+        """Forget ``token``'s stop, if it had one."""
+        known = self._tokens.pop(token, None)
+        if known is None:
+            return
+        key = known[1]
+        of_key = self._by_key[key]
+        del of_key[token]
+        if not of_key:
+            del self._by_key[key]
+
+    def evict(self, key: _K, retention: Retention) -> list[str]:
+        """Forget and return the tokens ``retention`` drops once ``key`` had a stop.
+
+        The oldest of ``key`` beyond ``stopped_per_key`` go first, then the oldest of
+        any key beyond ``stopped_total``.
+        """
+        evicted: list[str] = []
+        of_key = self._by_key.get(key, {})
+        while len(of_key) > retention.stopped_per_key:
+            evicted.append(next(iter(of_key)))
+            self.forget(evicted[-1])
+        while len(self._tokens) > retention.stopped_total:
+            evicted.append(next(iter(self._tokens)))
+            self.forget(evicted[-1])
+        return evicted
+
+
 class RecordIndex:
     """Retained records by token, with O(1) lookups and retention applied on save."""
 
-    __slots__ = ("_high_water", "_records", "_requests", "_stopped", "_stopped_by_key", "retention")
+    __slots__ = ("_high_water", "_records", "_requests", "_stops", "retention")
 
     def __init__(self, retention: Retention) -> None:
         self.retention = retention
         # In the order they were last saved, oldest first.
         self._records: dict[str, SessionRecord] = {}
         self._requests: dict[tuple[Key, str], str] = {}
-        # Tokens of Stopped records in the order they stopped, in all and per key.
-        self._stopped: dict[str, None] = {}
-        self._stopped_by_key: dict[Key, dict[str, None]] = {}
+        self._stops: StopOrder[Key] = StopOrder()
         self._high_water: dict[Key, int] = {}
 
     def __len__(self) -> int:
@@ -98,20 +168,12 @@ class RecordIndex:
         self._requests[(handle.key, record.request_id)] = token
         self.raise_high_water(handle.key, handle.generation)
         if not isinstance(record, StoppedRecord):
-            if token in self._stopped:  # never happens with a well-behaved caller
-                self._forget_stopped(token, handle.key)
+            self._stops.forget(token)  # a no-op but for a caller that un-stops a record
             return []
-        if token in self._stopped:
+        if token in self._stops:
             return []
-        self._stopped[token] = None
-        of_key = self._stopped_by_key.setdefault(handle.key, {})
-        of_key[token] = None
-        evicted: list[SessionRecord] = []
-        while len(of_key) > self.retention.stopped_per_key:
-            evicted.append(self._evict(next(iter(of_key))))
-        while len(self._stopped) > self.retention.stopped_total:
-            evicted.append(self._evict(next(iter(self._stopped))))
-        return evicted
+        self._stops.stop(token, handle.key)
+        return [self._evict(gone) for gone in self._stops.evict(handle.key, self.retention)]
 
     def save_all(self, records: Iterable[SessionRecord]) -> list[SessionRecord]:
         """Save several records in order; return every record evicted."""
@@ -122,16 +184,7 @@ class RecordIndex:
 
     def _evict(self, token: str) -> SessionRecord:
         record = self._records.pop(token)
-        key = record.handle.key
-        self._forget_stopped(token, key)
-        if self._requests.get((key, record.request_id)) == token:
-            del self._requests[(key, record.request_id)]
+        request = (record.handle.key, record.request_id)
+        if self._requests.get(request) == token:
+            del self._requests[request]
         return record
-
-    def _forget_stopped(self, token: str, key: Key) -> None:
-        self._stopped.pop(token, None)
-        of_key = self._stopped_by_key.get(key)
-        if of_key is not None:
-            of_key.pop(token, None)
-            if not of_key:
-                del self._stopped_by_key[key]

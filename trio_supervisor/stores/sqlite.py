@@ -13,6 +13,9 @@
 * Retention (docs/design.md, "Persistence and retention") is applied in the same
   transaction as the save, and the high-water generation of every key lives in its own
   table, never evicted.
+* Every failure reaches the caller as a :class:`StateStorageError` naming the file and
+  what failed (a :class:`RecordFormatError` for a row no record can be read from); the
+  worker thread outlives it, so no caller is left waiting.
 
 Cancelling a save is safe: while the record still waits in the queue, it is taken
 back and ``Cancelled`` is raised; once the worker took it, the save waits for the
@@ -23,11 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import os
 import queue
 import sqlite3
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Self
 
@@ -36,7 +40,7 @@ import trio
 from ..codec import decode, encode
 from ..errors import RecordFormatError, StateStorageError
 from ..model import Key, SessionRecord, StoppedRecord
-from ..retention import Retention
+from ..retention import Retention, StopOrder
 
 __all__ = ["SqliteStore"]
 
@@ -55,9 +59,6 @@ CREATE TABLE IF NOT EXISTS records (
 -- No secondary indexes: every write goes by token, and the orders above are only read
 -- when the file opens (retention's) or at recovery (list's), by one scan each. An index
 -- would cost every save an update to spare those two scans a sort.
-DROP INDEX IF EXISTS records_saved;
-DROP INDEX IF EXISTS records_stopped;
-DROP INDEX IF EXISTS records_key_stopped;
 CREATE TABLE IF NOT EXISTS high_water (
     identity   TEXT NOT NULL,
     instance   TEXT NOT NULL,
@@ -149,6 +150,13 @@ class SqliteStore:
         path: The database file; its directory must exist.
         retention: Which Stopped records to keep.
         timeout: Seconds SQLite waits for a lock before failing a write.
+
+    Attributes:
+        path: The database file, as a string.
+        commits: How many transactions this store has committed. With group commit it
+            grows slower than the number of saves under concurrency: the ratio of the
+            two is what batching saves you in fsyncs. A save's transaction is counted
+            before the save returns.
     """
 
     def __init__(
@@ -164,7 +172,12 @@ class SqliteStore:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.commits = 0  # transactions committed: group commit makes this < saves
+        self._commits = 0  # written by the worker thread only
+
+    @property
+    def commits(self) -> int:
+        """How many transactions this store has committed."""
+        return self._commits
 
     @property
     def retention(self) -> Retention:
@@ -174,7 +187,13 @@ class SqliteStore:
     # -- the face ----------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        await self.open()
+        try:
+            await self.open()
+        except BaseException:
+            # ``async with`` does not leave what it failed to enter: stop the worker
+            # here, or it would live on, idle, for as long as the process does.
+            await self.aclose()
+            raise
         return self
 
     async def __aexit__(
@@ -218,7 +237,12 @@ class SqliteStore:
         return marks
 
     async def aclose(self) -> None:
-        """Finish the writes already queued, close the connection, stop the worker."""
+        """Finish the writes already queued, close the connection, stop the worker.
+
+        Raises:
+            StateStorageError: SQLite failed to close the file; every save that
+                returned is durable all the same.
+        """
         if self._closed:
             await trio.lowlevel.checkpoint()
             return
@@ -232,6 +256,8 @@ class SqliteStore:
         # Bounded by the writes already queued; the thread exits right after. A
         # cancellation waits for it too (and is seen at the caller's next checkpoint).
         await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        if job.error is not None:
+            raise job.error
 
     # -- talking to the worker ---------------------------------------------------------
 
@@ -261,55 +287,35 @@ class SqliteStore:
 class _Mirror:
     """What the worker knows of the table, so that a write needs no reads first.
 
-    The save counter, every Stopped row's token in stop order (overall and per key) and
+    The last save order given, every Stopped row's token in stop order (retention's
+    :class:`~trio_supervisor.retention.StopOrder`, the one the record index uses) and
     the high-water marks; read once when the file opens, kept in step by every write,
     and read again after a write that failed.
     """
 
-    __slots__ = ("by_key", "high", "saved", "stopped", "stops")
+    __slots__ = ("high", "saved", "stops")
 
-    def __init__(self, saved: int, stops: int) -> None:
+    def __init__(self, saved: int) -> None:
         self.saved = saved  # the last save order given
-        self.stops = stops  # the last stop order given
-        self.stopped: dict[str, tuple[int, tuple[str, str]]] = {}  # oldest first
-        self.by_key: dict[tuple[str, str], dict[str, None]] = {}  # oldest first
+        self.stops: StopOrder[tuple[str, str]] = StopOrder()
         self.high: dict[tuple[str, str], int] = {}
 
     @classmethod
     def read(cls, connection: sqlite3.Connection) -> _Mirror:
-        saved, stops = connection.execute(
-            "SELECT coalesce(max(saved), 0), coalesce(max(stopped), 0) FROM records"
-        ).fetchone()
-        mirror = cls(saved, stops)
+        (saved,) = connection.execute("SELECT coalesce(max(saved), 0) FROM records").fetchone()
+        mirror = cls(saved)
         rows = connection.execute(
             "SELECT token, identity, instance, stopped FROM records "
             "WHERE stopped IS NOT NULL ORDER BY stopped"
         ).fetchall()
-        for token, identity, instance, order in rows:
-            key = (identity, instance)
-            mirror.stopped[token] = (order, key)
-            mirror.by_key.setdefault(key, {})[token] = None
+        for token, identity, instance, number in rows:
+            mirror.stops.restore(token, (identity, instance), number)
         for identity, instance, generation in connection.execute(
             "SELECT identity, instance, generation FROM high_water"
         ).fetchall():
             if isinstance(generation, int):  # a malformed mark is reported by high_water()
                 mirror.high[(identity, instance)] = generation
         return mirror
-
-    def stop(self, token: str, key: tuple[str, str]) -> int:
-        """The stop order of a Stopped record: its old one if it was Stopped already."""
-        known = self.stopped.get(token)
-        if known is not None:
-            return known[0]
-        self.stops += 1
-        self.stopped[token] = (self.stops, key)
-        self.by_key.setdefault(key, {})[token] = None
-        return self.stops
-
-    def unstop(self, token: str) -> None:
-        known = self.stopped.pop(token, None)
-        if known is not None:
-            self._forget(token, known[1])
 
     def raise_high_water(self, key: tuple[str, str], generation: int) -> bool:
         """Whether ``generation`` is above the key's mark (which it then becomes)."""
@@ -318,27 +324,15 @@ class _Mirror:
         self.high[key] = generation
         return True
 
-    def evict(self, key: tuple[str, str], retention: Retention) -> list[str]:
-        """The tokens retention drops once ``key`` got a new Stopped record."""
-        evicted = []
-        of_key = self.by_key.get(key, {})
-        while len(of_key) > retention.stopped_per_key:
-            evicted.append(next(iter(of_key)))
-            self.unstop(evicted[-1])
-        while len(self.stopped) > retention.stopped_total:
-            evicted.append(next(iter(self.stopped)))
-            self.unstop(evicted[-1])
-        return evicted
-
-    def _forget(self, token: str, key: tuple[str, str]) -> None:
-        of_key = self.by_key[key]
-        del of_key[token]
-        if not of_key:
-            del self.by_key[key]
-
 
 class _Worker:
-    """The thread that owns the connection."""
+    """The thread that owns the connection.
+
+    Everything it does runs inside :meth:`_attempt`, which turns a ``sqlite3.Error``
+    (or anything else but a :class:`StateStorageError`) into the
+    :class:`StateStorageError` its callers get: no error of SQLite's escapes the store,
+    and no failure ends the thread, which would leave its callers waiting forever.
+    """
 
     def __init__(self, store: SqliteStore) -> None:
         self._store = store
@@ -349,10 +343,7 @@ class _Worker:
 
     def run(self) -> None:
         jobs = self._store._jobs
-        try:
-            self._open()
-        except StateStorageError as error:
-            self._open_error = error
+        self._open_error = self._attempt("open", self._open)
         closing: _Job | None = None
         while closing is None:
             batch = [jobs.get()]
@@ -371,7 +362,7 @@ class _Worker:
                     taken.append(job)
             self._serve(taken)
         if self._connection is not None:
-            self._connection.close()
+            closing.error = self._attempt("close", self._connection.close)
         _deliver([closing])
 
     def _serve(self, jobs: list[_Job]) -> None:
@@ -383,17 +374,37 @@ class _Worker:
         else:
             # Saves first, so a read queued after a save sees it.
             if saves:
-                self._write(saves)
+                failure = self._attempt("save", functools.partial(self._write, saves))
+                for job in saves:
+                    job.error = failure
             for job in others:
-                self._read(job)
+                job.error = self._attempt("read", functools.partial(self._read, job))
         _deliver(jobs)
+
+    def _attempt(self, action: str, work: Callable[[], None]) -> StateStorageError | None:
+        """Run ``work``; return the error its callers are to get, or None if it worked.
+
+        Args:
+            action: What ``work`` does, for the message: "cannot {action}".
+            work: SQLite calls. It raises a ``sqlite3.Error``, or a
+                :class:`StateStorageError` of its own that is worded already.
+        """
+        try:
+            work()
+        except StateStorageError as error:  # RecordFormatError too
+            return error
+        except Exception as error:  # sqlite3.Error, or a row no record could hold
+            failure = StateStorageError(_explain(self._store.path, action, error))
+            failure.__cause__ = error
+            return failure
+        return None
 
     # -- the connection --------------------------------------------------------------
 
     def _open(self) -> None:
         path = self._store.path
+        connection = sqlite3.connect(path, timeout=self._store._timeout, isolation_level=None)
         try:
-            connection = sqlite3.connect(path, timeout=self._store._timeout, isolation_level=None)
             connection.execute("PRAGMA locking_mode = EXCLUSIVE")
             mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if mode != "wal":
@@ -409,7 +420,6 @@ class _Worker:
                     "INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,)
                 )
             elif versions != [SCHEMA_VERSION]:
-                connection.execute("ROLLBACK")
                 raise StateStorageError(
                     f"{path} has schema version {versions}; "
                     f"this library reads version {SCHEMA_VERSION}"
@@ -418,8 +428,11 @@ class _Worker:
             for statement in _CHANGES:
                 connection.execute(statement)
             mirror = _Mirror.read(connection)
-        except sqlite3.Error as error:
-            raise StateStorageError(_explain(path, "open", error)) from error
+        except BaseException:
+            # Closing also rolls back, and gives up the exclusive lock: a store that
+            # failed to open must not keep others out of the file.
+            connection.close()
+            raise
         self._connection = connection
         self._mirror = mirror
         self._rows_per_statement = connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // 7
@@ -429,14 +442,7 @@ class _Worker:
         assert connection is not None
         mirror = self._mirror
         if mirror is None:
-            try:
-                mirror = self._mirror = _Mirror.read(connection)
-            except sqlite3.Error as error:
-                failure = StateStorageError(_explain(self._store.path, "save", error))
-                failure.__cause__ = error
-                for job in jobs:
-                    job.error = failure
-                return
+            mirror = self._mirror = _Mirror.read(connection)
         retention = self._store.retention
         # The whole batch is worked out here, against the mirror, into rows of the
         # ``changes`` view; SQLite then gets them as one statement.
@@ -451,9 +457,9 @@ class _Worker:
                 mirror.saved += 1
                 stop_order = None
                 if isinstance(record, StoppedRecord):
-                    stop_order = mirror.stop(token, key)
+                    stop_order = mirror.stops.stop(token, key)
                 else:
-                    mirror.unstop(token)  # a caller un-stopped a record; so did the index
+                    mirror.stops.forget(token)  # a caller un-stopped a record; so did the index
                 deletes.pop(token, None)
                 # A raised high-water mark travels in its record's row (the trigger
                 # applies both), and stays there if the token is saved again.
@@ -466,8 +472,7 @@ class _Worker:
                 upserts[token] = (token, *key, mirror.saved, stop_order, body, mark)
                 if stop_order is None:
                     continue
-                # Retention: the newest per key, then a cap on all.
-                for evicted in mirror.evict(key, retention):
+                for evicted in mirror.stops.evict(key, retention):
                     dropped = upserts.pop(evicted, None)
                     if dropped is not None and dropped[6] is not None:
                         marks.append((None, dropped[1], dropped[2], None, None, None, dropped[6]))
@@ -490,23 +495,22 @@ class _Worker:
                 )
             if connection.in_transaction:
                 connection.execute("COMMIT")
-        except sqlite3.Error as error:
-            if connection.in_transaction:
-                connection.execute("ROLLBACK")
-            failure = StateStorageError(_explain(self._store.path, "save", error))
-            failure.__cause__ = error
-            for job in jobs:
-                job.error = failure
-            # The mirror ran ahead of a transaction that did not happen: it is read again
-            # before the next write.
+        except sqlite3.Error:
+            # The mirror ran ahead of a transaction that did not happen: it is read
+            # again before the next write.
             self._mirror = None
-            return
+            if connection.in_transaction:
+                # The error to report is the one above, not a failure to roll back.
+                with contextlib.suppress(sqlite3.Error):
+                    connection.execute("ROLLBACK")
+            raise
         if chunks:
-            self._store.commits += 1
+            self._store._commits += 1
 
     def _read(self, job: _Job) -> None:
         connection = self._connection
         assert connection is not None
+        path = self._store.path
         try:
             if job.kind == "list":
                 # fetchall first: a cursor left open by a decoding error would keep the
@@ -514,7 +518,7 @@ class _Worker:
                 rows = connection.execute(
                     "SELECT token, identity, instance, body FROM records ORDER BY saved"
                 ).fetchall()
-                job.result = [_decode_row(self._store.path, *row) for row in rows]
+                job.result = [_decode_row(path, *row) for row in rows]
             elif job.kind == "high_water":
                 marks = connection.execute(
                     "SELECT identity, instance, generation FROM high_water"
@@ -523,17 +527,11 @@ class _Worker:
                     Key(identity=identity, instance=instance): generation
                     for identity, instance, generation in marks
                 }
-        except sqlite3.Error as error:
-            job.error = StateStorageError(_explain(self._store.path, "read", error))
-            job.error.__cause__ = error
-        except (RecordFormatError, ValueError, TypeError) as error:
-            job.error = (
-                error
-                if isinstance(error, RecordFormatError)
-                else RecordFormatError(
-                    f"{self._store.path}: a high-water row is malformed: {error}"
-                )
-            )
+        except (ValueError, TypeError) as error:
+            # A value SQLite let through that no record or mark can hold (a NULL token,
+            # an empty identity).
+            what = "record" if job.kind == "list" else "high-water"
+            raise RecordFormatError(f"{path}: a {what} row is malformed: {error}") from error
 
 
 def _decode_row(path: str, token: str, identity: str, instance: str, body: str) -> SessionRecord:
@@ -551,7 +549,9 @@ def _decode_row(path: str, token: str, identity: str, instance: str, body: str) 
     return record
 
 
-def _explain(path: str, action: str, error: sqlite3.Error) -> str:
+def _explain(path: str, action: str, error: Exception) -> str:
+    if not isinstance(error, sqlite3.Error):
+        return f"{path}: cannot {action}: {error!r}"
     text = str(error)
     if "locked" in text:
         return (
