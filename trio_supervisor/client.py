@@ -30,7 +30,7 @@ import contextlib
 import json
 import ssl
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any, Final, Self, TypeVar
 
 import httpx
@@ -270,7 +270,7 @@ class RemoteSupervisor:
         termination: Termination = _structure(answer["termination"], Termination)
         return termination
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
+    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
         """Each record the runner makes durable (tokens left out), as it happens.
 
         An ``{"event": "overflow"}`` item means the runner dropped some for this reader:

@@ -278,8 +278,11 @@ def create_app(
         Route("/readyz", readyz, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
-    routes += operator_routes(supervisor, metrics, operators)
-    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
+    extra, end_streams = operator_routes(supervisor, metrics, operators)
+    app = Starlette(routes=routes + extra, exception_handlers={HTTPException: not_found})
+    # A server that stops ends the event streams first: they would never end by themselves.
+    app.state.end_event_streams = end_streams
+    return app
 
 
 def _outcome(answer: Response) -> str:

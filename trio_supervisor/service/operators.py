@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..events import Overflow
+from ..events import Overflow, Watch
 from ..supervisor import Supervisor
 from .metrics import Metrics
 from .wire import public_record
@@ -42,8 +42,8 @@ def operator_routes(
     supervisor: Supervisor,
     metrics: Metrics | None,
     guard: Callable[[Endpoint], Endpoint],
-) -> list[Route]:
-    """The routes of events, metrics and the dashboard.
+) -> tuple[list[Route], Callable[[], None]]:
+    """The routes of events, metrics and the dashboard, and what ends the event streams.
 
     Args:
         supervisor: What the events come from.
@@ -51,19 +51,30 @@ def operator_routes(
         guard: Wraps an endpoint so that only the operators' token may call it.
     """
     page = _dashboard()
+    streams: set[Watch] = set()
+
+    def end_streams() -> None:
+        """End every events stream: the server is stopping and will not wait for them."""
+        for watch in list(streams):
+            watch.close()
 
     async def events(request: Request) -> Response:
         watch = supervisor.watch(EVENT_BUFFER)
+        streams.add(watch)
 
         async def stream() -> AsyncIterator[str]:
-            async with watch:
-                yield ": trio_supervisor events\n\n"  # headers out, reader knows we are here
-                async for event in watch:
-                    if isinstance(event, Overflow):
-                        yield f"event: overflow\ndata: {json.dumps({'lost': event.lost})}\n\n"
-                    else:
-                        record = json.dumps(public_record(event))
-                        yield f"event: record\ndata: {record}\n\n"
+            try:
+                async with watch:
+                    yield ": trio_supervisor events\n\n"  # headers out: the reader knows
+                    async for event in watch:
+                        if isinstance(event, Overflow):
+                            lost = json.dumps({"lost": event.lost})
+                            yield f"event: overflow\ndata: {lost}\n\n"
+                        else:
+                            record = json.dumps(public_record(event))
+                            yield f"event: record\ndata: {record}\n\n"
+            finally:
+                streams.discard(watch)
 
         return StreamingResponse(
             stream(),
@@ -89,9 +100,9 @@ def operator_routes(
         )
 
     routes = [
-        Route("/v1/events", guard(events), methods=["GET"]),
+        Route("/v1/events", guard(events), methods=["GET"], name="events"),
         Route("/", dashboard, methods=["GET"]),
     ]
     if metrics is not None:
         routes.append(Route("/metrics", guard(render_metrics), methods=["GET"]))
-    return routes
+    return routes, end_streams

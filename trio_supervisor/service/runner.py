@@ -248,6 +248,12 @@ async def run_runner(
                 )
                 # Counts until the supervisor shuts down (its events end then).
                 watching.start_soon(metrics.follow, supervisor)
+
+                async def end_event_streams() -> None:
+                    await stop_serving.wait()
+                    app.state.end_event_streams()
+
+                watching.start_soon(end_event_streams)
                 async with trio.open_nursery() as serving:
                     # serve returns once stop_serving is set and what it served is done.
                     binds: Sequence[str] = await serving.start(

@@ -1,0 +1,264 @@
+"""``trio-supervisor``, the operator's command, against a real runner (SERVICE.md B).
+
+One runner serves the whole module, started the way an operator starts it: in a working
+directory of its own, with its default ``--state runner-state``. The commands run as
+processes in that directory too, so they find the runner's operator token with no flag,
+and its URL with none either when the runner could take the default port, 8470 (when
+another process holds it, the runner takes a free port and the commands are given
+``--url``). Exit statuses are part of the interface: 0 ok, 1 the runner's error (its
+detail printed), 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+import pytest
+import trio
+
+from trio_supervisor.cli import DEFAULT_URL
+from trio_supervisor.client import connect
+
+from .test_operators import NotListening, Runner, open_sessions, serving
+
+DEFAULT_LISTEN: Final = "127.0.0.1:8470"
+COMMAND_TIMEOUT: Final = 60.0  # seconds one command may take
+
+
+def port_free(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, int(port)))
+        except OSError:
+            return False
+    return True
+
+
+@attrs.frozen
+class Result:
+    status: int
+    out: str
+    err: str
+
+
+@attrs.frozen
+class Operator:
+    """The runner, its directory, and how a command reaches it from there."""
+
+    runner: Runner
+    directory: Path
+    url_flags: tuple[str, ...]
+
+    def run(self, *arguments: str, reach: bool = True) -> Result:
+        """``trio-supervisor ARGUMENTS`` in the runner's directory (``--url`` added only
+        when the runner is not on the default port and ``reach`` is set)."""
+        command = [sys.executable, "-m", "trio_supervisor", *arguments]
+        if reach:
+            command += self.url_flags
+        done = subprocess.run(
+            command,
+            cwd=self.directory,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT,
+            check=False,
+        )
+        return Result(done.returncode, done.stdout, done.stderr)
+
+    def listed(self) -> list[dict[str, Any]]:
+        """Every record, as the runner lists it to operators."""
+
+        async def sessions() -> list[dict[str, Any]]:
+            async with connect(self.runner.url, token=self.runner.operator_token) as operator:
+                return await operator.sessions()
+
+        return trio.run(sessions)
+
+
+@pytest.fixture(scope="module")
+def operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    """A runner with three sessions of ``acme``: eu-1 and eu-2 run the heartbeat, eu-3 is
+    Open."""
+    directory = tmp_path_factory.mktemp("operator")
+    log = directory / "runner.stderr"
+    with contextlib.ExitStack() as stack:
+        runner: Runner | None = None
+        if port_free(DEFAULT_LISTEN):
+            with contextlib.suppress(NotListening):  # taken meanwhile: any port will do
+                runner = stack.enter_context(
+                    serving(None, listen=DEFAULT_LISTEN, cwd=directory, log=log)
+                )
+        if runner is None:
+            runner = stack.enter_context(serving(None, cwd=directory, log=log))
+        url_flags: tuple[str, ...] = ()
+        if runner.url != DEFAULT_URL:
+            url_flags = ("--url", runner.url)
+            print(f"port 8470 is taken; the commands are given --url {runner.url}")
+        trio.run(functools.partial(open_sessions, runner, 3, loaded=2))
+        yield Operator(runner, directory, url_flags)
+
+
+def cells(line: str) -> list[str]:
+    """The cells of one line of a printed table (a header's, or a row's)."""
+    return [cell.strip() for cell in line.replace("┃", "│").strip("│ ").split("│")]
+
+
+def rows(table: str) -> dict[str, str]:
+    """The lines of a printed table, by the key each begins with."""
+    return {
+        cells(line)[0]: line for line in table.splitlines() if cells(line)[0].startswith("acme/")
+    }
+
+
+# -- the commands --------------------------------------------------------------------------
+
+
+def test_sessions_with_no_flags_prints_a_table_of_every_session(operator: Operator) -> None:
+    result = operator.run("sessions")
+    assert result.status == 0, result.err
+    listed = operator.listed()
+    assert f"{len(listed)} sessions at {operator.runner.url}" in result.out
+    header = next(line for line in result.out.splitlines() if "key" in line)
+    assert cells(header) == [
+        "key",
+        "generation",
+        "phase",
+        "age",
+        "lease left",
+        "child pid",
+        "reason",
+        "termination",
+    ]
+    printed = rows(result.out)
+    assert len(printed) == len(listed) == 3
+    for record in listed:
+        key = record["handle"]["key"]
+        line = printed[f"{key['identity']}/{key['instance']}"]  # one line a session
+        _, generation, phase, age, lease_left, pid, *_ = cells(line)
+        assert (generation, phase) == (str(record["handle"]["generation"]), record["phase"])
+        if record["phase"] == "Loaded":
+            pid_of = (record.get("previous") or record)["child"]["pid"]
+            assert pid == str(pid_of)
+            assert age.endswith("s")
+            assert lease_left.endswith("s")
+
+
+def test_sessions_json_prints_the_same_rows(operator: Operator) -> None:
+    table = rows(operator.run("sessions").out)
+    result = operator.run("sessions", "--json")
+    assert result.status == 0, result.err
+    records = json.loads(result.out)
+    assert len(records) == len(table)
+    for record in records:
+        key = record["handle"]["key"]
+        line = table[f"{key['identity']}/{key['instance']}"]
+        assert cells(line)[1:3] == [str(record["handle"]["generation"]), record["phase"]]
+        assert "token" not in record["handle"]
+    assert {json.dumps(record["handle"]) for record in records} == {
+        json.dumps(record["handle"]) for record in operator.listed()
+    }
+
+
+def test_show_prints_a_sessions_record(operator: Operator) -> None:
+    result = operator.run("show", "acme", "eu-1")
+    assert result.status == 0, result.err
+    (line,) = rows(result.out).values()
+    assert cells(line)[:3] == ["acme/eu-1", "1", "Loaded"]
+    assert '"specifier": "heartbeat:main"' in result.out
+    assert '"token"' not in result.out
+
+    result = operator.run("show", "acme", "eu-1", "1", "--json")
+    assert result.status == 0, result.err
+    (record,) = json.loads(result.out)
+    assert record["handle"] == {"key": {"identity": "acme", "instance": "eu-1"}, "generation": 1}
+
+
+def test_logs_prints_what_the_child_wrote(operator: Operator) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        result = operator.run("logs", "acme", "eu-1", "1")
+        assert result.status == 0, result.err
+        if "beat 2 of acme/eu-1 #1\n" in result.out or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert result.out.startswith("beat 1 of acme/eu-1 #1\nbeat 2 of acme/eu-1 #1\n")
+
+    tail = operator.run("logs", "acme", "eu-1", "1", "--tail", "30")
+    assert tail.status == 0, tail.err
+    assert 0 < len(tail.out.encode()) <= 30
+
+
+def test_dispose_by_key_and_generation_then_show_says_stopped_disposed(
+    operator: Operator,
+) -> None:
+    result = operator.run("dispose", "acme", "eu-2", "1")
+    assert result.status == 0, result.err
+    assert result.out == "acme/eu-2 #1: exited (code 0)\n"  # the heartbeat's goodbye
+
+    shown = operator.run("show", "acme", "eu-2", "1")
+    assert shown.status == 0, shown.err
+    (line,) = rows(shown.out).values()
+    _, generation, phase, age, lease_left, _, reason, termination = cells(line)
+    assert (generation, phase, reason) == ("1", "Stopped", "Disposed")
+    assert (age, lease_left, termination) == ("-", "-", "exited (code 0)")
+
+    again = operator.run("dispose", "acme", "eu-2", "1")  # D3: the same termination
+    assert (again.status, again.out) == (0, result.out)
+
+
+def test_health_says_ready(operator: Operator) -> None:
+    result = operator.run("health")
+    assert (result.status, result.out) == (0, f"{operator.runner.url}: ready\n")
+    result = operator.run("health", "--json")
+    assert (result.status, json.loads(result.out)) == (0, {"status": "ready"})
+
+
+# -- exit statuses ---------------------------------------------------------------------------
+
+
+def test_a_runners_error_exits_1_with_its_detail(operator: Operator) -> None:
+    result = operator.run("dispose", "acme", "nowhere", "7")
+    assert result.status == 1
+    assert result.out == ""
+    assert result.err == "Error: StaleSession: acme/nowhere has no retained generation 7\n"
+
+    # The hosts' token is not the operators': the runner says so.
+    result = operator.run("sessions", "--token-file", "runner-state/token")
+    assert result.status == 1
+    assert result.err == "Error: Unauthorized: this call is for the runner's operators\n"
+
+
+def test_a_runner_out_of_reach_exits_1_saying_where(operator: Operator) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        result = operator.run("health", "--url", url, reach=False)
+    assert result.status == 1
+    assert result.err.startswith(f"Error: cannot reach the runner at {url}: ")
+
+
+def test_a_usage_error_exits_2(operator: Operator) -> None:
+    result = operator.run("dispose", "acme", "eu-1")
+    assert result.status == 2
+    assert "Error: Missing argument 'GENERATION'." in result.err
+    result = operator.run("show", reach=False)
+    assert result.status == 2
+    assert "Error: Missing argument 'IDENTITY'." in result.err
+    result = operator.run("logs", "acme", "eu-1", "first")
+    assert result.status == 2
+    assert "'first' is not a valid integer" in result.err
+    # No token where the command looks: a usage error, saying where it looked.
+    result = operator.run("sessions", "--state", "elsewhere")
+    assert result.status == 2
+    assert "cannot read the operators' token elsewhere/operator-token" in result.err
