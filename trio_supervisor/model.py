@@ -105,6 +105,15 @@ def _limit(instance: object, attribute: attrs.Attribute[Any], value: object) -> 
         )
 
 
+def _cpu_limit(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    _limit(instance, attribute, value)
+    if value == 0:
+        raise ValueError(
+            f"{_where(instance, attribute)} must be None (no limit) or >= 1, got 0: "
+            "a child with no CPU time cannot start"
+        )
+
+
 def _as_float(value: object) -> object:
     return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
@@ -192,7 +201,8 @@ class Limits:
     """
 
     memory_bytes: int | None = attrs.field(default=None, validator=_limit)
-    cpu_seconds: int | None = attrs.field(default=None, validator=_limit)
+    # At least a second: a child given no CPU time at all is killed before it can start.
+    cpu_seconds: int | None = attrs.field(default=None, validator=_cpu_limit)
     open_files: int | None = attrs.field(default=None, validator=_limit)
     file_size_bytes: int | None = attrs.field(default=None, validator=_limit)
     output_bytes: int | None = attrs.field(default=None, validator=_limit)

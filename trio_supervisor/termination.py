@@ -100,4 +100,3 @@ async def release(unit: Unit | None, *, confirmation: float, problems: list[Exce
         problems.append(
             ExecutionError("releasing the unit took longer than the confirmation timeout")
         )
-

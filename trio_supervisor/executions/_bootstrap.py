@@ -5,40 +5,69 @@ end the supervisor holds. The supervisor started this process in a session and p
 group of its own. Messages are length-prefixed ``marshal`` values (4-byte big-endian
 length, then the payload):
 
-    supervisor -> child   {"command": "spawn", ...}     what to run, limits, context
+    supervisor -> child   {"command": "spawn", ...}     what to run, limits, context, and
+                          how to contain it ("containment": "pid", "user" or "sweep")
                           (to a standby started ahead, also "log" and "environment")
-    child -> supervisor   {"event": "resolved", "code": {...}}  or  {"event": "failed", ...}
+    child -> supervisor   {"event": "resolved", "code": {...}, "containment": "namespace"}
+                          (or "sweep": what this child really uses)  or  {"event": "failed", ...}
     supervisor -> child   {"command": "renew", "lease": 5.0}    any number of times
     supervisor -> child   {"command": "start"}
     child -> supervisor   {"event": "started"}  or  {"event": "failed", ...}
     supervisor -> child   {"command": "interrupt"}  right after it sends SIGTERM
     child -> supervisor   {"event": "swept", "killed": 2}  as it exits, if it had to
-                          kill what the entry point left in its group
+                          kill what the plugin left behind
 
-Before any of the caller's code runs, this process resolves the specifier (finding the
-module file on the configured paths without importing it, or the executable of a named
-command), reports what it found and its digest, and applies the limits with setrlimit.
+Theory of operation: three processes, each with one job.
 
-A watchdog thread enforces the lease and is the dead-man switch: when the socket reaches
-EOF (the supervisor died) or the lease deadline passes without a renewal, it kills the
-whole process group with SIGKILL. After an interrupt only EOF counts, so the lease
-cannot cut a graceful stop short.
+* **T, the tracked process**: this one, started by the supervisor, which records its
+  pid, start time and boot id. Before any of the caller's code runs it resolves the
+  specifier (finding the module file without importing it, or the executable of a named
+  command), reports the code and its digest, applies the limits with setrlimit, and
+  prepares the containment. Then its one thread keeps the control protocol, the lease
+  and the dead-man switch, and runs none of the caller's code. At "start" it forks.
+* **I, the init** (namespace containment): T's child and PID 1 of a PID namespace made
+  for this child alone (T called ``unshare(CLONE_NEWPID)``, in a user namespace of its
+  own where it is not privileged). Whatever the plugin starts is in that namespace,
+  whatever it does (``setsid``, a double fork, a cleared environment), and when I exits
+  the kernel kills everything left in it. I runs the plugin as P, reaps every orphan,
+  and when P ends kills the rest (``kill(-1)`` from PID 1), then reports to T how P
+  ended and how many it killed. A PID 1 cannot die by its own signal, so T re-enacts
+  P's death.
+* **P, the plugin**: the entry point, or the named command (by exec), in a process group
+  of its own, as the child of I or (sweep containment) of T.
+
+Where the kernel allows no namespace, the **sweep**: T is a child subreaper, so every
+orphan of the plugin's is re-parented to T and stays in T's tree; on every way out T
+freezes that tree (SIGSTOP, until a walk of ``/proc`` finds nothing running), kills it,
+reaps it, and exits last.
+
+Ways out, and what holds each:
+
+* P ends by itself: I (or T) kills what P left, T reports "swept" and ends as P did.
+* interrupt: the supervisor's SIGTERM reaches T's group (T and I); I (or T) passes it
+  to P's group, where the entry point gets it as a KeyboardInterrupt.
+* EOF on the socket (the supervisor died) or an expired lease: T kills its group, T and
+  I, and the namespace goes with I; a sweeping T sweeps its tree first.
+* T killed: I (or P, swept) dies by its parent-death signal, armed before any of the
+  caller's code runs; I checks T is still there once it is armed, since T may have died
+  just before (bubblewrap issue 633; ``getppid()`` is 0 in a new namespace, so through
+  a pipe only T holds open).
 
 Exit: the entry point's int result (or 0), 1 when it raised, and death by SIGTERM when
-it was interrupted. Whatever it left running in the group is killed first: the child's
-exit ends its whole process tree. Named commands run as a child of this process, which
-stays their parent under the same watchdog and exits the way the command did.
+it was interrupted; a named command's own status or signal.
 
 Start-up time is part of every load, so this file imports only what is built into the
-interpreter: ``_signal`` and ``_thread`` instead of ``signal`` and ``threading`` (which
-pull in ``enum`` and more), ``marshal`` instead of ``json`` (which pulls in ``re``), raw
-file descriptors instead of ``socket``. Anything else is imported when it is needed.
+interpreter: ``_signal`` instead of ``signal`` (which pulls in ``enum`` and more),
+``marshal`` instead of ``json`` (which pulls in ``re``), raw file descriptors instead of
+``socket``, ``_ctypes`` instead of ``ctypes`` for ``unshare`` and ``prctl``. Anything
+else is imported when it is needed. It is one file because it runs as a script that
+may import nothing beside it.
 """
 
 from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # built in; see above
-import _thread
+import gc
 import marshal
 import os
 import select
@@ -47,15 +76,26 @@ import time
 
 TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: importing typing costs milliseconds
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, NoReturn
 
 # How long after its lease deadline the child kills itself when no renewal came. The
 # supervisor stops an expired session itself at the deadline; this is for a supervisor
 # that hangs without dying.
 LEASE_SLACK = 1.0
 SIGKILL = 9
+SIGSTOP = 19
 SIGTERM = _signal.SIGTERM
 SIGINT = _signal.SIGINT
+SIGCHLD = _signal.SIGCHLD
+# Held while forking, so that each side installs its own handlers before it sees them.
+FORK_HELD = {SIGTERM, SIGCHLD}
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+# How many walks of the tree a freeze may take before it kills what it found anyway (a
+# process in uninterruptible sleep stops only when it leaves it).
+FREEZE_PASSES = 200
 
 
 class Context:
@@ -76,44 +116,154 @@ class Refused(Exception):
 
 
 class Control:
-    """The socket to the supervisor, shared by the main thread and the watchdog."""
+    """The socket to the supervisor: T reads it, and T, I or P may report on it."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.lock = _thread.allocate_lock()
         self.buffer = b""
 
     def send(self, message: dict[str, Any]) -> None:
         payload = marshal.dumps(message)
         data = len(payload).to_bytes(4, "big") + payload
-        with self.lock:
-            try:
-                while data:
-                    data = data[os.write(self.fd, data) :]
-            except OSError:
-                pass  # the supervisor is gone; the watchdog sees EOF and ends us
+        try:
+            while data:
+                data = data[os.write(self.fd, data) :]
+        except OSError:
+            pass  # the supervisor is gone; T sees EOF and ends us
 
-    def read(self, timeout: float | None = None) -> Any:
-        """One message, None on EOF, or "timeout"."""
-        while len(self.buffer) < 4 or len(self.buffer) < 4 + int.from_bytes(self.buffer[:4], "big"):
-            ready, _, _ = select.select([self.fd], [], [], timeout)
-            if not ready:
-                return "timeout"
-            try:
-                chunk = os.read(self.fd, 65536)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                return None
-            self.buffer += chunk
+    def fill(self) -> bool:
+        """Read what has arrived (the socket is readable); False at EOF."""
+        try:
+            chunk = os.read(self.fd, 65536)
+        except OSError:
+            chunk = b""
+        self.buffer += chunk
+        return bool(chunk)
+
+    def take(self) -> Any:
+        """The next whole message already read, or None."""
+        if len(self.buffer) < 4 or len(self.buffer) < 4 + int.from_bytes(self.buffer[:4], "big"):
+            return None
         size = int.from_bytes(self.buffer[:4], "big")
         message = marshal.loads(self.buffer[4 : 4 + size])
         self.buffer = self.buffer[4 + size :]
         return message
 
+    def read(self) -> Any:
+        """One message, waiting for it; None on EOF."""
+        while (message := self.take()) is None:
+            if not self.fill():
+                return None
+        return message
 
-def kill_group() -> None:
-    os.killpg(os.getpgrp(), SIGKILL)
+    def close(self) -> None:
+        """Let go of the socket (a process that has nothing more to say)."""
+        quietly(os.close, self.fd)
+
+
+# -- system calls the os module lacks on Python 3.11 ----------------------------------
+
+_LIBC: dict[str, Any] = {}
+
+
+def bind(*names: str) -> None:
+    """Find the C library's ``names`` (a standby does it while it waits: it costs
+    the load the import of ``_ctypes``)."""
+    import _ctypes  # the C part of ctypes, without its Python layer (see above)
+
+    class Int(_ctypes._SimpleCData):  # type: ignore[type-arg]  # what ctypes.c_int is
+        _type_ = "i"
+
+    class Function(_ctypes.CFuncPtr):  # what ctypes.CDLL makes of a symbol
+        _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+        _restype_ = Int
+
+    class Library:  # what CDLL(None) is to CFuncPtr: the program's own symbols
+        _handle = _ctypes.dlopen(None)  # type: ignore[arg-type]  # NULL, as dlopen takes
+
+    for name in names:
+        _LIBC[name] = Function((name, Library))  # type: ignore[arg-type]
+    _LIBC["errno"] = _ctypes.get_errno
+
+
+def libc(name: str, *arguments: int) -> None:
+    """Call the C library's ``name`` (``unshare``, ``prctl``); OSError when it fails."""
+    if name not in _LIBC:
+        bind(name)
+    if _LIBC[name](*arguments) != 0:
+        number = _LIBC["errno"]()
+        raise OSError(number, f"{name}: {os.strerror(number)}")
+
+
+def contain(how: str, strict: bool) -> str:
+    """Prepare this process (T) to hold the plugin's whole tree.
+
+    Args:
+        how: "pid" (``unshare(CLONE_NEWPID)``; needs CAP_SYS_ADMIN), "user" (the same in
+            a new user namespace, which an unprivileged process may make), or "sweep".
+        strict: A namespace is required: fail rather than fall back to the sweep.
+
+    Returns:
+        "namespace": the next process this one forks is PID 1 of a new namespace; or
+        "sweep": this process is a child subreaper.
+    """
+    if how in ("pid", "user"):
+        try:
+            if how == "pid":
+                libc("unshare", CLONE_NEWPID)
+            else:
+                uid, gid = os.getuid(), os.getgid()
+                libc("unshare", CLONE_NEWUSER | CLONE_NEWPID)
+                # The same ids inside as outside (files, logs and messages show no
+                # "nobody"); setgroups must be denied before an unprivileged gid_map.
+                for name, text in (
+                    ("setgroups", "deny"),
+                    ("uid_map", f"{uid} {uid} 1"),
+                    ("gid_map", f"{gid} {gid} 1"),
+                ):
+                    with open(f"/proc/self/{name}", "w") as file:
+                        file.write(text)
+            return "namespace"
+        except OSError as error:
+            if strict:
+                raise OSError(error.errno, f"cannot make a PID namespace: {error}") from None
+    libc("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    return "sweep"
+
+
+# -- process trees, read from /proc ---------------------------------------------------
+# Our own reading of /proc/PID/stat, not the package's (``_groups.read_stat``): this file
+# runs in the child and imports nothing of the package, which would pull in Trio and
+# attrs and cost every load its start-up time.
+
+
+def process_table() -> dict[int, tuple[int, bytes]]:
+    """Every process's parent and state letter."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as file:
+                    stat = file.read()
+                fields = stat[stat.rindex(b")") + 2 :].split()
+                table[int(entry)] = (int(fields[1]), fields[0])
+            except (OSError, ValueError):
+                continue  # it exited while we looked
+    return table
+
+
+def live_descendants(root: int, table: dict[int, tuple[int, bytes]]) -> list[int]:
+    """The processes below ``root`` that have not exited (zombies are left out)."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, frontier = [], [root]
+    while frontier:
+        for child in children.get(frontier.pop(), ()):
+            frontier.append(child)
+            if table[child][1] not in (b"Z", b"X"):
+                found.append(child)
+    return found
 
 
 def has_children() -> bool:
@@ -125,83 +275,401 @@ def has_children() -> bool:
     return True
 
 
-def sweep(control: Control) -> None:
-    """Kill what the entry point left in the group; tell the supervisor how many."""
-    killed = kill_the_rest_of_the_group()
-    if killed:
-        control.send({"event": "swept", "killed": killed})
-
-
-def kill_the_rest_of_the_group() -> int:
-    """SIGKILL every other process of this group (what the entry point left behind).
-
-    Returns:
-        How many processes were killed.
-    """
-    if not has_children():
-        return 0  # nothing was started, so nothing can be left
-    killed = 0
-    group, me = os.getpgrp(), os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            # Our own reading of /proc/PID/stat, not the package's (``_groups.read_stat``):
-            # this file runs in the child and imports nothing of the package, which would
-            # pull in Trio and attrs and cost every load its start-up time.
-            with open(f"/proc/{entry}/stat", "rb") as file:
-                stat = file.read()
-            fields = stat[stat.rindex(b")") + 2 :].split()
-            if int(fields[2]) == group and fields[0] != b"Z":
-                os.kill(int(entry), SIGKILL)
-                killed += 1
-        except (OSError, ValueError):
-            continue
-    # Reap those that are our children, so none lingers as a zombie of this group.
+def reap_all() -> None:
+    """Wait until no child is left (every one killed, so each ends)."""
     while True:
         try:
-            pid, _ = os.waitpid(-group, os.WNOHANG)
+            os.waitpid(-1, 0)
         except ChildProcessError:
-            return killed
-        if pid == 0:
-            return killed
+            return
 
 
-class Watchdog:
-    """Reads the supervisor's commands; kills the group on EOF or an expired lease."""
+def quietly(function: Any, *arguments: Any) -> None:
+    """Call ``function``; an OSError (a process or descriptor already gone) is no error.
 
-    def __init__(self, control: Control) -> None:
+    Not ``contextlib.suppress``: importing contextlib would cost every load its time.
+    """
+    try:  # noqa: SIM105  # see above
+        function(*arguments)
+    except OSError:
+        pass
+
+
+def sweep_descendants() -> int:
+    """(T, sweep) Freeze every descendant, kill them all, reap them.
+
+    This process is a child subreaper that reaps nothing while it sweeps, so every
+    descendant is in its tree, and a pid in it is freed only by a parent that is not
+    stopped yet, which would have to be reused within the pass to mislead it.
+
+    Returns:
+        How many were still running.
+    """
+    if not has_children():
+        return 0  # a subreaper with no child has no descendant at all
+    me = os.getpid()
+    for _ in range(FREEZE_PASSES):
+        table = process_table()
+        live = live_descendants(me, table)
+        running = [pid for pid in live if table[pid][1] not in (b"T", b"t")]
+        if not running:
+            break
+        for pid in running:  # again, if SIGCONT woke it: the sender is stopped in turn
+            quietly(os.kill, pid, SIGSTOP)
+    # None of them can start a process now. Kill them, then whatever a walk still finds
+    # (a process that was stuck in the kernel through every pass).
+    killed: set[int] = set()
+    while fresh := [pid for pid in live if pid not in killed]:
+        for pid in fresh:
+            quietly(os.kill, pid, SIGKILL)
+        killed.update(fresh)
+        live = live_descendants(me, process_table())
+    reap_all()
+    return len(killed)
+
+
+def clear_namespace() -> int:
+    """(I, PID 1) Kill every other process of the namespace, and reap them.
+
+    Returns:
+        How many were still running.
+    """
+    if not has_children():
+        return 0  # orphans come to PID 1: with no child, the namespace is empty
+    # /proc is the supervisor's, so it shows our pid outside the namespace.
+    running = len(live_descendants(int(os.readlink("/proc/self")), process_table()))
+    quietly(os.kill, -1, SIGKILL)  # from PID 1: everyone in the namespace but us
+    reap_all()
+    return running
+
+
+def kill_group() -> None:
+    os.killpg(os.getpgrp(), SIGKILL)
+
+
+def fork_held() -> int:
+    """fork() with SIGTERM and SIGCHLD held; each side releases them (``release``)."""
+    _signal.pthread_sigmask(_signal.SIG_BLOCK, FORK_HELD)
+    return os.fork()
+
+
+def release() -> None:
+    _signal.pthread_sigmask(_signal.SIG_UNBLOCK, FORK_HELD)
+
+
+def close_all(*fds: int) -> None:
+    for fd in fds:
+        quietly(os.close, fd)
+
+
+# -- T: the tracked process -----------------------------------------------------------
+
+
+class Tracked:
+    """T's one thread: the control protocol, the lease, the dead-man switch, its child.
+
+    Args:
+        control: The socket to the supervisor.
+        containment: "namespace" or "sweep" (see :func:`contain`).
+    """
+
+    def __init__(self, control: Control, containment: str) -> None:
         self.control = control
-        self.start_requested = _thread.allocate_lock()
-        self.start_requested.acquire()  # released by the start command
+        self.containment = containment
         self.deadline: float | None = None
         self.interrupted = False
+        self.child = 0  # I or P, once forked
+        self.status: int | None = None  # the child's wait status, once reaped
+        # P waits on ``go`` (forked ahead, it runs nothing until "start"); T alone
+        # holds ``going``, so EOF there also means T is gone.
+        self.go, self.going = os.pipe()
+        self.started = -1  # for a swept named command: the pipe its exec closes
+        # SIGCHLD wakes the loop through this pipe (select() alone would not see it).
+        self.wakeup, self.wakeup_writer = os.pipe()
+        os.set_blocking(self.wakeup, False)
+        os.set_blocking(self.wakeup_writer, False)
+        _signal.set_wakeup_fd(self.wakeup_writer, warn_on_full_buffer=False)
+        _signal.signal(SIGCHLD, lambda *_: None)
+        _signal.signal(SIGTERM, self.interrupt)
+
+    def interrupt(self, number: int, frame: object) -> None:
+        """SIGTERM: nothing is forked yet, so go; or pass it on to P's group (sweep)."""
+        if not self.child:
+            die_by(SIGTERM)
+        if self.containment == "sweep" and self.status is None:
+            quietly(os.killpg, self.child, SIGTERM)
 
     def renew(self, lease: float) -> None:
         self.deadline = time.monotonic() + float(lease) + LEASE_SLACK
 
-    def run(self) -> None:
+    def switch(self) -> NoReturn:
+        """The dead-man switch: end this child's whole tree, then this process."""
+        if self.containment == "sweep":
+            sweep_descendants()
+        # Our group is T and I: the namespace goes with I (its PID 1).
+        kill_group()
+        raise SystemExit(1)  # not reached: SIGKILL ends us
+
+    def serve(self, *, until_start: bool) -> None:
+        """Answer the supervisor until "start" or, after it, until the child has exited.
+
+        EOF on the socket (the supervisor died) or an expired lease pulls the switch.
+        After an interrupt only EOF counts, so the lease cannot cut a graceful stop short.
+        """
         while True:
+            message = self.control.take()
+            if message is not None:
+                command = message.get("command")
+                if command == "renew":
+                    self.renew(message["lease"])
+                elif command == "start" and until_start:
+                    return
+                elif command == "interrupt":
+                    self.interrupted = True
+                continue
+            if not until_start and self.reap():
+                return
             timeout = None
             if self.deadline is not None and not self.interrupted:
-                timeout = max(self.deadline - time.monotonic(), 0.0)
-            message = self.control.read(timeout)
-            if message is None:
-                kill_group()  # the supervisor is gone: nobody may outlive it
-                return
-            if message == "timeout":
-                expired = self.deadline is not None and time.monotonic() >= self.deadline
-                if expired and not self.interrupted:
-                    kill_group()  # the lease ran out and nobody renewed it
-                continue
-            command = message.get("command")
-            if command == "renew":
-                self.renew(message["lease"])
-            elif command == "start":
-                if self.start_requested.locked():
-                    self.start_requested.release()
-            elif command == "interrupt":
-                self.interrupted = True
+                # Capped: select refuses a timeout past about 9.2e9 s (a lease that long
+                # would kill this loop); the loop just looks again after an hour.
+                timeout = min(max(self.deadline - time.monotonic(), 0.0), 3600.0)
+            ready, _, _ = select.select([self.control.fd, self.wakeup], [], [], timeout)
+            if self.wakeup in ready:
+                while True:
+                    try:
+                        if not os.read(self.wakeup, 512):
+                            break
+                    except BlockingIOError:
+                        break
+            if self.control.fd in ready and not self.control.fill():
+                self.switch()  # the supervisor is gone: nobody may outlive it
+            expired = self.deadline is not None and time.monotonic() >= self.deadline
+            if not ready and expired and not self.interrupted:
+                self.switch()  # the lease ran out and nobody renewed it
+
+    def reap(self) -> bool:
+        """Reap what has exited (a sweeping T's orphans too); whether the child has."""
+        while self.status is None:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid == self.child:
+                self.status = status
+        return self.status is not None
+
+    def forked(self, child: int) -> None:
+        """In T, once the child exists."""
+        self.child = child
+        if self.containment == "namespace":
+            # I is in our group: the supervisor's SIGTERM reaches it as well as us, and I
+            # passes it on. There is nothing left for T to do with one.
+            _signal.signal(SIGTERM, _signal.SIG_IGN)
+        release()
+
+    def in_child(self) -> None:
+        """In a child of T, before it releases the held signals: none of T's handling."""
+        _signal.set_wakeup_fd(-1)
+        close_all(self.wakeup, self.wakeup_writer, self.going)
+        _signal.signal(SIGCHLD, _signal.SIG_DFL)
+        _signal.signal(SIGTERM, _signal.SIG_DFL)
+
+    def fork_init(self, spec: dict[str, Any]) -> tuple[int, int]:
+        """(namespace) Fork I, and I forks P, which waits for :meth:`start`; return
+        (0, 0) in P once started, else I's pid and its report pipe."""
+        alive, holder = os.pipe()  # T alone holds ``holder``: EOF means T is gone
+        report, reporter = os.pipe()
+        init = fork_held()
+        if init == 0:
+            self.in_child()
+            close_all(holder, report)
+            return init_main(spec, self.control, alive, reporter, self.go), 0
+        close_all(alive, reporter, self.go)
+        self.forked(init)
+        return init, report
+
+    def fork_plugin(self, spec: dict[str, Any]) -> int:
+        """(sweep) Fork P, which waits for :meth:`start`; return 0 in P once started,
+        else its pid."""
+        parent = os.getpid()
+        plugin, pipe = fork_plugin(spec)
+        if plugin == 0:
+            self.in_child()
+            become_plugin(spec, self.control, parent=parent, starter=pipe, go=self.go)
+            return 0
+        close_all(self.go)
+        self.forked(plugin)
+        self.started = pipe
+        return plugin
+
+    def start(self) -> None:
+        """At "start": let P run (and, for a swept named command, report its exec)."""
+        # An error: P died before it was let go; serve() reaps it, and we end as it did.
+        quietly(os.write, self.going, b"g")
+        close_all(self.going)
+        announce(self.control, self.started)
+
+    def finish(self, report: int) -> int:
+        """Once the child exited: report what was swept, and end the way P did."""
+        status = self.status
+        assert status is not None
+        killed = 0
+        if self.containment == "namespace":
+            data = b""
+            while chunk := os.read(report, 4096):  # I has exited: EOF follows its report
+                data += chunk
+            if data:
+                outcome = marshal.loads(data)
+                status, killed = outcome["status"], outcome["killed"]
+            # Else I was killed before it reported (by the supervisor's kill): as I ended.
+        else:
+            killed = sweep_descendants()
+        if killed:
+            self.control.send({"event": "swept", "killed": killed})
+        if os.WIFSIGNALED(status):
+            die_by(os.WTERMSIG(status))
+        return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+
+
+# -- I: PID 1 of the child's namespace ------------------------------------------------
+
+
+class Init:
+    """I's state: the plugin's pid in the namespace, to pass SIGTERM on to its group."""
+
+    plugin = 0
+    pending = False
+
+    def interrupt(self, number: int, frame: object) -> None:
+        # PID 1 gets only the signals it has a handler for: this one is installed.
+        if not self.plugin:
+            self.pending = True  # P is on its way: it gets it once it exists
+            return
+        quietly(os.killpg, self.plugin, SIGTERM)
+
+
+def init_main(spec: dict[str, Any], control: Control, alive: int, reporter: int, go: int) -> int:
+    """I: run the plugin as P, reap every orphan, clear the namespace, report to T.
+
+    Returns only in P (0: run the plugin); I itself ends with ``os._exit``.
+    """
+    libc("prctl", PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
+    # T may have died before that was armed (bubblewrap issue 633).
+    if select.select([alive], [], [], 0)[0]:
+        os._exit(1)
+    init = Init()
+    _signal.signal(SIGTERM, init.interrupt)
+    _signal.signal(SIGINT, _signal.SIG_IGN)  # PID 1 is not the plugin's to interrupt
+    release()
+    plugin, pipe = fork_plugin(spec)
+    if plugin == 0:
+        close_all(alive, reporter)
+        become_plugin(spec, control, parent=None, starter=pipe, go=go)
+        return 0
+    close_all(go)
+    try:
+        init.plugin = plugin
+        release()
+        if init.pending:
+            init.interrupt(SIGTERM, None)
+        announce(control, pipe)
+        control.close()  # P reports its own start; nothing more goes through I
+        while True:
+            pid, status = os.waitpid(-1, 0)  # every orphan of the namespace comes to us
+            if pid == plugin:
+                break
+        init.plugin = 0
+        killed = clear_namespace()
+        os.write(reporter, marshal.dumps({"status": status, "killed": killed}))
+    except BaseException:
+        print_traceback()
+        os._exit(70)  # no report: T ends with this code, and the traceback is in the log
+    os._exit(0)  # never back into T's code: T learns what happened from the report
+
+
+# -- P: the plugin --------------------------------------------------------------------
+
+
+def fork_plugin(spec: dict[str, Any]) -> tuple[int, int]:
+    """Fork P, with the signals held; ``(0, starter)`` in P, else ``(pid, started)``.
+
+    For a named command, ``started`` and ``starter`` are the two ends of a pipe that
+    tells the parent whether P's exec worked (see :func:`announce`); else both are -1.
+    """
+    command = spec["kind"] == "command"
+    started, starter = os.pipe() if command else (-1, -1)  # close-on-exec, both
+    plugin = fork_held()
+    if plugin == 0:
+        close_all(started)
+        return 0, starter
+    # P does it too: whoever is first, P leads its group (an error: it did, and may
+    # have exec'd already).
+    quietly(os.setpgid, plugin, plugin)
+    close_all(starter)
+    return plugin, started
+
+
+def become_plugin(
+    spec: dict[str, Any], control: Control, *, parent: int | None, starter: int, go: int
+) -> None:
+    """In P: its own group, default signals, tied to its parent's life; then, once T
+    says "go", runs a named command (an entry point runs once this returns).
+
+    Args:
+        parent: T's pid when P is swept (P must not outlive T); None in a namespace,
+            where I's exit ends P.
+        starter: For a named command, the pipe that reports a failed exec.
+        go: The pipe T writes to at "start" (EOF: T is gone).
+    """
+    os.setpgid(0, 0)
+    _signal.signal(SIGTERM, _signal.SIG_DFL)
+    _signal.signal(SIGCHLD, _signal.SIG_DFL)
+    _signal.signal(SIGINT, _signal.default_int_handler)
+    if parent is not None:
+        libc("prctl", PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)  # T died before that was armed
+    release()
+    # Forked ahead, so that the forks cost the load nothing: nothing of the caller's
+    # runs before the supervisor's "start". Meanwhile a collection touches, and so
+    # copies, the pages of the objects T left us, which the plugin's imports would
+    # otherwise copy one fault at a time after "start".
+    gc.collect()
+    if os.read(go, 1) != b"g":
+        os._exit(1)  # T is gone
+    os.close(go)
+    if spec["kind"] == "command":
+        run_command(spec, control, starter)
+
+
+def run_command(spec: dict[str, Any], control: Control, starter: int) -> NoReturn:
+    """Become the named command (exec); on failure say why through ``starter``."""
+    os.set_inheritable(control.fd, False)  # the command does not get the socket
+    for number in (_signal.SIGPIPE, _signal.SIGXFSZ):
+        # Python ignores them, and an exec keeps an ignored signal ignored.
+        _signal.signal(number, _signal.SIG_DFL)
+    try:
+        os.execv(spec["executable"], spec["argv"])
+    except OSError as error:
+        os.write(starter, f"cannot run {spec['argv'][0]!r}: {error}".encode())
+    os._exit(1)
+
+
+def announce(control: Control, started: int) -> None:
+    """For a named command: tell the supervisor whether its exec worked."""
+    if started < 0:
+        return  # an entry point reports for itself
+    error = b""
+    while chunk := os.read(started, 4096):  # EOF: the exec closed it
+        error += chunk
+    os.close(started)
+    if error:
+        control.send({"event": "failed", "kind": "ExecutionError", "message": error.decode()})
+    else:
+        control.send({"event": "started"})
 
 
 def sha256_of(path: str) -> str:
@@ -227,7 +695,7 @@ def find_module(module: str, paths: list[str]) -> str:
         for candidate in (where + ".py", os.path.join(where, "__init__.py")):
             if os.path.isfile(candidate):
                 return candidate
-    raise Refused(f"no module {module!r} on the entry paths {list(paths)!r}")
+    raise Refused(f"no module {module!r} on the runner's entry paths")
 
 
 def distribution_version(module: str, paths: list[str]) -> str | None:
@@ -304,7 +772,11 @@ def apply_limits(limits: dict[str, int | None]) -> None:
     for name, number in which_limit.items():
         value = limits.get(name)
         if value is not None:
-            resource.setrlimit(number, (value, value))
+            try:
+                resource.setrlimit(number, (value, value))
+            except (OSError, ValueError, OverflowError) as error:
+                # The host asked for a limit this system cannot set: its request's fault.
+                raise Refused(f"the limit {name}={value} cannot be applied: {error}") from error
 
 
 def print_traceback() -> None:
@@ -317,24 +789,51 @@ def _is_awaitable(value: object) -> bool:
     return hasattr(value, "__await__")
 
 
+def entry_point(module: Any, attribute: str, specifier: str) -> Any:
+    """The callable ``attribute`` of ``module``: a public name the plugin itself defines.
+
+    A remote host chooses the specifier, so only what the plugin's author wrote may be
+    reached: each part of the attribute must be public (no ``_private`` or ``__dunder__``
+    name: ``plugin:__class__`` would call the module type), found in the module's (or
+    its class's) own namespace, and the callable must be defined in that module, not
+    imported into it (``plugin:system`` after ``from os import system``).
+
+    Raises:
+        Refused: It is none of that.
+    """
+    target = module
+    for part in attribute.split("."):
+        if not part or part.startswith("_"):
+            raise Refused(f"{specifier!r}: {part!r} is not a public name")
+        namespace = getattr(target, "__dict__", {})
+        if part not in namespace:
+            raise Refused(f"{specifier!r}: {module.__name__} defines no {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise Refused(f"{specifier!r} names a {type(target).__name__}, not a function")
+    if getattr(target, "__module__", module.__name__) != module.__name__:
+        raise Refused(
+            f"{specifier!r} is {target.__module__}.{attribute}, imported by the plugin; only "
+            "what the plugin defines may be loaded"
+        )
+    return target
+
+
 def run_entry_point(spec: dict[str, Any], context: Context, control: Control) -> int | str:
     module_name, _, attribute = spec["specifier"].partition(":")
     sys.path[:0] = spec["paths"]
     try:
         __import__(module_name)
-        target: Any = sys.modules[module_name]
-        for part in attribute.split("."):
-            target = getattr(target, part)
-        if not callable(target):
-            raise TypeError(f"{spec['specifier']!r} is not callable")
+        target = entry_point(sys.modules[module_name], attribute, spec["specifier"])
     except KeyboardInterrupt:
-        raise  # interrupted while importing: main() ends the child by SIGTERM
+        raise  # interrupted while importing: plugin_main() ends P by SIGTERM
     except BaseException as error:  # any other failure to import is the package's
         message = f"cannot import {spec['specifier']!r}: {error!r}"
         control.send({"event": "failed", "kind": "PackageError", "message": message})
         print_traceback()
         return 1
     control.send({"event": "started"})
+    control.close()  # the plugin does not hold the supervisor's socket
     try:
         result = target(context)
         if _is_awaitable(result):
@@ -357,24 +856,6 @@ def run_entry_point(spec: dict[str, Any], context: Context, control: Control) ->
         return 1
     INTERRUPTS.over = True
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
-
-
-def run_command(spec: dict[str, Any], control: Control) -> int:
-    import subprocess
-
-    # SIGTERM reaches the command too (the whole group is signalled); this process
-    # waits for the command and ends the way it did. (Set before the command exists: a
-    # handler is reset to the default in the command by exec.)
-    _signal.signal(SIGTERM, lambda *_: None)
-    try:
-        command = subprocess.Popen(spec["argv"])
-    except OSError as error:
-        message = f"cannot run {spec['argv'][0]!r}: {error}"
-        control.send({"event": "failed", "kind": "ExecutionError", "message": message})
-        return 1
-    control.send({"event": "started"})
-    # Negative: killed by that signal (Popen's convention), which main() re-enacts.
-    return command.wait()
 
 
 def reset_signals() -> None:
@@ -418,43 +899,12 @@ def die_by(number: int) -> None:
     time.sleep(60)  # the signal ends us
 
 
-def main() -> int:
-    reset_signals()
-    for stream in (sys.stdout, sys.stderr):
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None:
-            reconfigure(line_buffering=True)
-    control = Control(int(sys.argv[1]))
-    spec = control.read()
-    if not isinstance(spec, dict) or spec.get("command") != "spawn":
-        return 2
-    try:
-        if "log" in spec:
-            # Started ahead as a standby: now it becomes the session's child.
-            take_over(spec["log"], spec["environment"])
-        code = resolve(spec)
-        apply_limits(spec["limits"])
-    except Refused as error:
-        control.send({"event": "failed", "kind": "PackageError", "message": str(error)})
-        return 1
-    except (OSError, ValueError) as error:
-        message = f"cannot prepare the child: {error}"
-        control.send({"event": "failed", "kind": "ExecutionError", "message": message})
-        return 1
-    watchdog = Watchdog(control)
-    _thread.start_new_thread(watchdog.run, ())
-    control.send({"event": "resolved", "code": code})
-    watchdog.start_requested.acquire()
+def plugin_main(spec: dict[str, Any], control: Control) -> int:
+    """P, for an entry point: run it; its result is P's exit, an interrupt its SIGTERM."""
     # An interrupt becomes a KeyboardInterrupt in the entry point (sync code, or Trio's
     # own handling of SIGINT), so it can clean up.
     INTERRUPTS.install()
     context = spec["context"]
-    if spec["kind"] == "command":
-        status = run_command(spec, control)
-        sweep(control)
-        if status < 0:
-            die_by(-status)
-        return status
     try:
         result = run_entry_point(
             spec,
@@ -468,10 +918,78 @@ def main() -> int:
         # the "started" event was being sent) or just as it ended.
         result = "interrupted"
     INTERRUPTS.over = True
-    sweep(control)
     if result == "interrupted":
         die_by(SIGTERM)
     return result if isinstance(result, int) else 1
+
+
+def probe() -> int:
+    """``_bootstrap.py probe``: can a child here have a PID namespace, and how?
+
+    Prints "pid" (privileged) or "user" (in a user namespace) and exits 0 once a process
+    forked into one has run, or prints why not and exits 1.
+    """
+    reasons = []
+    for how in ("pid", "user"):
+        try:
+            contain(how, strict=True)
+        except OSError as error:
+            reasons.append(f"{how}: {error.strerror}")
+            continue
+        init = os.fork()
+        if init == 0:
+            os._exit(0 if os.getpid() == 1 else 1)
+        _, status = os.waitpid(init, 0)
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+            print(how)
+            return 0
+        reasons.append(f"{how}: the first process forked is not PID 1")
+        break  # this process is in a namespace now, and may fork no more
+    print("; ".join(reasons))
+    return 1
+
+
+def main() -> int:
+    if sys.argv[1:] == ["probe"]:
+        return probe()
+    reset_signals()
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
+    control = Control(int(sys.argv[1]))
+    bind("unshare", "prctl")  # before the spawn message: a standby's idle time
+    spec = control.read()
+    if not isinstance(spec, dict) or spec.get("command") != "spawn":
+        return 2
+    try:
+        if "log" in spec:
+            # Started ahead as a standby: now it becomes the session's child.
+            take_over(spec["log"], spec["environment"])
+        code = resolve(spec)
+        spec["executable"] = code["origin"]
+        apply_limits(spec["limits"])
+        containment = contain(spec.get("containment", "sweep"), bool(spec.get("strict")))
+    except Refused as error:
+        control.send({"event": "failed", "kind": "PackageError", "message": str(error)})
+        return 1
+    except (OSError, ValueError) as error:
+        message = f"cannot prepare the child: {error}"
+        control.send({"event": "failed", "kind": "ExecutionError", "message": message})
+        return 1
+    tracked = Tracked(control, containment)
+    control.send({"event": "resolved", "code": code, "containment": containment})
+    # Forked while the supervisor makes the child's identity durable, before "start".
+    if containment == "namespace":
+        child, report = tracked.fork_init(spec)
+    else:
+        child, report = tracked.fork_plugin(spec), -1
+    if child == 0:
+        return plugin_main(spec, control)  # in P (a named command never gets here: it exec'd)
+    tracked.serve(until_start=True)
+    tracked.start()
+    tracked.serve(until_start=False)
+    return tracked.finish(report)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ __all__ = [
     "exit_status",
     "group_exists",
     "group_gone",
-    "kill_pinned",
     "live_members",
     "read_stat",
     "reap",
@@ -72,6 +71,7 @@ class ProcessStat:
         state: The state letter (field 3); ``"Z"`` for a zombie.
         ppid: The parent's pid (field 4).
         pgid: The process group id (field 5).
+        session: The session id (field 6).
         start_time: Clock ticks after boot when the process started (field 22).
     """
 
@@ -79,6 +79,7 @@ class ProcessStat:
     state: str
     ppid: int
     pgid: int
+    session: int
     start_time: int
 
     @property
@@ -99,6 +100,7 @@ def read_stat(pid: int) -> ProcessStat | None:
             state=fields[0],
             ppid=int(fields[1]),
             pgid=int(fields[2]),
+            session=int(fields[3]),
             start_time=int(fields[19]),
         )
     except (OSError, ValueError, IndexError):
@@ -191,39 +193,6 @@ def reap(pid: int) -> ExitStatus:
     if os.WIFEXITED(raw):
         return ExitStatus(code=os.WEXITSTATUS(raw))
     return ExitStatus(code=None, signal=signal.SIGKILL)
-
-
-async def kill_pinned(pid: int, pgid: int, recorded: int | None) -> ExitStatus | None:
-    """SIGKILL ``pid`` and its group, if ``pid`` is still the process that started at
-    ``recorded``; wait until both are gone.
-
-    The pid is pinned by a pidfd before its start time is checked, so it cannot exit
-    and pass to a stranger between the check and the signal.
-
-    Returns:
-        How it ended (``descendants_killed`` counts the rest of its group), or None when
-        there is no such process, or it is not the one recorded.
-    """
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        await trio.lowlevel.checkpoint()
-        return None
-    try:
-        # The pidfd pins the process: if its start time still matches, it is ours.
-        if start_time(pid) != recorded:
-            await trio.lowlevel.checkpoint()
-            return None
-        descendants = sum(1 for member in live_members(pgid) if member != pid)
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        signal_group(pgid, signal.SIGKILL)
-        await trio.lowlevel.wait_readable(pidfd)  # readable once the process exited
-        status = reap(pid)
-        await group_gone(pgid)
-        return attrs.evolve(status, descendants_killed=descendants)
-    finally:
-        os.close(pidfd)
 
 
 def exit_status(returncode: int) -> ExitStatus:

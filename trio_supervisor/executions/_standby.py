@@ -27,6 +27,7 @@ Races this guards against:
 from __future__ import annotations
 
 import hashlib
+import os
 import py_compile
 import socket
 import subprocess
@@ -65,14 +66,24 @@ def compile_bootstrap(directory: Path) -> Path:
 
 @attrs.define(eq=False)
 class Interpreter:
-    """A started bootstrap that has not been told what to run yet."""
+    """A started bootstrap that has not been told what to run yet.
+
+    Attributes:
+        process: The bootstrap's process.
+        control: Our end of its socket pair.
+        marker: The reading end of a pipe whose writing end it inherited, and passes on
+            to whatever it starts: how its leftovers are known once it is gone (see
+            ``_trees.strays``).
+    """
 
     process: trio.Process
     control: socket.socket
+    marker: int
 
     async def discard(self) -> None:
         """End it and reap it. It ran nothing and is alone in its process group."""
         self.control.close()
+        os.close(self.marker)
         if self.process.poll() is None:  # not reaped, so its pid is still ours
             self.process.kill()
         with trio.move_on_after(DISCARD_CONFIRMATION):
@@ -97,23 +108,26 @@ async def start_interpreter(
         directory: Its working directory.
     """
     ours, theirs = socket.socketpair()
+    marker, marked = os.pipe()
     try:
         process = await trio.lowlevel.open_process(
             [python, "-I", str(bootstrap), str(theirs.fileno())],
             stdin=subprocess.DEVNULL,
             stdout=output,
             stderr=output,
-            pass_fds=(theirs.fileno(),),
+            pass_fds=(theirs.fileno(), marked),
             start_new_session=True,
             env=dict(environment),
             cwd=directory,
         )
     except BaseException:
         ours.close()
+        os.close(marker)
         raise
     finally:
         theirs.close()
-    return Interpreter(process, ours)
+        os.close(marked)
+    return Interpreter(process, ours, marker)
 
 
 class Standby:
@@ -155,6 +169,7 @@ class Standby:
         nursery.start_soon(self.fill, name="standby interpreter")
         if standby.process.poll() is not None:
             standby.control.close()  # it died while it waited (reaped by poll)
+            os.close(standby.marker)
             return None
         return standby
 

@@ -9,24 +9,30 @@ length-prefixed ``marshal`` values (a 4-byte big-endian length, then the payload
 
 Rules that never bend:
 
-* Signals go to the child's process group by its recorded pgid, never to a pid alone,
-  so a grandchild is reached after the leader exited.
-* :meth:`ProcessUnit.wait` returns only once the leader exited *and* its group is
-  empty; it is the only thing that confirms an exit. ``interrupt`` and ``kill`` are
-  requests.
-* Closing the socket is the child's dead-man switch: whatever still runs in the group
-  when the unit is closed kills itself.
+* The interrupt goes to the child's process group by its recorded pgid: the tracked
+  process T and, in a namespace, its init I, which passes it on to the plugin's group
+  (see ``_bootstrap.py`` for T, I and the plugin P).
+* The kill ends the whole tree. In a namespace, SIGKILL to T's group is enough: I dies
+  with it, and the kernel kills everything in the namespace with I. Swept, the tree
+  below T is frozen and killed process by process (``_trees``), T first.
+* :meth:`ProcessUnit.wait` returns only once T exited, its group is empty (so I was
+  reaped, and the namespace is empty), and whatever the kill froze has exited too; it
+  is the only thing that confirms an exit. ``interrupt`` and ``kill`` are requests.
+* Closing the socket is the child's dead-man switch: T ends its whole tree.
 * A unit that was never started ran none of the caller's code, so abandoning it is a
-  plain SIGKILL and a reap.
+  kill and a reap.
 
 Races this guards against:
 
 * The child exits while a message is on its way: a broken socket is the same as EOF,
   and EOF before an answer is "the child died first", not a protocol error.
-* The bootstrap reports what it swept from its group (``{"event": "swept"}``) just
-  before it exits, when nobody reads the socket any more: :meth:`ProcessUnit.wait`
-  takes those last messages in without waiting, since everything the child sent is in
-  the socket once it has exited.
+* The bootstrap reports what it swept (``{"event": "swept"}``) just before it exits,
+  when nobody reads the socket any more: :meth:`ProcessUnit.wait` takes those last
+  messages in without waiting, since everything the child sent is in the socket once
+  it has exited.
+* A swept T killed by someone else (the OOM killer, an operator) could not sweep: what
+  it left was re-parented to us, and :meth:`ProcessUnit.wait` finds it by T's session
+  and by the marker pipe it inherited (``_trees.strays``), and kills it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import marshal
 import math
+import os
 import signal
 import socket
 from collections.abc import Mapping
@@ -44,7 +51,8 @@ import trio
 
 from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, CodeIdentity, ExitStatus, Load
-from ._groups import exit_status, group_gone, live_members, signal_group
+from ._groups import exit_status, group_gone, signal_group
+from ._trees import Tree, left_behind, process_table, strays
 
 __all__ = ["ProcessUnit", "failure"]
 
@@ -71,9 +79,17 @@ def _take_message(buffer: bytes) -> tuple[Any, bytes] | None:
     return marshal.loads(buffer[4 : 4 + size]), buffer[4 + size :]
 
 
-def failure(reply: Mapping[str, Any], specifier: str) -> Exception:
-    """The error a reply other than the expected one stands for."""
+def failure(reply: Mapping[str, Any], specifier: str, limits: str = "") -> Exception:
+    """The error a reply other than the expected one stands for.
+
+    ``limits`` names the rlimits the child runs under, if any: a child under limits
+    that dies before it reports could not run under them, which is the request's fault.
+    """
     if reply.get("event") == "eof":
+        if limits:
+            return PackageError(
+                f"the child for {specifier!r} could not run under the limits asked for ({limits})"
+            )
         return ExecutionError(f"the child for {specifier!r} exited before it reported")
     message = str(reply.get("message", reply))
     if reply.get("kind") == "PackageError":
@@ -89,6 +105,10 @@ class ProcessUnit:
         identity: The child identity the supervisor records.
         control: Our end of the socket pair; the unit owns it from now on.
         load: What the child is to run.
+        marker: The reading end of the child's marker pipe (see ``_standby``); the unit
+            owns it from now on.
+        containment: "namespace" or "sweep", as asked; the bootstrap says which it
+            really uses when it resolves (:attr:`containment`).
     """
 
     def __init__(
@@ -97,7 +117,12 @@ class ProcessUnit:
         identity: ChildIdentity,
         control: socket.socket,
         load: Load,
+        *,
+        marker: int | None = None,
+        containment: str = "sweep",
+        limits: str = "",
     ) -> None:
+        self.limits = limits  # the rlimits it runs under, as text (see failure())
         self._process = process
         self._identity = identity
         self._pgid = identity.pgid or process.pid
@@ -114,6 +139,10 @@ class ProcessUnit:
         self._send_lock = trio.StrictFIFOLock()
         self._started = False
         self._closed = False
+        self._marker = marker
+        # What a kill froze (swept), to be confirmed gone by wait().
+        self._frozen: list[Tree] = []
+        self.containment = containment
         self.output_done = trio.Event()
 
     @property
@@ -157,6 +186,7 @@ class ProcessUnit:
                 reply = await self._receive()
             if reply.get("event") == "resolved":
                 code = reply["code"]
+                self.containment = str(reply.get("containment", self.containment))
                 self.code = CodeIdentity(
                     specifier=self._specifier,
                     origin=code["origin"],
@@ -193,7 +223,7 @@ class ProcessUnit:
             ) from error
         reply = await self._receive()
         if reply.get("event") != "started":
-            raise failure(reply, self._specifier)
+            raise failure(reply, self._specifier, self.limits)
 
     async def renew(self, lease: float) -> None:
         if not math.isfinite(lease):
@@ -213,23 +243,52 @@ class ProcessUnit:
 
     async def kill(self) -> None:
         await trio.lowlevel.checkpoint()
-        # Whatever of the group is not the leader is something the child left behind.
-        self._descendants_killed += sum(
-            1 for pid in live_members(self._pgid) if pid != self._process.pid
-        )
+        tracked = self._process.pid
+        if self._process.returncode is None:  # not reaped: the pid is still T's
+            namespace = self.containment == "namespace"
+            self._descendants_killed += left_behind(tracked, process_table(), namespace=namespace)
+            if not namespace:
+                tree = Tree()
+                if tree.pin(tracked, self._identity.start_time):
+                    tree.freeze([tracked])
+                    tree.kill()
+                self._frozen.append(tree)
+        # T and I: in a namespace, the kernel ends everything else with I.
         signal_group(self._pgid, signal.SIGKILL)
 
     async def wait(self) -> ExitStatus:
         async with self._wait_lock:  # one waiter works it out; the others read it
             if self._status is None:
                 returncode = await self._process.wait()
-                # The leader is gone; the child is gone when its whole group is.
+                # T is gone; the child is gone when its whole group is (I included, whose
+                # end is the namespace's), and all that the kill froze.
                 await group_gone(self._pgid)
+                while self._frozen:
+                    await self._frozen[0].gone(skip={self._process.pid})
+                    del self._frozen[0]
+                if self.containment == "sweep" and returncode == -signal.SIGKILL:
+                    await self._kill_strays()
                 self._read_leftovers()
                 self._status = attrs.evolve(
                     exit_status(returncode), descendants_killed=self._descendants_killed
                 )
             return self._status
+
+    async def _kill_strays(self) -> None:
+        """Kill and reap what a swept T, killed before it could sweep, left to us."""
+        found = strays(self._process.pid, self._marker)
+        if not found:
+            return
+        tree = Tree()
+        self._frozen.append(tree)  # closed by aclose() if this is cancelled
+        for pid, stat in found.items():
+            tree.pin(pid, stat.start_time)
+        tree.freeze(list(found))  # pins what runs below them too
+        dead = sum(1 for pid, stat in found.items() if not stat.running and pid in tree.pidfds)
+        self._descendants_killed += len(tree.pidfds) - dead
+        tree.kill()
+        await tree.gone()
+        self._frozen.remove(tree)
 
     def _read_leftovers(self) -> None:
         """Take in what the bootstrap said as it exited (how many it swept).
@@ -257,11 +316,16 @@ class ProcessUnit:
         self._closed = True
         if self._process.returncode is None and not self._started:
             # Never started: nothing of the caller's ran; it simply goes, and is reaped.
-            signal_group(self._pgid, signal.SIGKILL)
+            await self.kill()
             with trio.move_on_after(KILL_CONFIRMATION):
                 await self.wait()
         # Closing the socket is the child's dead-man switch if anything still runs.
         await self._control.aclose()
+        if self._marker is not None:
+            os.close(self._marker)
+            self._marker = None
+        for tree in self._frozen:  # left by a wait that was cancelled
+            tree.close()
         # Once the group is gone its output ends; let the last of it reach the log.
         if not self.output_done.is_set():  # it is when the child wrote the log itself
             with trio.move_on_after(OUTPUT_DRAIN):

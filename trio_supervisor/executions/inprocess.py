@@ -47,6 +47,7 @@ from ..model import (
     Load,
     Termination,
 )
+from ._bootstrap import Refused, entry_point
 from .base import Unit
 
 __all__ = ["InProcessExecution", "Plugin", "PluginContext"]
@@ -177,14 +178,13 @@ def _import(specifier: str) -> Plugin:
             f"the specifier {specifier!r} is not of the form package.module:function"
         )
     try:
-        target: Any = importlib.import_module(module_name)
-        for part in attribute.split("."):
-            target = getattr(target, part)
+        module = importlib.import_module(module_name)
     except Exception as error:
         raise PackageError(f"cannot import {specifier!r}: {error!r}") from error
-    if not callable(target):
-        raise PackageError(f"{specifier!r} names a {type(target).__name__}, not a function")
-    plugin: Plugin = target
+    try:
+        plugin: Plugin = entry_point(module, attribute, specifier)
+    except Refused as error:
+        raise PackageError(str(error)) from error
     return plugin
 
 

@@ -2,7 +2,8 @@
 
 Each child is ``python -I`` running ``_bootstrap.py`` (compiled once into the state
 directory), started in a session and process group of its own, talking to us over a
-socket pair (see ``_bootstrap.py`` for the protocol). What a
+socket pair (see ``_bootstrap.py`` for the protocol and its three processes: the
+tracked process T we start and record, the namespace's init I, the plugin P). What a
 remote host may run is decided here, by the runner's owner:
 
 * **entry points** ``package.module:function``, found only on the ``entry_paths`` the
@@ -16,16 +17,20 @@ Guarantees, and how:
 * The child's identity (pid, process group, start time, boot id) is known and returned
   by ``spawn`` before any of the caller's code runs: the bootstrap resolves, reports and
   applies the limits, then waits for ``start``.
-* ``interrupt`` is SIGTERM and ``kill`` SIGKILL to the whole process group, by its
-  recorded pgid, so a grandchild is signalled even after the leader exited.
-* ``wait`` returns once the leader exited (Trio watches it through a pidfd) *and* no
-  process is left in its group: a grandchild that ignores SIGTERM keeps the child
-  "running" until the kill.
+* Containment: nothing the plugin starts outlives its child, whatever it does
+  (``setsid``, ``setpgid``, a double fork, a cleared environment). Each child gets a
+  PID namespace where the kernel allows it, else the subreaper sweep (``_containment``
+  says which, chosen once and logged at start-up; ``containment=`` forces one).
+* ``interrupt`` is SIGTERM to T's process group, passed on to the plugin's group, where
+  an entry point gets it as a KeyboardInterrupt; ``kill`` ends the whole tree.
+* ``wait`` returns once T exited (Trio watches it through a pidfd) *and* all of its
+  tree is gone: what the plugin leaves when it ends is killed then, and a plugin's
+  descendant that ignores SIGTERM keeps the child "running" until the kill.
 * Dead-man switch: if the supervisor dies, the socket reaches EOF and the bootstrap
-  kills its group; if it hangs, the bootstrap kills its group one second after the lease
-  it was last given.
+  ends its tree; if it hangs, it does so one second after the lease it was last given.
 * ``recover`` never signals a process that is not the recorded child: a different boot
-  id, or a different start time for the pid, means the child is gone.
+  id, or a different start time for the pid, means the child is gone. A live one is
+  killed with its whole tree, as a kill does.
 * Output: stdout and stderr go to one log file per session under the state directory.
   Without ``Limits.output_bytes`` the child writes into that file itself. With it, we
   copy the output and keep the **head**: the first bytes, then a line saying the rest
@@ -36,13 +41,22 @@ time differs, so it is left alone), and the pid exits and is reused between our 
 and our signal (a pidfd pins the process while its start time is checked again).
 
 Where the parts live: this module is the face (construction, spawn, recover, logs);
-``_groups`` reads ``/proc`` and signals, reaps and waits for process groups; ``_unit``
-is a child and the control-socket protocol; ``_standby`` starts interpreters, and the
-one kept ahead of the next load; ``_output`` copies capped output.
+``_containment`` chooses the mechanism; ``_groups`` reads ``/proc`` and signals, reaps
+and waits for process groups; ``_trees`` finds, freezes and kills process trees;
+``_unit`` is a child and the control-socket protocol; ``_standby`` starts interpreters,
+and the one kept ahead of the next load; ``_output`` copies capped output.
 
-Known limits: a process that leaves its process group (``setsid``, ``setpgid``) escapes
-the group signals; only cgroups could hold it, and this execution does not use them.
-``memory_bytes`` is ``RLIMIT_AS`` (address space, not resident memory).
+Known limits: in a namespace the plugin's ``os.getpid()`` is its pid in the namespace
+while ``/proc`` is still the host's, so ``/proc/self`` is right and ``/proc/<getpid()>``
+is another process. The sweep holds everything while T lives; if T itself is killed by
+someone else (the OOM killer, an operator) before it could sweep, what it left is found
+by its session and (with ``subreaper=True``, as they then come to us) by an inherited
+marker pipe, so a process that both left the session and closed its inherited
+descriptors escapes; and a process that stays in uninterruptible sleep is killed
+without being frozen first. In a user namespace (an unprivileged runner) the plugin
+holds capabilities over that namespace only, none over the host. No cgroup is used:
+``memory_bytes`` is ``RLIMIT_AS`` (address space, not resident memory), and nothing
+limits the number of processes.
 """
 
 from __future__ import annotations
@@ -52,32 +66,24 @@ import hashlib
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
+import attrs
 import trio
 
 from ..background import open_background_nursery
 from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination, thaw
-from ._groups import (
-    become_subreaper,
-    boot_id,
-    group_gone,
-    kill_pinned,
-    live_members,
-    read_stat,
-    reap_group,
-    signal_group,
-    start_time,
-)
+from ._containment import CONTAINMENTS, Containment, Mechanism, choose
+from ._groups import become_subreaper, boot_id, group_gone, read_stat, reap_group, start_time
 from ._output import copy_output
 from ._standby import BOOTSTRAP, Interpreter, Standby, compile_bootstrap, start_interpreter
-from ._unit import ProcessUnit
+from ._trees import Tree, kill_recorded, process_table
+from ._unit import ProcessUnit, failure
 from .base import Unit
 
 __all__ = ["SubprocessExecution"]
@@ -85,7 +91,8 @@ __all__ = ["SubprocessExecution"]
 logger = logging.getLogger(__name__)
 
 ADAPTER = "subprocess"
-ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+# package.module:function, the function's parts public names (see _bootstrap.entry_point).
+ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z]\w*(\.[A-Za-z]\w*)*$")
 ALLOWED_ENVIRONMENT = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
 
 
@@ -114,6 +121,13 @@ class SubprocessExecution:
             serves loads without ``Limits.output_bytes`` (capped output is copied
             through a pipe made at spawn). If the supervisor dies, the standby sees its
             socket close and exits.
+        containment: How a child's whole process tree is held (see ``_containment``):
+            "namespace" (a PID namespace per child; entering the execution fails where
+            the kernel allows none), "sweep" (the child subreaper sweep), or "auto"
+            (a namespace where allowed, else the sweep).
+
+    Raises:
+        ValueError: ``containment`` is none of those.
     """
 
     def __init__(
@@ -126,7 +140,10 @@ class SubprocessExecution:
         python: str = sys.executable,
         subreaper: bool = True,
         standby: bool = False,
+        containment: Containment = "auto",
     ) -> None:
+        if containment not in CONTAINMENTS:
+            raise ValueError(f"containment must be one of {CONTAINMENTS}, got {containment!r}")
         # Absolute: children run with the state directory as their working directory.
         self.state_directory = Path(state_directory).absolute()
         self.entry_paths = tuple(str(Path(path).resolve()) for path in entry_paths)
@@ -144,6 +161,9 @@ class SubprocessExecution:
         self.python = python
         self.subreaper = subreaper
         self.standby = standby
+        self.containment: Containment = containment
+        # Until entered: the sweep, which every kernel allows.
+        self.mechanism = Mechanism(kind="sweep", unshare=None, required=False, reason="")
         self._boot_id = boot_id()
         self._nursery: trio.Nursery | None = None
         self._stack: contextlib.AsyncExitStack | None = None
@@ -163,7 +183,18 @@ class SubprocessExecution:
             self._bootstrap = await trio.to_thread.run_sync(compile_bootstrap, self.state_directory)
         self._standby = Standby(self._start_standby)  # afresh: this run may start them
         if self.standby:
+            # First: it needs no containment until its spawn message says which.
             self._nursery.start_soon(self._standby.fill, name="standby interpreter")
+        try:
+            self.mechanism = await choose(self.containment, self.python, self._bootstrap)
+        except BaseException as error:
+            await self.__aexit__(type(error), error, error.__traceback__)
+            raise
+        logger.info(
+            "subprocess children are contained by %s",
+            self.mechanism.describe(),
+            extra={"containment": self.mechanism.kind},
+        )
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
@@ -212,7 +243,7 @@ class SubprocessExecution:
             return {"kind": "python", "paths": list(self.entry_paths)}
         raise PackageError(
             f"{specifier!r} is neither a configured command "
-            "nor a package.module:function entry point"
+            "nor a package.module:function entry point whose function is a public name"
         )
 
     def _spec(self, handle: Handle, load: Load, limits: Limits) -> dict[str, Any]:
@@ -232,6 +263,8 @@ class SubprocessExecution:
                 "generation": handle.generation,
                 "config": thaw(load.config),
             },
+            "containment": self.mechanism.spec,
+            "strict": self.mechanism.required,
             **self._plan(load),
         }
 
@@ -306,7 +339,9 @@ class SubprocessExecution:
         copied = reader if reader >= 0 else None
         unit = await self._prepare(nursery, load, interpreter, spec, copied, log, limits)
         if unit is None:
-            raise ExecutionError(f"the child for {load.specifier!r} exited before it reported")
+            # It died before it reported: under limits, it could not run under them
+            # (too little memory, say), which is the request's fault.
+            raise failure({"event": "eof"}, load.specifier, _rlimits_text(limits))
         return unit
 
     async def _prepare(
@@ -334,7 +369,15 @@ class SubprocessExecution:
             start_time=started,
             boot_id=self._boot_id,
         )
-        unit = ProcessUnit(process, identity, interpreter.control, load)
+        unit = ProcessUnit(
+            process,
+            identity,
+            interpreter.control,
+            load,
+            marker=interpreter.marker,
+            containment=self.mechanism.kind,
+            limits=_rlimits_text(limits),
+        )
         if reader is None:
             unit.output_done.set()
         else:
@@ -353,8 +396,9 @@ class SubprocessExecution:
 
         A different boot id, or a pid whose start time differs from the record, means the
         child is gone and nothing is sent. A live child is killed through a pidfd, with
-        its whole group. A group whose leader is gone but whose members remain is killed
-        too: only our child's descendants can hold its process group id.
+        its whole tree (its namespace, or every process below it). A child that is gone
+        but left processes in its group or session has those killed too: only its
+        descendants can hold its process group or session id.
 
         Raises:
             ExecutionError: ``child`` was not made by this execution.
@@ -369,20 +413,28 @@ class SubprocessExecution:
         stat = read_stat(pid)
         if stat is not None and stat.running:
             if stat.start_time == child.start_time:
-                status = await kill_pinned(pid, pgid, child.start_time)
+                status = await kill_recorded(pid, pgid, child.start_time)
                 if status is None:  # it exited, or its pid went to a stranger, meanwhile
                     return Termination(kind="exited", exit=ExitStatus())
                 _log_orphans(pid, pgid, leader=True, descendants=status.descendants_killed)
                 return Termination(kind="killed", exit=status)
-            if stat.pgid == pgid:
-                # The pid was reused by a process that leads a group of that id: theirs.
-                await trio.lowlevel.checkpoint()
-                return gone
-        left = live_members(pgid)
-        if left:
-            # The leader is dead, its group is not: only its descendants can hold the id.
-            signal_group(pgid, signal.SIGKILL)
+            # The pid was reused, so nothing holds its number as a group or session id.
             await trio.lowlevel.checkpoint()
+            return gone
+        left = {
+            member: found
+            for member, found in process_table().items()
+            if found.running and pgid in (found.pgid, found.session)
+        }
+        if left:
+            # The child is dead, its group or session is not: only its descendants can
+            # hold those ids. Frozen and killed with everything below them.
+            tree = Tree()
+            for member, found in left.items():
+                tree.pin(member, found.start_time)
+            tree.freeze(list(left))
+            tree.kill()
+            await tree.gone()
             await group_gone(pgid)
             _log_orphans(pid, pgid, leader=False, descendants=len(left))
             return Termination(kind="killed", exit=ExitStatus(descendants_killed=len(left)))
@@ -400,4 +452,13 @@ def _log_orphans(pid: int, pgid: int, *, leader: bool, descendants: int) -> None
         descendants + 1 if leader else descendants,
         pgid,
         extra={"pid": pid, "pgid": pgid, "descendants_killed": descendants},
+    )
+
+
+def _rlimits_text(limits: Limits) -> str:
+    """The rlimits a child runs under, as ``name=value, ...`` (empty: none)."""
+    return ", ".join(
+        f"{name}={value}"
+        for name, value in attrs.asdict(limits).items()
+        if value is not None and name != "output_bytes"
     )

@@ -61,7 +61,7 @@ handles = st.builds(
 limits = st.builds(
     Limits,
     memory_bytes=limit_values,
-    cpu_seconds=limit_values,
+    cpu_seconds=st.none() | st.integers(min_value=1, max_value=2**62),
     open_files=limit_values,
     file_size_bytes=limit_values,
     output_bytes=limit_values,
