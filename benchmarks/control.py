@@ -10,7 +10,7 @@ from trio_supervisor import Key, MemoryStore, Supervisor, open_supervisor
 from trio_supervisor.testing import FakeExecution
 
 from .measure import Result, compare
-from .skeleton import LEASE, Skeleton
+from .skeleton import LEASE, Lean, Skeleton
 
 
 async def _our_cycles(supervisor: Supervisor, client: int, cycles: int) -> None:
@@ -30,6 +30,15 @@ async def _skeleton_cycles(skeleton: Skeleton, client: int, cycles: int) -> None
         token = await skeleton.open(key)
         await skeleton.renew(token)
         await skeleton.dispose(token)
+
+
+async def _lean_cycles(lean: Lean, client: int, cycles: int) -> None:
+    key = ("bench", str(client))
+    generation: int | None = lean.generations.get(key)
+    for _ in range(cycles):
+        token, generation = await lean.open(key, generation)
+        await lean.renew(token)
+        await lean.dispose(token)
 
 
 def ours_rate(clients: int, cycles: int, idle: int = 0) -> float:
@@ -64,6 +73,21 @@ def skeleton_rate(clients: int, cycles: int) -> float:
     return trio.run(main)
 
 
+def lean_rate(clients: int, cycles: int) -> float:
+    async def main() -> float:
+        async with trio.open_nursery() as nursery:
+            lean = Lean(nursery)
+            started = time.perf_counter()
+            async with trio.open_nursery() as clients_nursery:
+                for client in range(clients):
+                    clients_nursery.start_soon(_lean_cycles, lean, client, cycles)
+            elapsed = time.perf_counter() - started
+            nursery.cancel_scope.cancel()
+        return clients * cycles / elapsed
+
+    return trio.run(main)
+
+
 def run(quick: bool, rounds: int) -> list[Result]:
     sequential = 200 if quick else 3000
     per_client = 5 if quick else 40
@@ -72,20 +96,44 @@ def run(quick: bool, rounds: int) -> list[Result]:
         compare(
             "control.sequential",
             ours=lambda: ours_rate(1, sequential),
+            baseline=lambda: lean_rate(1, sequential),
+            baseline_name="lean raw Trio (skeleton.Lean)",
+            unit="cycles/s",
+            better="higher",
+            target=0.85,
+            rounds=rounds,
+        ),
+        compare(
+            "control.sequential.skeleton",
+            ours=lambda: ours_rate(1, sequential),
             baseline=lambda: skeleton_rate(1, sequential),
+            baseline_name="raw Trio skeleton (skeleton.Skeleton)",
             unit="cycles/s",
             better="higher",
             target=1.0,
             rounds=rounds,
+            informational=True,
         ),
         compare(
             "control.concurrent",
             ours=lambda: ours_rate(100, per_client),
+            baseline=lambda: lean_rate(100, per_client),
+            baseline_name="lean raw Trio (skeleton.Lean)",
+            unit="cycles/s",
+            better="higher",
+            target=0.85,
+            rounds=rounds,
+        ),
+        compare(
+            "control.concurrent.skeleton",
+            ours=lambda: ours_rate(100, per_client),
             baseline=lambda: skeleton_rate(100, per_client),
+            baseline_name="raw Trio skeleton (skeleton.Skeleton)",
             unit="cycles/s",
             better="higher",
             target=1.0,
             rounds=rounds,
+            informational=True,
         ),
     ]
     # Cost per cycle (seconds), with many idle sessions alive and with none.
@@ -94,6 +142,7 @@ def run(quick: bool, rounds: int) -> list[Result]:
             "control.scaling",
             ours=lambda: 1 / ours_rate(1, sequential, idle=idle),
             baseline=lambda: 1 / ours_rate(1, sequential),
+            baseline_name="ours with no idle sessions",
             unit="s/cycle",
             better="lower",
             target=1.2,

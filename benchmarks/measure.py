@@ -3,7 +3,9 @@
 Each scenario measures ours and its baseline alternately in this one process (ours first
 on even rounds, the baseline first on odd ones, so neither always runs on a warm or a
 cold machine), at least five rounds, and reports medians with their ranges. ``ratio`` is
-always ours / baseline in the scenario's unit; ``better`` says which way is good.
+always ours / baseline in the scenario's unit; ``better`` says which way is good. Every
+row names its baseline (``baseline_name``); an ``informational`` row is shown and kept in
+the JSON but not counted among the targets.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ class Result:
     target: float
     ours: list[float]
     baseline: list[float]
+    baseline_name: str
     note: str = ""
+    informational: bool = False
     extra: dict[str, Any] = attrs.Factory(dict)
 
     @property
@@ -44,11 +48,13 @@ class Result:
             "name": self.name,
             "ours": statistics.median(self.ours),
             "baseline": statistics.median(self.baseline),
+            "baseline_name": self.baseline_name,
             "ratio": self.ratio,
             "unit": self.unit,
             "better": self.better,
             "target": self.target,
             "met": self.met,
+            "informational": self.informational,
             "ours_range": [min(self.ours), max(self.ours)],
             "baseline_range": [min(self.baseline), max(self.baseline)],
             "rounds": len(self.ours),
@@ -62,16 +68,26 @@ def compare(
     *,
     ours: Callable[[], float],
     baseline: Callable[[], float],
+    baseline_name: str,
     unit: str,
     better: Better,
     target: float,
     rounds: int,
     note: str = "",
+    informational: bool = False,
 ) -> Result:
     """Measure ``ours`` and ``baseline`` alternately for ``rounds`` rounds."""
     mine, theirs = interleaved(ours, baseline, rounds)
     return Result(
-        name=name, unit=unit, better=better, target=target, ours=mine, baseline=theirs, note=note
+        name=name,
+        unit=unit,
+        better=better,
+        target=target,
+        ours=mine,
+        baseline=theirs,
+        baseline_name=baseline_name,
+        note=note,
+        informational=informational,
     )
 
 
@@ -123,7 +139,7 @@ def machine() -> dict[str, Any]:
 
 
 def render(results: list[Result]) -> str:
-    rows = [["scenario", "ours", "baseline", "unit", "ratio", "target", "met"]]
+    rows = [["scenario", "ours", "baseline", "unit", "ratio", "target", "met", "baseline is"]]
     for result in results:
         sign = ">=" if result.better == "higher" else "<="
         rows.append(
@@ -134,7 +150,8 @@ def render(results: list[Result]) -> str:
                 result.unit,
                 f"{result.ratio:.3f}",
                 f"{sign} {result.target}",
-                "yes" if result.met else "NO",
+                ("yes" if result.met else "NO") + (" (info)" if result.informational else ""),
+                result.baseline_name,
             ]
         )
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
@@ -145,7 +162,10 @@ def render(results: list[Result]) -> str:
     lines.insert(1, "  ".join("-" * width for width in widths))
     for result in results:
         if result.extra:
-            details = ", ".join(f"{name}={value:.4g}" for name, value in result.extra.items())
+            details = ", ".join(
+                f"{name}={value:.4g}" if isinstance(value, float | int) else f"{name}={value}"
+                for name, value in result.extra.items()
+            )
             lines.append(f"{result.name}: {details}")
     return "\n".join(lines)
 

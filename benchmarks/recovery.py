@@ -108,6 +108,7 @@ def run(quick: bool, rounds: int) -> list[Result]:
             "recovery.10k",
             ours=lambda: ours(template, scratch),
             baseline=lambda: baseline(template, scratch),
+            baseline_name="sqlite3 read + write back, one transaction",
             unit="s",
             better="lower",
             target=2.0,

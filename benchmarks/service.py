@@ -194,6 +194,7 @@ def run(quick: bool, rounds: int) -> list[Result]:
             "service.cycle",
             ours=lambda: ours_rate(clients, cycles),
             baseline=lambda: baseline_rate(clients, cycles),
+            baseline_name="bare Starlette app, same server and clients",
             unit="cycles/s",
             better="higher",
             target=0.7,

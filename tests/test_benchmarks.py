@@ -15,16 +15,27 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 SCENARIOS = {
     "control.sequential",
+    "control.sequential.skeleton",
     "control.concurrent",
+    "control.concurrent.skeleton",
     "control.scaling",
     "memory.idle_session",
     "durable.concurrent",
+    "durable.concurrent.naive",
     "durable.vs_memory",
     "child.cycle",
     "child.cycle.cold",
     "recovery.10k",
     "terminate.cooperative",
     "service.cycle",
+    "loop.lag",
+    "loop.lag.p99",
+}
+# Rows shown for information, not counted among the targets.
+INFORMATIONAL = {
+    "control.sequential.skeleton",
+    "control.concurrent.skeleton",
+    "durable.concurrent.naive",
 }
 
 
@@ -54,7 +65,13 @@ def test_the_quick_suite_reports_every_scenario_as_documented(tmp_path: Path) ->
             "better",
             "target",
             "met",
+            "baseline_name",
+            "informational",
         }
+        # Every row names what it is measured against.
+        assert isinstance(result["baseline_name"], str)
+        assert result["baseline_name"]
+        assert result["informational"] is (result["name"] in INFORMATIONAL)
         assert result["better"] in ("higher", "lower")
         assert result["ours"] > 0
         assert result["baseline"] > 0
@@ -76,3 +93,7 @@ def test_the_quick_suite_reports_every_scenario_as_documented(tmp_path: Path) ->
     (terminate,) = (result for result in results if result["name"] == "terminate.cooperative")
     assert terminate["extra"]["session_floor_s"] > 0
     assert terminate["extra"]["floor_ratio"] > 0
+    # loop.lag says in which phase its worst stall started.
+    (lag,) = (result for result in results if result["name"] == "loop.lag")
+    assert lag["extra"]["worst_phase"] in ("open", "load")
+    assert lag["extra"]["idle_max_ms"] >= 0

@@ -21,6 +21,7 @@ from .executions.inprocess import InProcessExecution as InProcessExecution
 from .executions.inprocess import Plugin as Plugin
 from .executions.inprocess import PluginContext as PluginContext
 from .executions.subprocess import SubprocessExecution as SubprocessExecution
+from .lifetime import open_supervisor as open_supervisor
 from .model import JSON as JSON
 from .model import ActiveRecord as ActiveRecord
 from .model import ChildIdentity as ChildIdentity
@@ -54,6 +55,5 @@ from .stores.base import Store as Store
 from .stores.memory import MemoryStore as MemoryStore
 from .stores.sqlite import SqliteStore as SqliteStore
 from .supervisor import Supervisor as Supervisor
-from .supervisor import open_supervisor as open_supervisor
 
 __version__ = "0.1.0"

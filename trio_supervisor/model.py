@@ -9,13 +9,15 @@ the field. Nothing here does I/O or knows about Trio.
 from __future__ import annotations
 
 import enum
-import math
 import signal
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, TypeAlias
 
 import attrs
+
+from . import fields
+from .fields import JSON, thaw
 
 __all__ = [
     "JSON",
@@ -48,124 +50,6 @@ __all__ = [
     "thaw",
 ]
 
-JSON: TypeAlias = bool | int | float | str | Sequence["JSON"] | Mapping[str, "JSON"] | None
-
-
-# -- field checks ---------------------------------------------------------------------
-# Each names the class and the field, so the error says exactly what was wrong.
-
-
-def _where(instance: object, attribute: attrs.Attribute[Any]) -> str:
-    return f"{type(instance).__name__}.{attribute.name}"
-
-
-def _text(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, str):
-        raise TypeError(f"{_where(instance, attribute)} must be a str, not {type(value).__name__}")
-    if not value:
-        raise ValueError(f"{_where(instance, attribute)} must not be empty")
-
-
-def _optional_text(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and not isinstance(value, str):
-        raise TypeError(
-            f"{_where(instance, attribute)} must be a str or None, not {type(value).__name__}"
-        )
-
-
-def _integer(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    # bool is an int to Python, never to us.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{_where(instance, attribute)} must be an int, not {type(value).__name__}")
-
-
-def _optional_integer(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None:
-        _integer(instance, attribute, value)
-
-
-def _at_least(minimum: int) -> Any:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        _integer(instance, attribute, value)
-        assert isinstance(value, int)
-        if value < minimum:
-            raise ValueError(f"{_where(instance, attribute)} must be >= {minimum}, got {value}")
-
-    return check
-
-
-def _limit(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    _integer(instance, attribute, value)
-    assert isinstance(value, int)
-    if value < 0:
-        raise ValueError(
-            f"{_where(instance, attribute)} must be None (no limit) or >= 0, got {value}"
-        )
-
-
-def _cpu_limit(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    _limit(instance, attribute, value)
-    if value == 0:
-        raise ValueError(
-            f"{_where(instance, attribute)} must be None (no limit) or >= 1, got 0: "
-            "a child with no CPU time cannot start"
-        )
-
-
-def _as_float(value: object) -> object:
-    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
-
-
-def _lease(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, float):
-        raise TypeError(
-            f"{_where(instance, attribute)} must be a number of seconds, not {type(value).__name__}"
-        )
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"{_where(instance, attribute)} must be a positive finite number of seconds, "
-            f"got {value!r}"
-        )
-
-
-def _freeze_json(value: object, where: str = "config") -> Any:
-    """Copy a JSON value into an immutable one: mappings become read-only, lists tuples."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"{where} holds {value!r}, which JSON cannot represent")
-        return value
-    if isinstance(value, Mapping):
-        frozen: dict[str, Any] = {}
-        for name, item in value.items():
-            if not isinstance(name, str):
-                raise TypeError(f"{where} has a key {name!r}; JSON object keys are strings")
-            frozen[name] = _freeze_json(item, f"{where}[{name!r}]")
-        return types.MappingProxyType(frozen)
-    if isinstance(value, list | tuple):
-        return tuple(_freeze_json(item, f"{where}[{index}]") for index, item in enumerate(value))
-    raise TypeError(f"{where} holds a {type(value).__name__}, which is not a JSON value")
-
-
-def thaw(value: object) -> Any:
-    """The plain JSON form of a frozen JSON value: read-only mappings become dicts,
-    tuples (and lists) become lists. The inverse of what ``Load`` does to its config."""
-    if isinstance(value, Mapping):
-        return {name: thaw(item) for name, item in value.items()}
-    if isinstance(value, tuple | list):
-        return [thaw(item) for item in value]
-    return value
-
-
-def _freeze_config(value: object) -> Mapping[str, JSON]:
-    if not isinstance(value, Mapping):
-        raise TypeError(f"Load.config must be a mapping, not {type(value).__name__}")
-    frozen: Mapping[str, JSON] = _freeze_json(value, "Load.config")
-    return frozen
-
 
 # -- identities -----------------------------------------------------------------------
 
@@ -174,8 +58,8 @@ def _freeze_config(value: object) -> Mapping[str, JSON]:
 class Key:
     """What a session is for: an identity (say, a plugin) and an instance of it."""
 
-    identity: str = attrs.field(validator=_text)
-    instance: str = attrs.field(validator=_text)
+    identity: str = attrs.field(validator=fields.text)
+    instance: str = attrs.field(validator=fields.text)
 
 
 @attrs.frozen(kw_only=True)
@@ -189,8 +73,8 @@ class Handle:
     """
 
     key: Key = attrs.field(validator=attrs.validators.instance_of(Key))
-    token: str = attrs.field(validator=_text, repr=lambda token: f"{token[:8]}...")
-    generation: int = attrs.field(validator=_at_least(1))
+    token: str = attrs.field(validator=fields.text, repr=lambda token: f"{token[:8]}...")
+    generation: int = attrs.field(validator=fields.at_least(1))
 
 
 @attrs.frozen(kw_only=True)
@@ -200,12 +84,12 @@ class Limits:
     A request can lower a ceiling, never raise it: see :func:`negotiate`.
     """
 
-    memory_bytes: int | None = attrs.field(default=None, validator=_limit)
+    memory_bytes: int | None = attrs.field(default=None, validator=fields.limit)
     # At least a second: a child given no CPU time at all is killed before it can start.
-    cpu_seconds: int | None = attrs.field(default=None, validator=_cpu_limit)
-    open_files: int | None = attrs.field(default=None, validator=_limit)
-    file_size_bytes: int | None = attrs.field(default=None, validator=_limit)
-    output_bytes: int | None = attrs.field(default=None, validator=_limit)
+    cpu_seconds: int | None = attrs.field(default=None, validator=fields.cpu_limit)
+    open_files: int | None = attrs.field(default=None, validator=fields.limit)
+    file_size_bytes: int | None = attrs.field(default=None, validator=fields.limit)
+    output_bytes: int | None = attrs.field(default=None, validator=fields.limit)
 
 
 def _lower(ceiling: int | None, request: int | None) -> int | None:
@@ -242,9 +126,9 @@ class Load:
     ``config`` is copied into an immutable JSON value (read-only mappings, tuples).
     """
 
-    specifier: str = attrs.field(validator=_text)
+    specifier: str = attrs.field(validator=fields.text)
     config: Mapping[str, JSON] = attrs.field(
-        factory=lambda: types.MappingProxyType({}), converter=_freeze_config, hash=False
+        factory=lambda: types.MappingProxyType({}), converter=fields.freeze_config, hash=False
     )
 
 
@@ -259,10 +143,10 @@ class CodeIdentity:
         version: The version of the distribution that holds it, if any.
     """
 
-    specifier: str = attrs.field(validator=_text)
-    origin: str | None = attrs.field(default=None, validator=_optional_text)
-    digest: str | None = attrs.field(default=None, validator=_optional_text)
-    version: str | None = attrs.field(default=None, validator=_optional_text)
+    specifier: str = attrs.field(validator=fields.text)
+    origin: str | None = attrs.field(default=None, validator=fields.optional_text)
+    digest: str | None = attrs.field(default=None, validator=fields.optional_text)
+    version: str | None = attrs.field(default=None, validator=fields.optional_text)
 
 
 @attrs.frozen(kw_only=True)
@@ -279,33 +163,15 @@ class ChildIdentity:
         boot_id: The kernel's boot id; after a reboot no recorded pid is ours.
     """
 
-    adapter: str = attrs.field(validator=_text)
-    ref: str = attrs.field(validator=_text)
-    pid: int | None = attrs.field(default=None, validator=_optional_integer)
-    pgid: int | None = attrs.field(default=None, validator=_optional_integer)
-    start_time: int | None = attrs.field(default=None, validator=_optional_integer)
-    boot_id: str | None = attrs.field(default=None, validator=_optional_text)
+    adapter: str = attrs.field(validator=fields.text)
+    ref: str = attrs.field(validator=fields.text)
+    pid: int | None = attrs.field(default=None, validator=fields.optional_integer)
+    pgid: int | None = attrs.field(default=None, validator=fields.optional_integer)
+    start_time: int | None = attrs.field(default=None, validator=fields.optional_integer)
+    boot_id: str | None = attrs.field(default=None, validator=fields.optional_text)
 
 
 # -- termination ----------------------------------------------------------------------
-
-
-def _plain_integer(value: object) -> object:
-    # A signal number is often a ``signal.Signals`` member; stored, it reads back as a
-    # plain int, so it is one from the start (the same value before and after storage).
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else value
-
-
-def _count(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    _integer(instance, attribute, value)
-    assert isinstance(value, int)
-    if value < 0:
-        raise ValueError(f"{_where(instance, attribute)} must be >= 0, got {value}")
-
-
-def _flag(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{_where(instance, attribute)} must be a bool, not {type(value).__name__}")
 
 
 @attrs.frozen(kw_only=True)
@@ -324,12 +190,12 @@ class ExitStatus:
     child was already gone when recovery looked for it).
     """
 
-    code: int | None = attrs.field(default=None, validator=_optional_integer)
+    code: int | None = attrs.field(default=None, validator=fields.optional_integer)
     signal: int | None = attrs.field(
-        default=None, converter=_plain_integer, validator=_optional_integer
+        default=None, converter=fields.plain_integer, validator=fields.optional_integer
     )
-    cancelled: bool = attrs.field(default=False, validator=_flag)
-    descendants_killed: int = attrs.field(default=0, validator=_count)
+    cancelled: bool = attrs.field(default=False, validator=fields.flag)
+    descendants_killed: int = attrs.field(default=0, validator=fields.count)
 
     @property
     def known(self) -> bool:
@@ -341,7 +207,7 @@ class ExitStatus:
 class Fault:
     """An exception as a value: what is persisted of a problem."""
 
-    type: str = attrs.field(validator=_text)
+    type: str = attrs.field(validator=fields.text)
     message: str = attrs.field(validator=attrs.validators.instance_of(str))
 
     @classmethod
@@ -479,8 +345,8 @@ class Phase(enum.Enum):
 @attrs.frozen(kw_only=True)
 class _Record:
     handle: Handle = attrs.field(validator=attrs.validators.instance_of(Handle))
-    request_id: str = attrs.field(validator=_text)
-    lease: float = attrs.field(converter=_as_float, validator=_lease)
+    request_id: str = attrs.field(validator=fields.text)
+    lease: float = attrs.field(converter=fields.as_float, validator=fields.lease)
     limits: Limits = attrs.field(validator=attrs.validators.instance_of(Limits))
 
 
@@ -537,11 +403,11 @@ _REASONS = (Expired, Disposed, Exited, LoadFailed, Superseded, Shutdown, Recover
 def _previous(instance: _Record, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, _ACTIVE):
         raise TypeError(
-            f"{_where(instance, attribute)} must be an Open, Loading or Loaded record, "
+            f"{fields.where(instance, attribute)} must be an Open, Loading or Loaded record, "
             f"not {type(value).__name__}"
         )
     if value.handle != instance.handle:
-        raise ValueError(f"{_where(instance, attribute)} belongs to another session")
+        raise ValueError(f"{fields.where(instance, attribute)} belongs to another session")
 
 
 @attrs.frozen(kw_only=True)

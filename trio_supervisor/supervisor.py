@@ -13,9 +13,9 @@ the session, and hand the rest to it:
   then starts the session task (O1-O11);
 * ``renew``, ``load`` and ``dispose`` find the session by its handle and ask it to
   move its lease, load, or stop (R1-R6, L1-L6, D1-D5);
-* entering :func:`open_supervisor` recovers what an earlier run left (``recovery.py``,
-  V1-V5); leaving it stops every session with reason Shutdown and reaps every child
-  (Z1-Z3).
+* entering ``open_supervisor`` (``lifetime.py``) recovers what an earlier run left
+  (``recovery.py``, V1-V5); leaving it stops every session with reason Shutdown and
+  reaps every child (Z1-Z3: :meth:`Supervisor._shutdown`).
 
 The rules are in docs/design.md, "Semantics"; the ids in comments cite them.
 """
@@ -26,17 +26,14 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator
 
 import trio
 
-from .background import open_background_nursery
 from .errors import (
     RunnerClosingError,
     SessionStoppedError,
     StaleSessionError,
     SupervisorError,
-    TerminationUnconfirmedError,
 )
 from .events import DEFAULT_BUFFER, Watch
 from .executions.base import Execution
@@ -60,17 +57,16 @@ from .model import (
     negotiate,
 )
 from .records import Records
-from .recovery import recover
 from .retention import Retention
-from .session import SAVE_BOUND, Services, Session, task_name
+from .session import Services, Session, task_name
 from .stores.base import Store
 
-__all__ = ["Supervisor", "open_supervisor"]
+__all__ = ["Supervisor", "as_seconds"]
 
 logger = logging.getLogger(__name__)
 
 
-def _seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
+def as_seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
     seconds = float(value)
@@ -265,7 +261,7 @@ class Supervisor:
             raise ValueError(
                 f"expected_generation must be None or an int >= 0, got {expected_generation!r}"
             )
-        seconds = self._lease if lease is None else _seconds("lease", lease)
+        seconds = self._lease if lease is None else as_seconds("lease", lease)
         if limits is not None and not isinstance(limits, Limits):
             raise TypeError(f"limits must be Limits, not {type(limits).__name__}")
         # No request: the supervisor's own limits, shared (records are immutable).
@@ -510,104 +506,3 @@ class Supervisor:
             if all(problem is not known for known in problems):
                 problems.append(problem)
         return problems
-
-
-@contextlib.asynccontextmanager
-async def open_supervisor(
-    store: Store,
-    execution: Execution,
-    *,
-    lease: float = 15.0,
-    grace: float = 5.0,
-    confirmation_timeout: float = 5.0,
-    limits: Limits | None = None,
-    retention: Retention | None = None,
-) -> AsyncIterator[Supervisor]:
-    """Run a supervisor for the duration of an ``async with`` block.
-
-    On entry, every stored record is read and every session an earlier run left
-    behind is stopped with reason Recovery (V1-V5). On exit, every session is stopped
-    with reason Shutdown and every child is reaped (Z1-Z3).
-
-    Args:
-        store: Where records are made durable.
-        execution: What spawns and recovers children.
-        lease: The default lease, seconds.
-        grace: How long a child may take to exit after an interrupt, seconds.
-        confirmation_timeout: How long to wait for an exit after a kill, and for each
-            orphan's recovery, seconds.
-        limits: Ceilings for every session's limits.
-        retention: Which Stopped records to keep; by default the store's own policy.
-
-    Raises:
-        TerminationUnconfirmedError: On entry, an orphan could not be confirmed gone.
-        StateStorageError: On entry, the store could not be read or holds a bad record.
-        ExceptionGroup: On exit, when the supervisor was poisoned or a termination had
-            problems; it holds each of them (and the block's own exception, if any).
-    """
-    limits = Limits() if limits is None else limits
-    if not isinstance(limits, Limits):
-        raise TypeError(f"limits must be Limits, not {type(limits).__name__}")
-    for name, adapter, protocol in (("store", store, Store), ("execution", execution, Execution)):
-        if not isinstance(adapter, protocol):
-            raise TypeError(
-                f"{name} does not implement the {protocol.__name__} protocol: {adapter!r}"
-            )
-    stores_policy: Retention | None = getattr(store, "retention", None)
-    if retention is None:
-        retention = stores_policy or Retention()
-    elif not isinstance(retention, Retention):
-        raise TypeError(f"retention must be Retention, not {type(retention).__name__}")
-    elif stores_policy is not None and stores_policy != retention:
-        raise ValueError(
-            f"retention {retention} differs from the store's {stores_policy}; "
-            "the supervisor mirrors the store's policy, so configure it on the store"
-        )
-    supervisor = Supervisor(
-        store,
-        execution,
-        lease=_seconds("lease", lease),
-        grace=_seconds("grace", grace, allow_zero=True),
-        confirmation_timeout=_seconds("confirmation_timeout", confirmation_timeout),
-        limits=limits,
-        retention=retention,
-    )
-    await recover(supervisor._records, execution, confirmation=supervisor._confirmation)
-
-    async with open_background_nursery() as nursery:
-        supervisor._nursery = nursery
-        try:
-            yield supervisor
-        except BaseException as error:
-            problems = await _shut_down(supervisor)
-            if problems:
-                raise BaseExceptionGroup(_PROBLEMS, [error, *problems]) from None
-            raise
-        else:
-            problems = await _shut_down(supervisor)
-            if problems:
-                raise ExceptionGroup(_PROBLEMS, problems)
-        finally:
-            supervisor._nursery = None
-
-
-_PROBLEMS = "the supervisor shut down with problems (Z3)"
-
-
-async def _shut_down(supervisor: Supervisor) -> list[Exception]:
-    # Shielded so that a cancelled block still reaps every child. Every session's stop is
-    # bounded by the same sum (session.py); they run concurrently, and an open caught in
-    # its save waits at most one save. Past that bound something broke a promise: it is
-    # reported, and the block is left rather than held forever.
-    bound = supervisor._grace + 2 * supervisor._confirmation + 3 * SAVE_BOUND
-    problems: list[Exception] = []
-    with trio.move_on_after(bound, shield=True) as scope:
-        problems = await supervisor._shutdown()
-    if scope.cancelled_caught:
-        problems.append(
-            TerminationUnconfirmedError(
-                f"the shutdown took longer than {bound:g} s; some children may still run"
-            )
-        )
-    supervisor._records.watchers.close()
-    return problems

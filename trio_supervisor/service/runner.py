@@ -41,8 +41,9 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from ..executions.subprocess import SubprocessExecution
+from ..lifetime import open_supervisor
 from ..stores.sqlite import SqliteStore
-from ..supervisor import Supervisor, open_supervisor
+from ..supervisor import Supervisor
 from .app import create_app
 from .metrics import Metrics, TimedStore
 

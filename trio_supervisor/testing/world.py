@@ -33,6 +33,7 @@ import trio
 import trio.testing
 
 from ..errors import SupervisorError
+from ..lifetime import open_supervisor
 from ..model import (
     CodeIdentity,
     Key,
@@ -47,7 +48,7 @@ from ..model import (
 from ..retention import Retention
 from ..stores.base import Store
 from ..stores.memory import MemoryStore
-from ..supervisor import Supervisor, open_supervisor
+from ..supervisor import Supervisor
 from .harnesses import Harness
 from .incarnation import ClockGuard, Faults, Incarnation, Log
 from .model import Outcome, SessionId, ok
