@@ -28,6 +28,7 @@ SCENARIOS = {
     "recovery.10k",
     "terminate.cooperative",
     "service.cycle",
+    "service.cycle.stuck_reader",
     "loop.lag",
     "loop.lag.p99",
 }
