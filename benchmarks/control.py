@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import trio
 
@@ -11,6 +13,8 @@ from trio_supervisor.testing import FakeExecution
 
 from .measure import Result, compare
 from .skeleton import LEASE, Lean, Skeleton
+
+_R = TypeVar("_R", Skeleton, Lean)
 
 
 async def _our_cycles(supervisor: Supervisor, client: int, cycles: int) -> None:
@@ -58,34 +62,34 @@ def ours_rate(clients: int, cycles: int, idle: int = 0) -> float:
     return trio.run(main)
 
 
-def skeleton_rate(clients: int, cycles: int) -> float:
+def _raw_rate(
+    make: Callable[[trio.Nursery], _R],
+    cycles_of: Callable[[_R, int, int], Awaitable[None]],
+    clients: int,
+    cycles: int,
+) -> float:
+    """Cycles per second of ``clients`` clients of a raw baseline made by ``make``."""
+
     async def main() -> float:
         async with trio.open_nursery() as nursery:
-            skeleton = Skeleton(nursery)
+            baseline = make(nursery)
             started = time.perf_counter()
             async with trio.open_nursery() as clients_nursery:
                 for client in range(clients):
-                    clients_nursery.start_soon(_skeleton_cycles, skeleton, client, cycles)
+                    clients_nursery.start_soon(cycles_of, baseline, client, cycles)
             elapsed = time.perf_counter() - started
             nursery.cancel_scope.cancel()
         return clients * cycles / elapsed
 
     return trio.run(main)
+
+
+def skeleton_rate(clients: int, cycles: int) -> float:
+    return _raw_rate(Skeleton, _skeleton_cycles, clients, cycles)
 
 
 def lean_rate(clients: int, cycles: int) -> float:
-    async def main() -> float:
-        async with trio.open_nursery() as nursery:
-            lean = Lean(nursery)
-            started = time.perf_counter()
-            async with trio.open_nursery() as clients_nursery:
-                for client in range(clients):
-                    clients_nursery.start_soon(_lean_cycles, lean, client, cycles)
-            elapsed = time.perf_counter() - started
-            nursery.cancel_scope.cancel()
-        return clients * cycles / elapsed
-
-    return trio.run(main)
+    return _raw_rate(Lean, _lean_cycles, clients, cycles)
 
 
 def run(quick: bool, rounds: int) -> list[Result]:
