@@ -375,11 +375,11 @@ async def test_key_locks_are_dropped_once_nobody_holds_or_waits(
         await trio.sleep(0.1)
         with trio.move_on_after(0.1):
             await sup.open(KEY, "r3", expected_generation=1)
-        assert list(sup._locks._locks) == [KEY]
-    assert sup._locks._locks == {}
+        assert list(sup._locks._held) == [KEY]
+    assert sup._locks._held == {}
     record = await sup.open(KEY, "r4", expected_generation=2)
     assert record.handle.generation == 3
-    assert sup._locks._locks == {}
+    assert sup._locks._held == {}
     await sup.dispose(record.handle)
     assert record.handle.token not in sup._sessions  # P5: its record answers from now on
 

@@ -94,6 +94,7 @@ async def open_supervisor(
 
     async with open_background_nursery() as nursery:
         supervisor._nursery = nursery
+        leases = await nursery.start(supervisor._run_leases)
         try:
             yield supervisor
         except BaseException as error:
@@ -106,6 +107,8 @@ async def open_supervisor(
             if problems:
                 raise ExceptionGroup(_PROBLEMS, problems)
         finally:
+            # Every session has stopped: no lease is left to watch.
+            leases.cancel()
             supervisor._nursery = None
 
 

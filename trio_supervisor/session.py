@@ -1,26 +1,42 @@
-"""One session as a Trio task: its lease, its loader, its exit watcher and its stop.
+"""One session: its lifecycle, its task once it loads, and its stop.
 
 Theory of operation
 -------------------
-Each session is one task in the supervisor's nursery (docs/design.md, "Shape in
-Trio")::
+A session that has not loaded anything is an object and nothing more: a lifecycle, an
+entry in the supervisor's lease heap (``leases.py``) and a place in its dictionaries.
+Most sessions of a control plane never load, so they cost no task, no cancel scope and
+no wake-up. The first load gives the session its task, in the supervisor's nursery
+(docs/design.md, "Shape in Trio")::
 
-    session task ── session cancel scope (deadline = the lease)
-                      └─ session nursery (opened by the first load)
+    session task ── session cancel scope (a stop request cancels it)
+                      └─ session nursery
                            ├─ loader       (the session task itself)
                            └─ exit watcher (only while a child is registered)
 
-A session without a child is one parked task: it needs no nursery, loader or watcher
-until a load wakes it, and most sessions of a control plane never load.
+The lease is not a cancel scope's deadline: the lease timer watches every session's
+deadline and asks the expired ones to stop (T1), as any other stop request does.
 
-**Where a stop happens.** Every stop request (dispose, supersede, the child's exit,
-shutdown, a failed load) goes through :meth:`Session.request_stop`, which fixes the
-reason once (P1) and cancels the session scope. The lease timer is that same scope's
-deadline: when it passes, the scope cancels itself (T1). Either way the session task
-wakes up in :meth:`Session.run`, and only there is the child terminated
-(:meth:`Session._stop`: persist Stopping, terminate, release, persist Stopped; P2-P5),
-in a shielded scope with a bound. So termination happens exactly once, at one place,
-whatever asked for it; everyone else waits for the published outcome (P6).
+**Where a stop happens.** Every stop request (dispose, supersede, the child's exit, a
+failed load, expiry, shutdown) goes through the lifecycle, which fixes the reason once
+(P1) and fences the session at once. The first request also decides who runs the stop
+(:meth:`Session._stop`), which happens exactly once:
+
+* a session with a task: the task, woken by the cancellation of its scope, in a
+  shielded scope with a bound (:meth:`Session._stop_shielded`);
+* a session without one, so without a child: a requester that waits for the outcome
+  anyway (dispose, an open superseding it) runs it in its own task
+  (:meth:`Session.stop`); any other requester (expiry, shutdown) starts a task of the
+  supervisor's to run it (:meth:`Session.stop_soon`).
+
+Everyone else waits for the published outcome (P6).
+
+A session that never had a child has nothing to terminate between its Stopping and its
+Stopped record, so both are saved in one transaction (the project's decision on P2;
+docs/design.md, deviations): a crash can leave it Open or Stopped, never running.
+
+A requester's own task is cancellable. When it is cancelled during the save, the store
+wrote nothing (``stores/base.py``: a cancelled save either completes or writes nothing),
+so a task of the supervisor's takes the stop over, and the cancellation goes on out.
 
 The lifecycle (:class:`~trio_supervisor.lifecycle.Lifecycle`) decides which move is
 legal; this module persists, signals, waits and publishes.
@@ -29,8 +45,8 @@ legal; this module persists, signals, waits and publishes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import attrs
 import trio
@@ -55,7 +71,7 @@ from .model import (
     StopReason,
     Termination,
 )
-from .termination import faults, release, terminate
+from .termination import NO_CHILD, faults, release, terminate
 
 __all__ = ["Reply", "Services", "Session", "adapter_call", "adapter_error", "task_name"]
 
@@ -70,35 +86,50 @@ SAVE_BOUND = 30.0
 
 
 class Reply(Generic[_T]):
-    """A result published once and read by any number of waiters."""
+    """A result published once and read by any number of waiters.
 
-    __slots__ = ("_event", "error", "value")
+    The event that wakes waiters is made by the first one to wait: most replies (an
+    idle session's outcome) are never waited for before they are set, or never set.
+    """
+
+    __slots__ = ("_event", "done", "error", "value")
 
     def __init__(self) -> None:
-        self._event = trio.Event()
+        self._event: trio.Event | None = None
+        self.done = False
         self.value: _T | None = None
         self.error: SupervisorError | None = None
-
-    @property
-    def done(self) -> bool:
-        return self._event.is_set()
 
     def set(self, value: _T) -> None:
         if not self.done:
             self.value = value
-            self._event.set()
+            self._wake()
 
     def fail(self, error: SupervisorError) -> None:
         if not self.done:
             self.error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        self.done = True
+        if self._event is not None:
             self._event.set()
 
-    async def wait(self) -> _T:
-        await self._event.wait()
+    def result(self) -> _T:
+        """The published value, or a copy of the published error raised; once done."""
         if self.error is not None:
             raise self.error.again()
         assert self.value is not None
         return self.value
+
+    async def wait(self) -> _T:
+        if self.done:
+            await trio.lowlevel.checkpoint()
+        else:
+            if self._event is None:
+                self._event = trio.Event()
+            await self._event.wait()
+        return self.result()
 
 
 @attrs.define
@@ -109,6 +140,9 @@ class Services:
         execution: Spawns the session's child.
         health: Poisoned by a failure the supervisor cannot vouch for (H1).
         persist: Makes a record durable (and poisons on failure).
+        persist_together: Makes several records durable in one transaction where the
+            store can (and poisons on failure).
+        spawn: Starts a task in the supervisor's nursery: ``spawn(function, name)``.
         grace: Seconds between the interrupt and the kill (P3).
         confirmation: Seconds to wait for an exit after the kill, and for a release.
         stopped: Called once the session's Stopped record is durable (P5): from then
@@ -119,6 +153,8 @@ class Services:
     execution: Execution
     health: Health
     persist: Callable[[SessionRecord], Awaitable[None]]
+    persist_together: Callable[[Sequence[SessionRecord]], Awaitable[None]]
+    spawn: Callable[[Callable[[], Awaitable[Any]], str], None]
     grace: float
     confirmation: float
     stopped: Callable[[Session], None]
@@ -154,7 +190,7 @@ async def adapter_call(call: Awaitable[_T], what: str) -> _T:
 def task_name(role: str, handle: Handle) -> str:
     """What a debugger or an instrument shows for a session's task: role, key, generation.
 
-    Made for every session, so not from the handle's repr (which costs more).
+    Made for every session task, so not from the handle's repr (which costs more).
     """
     return (
         f"trio_supervisor {role} {handle.key.identity}/{handle.key.instance} #{handle.generation}"
@@ -181,7 +217,6 @@ class Session:
         "nursery",
         "opened_at",
         "outcome",
-        "parked",
         "problems",
         "scope",
         "spawned",
@@ -192,11 +227,10 @@ class Session:
         self._services = services
         self.lifecycle = Lifecycle(record, deadline)
         self.opened_at = deadline - record.lease  # when its lease began (O9)
-        # The lease timer: renew moves the deadline, a stop request cancels it.
-        self.scope = trio.CancelScope(deadline=deadline)
+        # The session task's scope, made with the task at the first load; a stop
+        # request cancels it. None while the session has no task.
+        self.scope: trio.CancelScope | None = None
         self.nursery: trio.Nursery | None = None
-        # The session task while it waits for its first load (see _park).
-        self.parked: trio.lowlevel.Task | None = None
         # What spawn returned (released when the session ends), and the unit once its
         # identity is durable (terminated when the session ends).
         self.spawned: Unit | None = None
@@ -216,7 +250,7 @@ class Session:
     async def renew(self) -> float:
         """Move the lease (R4, R6), then forward it to the child (R5)."""
         lifecycle = self.lifecycle
-        self.scope.deadline = lifecycle.renew(trio.current_time())
+        lifecycle.renew(trio.current_time())
         lease = lifecycle.record.lease
         unit = self.unit
         if unit is not None:
@@ -229,12 +263,11 @@ class Session:
         """Start the load, or join the one asked for before (L1-L3, L6)."""
         lifecycle = self.lifecycle
         if lifecycle.begin_load(load, trio.current_time()):
-            # The session task runs the load: wake it if it is parked (it may not have
-            # run yet, and then it finds the request when it does).
+            # The loader runs in the session's task, which starts now (L6: it belongs to
+            # the session, not to this caller).
             self.load_reply = Reply()
-            parked, self.parked = self.parked, None
-            if parked is not None:
-                trio.lowlevel.reschedule(parked)
+            self.scope = trio.CancelScope()
+            self._services.spawn(self._run, task_name("session", self.handle))
         elif lifecycle.code is not None:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return lifecycle.code
@@ -242,21 +275,62 @@ class Session:
         assert reply is not None
         return await reply.wait()
 
-    def request_stop(self, reason: StopReason, exit: ExitStatus | None = None) -> None:
-        """Ask the session to stop; the first request fixes the reason (P1)."""
-        if self.lifecycle.request_stop(reason, exit):
-            self.scope.cancel()
+    def stop_soon(self, reason: StopReason, exit: ExitStatus | None = None) -> None:
+        """Ask the session to stop, and return at once; the first request wins (P1).
+
+        Args:
+            reason: Why.
+            exit: The child's exit status, when it exited by itself (X1).
+        """
+        if self._claim(reason, exit):
+            self._services.spawn(self._run_stop, task_name("stop", self.handle))
+
+    async def stop(self, reason: StopReason) -> Termination:
+        """Ask the session to stop and wait for its outcome; the first request wins (P1).
+
+        A session without a task is stopped here, in the caller's task.
+
+        Raises:
+            TerminationUnconfirmedError, StateStorageError: The stop failed.
+        """
+        if self._claim(reason, None):
+            try:
+                outcome = await self._stop_childless(bounded=False)
+            except trio.Cancelled:
+                # Nothing was saved (the store's promise for a cancelled save): a task of
+                # the supervisor's runs the stop instead, and this caller leaves.
+                self._services.spawn(self._run_stop, task_name("stop", self.handle))
+                raise
+            self._publish(outcome)
+            # The save was this call's checkpoint; waiting again would add another.
+            return self.outcome.result()
+        return await self.outcome.wait()
+
+    def _claim(self, reason: StopReason, exit: ExitStatus | None) -> bool:
+        """Fix the reason if this request is the first (P1); the session is fenced.
+
+        Returns:
+            True when the caller must see the stop run: the request is the first and
+            the session has no task to run it.
+        """
+        if not self.lifecycle.request_stop(reason, exit):
+            return False
+        scope = self.scope
+        if scope is None:
+            return True
+        scope.cancel()  # the session task wakes up and runs the stop
+        return False
 
     # -- the session task ---------------------------------------------------------------
 
-    async def run(self) -> None:
-        """The session task: park, load, wait; then stop, exactly once."""
+    async def _run(self) -> None:
+        """The session task, from the first load: load, wait; then stop, exactly once."""
         lifecycle = self.lifecycle
         services = self._services
+        scope = self.scope
+        assert scope is not None
         try:
-            with self.scope:
-                if self.load_reply is None:
-                    await self._park()
+            with scope:
                 async with trio.open_nursery() as nursery:
                     self.nursery = nursery
                     await self._run_loader()
@@ -273,26 +347,25 @@ class Session:
         finally:
             self.nursery = None
             if lifecycle.live:
-                # The scope's deadline is the lease, and renew moves it: reaching the
-                # deadline is expiry (T1). Any other wake-up without a stop request is
-                # the supervisor's nursery being cancelled from outside.
+                # Woken with no stop request: the supervisor's nursery was cancelled from
+                # outside. Past the deadline, the lease ran out first (T1).
                 expired = trio.current_time() >= lifecycle.deadline
                 lifecycle.request_stop(Expired() if expired else Shutdown())
-                if expired:
-                    logger.info(
-                        "the lease of %s expired",
-                        task_name("session", self.handle),
-                        extra=_fields(self.handle),
-                    )
-            outcome = await self._stop_shielded()
-            # P6: the stop is over before anyone hears of it, so whoever waited (an open
-            # superseding this session, the shutdown) finds the key free.
-            services.ended(self)
-            if isinstance(outcome, Termination):
-                self.outcome.set(outcome)
-            else:
-                self.outcome.fail(outcome)
-            self._answer_load()
+            self._publish(await self._stop_shielded())
+
+    async def _run_stop(self) -> None:
+        """A task that only runs the stop of a session that has no task of its own."""
+        self._publish(await self._stop_shielded())
+
+    def _publish(self, outcome: Termination | SupervisorError) -> None:
+        """P6: the stop is over before anyone hears of it, so whoever waited (an open
+        superseding this session, the shutdown) finds the key free."""
+        self._services.ended(self)
+        if isinstance(outcome, Termination):
+            self.outcome.set(outcome)
+        else:
+            self.outcome.fail(outcome)
+        self._answer_load()
 
     async def _stop_shielded(self) -> Termination | SupervisorError:
         services = self._services
@@ -312,16 +385,6 @@ class Session:
                 f"stopping {task_name('session', self.handle)} took longer than {bound:g} s"
             )
         )
-
-    async def _park(self) -> None:
-        """Sleep until :meth:`load` wakes the session, or its scope is cancelled."""
-        self.parked = trio.lowlevel.current_task()
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            self.parked = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
 
     def _answer_load(self) -> None:
         """Tell a load that did not succeed why, once its session stopped (L5, L6)."""
@@ -383,7 +446,7 @@ class Session:
                 extra=_fields(handle),
             )
             if lifecycle.live:
-                self.request_stop(LoadFailed(cause=(Fault.of(error),)))
+                self.stop_soon(LoadFailed(cause=(Fault.of(error),)))
         else:
             reply.set(code)
 
@@ -394,7 +457,7 @@ class Session:
             self._services.health.poison(adapter_error(error, "watching the child"))
             return
         # X1: it exited by itself; the stop sends no signal.
-        self.request_stop(Exited(), status)
+        self.stop_soon(Exited(), status)
 
     async def _stop(self) -> Termination | SupervisorError:
         """Persist Stopping, terminate, release, persist Stopped (P2-P5).
@@ -402,13 +465,15 @@ class Session:
         Returns:
             The stop's outcome, for the caller to publish (P6).
         """
+        if self.spawned is None:
+            return await self._stop_childless(bounded=True)
         lifecycle = self.lifecycle
         services = self._services
         # P2: the session is fenced in memory already; if this save fails, termination
         # still runs and the storage error is the stop's outcome.
         fenced_error: StateStorageError | None = None
         try:
-            await self._save_within_bound(lifecycle.stopping_record())
+            await self._save_within_bound((lifecycle.stopping_record(),))
         except StateStorageError as error:
             fenced_error = error
         problems = self.problems
@@ -437,7 +502,7 @@ class Session:
             termination = attrs.evolve(termination, cause=faults(problems))
         stopped = lifecycle.stopped_record(termination)
         try:
-            await self._save_within_bound(stopped)
+            await self._save_within_bound((stopped,))
         except StateStorageError as error:
             return fenced_error or error
         # P5: durable, so the session object can go; its record answers from now on.
@@ -445,16 +510,41 @@ class Session:
         services.stopped(self)
         return fenced_error or termination
 
-    async def _save_within_bound(self, record: SessionRecord) -> None:
-        """Save a record of the stop; a store that does not answer counts as failed."""
+    async def _stop_childless(self, *, bounded: bool) -> Termination | SupervisorError:
+        """The stop of a session that never had a child: Stopping and Stopped together.
+
+        Nothing can run between the two records, so they are saved in one transaction
+        (P2, P5; see the module's docs). ``bounded``: give up on a store that does not
+        answer within SAVE_BOUND (a requester's own task is bounded by its caller).
+        """
+        lifecycle = self.lifecycle
+        records = (lifecycle.stopping_record(), lifecycle.stopped_record(NO_CHILD))
+        try:
+            if bounded:
+                await self._save_within_bound(records)
+            else:
+                await self._services.persist_together(records)
+        except StateStorageError as error:
+            return error  # poisoned already; the session stays fenced in memory
+        lifecycle.finish(records[1])
+        self._services.stopped(self)
+        return NO_CHILD
+
+    async def _save_within_bound(self, records: Sequence[SessionRecord]) -> None:
+        """Save the records of a stop; a store that does not answer counts as failed."""
+        services = self._services
         with trio.move_on_after(SAVE_BOUND) as scope:
-            await self._services.persist(record)
+            if len(records) == 1:
+                await services.persist(records[0])
+            else:
+                await services.persist_together(records)
         if scope.cancelled_caught:
+            phases = " and ".join(record.phase.value for record in records)
             failure = StateStorageError(
-                f"the store did not save the {record.phase.value} record of "
+                f"the store did not save the {phases} record of "
                 f"{task_name('session', self.handle)} within {SAVE_BOUND:g} s"
             )
-            raise self._services.health.poison(failure)
+            raise services.health.poison(failure)
 
 
 def _identity_of(unit: Unit) -> ChildIdentity:

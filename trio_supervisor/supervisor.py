@@ -2,15 +2,16 @@
 
 Theory of operation
 -------------------
-A :class:`Supervisor` owns a nursery of sessions (``session.py``: one task each, which
-alone terminates its child), a view of what its store holds (``records.py``: every
-lookup is answered from there in O(1)), its health (``health.py``) and one lock per key
-(``keylocks.py``). Its methods check their arguments and the supervisor's state, find
-the session, and hand the rest to it:
+A :class:`Supervisor` owns its sessions (``session.py``: an object each, with a task in
+the supervisor's nursery once it loads), their leases (``leases.py``: one timer for
+all), a view of what its store holds (``records.py``: every lookup is answered from
+there in O(1)), its health (``health.py``) and one lock per key (``keylocks.py``). Its
+methods check their arguments and the supervisor's state, find the session, and hand
+the rest to it:
 
 * ``open`` takes the key's lock, checks the request id and the expected generation,
   supersedes the live generation (waiting for its stop), saves the Open record and only
-  then starts the session task (O1-O11);
+  then makes the session and starts its lease (O1-O11);
 * ``renew``, ``load`` and ``dispose`` find the session by its handle and ask it to
   move its lease, load, or stop (R1-R6, L1-L6, D1-D5);
 * entering ``open_supervisor`` (``lifetime.py``) recovers what an earlier run left
@@ -26,6 +27,7 @@ import contextlib
 import logging
 import math
 import uuid
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
@@ -39,6 +41,7 @@ from .events import DEFAULT_BUFFER, Watch
 from .executions.base import Execution
 from .health import Health
 from .keylocks import KeyLocks
+from .leases import Leases
 from .lifecycle import stop_error
 from .model import (
     CodeIdentity,
@@ -58,7 +61,7 @@ from .model import (
 )
 from .records import Records
 from .retention import Retention
-from .session import Services, Session, task_name
+from .session import Services, Session
 from .stores.base import Store
 
 __all__ = ["Supervisor", "as_seconds"]
@@ -97,15 +100,19 @@ class Supervisor:
         self._limits = limits
         self._health = Health()
         self._records = Records(store, retention, self._health)
-        # Sessions by token, and the unfinished ones by key. A session leaves the first
-        # once its Stopped record is durable, the second once its stop is over.
+        # Sessions by token, and the unfinished ones by key (usually one; more while an
+        # open supersedes). A session leaves the first once its Stopped record is
+        # durable, the second once its stop is over.
         self._sessions: dict[str, Session] = {}
-        self._by_key: dict[Key, dict[str, Session]] = {}
+        self._by_key: dict[Key, list[Session]] = {}
         self._locks = KeyLocks()
+        self._leases = Leases()
         self._services = Services(
             execution=execution,
             health=self._health,
             persist=self._persist,
+            persist_together=self._persist_together,
+            spawn=self._spawn,
             grace=grace,
             confirmation=confirmation_timeout,
             stopped=self._stopped,
@@ -175,7 +182,7 @@ class Supervisor:
         Live sessions are found at once; a stopped one by a scan of the retained
         records (operator calls are rare; the hosts' calls carry a handle).
         """
-        for session in self._by_key.get(key, {}).values():
+        for session in self._by_key.get(key, ()):
             if session.handle.generation == generation:
                 record = self._records.index.get(session.handle.token)
                 if record is not None:
@@ -316,25 +323,32 @@ class Supervisor:
         try:
             await self._persist(record)
             # The record is durable: from here on nothing may stop the session from
-            # coming to exist (O11): no checkpoint stands between here and the start of
-            # its task, and a task started is always run. Its lease starts now (O9).
+            # coming to exist (O11), and no checkpoint stands between here and its
+            # existence. Its lease starts now (O9).
             session = Session(record, trio.current_time() + seconds, self._services)
             self._sessions[record.handle.token] = session
-            self._by_key.setdefault(key, {})[record.handle.token] = session
-            self._start_session(session)
+            of_key = self._by_key.get(key)
+            if of_key is None:
+                self._by_key[key] = [session]
+            else:
+                of_key.append(session)
+            self._leases.add(session)
+            if self._closing:
+                # Opened while the shutdown began: it stops like every other (Z2).
+                session.stop_soon(Shutdown())
         finally:
             self._opening -= 1
-            self._opened.unpark_all()
+            if self._opened:
+                self._opened.unpark_all()
         return record
 
     async def _supersede(self, key: Key) -> None:
         """Stop every unfinished session of ``key`` and wait for their ends (O5)."""
-        for session in list(self._by_key.get(key, {}).values()):
-            session.request_stop(Superseded())
+        for session in list(self._by_key.get(key, ())):
             generation = session.handle.generation
             extra = {"identity": key.identity, "instance": key.instance, "generation": generation}
             try:
-                termination = await session.outcome.wait()
+                termination = await session.stop(Superseded())
             except SupervisorError as error:
                 logger.warning(
                     "the superseded generation %d of %s/%s did not terminate cleanly: %s",
@@ -355,16 +369,29 @@ class Supervisor:
                         extra=extra,
                     )
 
-    def _start_session(self, session: Session) -> None:
+    def _spawn(self, function: Callable[[], Awaitable[object]], name: str) -> None:
+        """Start a task of the supervisor's: a session's, or a stop's."""
         nursery = self._nursery
         if nursery is None:
             raise RuntimeError("the supervisor's nursery is gone")
         # A task started this way always runs: if the supervisor is cancelled first, it
-        # meets the cancellation inside and still runs its stop (O11).
-        nursery.start_soon(session.run, name=task_name("session", session.handle))
-        if self._closing:
-            # Opened while the shutdown began: it stops like every other (Z2).
-            session.request_stop(Shutdown())
+        # meets the cancellation inside and still runs its stop, shielded (O11, Z2).
+        nursery.start_soon(function, name=name)
+
+    async def _run_leases(self, *, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        """The lease timer (T1), until the supervisor is done with it."""
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            try:
+                await self._leases.run()
+            except trio.Cancelled:
+                # The supervisor's nursery is cancelled from outside (its block was). Not
+                # re-raised, as the session tasks do not: the block's own Cancelled
+                # carries the cancellation out, and this copy would wrap its errors in a
+                # group of the nursery's.
+                return
+            except Exception as error:  # a bug: the supervisor can vouch for no lease
+                self._health.poison(error)
 
     # -- renew, load, dispose ---------------------------------------------------------
 
@@ -426,15 +453,20 @@ class Supervisor:
         session = self._sessions.get(handle.token)
         if session is None:
             raise SessionStoppedError("the session was retired by recovery or eviction")
-        session.request_stop(Disposed())
-        return await session.outcome.wait()
+        return await session.stop(Disposed())
 
     # -- what the sessions tell the supervisor ------------------------------------------
 
     async def _persist(self, record: SessionRecord) -> None:
         """Make ``record`` durable (O8, H1); a session whose record is evicted retires (O10)."""
-        for evicted in await self._records.save(record):
-            self._sessions.pop(evicted.handle.token, None)
+        evicted = await self._records.save(record)
+        for gone in evicted:
+            self._sessions.pop(gone.handle.token, None)
+
+    async def _persist_together(self, records: Sequence[SessionRecord]) -> None:
+        """Make ``records`` durable at once where the store can (H1, O10)."""
+        for gone in await self._records.save_together(records):
+            self._sessions.pop(gone.handle.token, None)
 
     def _stopped(self, session: Session) -> None:
         """The session's Stopped record is durable: its record answers from now on (P5)."""
@@ -444,10 +476,12 @@ class Supervisor:
         """The session's stop is over; it is no longer one of its key's sessions."""
         key = session.handle.key
         of_key = self._by_key.get(key)
-        if of_key is not None:
-            of_key.pop(session.handle.token, None)
-            if not of_key:
+        if of_key is not None and session in of_key:
+            if len(of_key) == 1:
                 del self._by_key[key]
+            else:
+                of_key.remove(session)
+        self._leases.stopped()
 
     # -- checks and lookups -----------------------------------------------------------
 
@@ -488,13 +522,13 @@ class Supervisor:
         reported: list[Exception] = []
         # Every session stops once; each is reported once, on the round it ended in.
         while self._by_key or self._opening:
-            sessions = [session for of_key in self._by_key.values() for session in of_key.values()]
+            sessions = [session for of_key in self._by_key.values() for session in of_key]
             if not sessions:
                 # An open is saving its record; its session stops as soon as it exists.
                 await self._opened.park()
                 continue
             for session in sessions:
-                session.request_stop(Shutdown())
+                session.stop_soon(Shutdown())
             for session in sessions:
                 with contextlib.suppress(SupervisorError):
                     await session.outcome.wait()

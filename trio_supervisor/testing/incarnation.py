@@ -22,6 +22,7 @@ Each incarnation of the supervisor gets its store and execution through wrappers
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import TypeVar
@@ -44,7 +45,7 @@ from ..model import (
     Termination,
 )
 from ..retention import Retention
-from ..stores.base import Store
+from ..stores.base import BatchStore, Store
 from .model import SessionId
 
 __all__ = ["ClockGuard", "Entry", "Incarnation", "Log"]
@@ -209,6 +210,40 @@ class _Store:
             raise StateStorageError(f"injected failure saving a {phase} record")
         await self._io(lambda: self._inner.save(record))
         incarnation.log.entries.append(Entry("save", session, phase))
+
+    async def save_many(self, records: Sequence[SessionRecord]) -> None:
+        """The records one after the other, as far as faults go: the first refused one
+        fails the call, and those before it are saved (together, where the store can).
+
+        A childless stop saves its Stopping and Stopped this way: a fault that refuses
+        the session's next save refuses the first, so neither is saved.
+        """
+        incarnation = self._incarnation
+        if incarnation.cut_off:
+            await trio.lowlevel.checkpoint()
+            raise StateStorageError("cut off: this supervisor has crashed")
+        accepted: list[SessionRecord] = []
+        refused: tuple[SessionId, str] | None = None
+        for record in records:
+            session = (record.handle.key, record.handle.generation)
+            if incarnation.faults.refuses(session, record.phase.value):
+                refused = (session, record.phase.value)
+                break
+            accepted.append(record)
+        if accepted:
+            inner = self._inner
+            if isinstance(inner, BatchStore):
+                await self._io(lambda: inner.save_many(accepted))
+            else:
+                for record in accepted:
+                    await self._io(functools.partial(inner.save, record))
+            for record in accepted:
+                session = (record.handle.key, record.handle.generation)
+                incarnation.log.entries.append(Entry("save", session, record.phase.value))
+        if refused is not None:
+            incarnation.log.entries.append(Entry("save", refused[0], refused[1], done=False))
+            await trio.lowlevel.checkpoint()
+            raise StateStorageError(f"injected failure saving a {refused[1]} record")
 
     async def list(self) -> Sequence[SessionRecord]:
         return await self._io(self._inner.list)

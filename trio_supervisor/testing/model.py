@@ -386,6 +386,11 @@ class Model:
             previous_child=session.registered,
             reason=reason,
         )
+        if session.child is None:
+            # Nothing was ever spawned: Stopping and Stopped are one save, one
+            # transaction (docs/design.md, deviations: P2 with no child).
+            self._finish_childless(session, stopping)
+            return
         if not self._save(session.ident, stopping):  # P2
             session.fenced = True
         child = session.child if session.registered else None
@@ -440,6 +445,30 @@ class Model:
             session.outcome = error(STORAGE) if session.fenced else ok(termination)
         else:
             session.outcome = error(STORAGE)
+
+    def _finish_childless(self, session: Session, stopping: Durable) -> None:
+        """Stopping and Stopped of a session that never had a child, saved together."""
+        assert session.reason is not None
+        termination = Termination(kind="exited", exit=NO_CHILD)
+        stopped = Durable(
+            "Stopped",
+            False,
+            session.request_id,
+            previous=session.active_phase,
+            previous_child=False,
+            reason=session.reason,
+            termination=termination,
+        )
+        session.stage, session.stage_until = "over", math.inf
+        if self.store.refuses(session.ident, stopping.phase):  # the one save, refused
+            self.poison(STORAGE)
+            session.outcome = error(STORAGE)
+            return
+        self._save(session.ident, stopping)
+        self._save(session.ident, stopped)
+        session.stopped = True
+        self.sessions.pop(session.ident, None)
+        session.outcome = ok(termination)
 
     def _unconfirmed(self, session: Session) -> None:
         self._release(session)
