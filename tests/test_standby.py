@@ -46,7 +46,10 @@ def bootstraps() -> set[int]:
             command = (entry / "cmdline").read_bytes()
         except OSError:
             continue  # it exited meanwhile
-        if b"bootstrap" in command:
+        arguments = command.rstrip(b"\0").split(b"\0")
+        # Not the containment probe (``_bootstrap.py probe``), which runs as the
+        # execution starts, at the same time as the first standby.
+        if b"bootstrap" in command and arguments[-1] != b"probe":
             found.add(int(entry.name))
     return found
 

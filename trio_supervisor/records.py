@@ -119,8 +119,9 @@ class Records:
             failure = wrapped
         handle = records[0].handle
         logger.error(
-            "the %s record of %s/%s generation %d could not be saved: %s",
+            "the %s record%s of %s/%s generation %d could not be saved: %s",
             " and ".join(record.phase.value for record in records),
+            "s" if len(records) > 1 else "",
             handle.key.identity,
             handle.key.instance,
             handle.generation,

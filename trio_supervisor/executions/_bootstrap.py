@@ -96,6 +96,8 @@ PR_SET_CHILD_SUBREAPER = 36
 # How many walks of the tree a freeze may take before it kills what it found anyway (a
 # process in uninterruptible sleep stops only when it leaves it).
 FREEZE_PASSES = 200
+# The most CPU seconds a limit may name (see apply_limits).
+CPU_SECONDS_MAX = (2**63 - 1) // 10**9
 
 
 class Context:
@@ -771,6 +773,13 @@ def apply_limits(limits: dict[str, int | None]) -> None:
     }
     for name, number in which_limit.items():
         value = limits.get(name)
+        if name == "cpu_seconds" and value is not None and value > CPU_SECONDS_MAX:
+            # setrlimit takes it, but the kernel's CPU timer counts nanoseconds in 64
+            # bits: the product wraps, and the child is killed within a tick or two.
+            raise Refused(
+                f"the limit cpu_seconds={value} cannot be applied: the kernel counts "
+                f"CPU time in nanoseconds, up to {CPU_SECONDS_MAX} s"
+            )
         if value is not None:
             try:
                 resource.setrlimit(number, (value, value))

@@ -8,7 +8,9 @@ other operations in:
 * an open checks the health (O1), then takes the key's lock to check the request and
   the generation and to supersede (O3-O5), then checks again and saves (O6-O8), still
   holding the lock: its second and third steps exclude the other opens of the key;
-* every other operation (renew, load, dispose, status) is one step. A burst holds only
+* a load checks the call (L1, L2), then runs its loader (L3-L5) in the session's task,
+  so a failure of another operation may poison the supervisor in between;
+* every other operation (renew, dispose, status) is one step. A burst holds only
   operations that do not wait on virtual time, so each step finishes at once.
 
 :func:`interleave` searches the interleavings of those steps, on copies of the model,
@@ -80,12 +82,16 @@ def plan_open(key: Key, request: str, expected: int | None) -> Planned:
 
 
 def plan_call(name: str, ident: SessionId, handle: Handle, specifier: str) -> Planned:
-    """A renew, load, dispose or status of one session, in one step."""
+    """A renew, dispose or status of one session, in one step; a load in two (its
+    checks in the call, then its loader in the session's task)."""
     if name == "load":
         return Planned(
             name,
             None,
-            (lambda model: at_once(model.load(ident, specifier)),),
+            (
+                lambda model: model.load_begin(ident, specifier),
+                lambda model: at_once(model.load_run(ident)),
+            ),
             lambda sup: sup.load(handle, LoadRequest(specifier=specifier)),
             f"load({session_name(ident)}, {specifier!r})",
         )

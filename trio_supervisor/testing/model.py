@@ -269,6 +269,15 @@ class Model:
         return ok(found.lease)
 
     def load(self, ident: SessionId, specifier: str) -> Generator[Session, None, Outcome]:
+        """L1-L6, the whole load; concurrent bursts use its two parts one by one."""
+        decided = self.load_begin(ident, specifier)
+        if decided:
+            return decided
+        return (yield from self.load_run(ident))
+
+    def load_begin(self, ident: SessionId, specifier: str) -> Outcome | None:
+        """The load call's checks (L1, L2): the outcome if decided, else None and the
+        load is the session's; its loader runs later (deviation (f))."""
         refused = self._usable()
         if refused:
             return refused
@@ -284,6 +293,14 @@ class Model:
                 return error("SessionConflictError")
             return ok(specifier)
         session.specifier = specifier
+        return None
+
+    def load_run(self, ident: SessionId) -> Generator[Session, None, Outcome]:
+        """The loader (L3-L5), in the session's task: what the supervisor's health was
+        when the call was accepted decides nothing here any more."""
+        session = self.sessions[ident]
+        specifier = session.specifier
+        assert specifier is not None
         failure = self._run_loader(session, specifier)
         if failure is None:
             return ok(specifier)

@@ -19,7 +19,10 @@ inside :meth:`ModelStore.together` share one *instant* number; every other save 
 new one. The model evicts in its own order, and remembers what it evicted; once the
 machine has seen the store, :meth:`ModelStore.resolve` takes the store's choice when it
 is one that some order of the saves of each instant gives. The cap per key never
-depends on that order: one key's sessions never stop at the same instant.
+depends on that order: one key's sessions never stop at the same instant. Where nothing was
+evicted, the store still shows the order: it lists records in save order, and the model
+takes that order for the Stopped records of one instant, since it decides which of them
+the cap in all evicts first at a later save.
 
 A record is described by :class:`Durable`, the fields the machine compares: its phase,
 whether it names a child, its request id and, once it stops, the phase it came from,
@@ -149,11 +152,25 @@ class ModelStore:
         return ident
 
     def resolve(self, kept: Mapping[SessionId, Durable]) -> None:
-        """Take the store's choice of evictions, if an order of each instant's saves gives it.
+        """Take the store's order of each instant's saves, as far as it shows.
 
         Args:
-            kept: What the store holds now.
+            kept: What the store holds now, in the order it lists it (save order).
         """
+        self._resolve_evictions(kept)
+        # The Stopped records of one instant that both sides kept: the store lists them
+        # in the order they landed, which decides which of them the cap in all evicts
+        # first, later. Across instants the model's order is the store's already.
+        position = {ident: index for index, ident in enumerate(kept)}
+        self.stopped = dict.fromkeys(
+            sorted(
+                self.stopped,
+                key=lambda ident: (self.saved[ident][0], position.get(ident, -1)),
+            )
+        )
+
+    def _resolve_evictions(self, kept: Mapping[SessionId, Durable]) -> None:
+        """Take the store's choice of evictions, if an order of each instant's saves gives it."""
         evicted, self.evicted = self.evicted, {}
         ours = set(self.stopped)
         theirs = {ident for ident, record in kept.items() if record.phase == "Stopped"}
