@@ -94,6 +94,8 @@ ADAPTER = "subprocess"
 # package.module:function, the function's parts public names (see _bootstrap.entry_point).
 ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z]\w*(\.[A-Za-z]\w*)*$")
 ALLOWED_ENVIRONMENT = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+# Interpreters that may boot at once: one per core the runner may use.
+BOOTING = max(len(os.sched_getaffinity(0)), 1)
 
 
 class SubprocessExecution:
@@ -169,6 +171,10 @@ class SubprocessExecution:
         self._stack: contextlib.AsyncExitStack | None = None
         self._bootstrap = BOOTSTRAP
         self._standby = Standby(self._start_standby)
+        # One process creation at a time: see _start.
+        self._creating = trio.CapacityLimiter(1)
+        # Interpreters booting at once (started, not yet resolved): see spawn.
+        self._booting = trio.CapacityLimiter(BOOTING)
 
     async def __aenter__(self) -> Self:
         if self._stack is not None:
@@ -282,13 +288,18 @@ class SubprocessExecution:
         return environment
 
     async def _start(self, environment: Mapping[str, str], output: int) -> Interpreter:
-        return await start_interpreter(
-            self.python,
-            self._bootstrap,
-            environment=environment,
-            output=output,
-            directory=self.state_directory,
-        )
+        # One at a time: trio starts each process in a thread, and a burst of loads
+        # would run that many fork+exec threads at once, which starve the event loop of
+        # the GIL for hundreds of milliseconds. Serialized, a burst costs the same
+        # total time and the loop goes on serving other sessions between creations.
+        async with self._creating:
+            return await start_interpreter(
+                self.python,
+                self._bootstrap,
+                environment=environment,
+                output=output,
+                directory=self.state_directory,
+            )
 
     async def _start_standby(self) -> Interpreter:
         # Output goes nowhere until the spawn message names the session's log.
@@ -307,6 +318,15 @@ class SubprocessExecution:
             raise ExecutionError(
                 "SubprocessExecution is not running: enter it with `async with` first"
             )
+        # A burst of loads boots that many interpreters at once, and on a small machine
+        # they take every core from the event loop. Booted a few at a time, the burst
+        # takes the same total time and the loop keeps serving everyone else.
+        async with self._booting:
+            return await self._spawn(nursery, handle, load, limits)
+
+    async def _spawn(
+        self, nursery: trio.Nursery, handle: Handle, load: Load, limits: Limits
+    ) -> ProcessUnit:
         spec = self._spec(handle, load, limits)
         log = self.log_path(handle)
         # Capped output is copied through a pipe made here, so only an uncapped load
