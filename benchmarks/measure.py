@@ -91,27 +91,6 @@ def compare(
     )
 
 
-def with_floor(
-    result: Result,
-    name: str,
-    *,
-    floor: Callable[[], float],
-    baseline: Callable[[], float],
-    rounds: int,
-) -> Result:
-    """``result`` with a floor measured against the same baseline, in its ``extra``.
-
-    A floor is the least any implementation that keeps the rules of docs/design.md can do; its
-    median goes in as ``name`` and its ratio to the baseline's as ``floor_ratio``.
-    """
-    floors, baselines = interleaved(floor, baseline, rounds)
-    lowest = statistics.median(floors)
-    return attrs.evolve(
-        result,
-        extra={name: lowest, "floor_ratio": lowest / statistics.median(baselines)},
-    )
-
-
 def interleaved(
     first: Callable[[], float], second: Callable[[], float], rounds: int
 ) -> tuple[list[float], list[float]]:
