@@ -459,8 +459,7 @@ class Supervisor:
 
     async def _persist(self, record: SessionRecord) -> None:
         """Make ``record`` durable (O8, H1); a session whose record is evicted retires (O10)."""
-        evicted = await self._records.save(record)
-        for gone in evicted:
+        for gone in await self._records.save(record):
             self._sessions.pop(gone.handle.token, None)
 
     async def _persist_together(self, records: Sequence[SessionRecord]) -> None:
