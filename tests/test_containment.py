@@ -180,7 +180,7 @@ def nonce() -> Iterator[str]:
 
 @contextlib.asynccontextmanager
 async def supervising(
-    directory: Path, containment: str, **options: Any
+    directory: Path, containment: str, *, fork_server: bool = False, **options: Any
 ) -> AsyncIterator[tuple[SubprocessExecution, Supervisor]]:
     settings: dict[str, Any] = {"lease": 30.0, "grace": 5.0, "confirmation_timeout": 5.0}
     settings.update(options)
@@ -189,6 +189,7 @@ async def supervising(
             directory,
             entry_paths=[PLUGINS],
             containment=containment,  # type: ignore[arg-type]
+            fork_server=fork_server,
         ) as execution,
         open_supervisor(MemoryStore(), execution, **settings) as supervisor,
     ):
@@ -252,12 +253,18 @@ async def until_stopped(supervisor: Supervisor, handle: Handle) -> StoppedRecord
 # -- ways out, in this process ----------------------------------------------------------
 
 
+@pytest.mark.parametrize("fork_server", [False, True], ids=["started", "forked"])
 @pytest.mark.parametrize("containment", MECHANISMS)
 async def test_dispose_ends_everything_the_plugins_left(
-    tmp_path: Path, containment: str, nonce: str
+    tmp_path: Path, containment: str, fork_server: bool, nonce: str
 ) -> None:
-    async with supervising(tmp_path, containment) as (execution, supervisor):
+    async with supervising(tmp_path, containment, fork_server=fork_server) as (
+        execution,
+        supervisor,
+    ):
         handles = await leave_all(execution, supervisor, nonce)
+        if fork_server:  # every child came from the fork server, none was started
+            assert execution.fork_server_forks == len(handles)
         assert_left_running(execution, handles, nonce)
         terminations: dict[str, Termination] = {}
 
@@ -394,7 +401,8 @@ def held(
     state: Path, containment: str, nonce: str
 ) -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
     """A runner (``plugins_escape/runner.py``) holding every escape plugin; it and its
-    children's pids by plugin. Killed, if it still runs, at the end."""
+    children's pids by plugin (and the fork server's as "server", with a containment
+    ending in "+fork"). Killed, if it still runs, at the end."""
     runner = subprocess.Popen(
         [sys.executable, str(RUNNER), str(state), containment, "hold", nonce],
         stdout=subprocess.PIPE,
@@ -427,11 +435,13 @@ def left_in(state: Path) -> set[int]:
     }
 
 
+@pytest.mark.parametrize("fork", ["", "+fork"], ids=["started", "forked"])
 @pytest.mark.parametrize("containment", MECHANISMS)
 def test_a_killed_runner_leaves_nothing_behind(
-    tmp_path: Path, containment: str, nonce: str
+    tmp_path: Path, containment: str, fork: str, nonce: str
 ) -> None:
-    with held(tmp_path, containment, nonce) as (runner, children):
+    with held(tmp_path, containment + fork, nonce) as (runner, children):
+        assert ("server" in children) == bool(fork)
         pids = left_in(tmp_path)
         assert len(pids) == sum(LEAVES.values())
         assert pids <= marked(nonce)

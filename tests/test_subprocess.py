@@ -44,12 +44,22 @@ BOUND = 20.0
 RECOVERY_LOGGER = "trio_supervisor.executions.subprocess"
 
 
-@pytest.fixture
-async def execution(tmp_path: Path) -> AsyncIterator[SubprocessExecution]:
+@pytest.fixture(params=[False, True], ids=["started", "forked"])
+async def execution(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[SubprocessExecution]:
+    """Each test runs with children started, and again forked by the fork server."""
     async with SubprocessExecution(
-        tmp_path, entry_paths=[PLUGINS], commands={"sleeper": ["sleep", "30"]}
+        tmp_path,
+        entry_paths=[PLUGINS],
+        commands={"sleeper": ["sleep", "30"]},
+        fork_server=request.param,
     ) as subprocess_execution:
         yield subprocess_execution
+        # Forked means forked: no child of a forked run was started.
+        assert (subprocess_execution.fork_server_forks > 0) == request.param or not any(
+            (tmp_path / "logs").iterdir()
+        )
 
 
 @pytest.fixture

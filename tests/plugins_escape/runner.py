@@ -3,7 +3,8 @@
 python runner.py STATE CONTAINMENT hold NONCE
     load every escape plugin (each told the nonce) with a 1-s lease, print
     "child NAME PID" for each once it says its leftovers are in place, then "holding",
-    and renew every lease until killed
+    and renew every lease until killed; with CONTAINMENT ending in "+fork", the children
+    come from the fork server, whose pid is printed first as "child server PID"
 python runner.py STATE CONTAINMENT recover
     start on the same store (which recovers what the killed runner left) and print each
     recovered session as "recovered NAME TERMINATION"
@@ -41,16 +42,20 @@ async def renew(supervisor: Supervisor, handles: list[Handle]) -> None:
 
 
 async def hold(state: Path, containment: str, nonce: str) -> None:
+    containment, fork, _ = containment.partition("+fork")
     async with (
         SqliteStore(state / "state.db") as store,
         SubprocessExecution(
             state,
             entry_paths=[PLUGINS],
             containment=containment,  # type: ignore[arg-type]
+            fork_server=bool(fork),
         ) as execution,
         open_supervisor(store, execution, lease=LEASE, grace=1.0) as supervisor,
         trio.open_nursery() as nursery,
     ):
+        if fork:
+            print(f"child server {execution.fork_server_pid}", flush=True)
         handles = []
         for name in NAMES:
             record = await supervisor.open(Key(identity="escape", instance=name), "hold")

@@ -1001,5 +1001,127 @@ def main() -> int:
     return tracked.finish(report)
 
 
+# -- the fork server ------------------------------------------------------------------
+# Run as ``python -I _bootstrap.py serve FD [MODULE ...]``: FD is a SOCK_SEQPACKET socket
+# to the supervisor. The server imports what a child needs (and the MODULEs the owner
+# asked to preload), says {"event": "ready"} (or {"event": "failed", "message": ...}),
+# and then, for each request {"environment": {...}} that carries three descriptors
+# (SCM_RIGHTS: the child's end of its control socket, its marker pipe, its output), forks
+# a T through an intermediate process that exits at once, so that T is re-parented to the
+# supervisor (a child subreaper), and answers {"pid": T} once that is so, or
+# {"event": "failed", "message": ...}. It holds nothing of a session once it answered.
+# EOF on FD (the supervisor is gone) ends it; so does the supervisor's death (its
+# parent-death signal).
+
+# What every child imports sooner or later: preloaded, no child pays for it.
+PRELOADED = ("resource", "traceback", "_sha256", "_sha2")
+
+
+def serve(fd: int, preload: list[str]) -> None:
+    """The fork server's loop; returns only in a forked T, set up as a fresh bootstrap."""
+    import _socket  # socket's C part: no enum
+
+    reset_signals()
+    bind("unshare", "prctl")
+    server = _socket.socket(fileno=fd)
+    try:
+        libc("prctl", PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
+        for name in PRELOADED:
+            try:  # noqa: SIM105  # contextlib is not imported here (see the top)
+                __import__(name)
+            except ImportError:
+                pass  # _sha2 or _sha256, by the version: sha256_of takes either
+        for name in preload:
+            __import__(name)
+    except BaseException as error:  # a module the owner named cannot be imported
+        server.send(marshal.dumps({"event": "failed", "message": f"{error!r}"}))
+        os._exit(1)
+    # Whatever is alive now is never collected in a child, so a collection there does
+    # not copy the pages it shares with us.
+    gc.collect()
+    gc.freeze()
+    server.send(marshal.dumps({"event": "ready"}))
+    descriptors = _socket.CMSG_SPACE(3 * 4)
+    while True:
+        try:
+            data, ancillary, flags, _ = server.recvmsg(1 << 20, descriptors)
+        except InterruptedError:
+            continue
+        if not data:
+            os._exit(0)  # the supervisor is gone
+        fds: list[int] = []
+        for level, kind, payload in ancillary:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                whole = len(payload) - len(payload) % 4
+                for at in range(0, whole, 4):
+                    fds.append(int.from_bytes(payload[at : at + 4], sys.byteorder))
+        truncated = flags & (_socket.MSG_TRUNC | _socket.MSG_CTRUNC)
+        if truncated or len(fds) != 3:
+            close_all(*fds)
+            reply = {"event": "failed", "message": "a fork request needs 3 descriptors"}
+            server.send(marshal.dumps(reply))
+            continue
+        request = marshal.loads(data)
+        pid = fork_tracked(server.fileno())
+        if pid == 0:  # in T
+            become_tracked(request, fds)
+            return
+        close_all(*fds)
+        if pid < 0:
+            server.send(marshal.dumps({"event": "failed", "message": "the child did not start"}))
+        else:
+            server.send(marshal.dumps({"pid": pid}))
+
+
+def fork_tracked(server: int) -> int:
+    """Fork T through a process that exits at once: 0 in T, T's pid (re-parented to the
+    supervisor, and leading its own session) in the server, -1 if that failed."""
+    settled, settling = os.pipe()  # T says it leads its session; then its parent exits
+    reported, reporter = os.pipe()  # T's pid, from its parent
+    try:
+        middle = os.fork()
+    except OSError:
+        close_all(settled, settling, reported, reporter)
+        return -1
+    if middle == 0:  # the intermediate process: it never returns
+        try:
+            close_all(reported)
+            tracked = os.fork()
+        except BaseException:
+            os._exit(1)
+        if tracked == 0:
+            close_all(settled, reporter, server)
+            os.setsid()
+            os.write(settling, b"s")
+            os.close(settling)
+            return 0
+        try:
+            close_all(settling)
+            if os.read(settled, 1) == b"s":  # else T died before it got there
+                os.write(reporter, str(tracked).encode())
+        finally:
+            os._exit(0)
+    close_all(settling, reporter)
+    os.waitpid(middle, 0)  # once it is gone, T is the supervisor's child
+    text = os.read(reported, 32)
+    close_all(settled, reported)
+    return int(text) if text else -1
+
+
+def become_tracked(request: dict[str, Any], fds: list[int]) -> None:
+    """In a forked T: take the request's output, environment and descriptors."""
+    control, marked, output = fds
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(output)
+    for kept in (control, marked):
+        os.set_inheritable(kept, True)  # as a spawned T inherits them
+    os.environ.clear()
+    os.environ.update(request["environment"])
+    sys.argv[1:] = [str(control)]
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        serve(int(sys.argv[2]), sys.argv[3:])  # returns in each T it forks
     sys.exit(main())

@@ -34,11 +34,19 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import trio
 
-__all__ = ["BOOTSTRAP", "Interpreter", "Standby", "compile_bootstrap", "start_interpreter"]
+__all__ = [
+    "BOOTSTRAP",
+    "ChildProcess",
+    "Interpreter",
+    "Standby",
+    "compile_bootstrap",
+    "start_interpreter",
+]
 
 BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
 # How long a discarded interpreter, killed, may take to be reaped.
@@ -64,19 +72,36 @@ def compile_bootstrap(directory: Path) -> Path:
     return target
 
 
+class ChildProcess(Protocol):
+    """What a bootstrap interpreter's process offers, started or forked."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    async def wait(self) -> int: ...
+
+
 @attrs.define(eq=False)
 class Interpreter:
     """A started bootstrap that has not been told what to run yet.
 
     Attributes:
-        process: The bootstrap's process.
+        process: The bootstrap's process (a ``trio.Process``, or forked by the fork
+            server).
         control: Our end of its socket pair.
         marker: The reading end of a pipe whose writing end it inherited, and passes on
             to whatever it starts: how its leftovers are known once it is gone (see
             ``_trees.strays``).
     """
 
-    process: trio.Process
+    process: ChildProcess
     control: socket.socket
     marker: int
 

@@ -52,6 +52,7 @@ import trio
 from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, CodeIdentity, ExitStatus, Load
 from ._groups import exit_status, group_gone, signal_group
+from ._standby import ChildProcess
 from ._trees import Tree, left_behind, process_table, strays
 
 __all__ = ["ProcessUnit", "failure"]
@@ -113,7 +114,7 @@ class ProcessUnit:
 
     def __init__(
         self,
-        process: trio.Process,
+        process: ChildProcess,
         identity: ChildIdentity,
         control: socket.socket,
         load: Load,

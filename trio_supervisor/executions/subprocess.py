@@ -79,6 +79,7 @@ from ..background import open_background_nursery
 from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination, thaw
 from ._containment import CONTAINMENTS, Containment, Mechanism, choose
+from ._forkserver import Broken, ForkServer, check_preload
 from ._groups import become_subreaper, boot_id, group_gone, read_stat, reap_group, start_time
 from ._output import copy_output
 from ._standby import BOOTSTRAP, Interpreter, Standby, compile_bootstrap, start_interpreter
@@ -127,9 +128,22 @@ class SubprocessExecution:
             "namespace" (a PID namespace per child; entering the execution fails where
             the kernel allows none), "sweep" (the child subreaper sweep), or "auto"
             (a namespace where allowed, else the sweep).
+        fork_server: Start one bootstrap interpreter with the execution and fork each
+            load's child from it (see ``_forkserver``), so that no load waits for Python
+            to start; loads that find it gone start their own interpreter while it is
+            started again. The children are the same as started ones: their own
+            session, process group, namespace, limits, environment and log. They share
+            what the server's interpreter fixed at start-up (its hash seed). Needs
+            ``subreaper=True``.
+        preload: Modules the fork server imports before it forks anyone, so a child
+            finds them imported (``typing``, ``trio``, a framework the plugins share):
+            found on the interpreter's own path, never on ``entry_paths`` (the server
+            runs no plugin code). Entering the execution fails if one cannot be
+            imported.
 
     Raises:
-        ValueError: ``containment`` is none of those.
+        ValueError: ``containment`` is none of those, a ``preload`` entry is not a
+            module name, or ``fork_server`` is asked for without ``subreaper``.
     """
 
     def __init__(
@@ -143,9 +157,17 @@ class SubprocessExecution:
         subreaper: bool = True,
         standby: bool = False,
         containment: Containment = "auto",
+        fork_server: bool = False,
+        preload: Sequence[str] = (),
     ) -> None:
         if containment not in CONTAINMENTS:
             raise ValueError(f"containment must be one of {CONTAINMENTS}, got {containment!r}")
+        if fork_server and not subreaper:
+            raise ValueError(
+                "fork_server=True needs subreaper=True: a forked child is re-parented to "
+                "this process, which can wait for it only as a child subreaper"
+            )
+        self.preload = check_preload(preload)
         # Absolute: children run with the state directory as their working directory.
         self.state_directory = Path(state_directory).absolute()
         self.entry_paths = tuple(str(Path(path).resolve()) for path in entry_paths)
@@ -164,6 +186,8 @@ class SubprocessExecution:
         self.subreaper = subreaper
         self.standby = standby
         self.containment: Containment = containment
+        self.fork_server = fork_server
+        self._server: ForkServer | None = None
         # Until entered: the sweep, which every kernel allows.
         self.mechanism = Mechanism(kind="sweep", unshare=None, required=False, reason="")
         self._boot_id = boot_id()
@@ -193,6 +217,16 @@ class SubprocessExecution:
             self._nursery.start_soon(self._standby.fill, name="standby interpreter")
         try:
             self.mechanism = await choose(self.containment, self.python, self._bootstrap)
+            if self.fork_server:
+                self._server = ForkServer(
+                    self.python,
+                    self._bootstrap,
+                    directory=self.state_directory,
+                    environment=self._base_environment(),
+                    preload=self.preload,
+                )
+                stack.push_async_callback(self._server.aclose)
+                await self._server.start()
         except BaseException as error:
             await self.__aexit__(type(error), error, error.__traceback__)
             raise
@@ -218,6 +252,16 @@ class SubprocessExecution:
         finally:
             # Every background task has ended, a standby being started included.
             await self._standby.close()
+
+    @property
+    def fork_server_pid(self) -> int | None:
+        """The fork server's pid while it runs, else None."""
+        return self._server.pid if self._server is not None else None
+
+    @property
+    def fork_server_forks(self) -> int:
+        """How many children the fork server has made since the execution started."""
+        return self._server.forks if self._server is not None else 0
 
     # -- logs -------------------------------------------------------------------------
 
@@ -288,6 +332,17 @@ class SubprocessExecution:
         return environment
 
     async def _start(self, environment: Mapping[str, str], output: int) -> Interpreter:
+        server = self._server
+        if server is not None and self._nursery is not None:
+            if server.running:
+                try:
+                    return await server.fork(environment, output)
+                except Broken as error:
+                    logger.warning("%s; this load starts its own interpreter", error)
+            server.restart_soon(self._nursery)
+        return await self._start_cold(environment, output)
+
+    async def _start_cold(self, environment: Mapping[str, str], output: int) -> Interpreter:
         # One at a time: trio starts each process in a thread, and a burst of loads
         # would run that many fork+exec threads at once, which starve the event loop of
         # the GIL for hundreds of milliseconds. Serialized, a burst costs the same
@@ -303,7 +358,7 @@ class SubprocessExecution:
 
     async def _start_standby(self) -> Interpreter:
         # Output goes nowhere until the spawn message names the session's log.
-        return await self._start(self._base_environment(), subprocess.DEVNULL)
+        return await self._start_cold(self._base_environment(), subprocess.DEVNULL)
 
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
         """Start the bootstrap for ``load``; return once it resolved the code.
@@ -330,8 +385,10 @@ class SubprocessExecution:
         spec = self._spec(handle, load, limits)
         log = self.log_path(handle)
         # Capped output is copied through a pipe made here, so only an uncapped load
-        # can take the interpreter started ahead.
-        standby = self._standby.take(nursery) if limits.output_bytes is None else None
+        # can take the interpreter started ahead; a running fork server needs none.
+        forking = self._server is not None and self._server.running
+        capped = limits.output_bytes is not None
+        standby = None if forking or capped else self._standby.take(nursery)
         if standby is not None:
             # Started ahead: it learns where its output goes and its environment now.
             warm = {**spec, "log": str(log), "environment": self._environment(handle)}

@@ -79,6 +79,8 @@ class RunnerConfig:
         certfile, keyfile: TLS; both or neither.
         insecure_http: Allow plain HTTP on an address that is not loopback.
         standby: Keep one interpreter started ahead of the next load.
+        fork_server: Fork each load's child from a fork server (see
+            ``SubprocessExecution``); the standby serves loads while it restarts.
     """
 
     state: Path = Path("runner-state")
@@ -94,6 +96,7 @@ class RunnerConfig:
     keyfile: Path | None = None
     insecure_http: bool = False
     standby: bool = True
+    fork_server: bool = True
 
     @property
     def hosts_token_path(self) -> Path:
@@ -228,6 +231,7 @@ async def run_runner(
                     entry_paths=list(config.plugins),
                     commands=dict(config.commands),
                     standby=config.standby,
+                    fork_server=config.fork_server,
                 ) as execution,
                 open_supervisor(
                     TimedStore(sqlite, metrics.save_seconds),

@@ -1,0 +1,316 @@
+"""The fork server: bootstrap interpreters made by ``fork`` instead of by starting Python.
+
+Theory of operation: starting Python is most of a minimal child's load. The fork server
+is one bootstrap interpreter (``_bootstrap.py serve``, standard library only) started
+with the execution, which has imported what every child needs and the modules the
+runner's owner asked to preload, and then forks a fresh tracked process T per load.
+T is forked through an intermediate process that exits at once, so it is re-parented
+to this process (a child subreaper), leads a session of its own, and from then on is
+exactly what :func:`~._standby.start_interpreter` makes: a bootstrap that waits for its
+spawn message and has run nothing. Its control socket, marker pipe and output go to
+the server with the request (``SCM_RIGHTS``), with the session's environment; the
+server closes its copies once it answered, so it holds nothing of any session.
+
+Rules that never bend:
+
+* The server runs none of a host's code: it forks before the spawn message exists,
+  and every check, limit and containment step happens in T, as for a started one.
+* Only a child subreaper can use it (a T re-parented elsewhere could not be waited
+  for); the execution refuses the combination.
+* A server that fails or dies is never waited on by a load: the load starts its
+  interpreter the usual way, and the server is started again in the background (at
+  most once a second).
+
+Races this guards against:
+
+* A request cancelled half-way would leave a reply in the socket that the next
+  request would take for its own: a request is shielded, and bounded by
+  ``REQUEST_TIMEOUT``, after which the server counts as broken.
+* T exits before we look at it: it is our child (the intermediate process was reaped
+  before the server answered), so its pid stays its own until we reap it, and the
+  pidfd opened on it is T's.
+
+Known limits: a forked child shares what the server's interpreter fixed at start-up,
+its hash seed among them (``str`` hashes are the same in every child of one server).
+If the server is killed between its fork and its answer, the T it made sees EOF on
+its control socket and exits, but nobody reaps it until the runner exits.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import marshal
+import os
+import re
+import signal
+import socket
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..errors import ExecutionError
+from ._standby import Interpreter
+
+__all__ = ["Broken", "ForkServer", "ForkedProcess", "check_preload"]
+
+logger = logging.getLogger(__name__)
+
+# How long one fork request may take before the server counts as broken; how long
+# the server may take to start (its imports included); how often a broken one is
+# started again.
+REQUEST_TIMEOUT = 5.0
+START_TIMEOUT = 30.0
+RESTART_INTERVAL = 1.0
+_MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def check_preload(preload: Sequence[str]) -> tuple[str, ...]:
+    """``preload`` as module names, or ValueError naming the first that is none."""
+    if isinstance(preload, str):
+        raise TypeError("preload must be a sequence of module names, not one string")
+    for name in preload:
+        if not isinstance(name, str) or not _MODULE.match(name):
+            raise ValueError(f"preload names a module as 'package.module', got {name!r}")
+    return tuple(preload)
+
+
+class ForkedProcess:
+    """A T the fork server made: our child, watched through a pidfd like trio.Process.
+
+    Args:
+        pid: T's pid; it must be our child already (so the pid is not reused).
+    """
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+        self._pidfd: int | None = os.pidfd_open(pid)
+        self._returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode
+
+    def poll(self) -> int | None:
+        """Its returncode (Popen-style, negative for a signal) if it has exited."""
+        if self._returncode is None:
+            try:
+                pid, status = os.waitpid(self._pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: gone, status unknown
+                pid, status = self._pid, signal.SIGKILL
+            if pid != 0:
+                self._returncode = os.waitstatus_to_exitcode(status)
+                self._close()
+        return self._returncode
+
+    def kill(self) -> None:
+        if self._pidfd is not None:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    async def wait(self) -> int:
+        while self.poll() is None:
+            assert self._pidfd is not None
+            await trio.lowlevel.wait_readable(self._pidfd)
+        await trio.lowlevel.checkpoint()
+        assert self._returncode is not None
+        return self._returncode
+
+    def _close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def __del__(self) -> None:
+        self._close()
+
+
+class Broken(Exception):
+    """The fork server cannot serve this request (it is gone, or answered nonsense)."""
+
+
+class ForkServer:
+    """One fork server process and the socket to it.
+
+    Args:
+        python: The interpreter.
+        bootstrap: The bootstrap, compiled or as source.
+        directory: Its working directory (and so its children's).
+        environment: Its environment (each child gets its session's with the request).
+        preload: Modules it imports before it forks anyone.
+    """
+
+    def __init__(
+        self,
+        python: str,
+        bootstrap: Path,
+        *,
+        directory: Path,
+        environment: Mapping[str, str],
+        preload: Sequence[str],
+    ) -> None:
+        self._command = [python, "-I", str(bootstrap), "serve"]
+        self._directory = directory
+        self._environment = dict(environment)
+        self._preload = tuple(preload)
+        self._process: trio.Process | None = None
+        self._socket: trio.socket.SocketType | None = None
+        self._lock = trio.Lock()
+        self._restarting = False
+        self._last_start = -float("inf")
+        self._closed = False
+        self.forks = 0  # children forked so far, for tests and the curious
+
+    @property
+    def running(self) -> bool:
+        return self._socket is not None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def start(self) -> None:
+        """Start the server and wait until it has imported everything.
+
+        Raises:
+            ExecutionError: It could not start, or a preloaded module failed to import.
+        """
+        self._last_start = trio.current_time()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            process = await trio.lowlevel.open_process(
+                [*self._command, str(theirs.fileno()), *self._preload],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+                env=self._environment,
+                cwd=self._directory,
+            )
+        except OSError as error:
+            ours.close()
+            raise ExecutionError(f"cannot start the fork server: {error}") from error
+        finally:
+            theirs.close()
+        channel = trio.socket.from_stdlib_socket(ours)
+        try:
+            reply: Any = None
+            with trio.move_on_after(START_TIMEOUT):
+                reply = _decode(await channel.recv(65536))
+            if not isinstance(reply, dict) or reply.get("event") != "ready":
+                why = reply.get("message") if isinstance(reply, dict) else "it did not answer"
+                raise ExecutionError(f"the fork server did not start: {why}")
+        except BaseException:
+            channel.close()
+            await _end(process)
+            raise
+        if self._closed:  # the execution closed while this one started
+            channel.close()
+            await _end(process)
+            return
+        self._process, self._socket = process, channel
+
+    async def fork(self, environment: Mapping[str, str], output: int) -> Interpreter:
+        """A fresh T, waiting for its spawn message, as ``start_interpreter`` makes one.
+
+        Raises:
+            Broken: The server cannot serve it; start the interpreter another way.
+        """
+        ours, theirs = socket.socketpair()
+        marker, marked = os.pipe()
+        try:
+            pid = await self._request(
+                marshal.dumps({"environment": dict(environment)}), [theirs.fileno(), marked, output]
+            )
+            return Interpreter(ForkedProcess(pid), ours, marker)
+        except BaseException:
+            ours.close()
+            os.close(marker)
+            raise
+        finally:
+            theirs.close()
+            os.close(marked)
+
+    async def _request(self, request: bytes, fds: list[int]) -> int:
+        async with self._lock:
+            channel = self._socket
+            if channel is None:
+                await trio.lowlevel.checkpoint()
+                raise Broken("the fork server is not running")
+            reply: Any = None
+            # Shielded: a reply left unread would answer the next request.
+            with trio.CancelScope(shield=True), trio.move_on_after(REQUEST_TIMEOUT):
+                try:
+                    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                    await channel.sendmsg([request], ancillary)
+                    reply = _decode(await channel.recv(65536))
+                except OSError as error:
+                    reply = {"event": "failed", "message": str(error)}
+            if isinstance(reply, dict) and isinstance(reply.get("pid"), int):
+                self.forks += 1
+                return int(reply["pid"])
+            why = reply.get("message") if isinstance(reply, dict) else "it did not answer"
+            if not (isinstance(reply, dict) and reply.get("event") == "failed" and self._alive()):
+                await self._stop()  # gone, or out of step with us
+            raise Broken(f"the fork server could not fork: {why}")
+
+    def _alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def restart_soon(self, nursery: trio.Nursery) -> None:
+        """Start the server again in the background, unless it runs or is on its way."""
+        if self._socket is not None or self._restarting or self._closed:
+            return
+        if trio.current_time() - self._last_start < RESTART_INTERVAL:
+            return
+        self._restarting = True
+        nursery.start_soon(self._restart, name="fork server")
+
+    async def _restart(self) -> None:
+        try:
+            await self._stop()
+            await self.start()
+            logger.info("the fork server was started again")
+        except ExecutionError as error:
+            logger.warning("%s; loads start their interpreters meanwhile", error)
+        finally:
+            self._restarting = False
+
+    async def _stop(self) -> None:
+        channel, self._socket = self._socket, None
+        process, self._process = self._process, None
+        if channel is not None:
+            channel.close()
+        if process is not None:
+            if not self._closed:
+                logger.warning("the fork server stopped; loads start their own interpreters")
+            await _end(process)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        with trio.CancelScope(shield=True):
+            await self._stop()
+
+
+def _decode(data: bytes) -> Any:
+    if not data:
+        return None
+    try:
+        return marshal.loads(data)
+    except (EOFError, ValueError, TypeError):
+        return None
+
+
+async def _end(process: trio.Process) -> None:
+    """Kill and reap the server (it holds nothing of anyone's)."""
+    if process.poll() is None:
+        process.kill()
+    with trio.move_on_after(REQUEST_TIMEOUT, shield=True):
+        await process.wait()
