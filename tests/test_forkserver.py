@@ -34,7 +34,7 @@ from .harness import opened, report_in, until_logged
 PLUGINS = Path(__file__).parent.parent / "examples" / "plugins"
 BOUND = 20.0
 # A plugin that says which of the modules it names were imported before it was.
-PRELOADED = '''
+PRELOADED = """
 import sys
 
 FOUND = {name: name in sys.modules for name in ("json", "email.message")}
@@ -46,7 +46,7 @@ def main(context):
 
     while True:
         time.sleep(0.1)
-'''
+"""
 
 
 @pytest.fixture
