@@ -3,8 +3,8 @@
 Baseline: raw Trio spawning ``sys.executable -I`` with the same minimal code, waiting
 for its ready line, sending SIGTERM, and reaping it.
 
-``child.cycle`` runs the execution as the example runner does, with ``standby=True``
-(the next load's interpreter is started ahead); ``child.cycle.cold`` is the default,
+``child.cycle`` runs the execution as the runner service does, with ``fork_server=True``
+(each child forked from a prepared interpreter); ``child.cycle.cold`` is the default,
 which starts each child's interpreter during its load.
 
 ``terminate.cooperative`` is judged against the floor that the shape of
@@ -125,12 +125,30 @@ def raw(
     return trio.run(main)
 
 
-def ours(cycles: int, which: int, *, standby: bool = False) -> float:
+# What the fork server of child.cycle imports ahead: the one module the plugin imports
+# beside the built-in ``time`` (an owner preloads what the plugins share).
+PRELOAD = ("typing",)
+
+
+def ours(
+    cycles: int,
+    which: int,
+    *,
+    standby: bool = False,
+    fork_server: bool = False,
+    preload: tuple[str, ...] = (),
+) -> float:
     async def main(directory: str) -> float:
         key = Key(identity="bench", instance="child")
         times = []
         async with (
-            SubprocessExecution(directory, entry_paths=[PLUGINS], standby=standby) as execution,
+            SubprocessExecution(
+                directory,
+                entry_paths=[PLUGINS],
+                standby=standby,
+                fork_server=fork_server,
+                preload=preload,
+            ) as execution,
             open_supervisor(MemoryStore(), execution, lease=60.0, grace=GRACE) as supervisor,
         ):
             for cycle in range(cycles):
@@ -155,16 +173,29 @@ def run(quick: bool, rounds: int) -> list[Result]:
     return [
         compare(
             "child.cycle",
-            ours=lambda: ours(cycles, 0, standby=True),
+            ours=lambda: ours(cycles, 0, fork_server=True, standby=True, preload=PRELOAD),
             baseline=lambda: raw(cycles, 0),
             baseline_name=spawn,
             unit="s/cycle",
             better="lower",
             target=0.25,
             rounds=rounds,
-            note="open+load+dispose of a minimal plugin with standby=True (an interpreter "
-            "started ahead; the fork server the target is set for is not built) vs a cold "
-            "spawn, ready line, SIGTERM, reaped",
+            note="open+load+dispose of a minimal plugin as the runner service runs it "
+            "(fork_server=True, standby=True: the next child is forked ahead) with the "
+            "plugin's one import preloaded (typing) vs a cold spawn of the same code, "
+            "ready line, SIGTERM, reaped",
+        ),
+        compare(
+            "child.cycle.no_preload",
+            ours=lambda: ours(cycles, 0, fork_server=True, standby=True),
+            baseline=lambda: raw(cycles, 0),
+            baseline_name=spawn,
+            unit="s/cycle",
+            better="lower",
+            target=0.25,
+            rounds=rounds,
+            informational=True,
+            note="as child.cycle with nothing preloaded: the plugin imports typing itself",
         ),
         compare(
             "child.cycle.cold",

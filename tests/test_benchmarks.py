@@ -24,6 +24,7 @@ SCENARIOS = {
     "durable.concurrent.naive",
     "durable.vs_memory",
     "child.cycle",
+    "child.cycle.no_preload",
     "child.cycle.cold",
     "recovery.10k",
     "recovery.10k.raw",
@@ -40,6 +41,7 @@ INFORMATIONAL = {
     "control.sequential.skeleton",
     "control.concurrent.skeleton",
     "durable.concurrent.naive",
+    "child.cycle.no_preload",
     "recovery.10k.raw",
     "terminate.cooperative.raw",
 }

@@ -123,7 +123,8 @@ class SubprocessExecution:
             started for it. It costs one idle interpreter while the execution runs, and
             serves loads without ``Limits.output_bytes`` (capped output is copied
             through a pipe made at spawn). If the supervisor dies, the standby sees its
-            socket close and exits.
+            socket close and exits. With ``fork_server``, the standby is forked by it
+            too, so a load waits for neither Python's start nor a fork.
         containment: How a child's whole process tree is held (see ``_containment``):
             "namespace" (a PID namespace per child; entering the execution fails where
             the kernel allows none), "sweep" (the child subreaper sweep), or "auto"
@@ -358,7 +359,13 @@ class SubprocessExecution:
 
     async def _start_standby(self) -> Interpreter:
         # Output goes nowhere until the spawn message names the session's log.
-        return await self._start_cold(self._base_environment(), subprocess.DEVNULL)
+        if self._server is None or not self._server.running:
+            return await self._start_cold(self._base_environment(), subprocess.DEVNULL)
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        try:
+            return await self._start(self._base_environment(), nowhere)
+        finally:
+            os.close(nowhere)
 
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
         """Start the bootstrap for ``load``; return once it resolved the code.
@@ -385,10 +392,8 @@ class SubprocessExecution:
         spec = self._spec(handle, load, limits)
         log = self.log_path(handle)
         # Capped output is copied through a pipe made here, so only an uncapped load
-        # can take the interpreter started ahead; a running fork server needs none.
-        forking = self._server is not None and self._server.running
-        capped = limits.output_bytes is not None
-        standby = None if forking or capped else self._standby.take(nursery)
+        # can take the interpreter started ahead.
+        standby = self._standby.take(nursery) if limits.output_bytes is None else None
         if standby is not None:
             # Started ahead: it learns where its output goes and its environment now.
             warm = {**spec, "log": str(log), "environment": self._environment(handle)}
