@@ -56,6 +56,10 @@ Ways out, and what holds each:
 Exit: the entry point's int result (or 0), 1 when it raised, and death by SIGTERM when
 it was interrupted; a named command's own status or signal.
 
+Run as ``python -I _bootstrap.py serve FD [MODULE ...]``, it is the fork server instead
+(see the section at the end of this file): it prepares once, then forks a fresh T per
+load, which goes on exactly as a T the supervisor started.
+
 Start-up time is part of every load, so this file imports only what is built into the
 interpreter: ``_signal`` instead of ``signal`` (which pulls in ``enum`` and more),
 ``marshal`` instead of ``json`` (which pulls in ``re``), raw file descriptors instead of

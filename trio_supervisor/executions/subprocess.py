@@ -44,7 +44,8 @@ Where the parts live: this module is the face (construction, spawn, recover, log
 ``_containment`` chooses the mechanism; ``_groups`` reads ``/proc`` and signals, reaps
 and waits for process groups; ``_trees`` finds, freezes and kills process trees;
 ``_unit`` is a child and the control-socket protocol; ``_standby`` starts interpreters,
-and the one kept ahead of the next load; ``_output`` copies capped output.
+and the one kept ahead of the next load; ``_forkserver`` forks them from a prepared one;
+``_output`` copies capped output.
 
 Known limits: in a namespace the plugin's ``os.getpid()`` is its pid in the namespace
 while ``/proc`` is still the host's, so ``/proc/self`` is right and ``/proc/<getpid()>``
