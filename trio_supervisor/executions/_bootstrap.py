@@ -1014,8 +1014,7 @@ def main() -> int:
 # a T through an intermediate process that exits at once, so that T is re-parented to the
 # supervisor (a child subreaper), and answers {"pid": T} once that is so, or
 # {"event": "failed", "message": ...}. It holds nothing of a session once it answered.
-# EOF on FD (the supervisor is gone) ends it; so does the supervisor's death (its
-# parent-death signal).
+# EOF on FD (the supervisor is gone) ends it.
 
 # What every child imports sooner or later: preloaded, no child pays for it.
 PRELOADED = ("resource", "traceback", "_sha256", "_sha2")
@@ -1028,8 +1027,9 @@ def serve(fd: int, preload: list[str]) -> None:
     reset_signals()
     bind("unshare", "prctl")
     server = _socket.socket(fileno=fd)
+    # No parent-death signal: it fires when the *thread* that started us ends, and Trio
+    # starts processes from worker threads that end when idle. EOF on FD is the signal.
     try:
-        libc("prctl", PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
         for name in PRELOADED:
             try:  # noqa: SIM105  # contextlib is not imported here (see the top)
                 __import__(name)
