@@ -31,7 +31,8 @@ Races this guards against:
   pidfd opened on it is T's.
 
 Known limits: a forked child shares what the server's interpreter fixed at start-up,
-its hash seed among them (``str`` hashes are the same in every child of one server).
+its hash seed among them (``str`` hashes are the same in every child of one server),
+and its command line (``ps`` shows every forked T as ``... serve FD``).
 If the server is killed between its fork and its answer, the T it made sees EOF on
 its control socket and exits, but nobody reaps it until the runner exits.
 """
