@@ -337,7 +337,8 @@ async def test_a_plugin_s_own_exit_ends_what_it_left(
 async def test_a_tracked_process_killed_by_someone_else_takes_its_tree_along(
     tmp_path: Path, containment: str, nonce: str
 ) -> None:
-    # Killed before it could do anything: with a namespace its init dies with it; swept,
+    # Killed before it could do anything: with a namespace, the namespace dies with its
+    # PID 1; swept,
     # what it left comes to us, found by its session (the regroup child) and by the
     # marker pipe it inherited (the daemon, which left the session).
     async with supervising(tmp_path, containment) as (execution, supervisor):
@@ -527,6 +528,81 @@ async def test_where_no_namespace_is_allowed_auto_sweeps_and_namespace_refuses(
     with pytest.raises(ExecutionError, match="PID namespaces are required, but not allowed"):
         async with SubprocessExecution(tmp_path / "required", containment="namespace"):
             pass  # pragma: no cover
+
+
+def namespace_pids(pid: int) -> list[int]:
+    """``pid``'s pid in each PID namespace it is in, ours first (``NSpid``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return [int(number) for number in line.split()[1:]]
+    raise AssertionError(f"no NSpid line for {pid}")
+
+
+@pytest.mark.skipif(not NAMESPACES, reason="the kernel allows no PID namespace")
+@pytest.mark.parametrize("fork_server", [False, True], ids=["started", "forked"])
+async def test_in_a_namespace_the_tracked_process_is_its_pid_1_and_the_plugin_its_child(
+    tmp_path: Path, fork_server: bool, nonce: str
+) -> None:
+    # Two processes hold a child: the tracked one, which the record names, is PID 1 of the
+    # namespace (so the namespace ends with it, however it ends), and our child; the
+    # plugin is its child, PID 2.
+    async with supervising(tmp_path, "namespace", fork_server=fork_server) as (
+        execution,
+        supervisor,
+    ):
+        record = await supervisor.open(Key(identity="escape", instance="daemon"), "d")
+        load = Load(specifier="escapes:daemon", config={"nonce": nonce})
+        await supervisor.load(record.handle, load)
+        await until_logged(execution, record.handle, "ready", bound=BOUND)
+        loaded = await supervisor.status(record.handle)
+        assert isinstance(loaded, LoadedRecord)
+        tracked = loaded.child.pid
+        assert tracked is not None
+        assert namespace_pids(tracked) == [tracked, 1]
+        stat = read_stat(tracked)
+        assert stat is not None
+        assert stat.ppid == os.getpid()
+        assert loaded.child.pgid == tracked == stat.pgid
+        namespace = os.readlink(f"/proc/{tracked}/ns/pid")
+        inside = set()
+        for name in os.listdir("/proc"):
+            with contextlib.suppress(OSError):
+                if name.isdigit() and os.readlink(f"/proc/{name}/ns/pid") == namespace:
+                    inside.add(int(name))
+        plugin = {pid for pid in inside if (found := read_stat(pid)) and found.ppid == tracked}
+        plugin -= left(execution, record.handle)  # the daemon is T's too: an orphan
+        assert len(plugin) == 1
+        assert namespace_pids(plugin.pop())[-1] == 2
+        with trio.fail_after(BOUND):
+            termination = await supervisor.dispose(record.handle)
+        assert termination == Termination(
+            kind="exited", exit=ExitStatus(code=0, descendants_killed=1)
+        )
+        assert marked(nonce) == set()
+
+
+def test_a_namespace_needs_the_runner_to_be_a_subreaper(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="containment='namespace' needs subreaper=True"):
+        SubprocessExecution(tmp_path, containment="namespace", subreaper=False)
+
+
+async def test_without_subreaper_auto_means_the_sweep(tmp_path: Path, nonce: str) -> None:
+    handle = Handle(key=Key(identity="p", instance="a"), token="t" * 32, generation=1)
+    async with SubprocessExecution(tmp_path, entry_paths=[PLUGINS], subreaper=False) as execution:
+        assert execution.mechanism.kind == "sweep"
+        assert "subreaper=False" in execution.mechanism.describe()
+        load = Load(specifier="escapes:daemon", config={"nonce": nonce})
+        unit = await execution.spawn(handle, load, Limits())
+        assert isinstance(unit, ProcessUnit)
+        assert unit.containment == "sweep"
+        await unit.start()
+        await until_logged(execution, handle, "ready", bound=BOUND)
+        await unit.interrupt()
+        with trio.fail_after(BOUND):
+            status = await unit.wait()
+        assert status == ExitStatus(code=0, descendants_killed=1)
+        await unit.aclose()
+    assert marked(nonce) == set()
 
 
 def test_an_unknown_containment_is_refused(tmp_path: Path) -> None:

@@ -81,12 +81,15 @@ def descendants(pid: int) -> set[int]:
     return found | {member for member, (_, pgid) in table.items() if pgid in groups}
 
 
-def ignores_sigterm(pid: int) -> bool:
-    """Whether ``pid`` has set SIGTERM to be ignored (``SigIgn`` of /proc/PID/status)."""
+def ignores_sigterm(tracked: int) -> bool:
+    """Whether the plugin below the tracked process ``tracked`` (its child) has set
+    SIGTERM to be ignored (``SigIgn`` of /proc/PID/status)."""
     with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("SigIgn:"):
-                return bool(int(line.split()[1], 16) & SIGTERM_BIT)
+        children = Path(f"/proc/{tracked}/task/{tracked}/children").read_text().split()
+        for child in children:
+            for line in Path(f"/proc/{child}/status").read_text().splitlines():
+                if line.startswith("SigIgn:") and int(line.split()[1], 16) & SIGTERM_BIT:
+                    return True
     return False
 
 

@@ -54,12 +54,17 @@ def bootstraps() -> set[int]:
     return found
 
 
-async def standby_other_than(*taken: int) -> int:
-    """The waiting interpreter: a bootstrap of ours that is none of ``taken``."""
+async def standby_other_than(execution: SubprocessExecution, *taken: int) -> int:
+    """The waiting interpreter: a bootstrap of ours that is none of ``taken``.
+
+    Looked for once the execution has one ready: until then, a bootstrap that makes its
+    child's namespace is still on its way out, and the T it made is not ours yet.
+    """
     with trio.fail_after(BOUND):
         while True:
             waiting = bootstraps() - set(taken)
-            if waiting:
+            ready = execution._standby.ready  # white-box: only when to look
+            if waiting and ready is not None and ready.process.pid not in taken:
                 assert len(waiting) == 1, f"more than one standby: {waiting}"
                 return waiting.pop()
             await trio.sleep(0.01)
@@ -87,7 +92,7 @@ async def report_of(execution: SubprocessExecution, handle: Handle) -> dict[str,
 async def test_a_load_runs_in_the_interpreter_started_ahead_as_the_session_s_child(
     sup: Supervisor, execution: SubprocessExecution
 ) -> None:
-    ahead = await standby_other_than()
+    ahead = await standby_other_than(execution)
     handle = await opened(sup, limits=Limits(open_files=64, cpu_seconds=30))
     await sup.load(handle, Load(specifier="inspector:main", config={"chatter": 3}))
     record = await sup.status(handle)
@@ -120,7 +125,7 @@ async def test_a_load_runs_in_the_interpreter_started_ahead_as_the_session_s_chi
     }
     await until_logged(execution, handle, "xxx")  # printed after the report
     # The next one is already on its way.
-    following = await standby_other_than(ahead)
+    following = await standby_other_than(execution, ahead)
     with trio.fail_after(BOUND):
         await sup.dispose(handle)
     assert not running(ahead)
@@ -128,8 +133,8 @@ async def test_a_load_runs_in_the_interpreter_started_ahead_as_the_session_s_chi
 
 
 async def test_the_execution_s_exit_ends_its_standby(tmp_path: Path) -> None:
-    async with SubprocessExecution(tmp_path, entry_paths=[PLUGINS], standby=True):
-        ahead = await standby_other_than()
+    async with SubprocessExecution(tmp_path, entry_paths=[PLUGINS], standby=True) as execution:
+        ahead = await standby_other_than(execution)
     assert process_state(ahead) is None, "the standby was not ended and reaped"
 
 
@@ -148,7 +153,7 @@ async def test_an_execution_closed_while_its_standby_starts_leaves_no_process(
 async def test_a_standby_that_died_is_replaced_by_a_fresh_child(
     sup: Supervisor, execution: SubprocessExecution, reaped_first: bool
 ) -> None:
-    ahead = await standby_other_than()
+    ahead = await standby_other_than(execution)
     os.kill(ahead, signal.SIGKILL)
     if reaped_first:
         with trio.fail_after(BOUND):
@@ -168,7 +173,7 @@ async def test_a_standby_that_died_is_replaced_by_a_fresh_child(
 async def test_capped_output_gets_a_child_of_its_own_and_the_standby_waits_on(
     sup: Supervisor, execution: SubprocessExecution
 ) -> None:
-    ahead = await standby_other_than()
+    ahead = await standby_other_than(execution)
     handle = await opened(sup, limits=Limits(output_bytes=1000))
     await sup.load(handle, Load(specifier="inspector:main", config={"chatter": 5000}))
     record = await sup.status(handle)
@@ -184,7 +189,7 @@ async def test_capped_output_gets_a_child_of_its_own_and_the_standby_waits_on(
 async def test_a_standby_whose_supervisor_is_gone_exits_by_itself(
     execution: SubprocessExecution,
 ) -> None:
-    ahead = await standby_other_than()
+    ahead = await standby_other_than(execution)
     # What the supervisor's death looks like from the standby: its socket closes.
     ready = execution._standby.ready  # white-box: the only handle on the waiting socket
     assert ready is not None

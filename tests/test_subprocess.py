@@ -34,10 +34,12 @@ from trio_supervisor import (
     Termination,
     open_supervisor,
 )
+from trio_supervisor.executions._bootstrap import LEASE_SLACK
 from trio_supervisor.executions._groups import boot_id, start_time
 from trio_supervisor.executions._unit import ProcessUnit
 
 from .harness import opened, report_in, running, until_logged
+from .test_containment import MECHANISMS
 
 PLUGINS = Path(__file__).parent.parent / "examples" / "plugins"
 BOUND = 20.0
@@ -73,12 +75,12 @@ async def sup(execution: SubprocessExecution) -> AsyncIterator[Supervisor]:
 def outer_pids(tracked: int, pids: list[int]) -> list[int]:
     """Our pids for the processes a plugin named by its own (``os.getpid()``, ``.pid``).
 
-    In a PID namespace those are pids inside it; the plugin's whole namespace is below
-    its tracked process ``tracked``, and /proc/PID/status says each one's pid in there.
-    Without a namespace they are ours already.
+    In a PID namespace those are pids inside it; the tracked process ``tracked`` is its
+    PID 1, and /proc/PID/status says each one's pid in there. Without a namespace they
+    are ours already.
     """
-    namespace = os.readlink(f"/proc/{tracked}/ns/pid_for_children")
-    if namespace == os.readlink(f"/proc/{tracked}/ns/pid"):
+    namespace = os.readlink(f"/proc/{tracked}/ns/pid")
+    if namespace == os.readlink("/proc/self/ns/pid"):
         return pids
     ours = {}
     for entry in Path("/proc").iterdir():
@@ -427,6 +429,34 @@ async def test_the_dead_man_switch_ends_a_child_whose_unit_is_dropped(tmp_path: 
         with trio.fail_after(BOUND):
             status = await unit.wait()
         assert status == ExitStatus(signal=signal.SIGKILL)
+        await unit.aclose()
+
+
+@pytest.mark.parametrize("containment", MECHANISMS)
+async def test_after_the_interrupt_the_lease_no_longer_cuts_the_grace_short(
+    tmp_path: Path, containment: str
+) -> None:
+    # The SIGTERM itself tells the child's bootstrap that a graceful stop is under way:
+    # a plugin that takes its time over it is not killed by the lease watchdog, however
+    # long the grace, only by the supervisor's own kill.
+    handle = Handle(key=Key(identity="p", instance="a"), token="t" * 32, generation=1)
+    async with SubprocessExecution(
+        tmp_path,
+        entry_paths=[PLUGINS],
+        containment=containment,  # type: ignore[arg-type]
+    ) as execution:
+        unit = await execution.spawn(handle, Load(specifier="stubborn:main"), Limits())
+        await unit.renew(0.3)
+        await unit.start()
+        await until_logged(execution, handle, "ignoring SIGTERM")
+        await unit.interrupt()
+        # The watchdog would have fired 1.3 s after the renew (lease + slack).
+        with trio.move_on_after(0.3 + LEASE_SLACK + 1.0):
+            await unit.wait()
+            raise AssertionError(f"the child ended during its grace: {await unit.wait()}")
+        await unit.kill()
+        with trio.fail_after(BOUND):
+            assert await unit.wait() == ExitStatus(signal=signal.SIGKILL)
         await unit.aclose()
 
 

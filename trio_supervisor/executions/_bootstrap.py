@@ -1,64 +1,70 @@
 """The child side of the subprocess execution. Standard library only, and lean.
 
-Run as ``python -I _bootstrap.py FD``, where FD is one end of a socket pair whose other
-end the supervisor holds. The supervisor started this process in a session and process
-group of its own. Messages are length-prefixed ``marshal`` values (4-byte big-endian
-length, then the payload):
+Run as ``python -I _bootstrap.py FD HOW STRICT``, where FD is one end of a socket pair
+whose other end the supervisor holds, HOW is how the child is contained ("pid" or
+"user" for a PID namespace, "sweep" for none) and STRICT says whether a namespace is
+required ("strict") or may fall back to the sweep ("lax"). The supervisor started this
+process in a session and process group of its own. Messages are length-prefixed
+``marshal`` values (4-byte big-endian length, then the payload):
 
-    supervisor -> child   {"command": "spawn", ...}     what to run, limits, context, and
-                          how to contain it ("containment": "pid", "user" or "sweep")
+    child -> supervisor   {"event": "tracked", "pid": 1234}   first: which process is T
+    supervisor -> child   {"command": "spawn", ...}     what to run, limits, context
                           (to a standby started ahead, also "log" and "environment")
     child -> supervisor   {"event": "resolved", "code": {...}, "containment": "namespace"}
                           (or "sweep": what this child really uses)  or  {"event": "failed", ...}
     supervisor -> child   {"command": "renew", "lease": 5.0}    any number of times
     supervisor -> child   {"command": "start"}
     child -> supervisor   {"event": "started"}  or  {"event": "failed", ...}
-    supervisor -> child   {"command": "interrupt"}  right after it sends SIGTERM
-    child -> supervisor   {"event": "swept", "killed": 2}  as it exits, if it had to
-                          kill what the plugin left behind
+    child -> supervisor   {"event": "exited", "status": 15, "killed": 2}  as T ends: how
+                          the plugin ended (a wait status) and how many processes it
+                          left that had to be killed
 
-Theory of operation: three processes, each with one job.
+Theory of operation: two processes, each with one job.
 
-* **T, the tracked process**: this one, started by the supervisor, which records its
-  pid, start time and boot id. Before any of the caller's code runs it resolves the
-  specifier (finding the module file without importing it, or the executable of a named
-  command), reports the code and its digest, applies the limits with setrlimit, and
-  prepares the containment. Then its one thread keeps the control protocol, the lease
-  and the dead-man switch, and runs none of the caller's code. At "start" it forks.
-* **I, the init** (namespace containment): T's child and PID 1 of a PID namespace made
-  for this child alone (T called ``unshare(CLONE_NEWPID)``, in a user namespace of its
-  own where it is not privileged). Whatever the plugin starts is in that namespace,
-  whatever it does (``setsid``, a double fork, a cleared environment), and when I exits
-  the kernel kills everything left in it. I runs the plugin as P, reaps every orphan,
-  and when P ends kills the rest (``kill(-1)`` from PID 1), then reports to T how P
-  ended and how many it killed. A PID 1 cannot die by its own signal, so T re-enacts
-  P's death.
-* **P, the plugin**: the entry point, or the named command (by exec), in a process group
-  of its own, as the child of I or (sweep containment) of T.
+* **T, the tracked process**, whose pid, start time and boot id the supervisor records.
+  Before any of the caller's code runs it resolves the specifier (finding the module
+  file without importing it, or the executable of a named command), reports the code
+  and its digest, and applies the limits with setrlimit. Then its one thread keeps the
+  control protocol, the lease and the dead-man switch, and runs none of the caller's
+  code. It holds the plugin's whole tree one of two ways:
 
-Where the kernel allows no namespace, the **sweep**: T is a child subreaper, so every
-orphan of the plugin's is re-parented to T and stays in T's tree; on every way out T
-freezes that tree (SIGSTOP, until a walk of ``/proc`` finds nothing running), kills it,
-reaps it, and exits last.
+  - **namespace**: T is PID 1 of a PID namespace made for this child alone (in a user
+    namespace of its own where it is not privileged). Only a process forked after
+    ``unshare(CLONE_NEWPID)`` can be that, so the process the supervisor started makes
+    the namespace, forks T and exits (:func:`launch`; the fork server's intermediate
+    process does the same), and T is re-parented to the supervisor, a child subreaper.
+    Whatever the plugin starts is in the namespace, whatever it does (``setsid``, a
+    double fork, a cleared environment); T reaps every orphan, and when T exits the
+    kernel kills everything left in it.
+  - **sweep**, where the kernel allows no namespace: T is the process the supervisor
+    started (or one the fork server made), and a child subreaper, so every orphan of
+    the plugin's is re-parented to it and stays in its tree; on every way out T
+    freezes that tree (SIGSTOP, until a walk of ``/proc`` finds nothing running), kills
+    it and reaps it.
+
+* **P, the plugin**: the entry point, or the named command (by exec), T's child in a
+  process group of its own, forked ahead and let go at "start".
 
 Ways out, and what holds each:
 
-* P ends by itself: I (or T) kills what P left, T reports "swept" and ends as P did.
-* interrupt: the supervisor's SIGTERM reaches T's group (T and I); I (or T) passes it
-  to P's group, where the entry point gets it as a KeyboardInterrupt.
-* EOF on the socket (the supervisor died) or an expired lease: T kills its group, T and
-  I, and the namespace goes with I; a sweeping T sweeps its tree first.
-* T killed: I (or P, swept) dies by its parent-death signal, armed before any of the
-  caller's code runs; I checks T is still there once it is armed, since T may have died
-  just before (bubblewrap issue 633; ``getppid()`` is 0 in a new namespace, so through
-  a pipe only T holds open).
+* P ends by itself: T kills what P left (``kill(-1)`` from PID 1, or the sweep),
+  reports how P ended, and ends the same way (a PID 1 cannot die by its own signal, so
+  in a namespace it exits with 128 plus the signal's number; the report is what counts).
+* interrupt: the supervisor's SIGTERM reaches T, which passes it to P's group, where the
+  entry point gets it as a KeyboardInterrupt; from then on the lease no longer counts.
+* EOF on the socket (the supervisor died) or an expired lease: T ends, and the
+  namespace with it; a sweeping T sweeps its tree first.
+* T killed: in a namespace the kernel kills the rest with its PID 1; swept, P dies by
+  its parent-death signal, armed before any of the caller's code runs (P checks T is
+  still there once it is armed, since T may have died just before), and the supervisor
+  finds what P left by T's session and marker pipe.
 
 Exit: the entry point's int result (or 0), 1 when it raised, and death by SIGTERM when
 it was interrupted; a named command's own status or signal.
 
-Run as ``python -I _bootstrap.py serve FD [MODULE ...]``, it is the fork server instead
-(see the section at the end of this file): it prepares once, then forks a fresh T per
-load, which goes on exactly as a T the supervisor started.
+Run as ``python -I _bootstrap.py serve FD HOW STRICT [MODULE ...]``, it is the fork
+server instead (see the section at the end of this file): it prepares once, then makes
+a fresh T per load, which goes on exactly as a T the supervisor started.
 
 Start-up time is part of every load, so this file imports only what is built into the
 interpreter: ``_signal`` instead of ``signal`` (which pulls in ``enum`` and more),
@@ -122,7 +128,7 @@ class Refused(Exception):
 
 
 class Control:
-    """The socket to the supervisor: T reads it, and T, I or P may report on it."""
+    """The socket to the supervisor: T reads it, and T or P may report on it."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -201,40 +207,93 @@ def libc(name: str, *arguments: int) -> None:
         raise OSError(number, f"{name}: {os.strerror(number)}")
 
 
-def contain(how: str, strict: bool) -> str:
-    """Prepare this process (T) to hold the plugin's whole tree.
+def unshare(how: str) -> None:
+    """Make a PID namespace for this process's children: the next one forked is its PID 1.
 
     Args:
-        how: "pid" (``unshare(CLONE_NEWPID)``; needs CAP_SYS_ADMIN), "user" (the same in
-            a new user namespace, which an unprivileged process may make), or "sweep".
-        strict: A namespace is required: fail rather than fall back to the sweep.
+        how: "pid" (``unshare(CLONE_NEWPID)``; needs CAP_SYS_ADMIN) or "user" (the same
+            in a new user namespace, which an unprivileged process may make).
+
+    Raises:
+        OSError: The kernel refused.
+    """
+    if how == "pid":
+        libc("unshare", CLONE_NEWPID)
+        return
+    uid, gid = os.getuid(), os.getgid()
+    libc("unshare", CLONE_NEWUSER | CLONE_NEWPID)
+    # The same ids inside as outside (files, logs and messages show no "nobody");
+    # setgroups must be denied before an unprivileged gid_map.
+    for name, text in (
+        ("setgroups", "deny"),
+        ("uid_map", f"{uid} {uid} 1"),
+        ("gid_map", f"{gid} {gid} 1"),
+    ):
+        with open(f"/proc/self/{name}", "w") as file:
+            file.write(text)
+
+
+# Why T has no namespace although one was required; its spawn then fails with it.
+REFUSED: list[str] = []
+
+
+def make_tracked(how: str, strict: bool) -> int:
+    """Make T: fork it into a namespace made for it, or as a sweeping child subreaper.
+
+    Runs in the process that makes T (a started bootstrap, or the fork server's
+    intermediate process), which must not live on as T's parent: T is re-parented to
+    the supervisor, a child subreaper, once it has gone.
+
+    Args:
+        how: "pid" or "user" (see :func:`unshare`), or "sweep".
+        strict: A namespace is required: where the kernel refuses one, T is made all
+            the same, and refuses its spawn message with the reason (see ``REFUSED``).
 
     Returns:
-        "namespace": the next process this one forks is PID 1 of a new namespace; or
-        "sweep": this process is a child subreaper.
+        0 in T; T's pid in the caller once T leads a session of its own (-1 if T
+        died before that).
     """
+    refused = ""
     if how in ("pid", "user"):
         try:
-            if how == "pid":
-                libc("unshare", CLONE_NEWPID)
-            else:
-                uid, gid = os.getuid(), os.getgid()
-                libc("unshare", CLONE_NEWUSER | CLONE_NEWPID)
-                # The same ids inside as outside (files, logs and messages show no
-                # "nobody"); setgroups must be denied before an unprivileged gid_map.
-                for name, text in (
-                    ("setgroups", "deny"),
-                    ("uid_map", f"{uid} {uid} 1"),
-                    ("gid_map", f"{gid} {gid} 1"),
-                ):
-                    with open(f"/proc/self/{name}", "w") as file:
-                        file.write(text)
-            return "namespace"
+            unshare(how)
         except OSError as error:
-            if strict:
-                raise OSError(error.errno, f"cannot make a PID namespace: {error}") from None
-    libc("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    return "sweep"
+            refused = f"cannot make a PID namespace: {error}" if strict else ""
+    settled, settling = os.pipe()
+    tracked = os.fork()
+    if tracked == 0:
+        os.close(settled)
+        os.setsid()
+        if refused:
+            REFUSED.append(refused)
+        elif os.getpid() != 1:  # no namespace: the sweep holds the tree
+            libc("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        os.write(settling, b"s")
+        os.close(settling)
+        return 0
+    os.close(settling)
+    led = os.read(settled, 1) == b"s"  # else T died before it got there
+    os.close(settled)
+    return tracked if led else -1
+
+
+def launch(control: Control, how: str, strict: bool) -> None:
+    """(a bootstrap the supervisor started) Become T, or make T and go; either way tell
+    the supervisor T's pid (``{"event": "tracked", "pid": ...}``).
+
+    Swept, this process is T. For a namespace, T must be its PID 1, which only a fork
+    after ``unshare`` can be: this process makes T and exits, and T is re-parented to
+    the supervisor.
+    """
+    if how == "sweep":
+        libc("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        control.send({"event": "tracked", "pid": os.getpid()})
+        return
+    tracked = make_tracked(how, strict)
+    if tracked == 0:
+        return  # in T, which the supervisor learns of from us
+    control.send({"event": "tracked", "pid": tracked})
+    os._exit(0)
 
 
 # -- process trees, read from /proc ---------------------------------------------------
@@ -335,7 +394,7 @@ def sweep_descendants() -> int:
 
 
 def clear_namespace() -> int:
-    """(I, PID 1) Kill every other process of the namespace, and reap them.
+    """(T, PID 1) Kill every other process of the namespace, and reap them.
 
     Returns:
         How many were still running.
@@ -376,7 +435,8 @@ class Tracked:
 
     Args:
         control: The socket to the supervisor.
-        containment: "namespace" or "sweep" (see :func:`contain`).
+        containment: "namespace" (T is PID 1 of the plugin's namespace) or "sweep" (T
+            is a child subreaper).
     """
 
     def __init__(self, control: Control, containment: str) -> None:
@@ -384,25 +444,34 @@ class Tracked:
         self.containment = containment
         self.deadline: float | None = None
         self.interrupted = False
-        self.child = 0  # I or P, once forked
-        self.status: int | None = None  # the child's wait status, once reaped
+        self.child = 0  # P, once forked
+        self.status: int | None = None  # P's wait status, once reaped
         # P waits on ``go`` (forked ahead, it runs nothing until "start"); T alone
         # holds ``going``, so EOF there also means T is gone.
         self.go, self.going = os.pipe()
-        self.started = -1  # for a swept named command: the pipe its exec closes
+        self.started = -1  # for a named command: the pipe its exec closes
         # SIGCHLD wakes the loop through this pipe (select() alone would not see it).
         self.wakeup, self.wakeup_writer = os.pipe()
         os.set_blocking(self.wakeup, False)
         os.set_blocking(self.wakeup_writer, False)
         _signal.set_wakeup_fd(self.wakeup_writer, warn_on_full_buffer=False)
         _signal.signal(SIGCHLD, lambda *_: None)
+        # T wants no KeyboardInterrupt: the plugin (which may signal its parent, or its
+        # PID 1) cannot break T's loop that way. P sets its own handler.
+        _signal.signal(SIGINT, _signal.SIG_IGN)
+        # Installed in either case: a PID 1 gets only the signals it has a handler for.
         _signal.signal(SIGTERM, self.interrupt)
 
     def interrupt(self, number: int, frame: object) -> None:
-        """SIGTERM: nothing is forked yet, so go; or pass it on to P's group (sweep)."""
+        """SIGTERM, the supervisor's interrupt: pass it on to P's group, where the entry
+        point gets it as a KeyboardInterrupt; with no P yet, end as if killed by it.
+
+        From now on only EOF counts: the lease cannot cut the graceful stop short.
+        """
+        self.interrupted = True
         if not self.child:
-            die_by(SIGTERM)
-        if self.containment == "sweep" and self.status is None:
+            self.end(SIGTERM)  # the wait status of a death by SIGTERM
+        if self.status is None:
             quietly(os.killpg, self.child, SIGTERM)
 
     def renew(self, lease: float) -> None:
@@ -410,10 +479,11 @@ class Tracked:
 
     def switch(self) -> NoReturn:
         """The dead-man switch: end this child's whole tree, then this process."""
-        if self.containment == "sweep":
-            sweep_descendants()
-        # Our group is T and I: the namespace goes with I (its PID 1).
-        kill_group()
+        if self.containment == "namespace":
+            # The plugin is killed with the namespace as its PID 1 exits.
+            self.end(SIGKILL)
+        sweep_descendants()
+        kill_group()  # T alone leads its group (P has its own)
         raise SystemExit(1)  # not reached: SIGKILL ends us
 
     def serve(self, *, until_start: bool) -> None:
@@ -430,8 +500,6 @@ class Tracked:
                     self.renew(message["lease"])
                 elif command == "start" and until_start:
                     return
-                elif command == "interrupt":
-                    self.interrupted = True
                 continue
             if not until_start and self.reap():
                 return
@@ -455,7 +523,8 @@ class Tracked:
                 self.switch()  # the lease ran out and nobody renewed it
 
     def reap(self) -> bool:
-        """Reap what has exited (a sweeping T's orphans too); whether the child has."""
+        """Reap what has exited (orphans too: they come to a PID 1 or a subreaper);
+        whether the child has."""
         while self.status is None:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -467,133 +536,57 @@ class Tracked:
                 self.status = status
         return self.status is not None
 
-    def forked(self, child: int) -> None:
-        """In T, once the child exists."""
-        self.child = child
-        if self.containment == "namespace":
-            # I is in our group: the supervisor's SIGTERM reaches it as well as us, and I
-            # passes it on. There is nothing left for T to do with one.
-            _signal.signal(SIGTERM, _signal.SIG_IGN)
-        release()
-
-    def in_child(self) -> None:
-        """In a child of T, before it releases the held signals: none of T's handling."""
-        _signal.set_wakeup_fd(-1)
-        close_all(self.wakeup, self.wakeup_writer, self.going)
-        _signal.signal(SIGCHLD, _signal.SIG_DFL)
-        _signal.signal(SIGTERM, _signal.SIG_DFL)
-
-    def fork_init(self, spec: dict[str, Any]) -> tuple[int, int]:
-        """(namespace) Fork I, and I forks P, which waits for :meth:`start`; return
-        (0, 0) in P once started, else I's pid and its report pipe."""
-        alive, holder = os.pipe()  # T alone holds ``holder``: EOF means T is gone
-        report, reporter = os.pipe()
-        init = fork_held()
-        if init == 0:
-            self.in_child()
-            close_all(holder, report)
-            return init_main(spec, self.control, alive, reporter, self.go), 0
-        close_all(alive, reporter, self.go)
-        self.forked(init)
-        return init, report
-
     def fork_plugin(self, spec: dict[str, Any]) -> int:
-        """(sweep) Fork P, which waits for :meth:`start`; return 0 in P once started,
-        else its pid."""
-        parent = os.getpid()
+        """Fork P, which waits for :meth:`start`; return 0 in P once started, else its
+        pid."""
+        # Swept, P must not outlive T; in a namespace, T's exit ends it anyway.
+        parent = os.getpid() if self.containment == "sweep" else None
         plugin, pipe = fork_plugin(spec)
         if plugin == 0:
-            self.in_child()
+            _signal.set_wakeup_fd(-1)  # none of T's handling
+            close_all(self.wakeup, self.wakeup_writer, self.going)
+            _signal.signal(SIGCHLD, _signal.SIG_DFL)
+            _signal.signal(SIGTERM, _signal.SIG_DFL)
             become_plugin(spec, self.control, parent=parent, starter=pipe, go=self.go)
             return 0
         close_all(self.go)
-        self.forked(plugin)
+        self.child = plugin
         self.started = pipe
+        release()
         return plugin
 
     def start(self) -> None:
-        """At "start": let P run (and, for a swept named command, report its exec)."""
+        """At "start": let P run (and, for a named command, report its exec)."""
         # An error: P died before it was let go; serve() reaps it, and we end as it did.
         quietly(os.write, self.going, b"g")
         close_all(self.going)
         announce(self.control, self.started)
 
-    def finish(self, report: int) -> int:
-        """Once the child exited: report what was swept, and end the way P did."""
+    def finish(self) -> NoReturn:
+        """Once P exited: kill what it left (the namespace's rest, or the swept tree),
+        then end the way P did."""
         status = self.status
         assert status is not None
-        killed = 0
-        if self.containment == "namespace":
-            data = b""
-            while chunk := os.read(report, 4096):  # I has exited: EOF follows its report
-                data += chunk
-            if data:
-                outcome = marshal.loads(data)
-                status, killed = outcome["status"], outcome["killed"]
-            # Else I was killed before it reported (by the supervisor's kill): as I ended.
-        else:
-            killed = sweep_descendants()
-        if killed:
-            self.control.send({"event": "swept", "killed": killed})
+        killed = clear_namespace() if self.containment == "namespace" else sweep_descendants()
+        self.end(status, killed)
+
+    def end(self, status: int, killed: int = 0) -> NoReturn:
+        """Tell the supervisor how P ended (a wait status) and how many processes it left
+        that were killed, then end the same way.
+
+        A PID 1 cannot die by a signal of its own, so in a namespace T exits with 128 plus
+        the signal's number, and the report is what the supervisor goes by.
+        """
+        self.control.send({"event": "exited", "status": status, "killed": killed})
         if os.WIFSIGNALED(status):
-            die_by(os.WTERMSIG(status))
-        return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
-
-
-# -- I: PID 1 of the child's namespace ------------------------------------------------
-
-
-class Init:
-    """I's state: the plugin's pid in the namespace, to pass SIGTERM on to its group."""
-
-    plugin = 0
-    pending = False
-
-    def interrupt(self, number: int, frame: object) -> None:
-        # PID 1 gets only the signals it has a handler for: this one is installed.
-        if not self.plugin:
-            self.pending = True  # P is on its way: it gets it once it exists
-            return
-        quietly(os.killpg, self.plugin, SIGTERM)
-
-
-def init_main(spec: dict[str, Any], control: Control, alive: int, reporter: int, go: int) -> int:
-    """I: run the plugin as P, reap every orphan, clear the namespace, report to T.
-
-    Returns only in P (0: run the plugin); I itself ends with ``os._exit``.
-    """
-    libc("prctl", PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
-    # T may have died before that was armed (bubblewrap issue 633).
-    if select.select([alive], [], [], 0)[0]:
-        os._exit(1)
-    init = Init()
-    _signal.signal(SIGTERM, init.interrupt)
-    _signal.signal(SIGINT, _signal.SIG_IGN)  # PID 1 is not the plugin's to interrupt
-    release()
-    plugin, pipe = fork_plugin(spec)
-    if plugin == 0:
-        close_all(alive, reporter)
-        become_plugin(spec, control, parent=None, starter=pipe, go=go)
-        return 0
-    close_all(go)
-    try:
-        init.plugin = plugin
-        release()
-        if init.pending:
-            init.interrupt(SIGTERM, None)
-        announce(control, pipe)
-        control.close()  # P reports its own start; nothing more goes through I
-        while True:
-            pid, status = os.waitpid(-1, 0)  # every orphan of the namespace comes to us
-            if pid == plugin:
-                break
-        init.plugin = 0
-        killed = clear_namespace()
-        os.write(reporter, marshal.dumps({"status": status, "killed": killed}))
-    except BaseException:
-        print_traceback()
-        os._exit(70)  # no report: T ends with this code, and the traceback is in the log
-    os._exit(0)  # never back into T's code: T learns what happened from the report
+            if self.containment == "sweep":
+                die_by(os.WTERMSIG(status))
+            code = 128 + os.WTERMSIG(status)
+        else:
+            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 # -- P: the plugin --------------------------------------------------------------------
@@ -626,7 +619,7 @@ def become_plugin(
 
     Args:
         parent: T's pid when P is swept (P must not outlive T); None in a namespace,
-            where I's exit ends P.
+            which ends with T, its PID 1.
         starter: For a named command, the pipe that reports a failed exec.
         go: The pipe T writes to at "start" (EOF: T is gone).
     """
@@ -945,7 +938,7 @@ def probe() -> int:
     reasons = []
     for how in ("pid", "user"):
         try:
-            contain(how, strict=True)
+            unshare(how)
         except OSError as error:
             reasons.append(f"{how}: {error.strerror}")
             continue
@@ -972,6 +965,8 @@ def main() -> int:
             reconfigure(line_buffering=True)
     control = Control(int(sys.argv[1]))
     bind("unshare", "prctl")  # before the spawn message: a standby's idle time
+    if len(sys.argv) > 2:  # started by the supervisor (a forked T has the FD alone)
+        launch(control, sys.argv[2], sys.argv[3] == "strict")
     spec = control.read()
     if not isinstance(spec, dict) or spec.get("command") != "spawn":
         return 2
@@ -982,7 +977,8 @@ def main() -> int:
         code = resolve(spec)
         spec["executable"] = code["origin"]
         apply_limits(spec["limits"])
-        containment = contain(spec.get("containment", "sweep"), bool(spec.get("strict")))
+        if REFUSED:
+            raise OSError(REFUSED[0])
     except Refused as error:
         control.send({"event": "failed", "kind": "PackageError", "message": str(error)})
         return 1
@@ -990,37 +986,35 @@ def main() -> int:
         message = f"cannot prepare the child: {error}"
         control.send({"event": "failed", "kind": "ExecutionError", "message": message})
         return 1
+    containment = "namespace" if os.getpid() == 1 else "sweep"
     tracked = Tracked(control, containment)
     control.send({"event": "resolved", "code": code, "containment": containment})
     # Forked while the supervisor makes the child's identity durable, before "start".
-    if containment == "namespace":
-        child, report = tracked.fork_init(spec)
-    else:
-        child, report = tracked.fork_plugin(spec), -1
-    if child == 0:
+    if tracked.fork_plugin(spec) == 0:
         return plugin_main(spec, control)  # in P (a named command never gets here: it exec'd)
     tracked.serve(until_start=True)
     tracked.start()
     tracked.serve(until_start=False)
-    return tracked.finish(report)
+    return tracked.finish()
 
 
 # -- the fork server ------------------------------------------------------------------
-# Run as ``python -I _bootstrap.py serve FD [MODULE ...]``: FD is a SOCK_SEQPACKET socket
-# to the supervisor. The server imports what a child needs (and the MODULEs the owner
-# asked to preload), says {"event": "ready"} (or {"event": "failed", "message": ...}),
-# and then, for each request {"environment": {...}} that carries three descriptors
-# (SCM_RIGHTS: the child's end of its control socket, its marker pipe, its output), forks
-# a T through an intermediate process that exits at once, so that T is re-parented to the
-# supervisor (a child subreaper), and answers {"pid": T} once that is so, or
-# {"event": "failed", "message": ...}. It holds nothing of a session once it answered.
-# EOF on FD (the supervisor is gone) ends it.
+# Run as ``python -I _bootstrap.py serve FD HOW STRICT [MODULE ...]``: FD is a
+# SOCK_SEQPACKET socket to the supervisor; HOW and STRICT say how each T is contained,
+# as for a started bootstrap (see :func:`make_tracked`). The server imports what a
+# child needs (and the MODULEs the owner asked to preload), says {"event": "ready"} (or
+# {"event": "failed", "message": ...}), and then, for each request {"environment":
+# {...}} that carries three descriptors (SCM_RIGHTS: the child's end of its control
+# socket, its marker pipe, its output), makes a T through an intermediate process that
+# exits at once, so that T is re-parented to the supervisor (a child subreaper), and
+# answers {"pid": T} once that is so, or {"event": "failed", "message": ...}. It holds
+# nothing of a session once it answered. EOF on FD (the supervisor is gone) ends it.
 
 # What every child imports sooner or later: preloaded, no child pays for it.
 PRELOADED = ("resource", "traceback", "_sha256", "_sha2")
 
 
-def serve(fd: int, preload: list[str]) -> None:
+def serve(fd: int, how: str, strict: bool, preload: list[str]) -> None:
     """The fork server's loop; returns only in a forked T, set up as a fresh bootstrap."""
     import _socket  # socket's C part: no enum
 
@@ -1066,7 +1060,7 @@ def serve(fd: int, preload: list[str]) -> None:
             server.send(marshal.dumps(reply))
             continue
         request = marshal.loads(data)
-        pid = fork_tracked(server.fileno())
+        pid = fork_tracked(server.fileno(), how, strict)
         if pid == 0:  # in T
             become_tracked(request, fds)
             return
@@ -1077,38 +1071,35 @@ def serve(fd: int, preload: list[str]) -> None:
             server.send(marshal.dumps({"pid": pid}))
 
 
-def fork_tracked(server: int) -> int:
-    """Fork T through a process that exits at once: 0 in T, T's pid (re-parented to the
-    supervisor, and leading its own session) in the server, -1 if that failed."""
-    settled, settling = os.pipe()  # T says it leads its session; then its parent exits
+def fork_tracked(server: int, how: str, strict: bool) -> int:
+    """Make T (:func:`make_tracked`) in a process that exits at once: 0 in T, T's pid
+    (re-parented to the supervisor, and leading its own session) in the server, -1 if
+    that failed. The namespace is the intermediate process's to make: the server stays
+    in ours."""
     reported, reporter = os.pipe()  # T's pid, from its parent
     try:
         middle = os.fork()
     except OSError:
-        close_all(settled, settling, reported, reporter)
+        close_all(reported, reporter)
         return -1
     if middle == 0:  # the intermediate process: it never returns
         try:
             close_all(reported)
-            tracked = os.fork()
+            tracked = make_tracked(how, strict)
         except BaseException:
             os._exit(1)
         if tracked == 0:
-            close_all(settled, reporter, server)
-            os.setsid()
-            os.write(settling, b"s")
-            os.close(settling)
+            close_all(reporter, server)
             return 0
         try:
-            close_all(settling)
-            if os.read(settled, 1) == b"s":  # else T died before it got there
+            if tracked > 0:
                 os.write(reporter, str(tracked).encode())
         finally:
             os._exit(0)
-    close_all(settling, reporter)
+    close_all(reporter)
     os.waitpid(middle, 0)  # once it is gone, T is the supervisor's child
     text = os.read(reported, 32)
-    close_all(settled, reported)
+    close_all(reported)
     return int(text) if text else -1
 
 
@@ -1127,5 +1118,6 @@ def become_tracked(request: dict[str, Any], fds: list[int]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["serve"]:
-        serve(int(sys.argv[2]), sys.argv[3:])  # returns in each T it forks
+        # serve FD HOW STRICT [MODULE ...]; returns in each T it forks
+        serve(int(sys.argv[2]), sys.argv[3], sys.argv[4] == "strict", sys.argv[5:])
     sys.exit(main())

@@ -5,9 +5,11 @@ group cannot promise that (``setsid`` leaves it). Two mechanisms can, and the ru
 picks one at start-up (see ``_bootstrap.py`` for how each works in the child):
 
 * **namespace**: a PID namespace per child. Whatever the plugin starts is in it, and
-  the kernel kills all of it when the namespace's init exits. Made with
-  ``unshare(CLONE_NEWPID)`` where the bootstrap is privileged (``"pid"``), else in a
-  user namespace of its own (``"user"``), where the kernel lets an unprivileged process.
+  the kernel kills all of it when the namespace's PID 1, the child's tracked process,
+  exits. Made with ``unshare(CLONE_NEWPID)`` where the bootstrap is privileged
+  (``"pid"``), else in a user namespace of its own (``"user"``), where the kernel lets
+  an unprivileged process; the process that makes it forks the tracked process into it
+  and exits, so the runner must be a child subreaper to get it.
 * **sweep**: the child's tracked process is a child subreaper, so every orphan of the
   plugin's comes to it; it freezes and kills its tree on every way out, and the
   runner does the same from outside when it kills a child.

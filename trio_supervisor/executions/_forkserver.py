@@ -14,7 +14,9 @@ server closes its copies once it answered, so it holds nothing of any session.
 Rules that never bend:
 
 * The server runs none of a host's code: it forks before the spawn message exists,
-  and every check, limit and containment step happens in T, as for a started one.
+  and every check and limit happens in T, as for a started one. The namespace, if any,
+  is made by the intermediate process (T must be its PID 1), so the server itself stays
+  in ours.
 * Only a child subreaper can use it (a T re-parented elsewhere could not be waited
   for); the execution refuses the combination.
 * A server that fails or dies is never waited on by a load: the load starts its
@@ -44,7 +46,6 @@ import logging
 import marshal
 import os
 import re
-import signal
 import socket
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -54,9 +55,9 @@ from typing import Any
 import trio
 
 from ..errors import ExecutionError
-from ._standby import Interpreter
+from ._standby import ForkedProcess, Interpreter
 
-__all__ = ["Broken", "ForkServer", "ForkedProcess", "check_preload"]
+__all__ = ["Broken", "ForkServer", "check_preload"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,59 +80,6 @@ def check_preload(preload: Sequence[str]) -> tuple[str, ...]:
     return tuple(preload)
 
 
-class ForkedProcess:
-    """A T the fork server made: our child, watched through a pidfd like trio.Process.
-
-    Args:
-        pid: T's pid; it must be our child already (so the pid is not reused).
-    """
-
-    def __init__(self, pid: int) -> None:
-        self._pid = pid
-        self._pidfd: int | None = os.pidfd_open(pid)
-        self._returncode: int | None = None
-
-    @property
-    def pid(self) -> int:
-        return self._pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._returncode
-
-    def poll(self) -> int | None:
-        """Its returncode (Popen-style, negative for a signal) if it has exited."""
-        if self._returncode is None:
-            try:
-                pid, status = os.waitpid(self._pid, os.WNOHANG)
-            except ChildProcessError:  # reaped by someone else: gone, status unknown
-                pid, status = self._pid, signal.SIGKILL
-            if pid != 0:
-                self._returncode = os.waitstatus_to_exitcode(status)
-                self._close()
-        return self._returncode
-
-    def kill(self) -> None:
-        if self._pidfd is not None:
-            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-
-    async def wait(self) -> int:
-        while self.poll() is None:
-            assert self._pidfd is not None
-            await trio.lowlevel.wait_readable(self._pidfd)
-        await trio.lowlevel.checkpoint()
-        assert self._returncode is not None
-        return self._returncode
-
-    def _close(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-
-    def __del__(self) -> None:
-        self._close()
-
-
 class Broken(Exception):
     """The fork server cannot serve this request (it is gone, or answered nonsense)."""
 
@@ -145,6 +93,9 @@ class ForkServer:
         directory: Its working directory (and so its children's).
         environment: Its environment (each child gets its session's with the request).
         preload: Modules it imports before it forks anyone.
+        containment: How each T it makes holds its plugin's tree: "pid" or "user" (a
+            namespace, made by the intermediate process), or "sweep".
+        strict: A namespace is required.
     """
 
     def __init__(
@@ -155,8 +106,12 @@ class ForkServer:
         directory: Path,
         environment: Mapping[str, str],
         preload: Sequence[str],
+        containment: str,
+        strict: bool,
     ) -> None:
         self._command = [python, "-I", str(bootstrap), "serve"]
+        # After the socket's FD: how each T is contained (see _bootstrap.make_tracked).
+        self._containment = [containment, "strict" if strict else "lax"]
         self._directory = directory
         self._environment = dict(environment)
         self._preload = tuple(preload)
@@ -186,7 +141,7 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             process = await trio.lowlevel.open_process(
-                [*self._command, str(theirs.fileno()), *self._preload],
+                [*self._command, str(theirs.fileno()), *self._containment, *self._preload],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

@@ -27,30 +27,39 @@ Races this guards against:
 from __future__ import annotations
 
 import hashlib
+import marshal
 import os
 import py_compile
+import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
 
+from ..errors import ExecutionError
+
 __all__ = [
     "BOOTSTRAP",
     "ChildProcess",
+    "ForkedProcess",
     "Interpreter",
     "Standby",
     "compile_bootstrap",
+    "frame",
     "start_interpreter",
+    "take_message",
 ]
 
 BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
-# How long a discarded interpreter, killed, may take to be reaped.
+# How long a discarded interpreter, killed, may take to be reaped; how long a started
+# one may take to say which process is T (Python's start-up, on a loaded machine).
 DISCARD_CONFIRMATION = 5.0
+BOOT_TIMEOUT = 30.0
 
 
 def compile_bootstrap(directory: Path) -> Path:
@@ -122,6 +131,9 @@ async def start_interpreter(
     environment: Mapping[str, str],
     output: int,
     directory: Path,
+    containment: str,
+    strict: bool,
+    creating: trio.CapacityLimiter,
 ) -> Interpreter:
     """A bootstrap process, waiting for its spawn message on the returned socket.
 
@@ -131,20 +143,37 @@ async def start_interpreter(
         environment: The process's whole environment.
         output: The file descriptor its stdout and stderr go to.
         directory: Its working directory.
+        containment: How T holds the plugin's tree: "pid" or "user" (a namespace), or
+            "sweep" (see ``_bootstrap.make_tracked``).
+        strict: A namespace is required (T refuses its spawn message without one).
+        creating: Held while the process is created (not while it boots).
+
+    Raises:
+        OSError: The process could not be started.
+        ExecutionError: It exited, or did not say which process is T within
+            ``BOOT_TIMEOUT``.
     """
     ours, theirs = socket.socketpair()
     marker, marked = os.pipe()
     try:
-        process = await trio.lowlevel.open_process(
-            [python, "-I", str(bootstrap), str(theirs.fileno())],
-            stdin=subprocess.DEVNULL,
-            stdout=output,
-            stderr=output,
-            pass_fds=(theirs.fileno(), marked),
-            start_new_session=True,
-            env=dict(environment),
-            cwd=directory,
-        )
+        async with creating:
+            process = await trio.lowlevel.open_process(
+                [
+                    python,
+                    "-I",
+                    str(bootstrap),
+                    str(theirs.fileno()),
+                    containment,
+                    "strict" if strict else "lax",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=output,
+                pass_fds=(theirs.fileno(), marked),
+                start_new_session=True,
+                env=dict(environment),
+                cwd=directory,
+            )
     except BaseException:
         ours.close()
         os.close(marker)
@@ -152,7 +181,136 @@ async def start_interpreter(
     finally:
         theirs.close()
         os.close(marked)
-    return Interpreter(process, ours, marker)
+    try:
+        # Shielded: a bootstrap that made T and was then abandoned would leave a T
+        # nobody knows of. Bounded: Python's start-up, at worst BOOT_TIMEOUT.
+        with trio.CancelScope(shield=True), trio.move_on_after(BOOT_TIMEOUT):
+            tracked = await _tracked(process, ours)
+            return Interpreter(tracked, ours, marker)
+        raise ExecutionError(f"the child's bootstrap did not start within {BOOT_TIMEOUT:g} s")
+    except BaseException:
+        ours.close()
+        os.close(marker)
+        with trio.move_on_after(DISCARD_CONFIRMATION, shield=True):
+            if process.poll() is None:
+                process.kill()
+            await process.wait()
+        raise
+
+
+async def _tracked(process: trio.Process, control: socket.socket) -> ChildProcess:
+    """The process that is T, once the bootstrap has said which (``_bootstrap.launch``).
+
+    Swept, it is the started process itself. For a namespace, that process made T and
+    exits: once it is reaped, T is our child (we are its subreaper). Nobody waits for
+    that here: T goes on while its maker ends.
+    """
+    buffer = b""
+    while (taken := take_message(buffer)) is None:
+        await trio.lowlevel.wait_readable(control)
+        try:
+            chunk = control.recv(65536, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            continue
+        except OSError:
+            chunk = b""
+        if not chunk:
+            raise ExecutionError("the child's bootstrap exited before it started")
+        buffer += chunk
+    message, _ = taken  # nothing follows: T says nothing more before its spawn message
+    pid = message.get("pid") if isinstance(message, dict) else None
+    if not isinstance(pid, int) or pid <= 0:
+        raise ExecutionError(f"the child's bootstrap could not start it: {message!r}")
+    if pid == process.pid:
+        return process
+    return ForkedProcess(pid, maker=process)
+
+
+def frame(message: Mapping[str, Any]) -> bytes:
+    """One message of the control protocol: a 4-byte big-endian length, then marshal."""
+    payload = marshal.dumps(dict(message))
+    return len(payload).to_bytes(4, "big") + payload
+
+
+def take_message(buffer: bytes) -> tuple[Any, bytes] | None:
+    """The first whole message in ``buffer`` and what follows it, or None if incomplete."""
+    if len(buffer) < 4:
+        return None
+    size = int.from_bytes(buffer[:4], "big")
+    if len(buffer) < 4 + size:
+        return None
+    return marshal.loads(buffer[4 : 4 + size]), buffer[4 + size :]
+
+
+class ForkedProcess:
+    """A T made by a fork (the fork server's, or a started bootstrap's that made its
+    namespace): our child, re-parented to us, watched through a pidfd like a
+    trio.Process.
+
+    Args:
+        pid: T's pid. It must be our child already, or the child of ``maker``, which
+            never reaps it: either way nobody else can reap it, so the pid stays T's.
+        maker: The process of ours that made T and is on its way out. T is its child
+            until it has exited, and ours once it is reaped, which :meth:`wait` does
+            first; until then :meth:`poll` says T runs.
+    """
+
+    def __init__(self, pid: int, maker: ChildProcess | None = None) -> None:
+        self._pid = pid
+        self._maker = maker
+        self._pidfd: int | None = os.pidfd_open(pid)
+        self._returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode
+
+    def poll(self) -> int | None:
+        """Its returncode (Popen-style, negative for a signal) if it has exited."""
+        if self._maker is not None:
+            if self._maker.poll() is None:
+                return None  # not ours yet, so not ours to reap
+            self._maker = None
+        if self._returncode is None:
+            try:
+                pid, status = os.waitpid(self._pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: gone, status unknown
+                pid, status = self._pid, signal.SIGKILL
+            if pid != 0:
+                self._returncode = os.waitstatus_to_exitcode(status)
+                self._close()
+        return self._returncode
+
+    def kill(self) -> None:
+        if self._pidfd is not None:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    async def wait(self) -> int:
+        await self.reap_maker()
+        while self.poll() is None:
+            assert self._pidfd is not None
+            await trio.lowlevel.wait_readable(self._pidfd)
+        await trio.lowlevel.checkpoint()
+        assert self._returncode is not None
+        return self._returncode
+
+    async def reap_maker(self) -> None:
+        """Reap the process that made T (it exits as soon as T exists), if not yet."""
+        if self._maker is not None:
+            await self._maker.wait()
+            self._maker = None
+
+    def _close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def __del__(self) -> None:
+        self._close()
 
 
 class Standby:
@@ -177,13 +335,16 @@ class Standby:
         self._filling = True
         try:
             interpreter = await self._start()
-        except OSError:
+        except (OSError, ExecutionError):
             return  # the next load starts its own interpreter, and reports the error
         finally:
             self._filling = False
         # Kept even if the execution is closing: close() discards it once this task
         # has ended.
         self.ready = interpreter
+        if isinstance(interpreter.process, ForkedProcess):
+            # Its maker, which exits at once, is not left a zombie while it waits.
+            await interpreter.process.reap_maker()
 
     def take(self, nursery: trio.Nursery) -> Interpreter | None:
         """The interpreter started ahead, if there is a live one; the next one starts."""

@@ -4,9 +4,9 @@ Theory of operation: a process group holds only what stays in it (``setsid`` and
 ``setpgid`` leave it), so what a child started is found by parentage instead: the tree
 below the child's tracked process, by the parent pid of ``/proc/PID/stat``. While the
 tracked process lives, nothing the plugin starts can leave that tree: in a PID
-namespace every orphan goes to the namespace's init, the tracked process's child; in a
-sweep the tracked process is a child subreaper, so every orphan goes to it (see
-``_bootstrap.py`` for the tracked process T, the init I and the plugin P).
+namespace the tracked process is its PID 1, so every orphan goes to it; in a sweep the
+tracked process is a child subreaper, so every orphan goes to it too (see
+``_bootstrap.py`` for the tracked process T and the plugin P).
 
 Rules that never bend:
 
@@ -89,24 +89,25 @@ def _oldest_child(parent: int, table: dict[int, ProcessStat]) -> int | None:
 
 
 def has_namespace(pid: int) -> bool:
-    """Whether ``pid`` made a PID namespace for its children (a tracked process's)."""
+    """Whether ``pid`` holds its children in a PID namespace of their own: it is the PID 1
+    of one (a tracked process), or made one for them (a tracked process of an earlier
+    version, which a record may still name)."""
     try:
-        return os.readlink(f"/proc/{pid}/ns/pid") != os.readlink(f"/proc/{pid}/ns/pid_for_children")
+        own = os.readlink(f"/proc/{pid}/ns/pid")
+        children = os.readlink(f"/proc/{pid}/ns/pid_for_children")
+        ours = os.readlink("/proc/self/ns/pid")
     except OSError:
         return False
+    return own != ours or children != own
 
 
-def left_behind(tracked: int, table: dict[int, ProcessStat], *, namespace: bool) -> int:
+def left_behind(tracked: int, table: dict[int, ProcessStat]) -> int:
     """How many processes below the tracked process the plugin started (running ones).
 
-    The machinery is not counted: the tracked process, the namespace's init (its only
-    child) and the plugin's own process, the first child of whichever forked it: no
-    process of the plugin's exists before it, so none is older.
+    The machinery is not counted: the tracked process and the plugin's own process, its
+    first child: no process of the plugin's exists before it, so none is older.
     """
-    launcher: int | None = tracked
-    if namespace:
-        launcher = _oldest_child(tracked, table)
-    machinery = {tracked, launcher, _oldest_child(launcher, table) if launcher else None}
+    machinery = {tracked, _oldest_child(tracked, table)}
     return sum(
         1 for pid in descendants([tracked], table) if pid not in machinery and table[pid].running
     )
@@ -217,8 +218,8 @@ async def kill_recorded(pid: int, pgid: int, recorded: int | None) -> ExitStatus
 
     The pid is pinned by a pidfd before its start time is checked, so it cannot exit
     and pass to a stranger between the check and the signal. In a namespace, killing
-    the tracked process and its group (T and I) is enough: the kernel ends the
-    namespace with I. A swept tree is frozen and killed process by process.
+    the tracked process, its PID 1, is enough: the kernel ends the namespace with it. A
+    swept tree is frozen and killed process by process.
 
     Returns:
         How it ended (``descendants_killed`` counts what the plugin left running), or
@@ -230,7 +231,7 @@ async def kill_recorded(pid: int, pgid: int, recorded: int | None) -> ExitStatus
         return None
     try:
         namespace = has_namespace(pid)
-        left = left_behind(pid, process_table(), namespace=namespace)
+        left = left_behind(pid, process_table())
         if not namespace:
             tree.freeze([pid])
         tree.kill()

@@ -9,14 +9,14 @@ length-prefixed ``marshal`` values (a 4-byte big-endian length, then the payload
 
 Rules that never bend:
 
-* The interrupt goes to the child's process group by its recorded pgid: the tracked
-  process T and, in a namespace, its init I, which passes it on to the plugin's group
-  (see ``_bootstrap.py`` for T, I and the plugin P).
-* The kill ends the whole tree. In a namespace, SIGKILL to T's group is enough: I dies
-  with it, and the kernel kills everything in the namespace with I. Swept, the tree
-  below T is frozen and killed process by process (``_trees``), T first.
-* :meth:`ProcessUnit.wait` returns only once T exited, its group is empty (so I was
-  reaped, and the namespace is empty), and whatever the kill froze has exited too; it
+* The interrupt is SIGTERM to the child's process group by its recorded pgid, which
+  holds the tracked process T alone; T passes it on to the plugin's group and stops
+  counting the lease (see ``_bootstrap.py`` for T and the plugin P).
+* The kill ends the whole tree. In a namespace, SIGKILL to T is enough: T is its PID 1,
+  and the kernel kills everything in the namespace with it. Swept, the tree below T is
+  frozen and killed process by process (``_trees``), T first.
+* :meth:`ProcessUnit.wait` returns only once T exited (in a namespace, the namespace is
+  empty by then), its group is empty, and whatever the kill froze has exited too; it
   is the only thing that confirms an exit. ``interrupt`` and ``kill`` are requests.
 * Closing the socket is the child's dead-man switch: T ends its whole tree.
 * A unit that was never started ran none of the caller's code, so abandoning it is a
@@ -26,10 +26,11 @@ Races this guards against:
 
 * The child exits while a message is on its way: a broken socket is the same as EOF,
   and EOF before an answer is "the child died first", not a protocol error.
-* The bootstrap reports what it swept (``{"event": "swept"}``) just before it exits,
-  when nobody reads the socket any more: :meth:`ProcessUnit.wait` takes those last
-  messages in without waiting, since everything the child sent is in the socket once
-  it has exited.
+* T reports how the plugin ended and what was killed of what it left
+  (``{"event": "exited"}``) just before it exits, when nobody reads the socket any
+  more: :meth:`ProcessUnit.wait` takes those last messages in without waiting, since
+  everything the child sent is in the socket once it has exited. The report, not T's
+  own status, says how the plugin ended: a PID 1 cannot die by its own signal.
 * A swept T killed by someone else (the OOM killer, an operator) could not sweep: what
   it left was re-parented to us, and :meth:`ProcessUnit.wait` finds it by T's session
   and by the marker pipe it inherited (``_trees.strays``), and kills it.
@@ -38,7 +39,6 @@ Races this guards against:
 from __future__ import annotations
 
 import contextlib
-import marshal
 import math
 import os
 import signal
@@ -52,7 +52,7 @@ import trio
 from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, CodeIdentity, ExitStatus, Load
 from ._groups import exit_status, group_gone, signal_group
-from ._standby import ChildProcess
+from ._standby import ChildProcess, ForkedProcess, frame, take_message
 from ._trees import Tree, left_behind, process_table, strays
 
 __all__ = ["ProcessUnit", "failure"]
@@ -63,21 +63,6 @@ _EOF: dict[str, Any] = {"event": "eof"}
 # copied output may take to reach the log once its group is gone.
 KILL_CONFIRMATION = 5.0
 OUTPUT_DRAIN = 1.0
-
-
-def _frame(message: Mapping[str, Any]) -> bytes:
-    payload = marshal.dumps(dict(message))
-    return len(payload).to_bytes(4, "big") + payload
-
-
-def _take_message(buffer: bytes) -> tuple[Any, bytes] | None:
-    """The first whole message in ``buffer`` and what follows it, or None if incomplete."""
-    if len(buffer) < 4:
-        return None
-    size = int.from_bytes(buffer[:4], "big")
-    if len(buffer) < 4 + size:
-        return None
-    return marshal.loads(buffer[4 : 4 + size]), buffer[4 + size :]
 
 
 def failure(reply: Mapping[str, Any], specifier: str, limits: str = "") -> Exception:
@@ -132,8 +117,8 @@ class ProcessUnit:
         self._socket = control  # the same socket, for reading what is left at exit
         self._control = trio.SocketStream(trio.socket.from_stdlib_socket(control))
         self._buffer = b""
-        # Processes the child left in its group that had to be killed: counted by the
-        # bootstrap as it exits ("swept"), and by our own kill of the group.
+        # Processes the child left that had to be killed: counted by T as it exits
+        # ("exited"), and by our own kill.
         self._descendants_killed = 0
         self._status: ExitStatus | None = None
         self._wait_lock = trio.Lock()
@@ -152,10 +137,10 @@ class ProcessUnit:
 
     async def _send(self, message: Mapping[str, Any]) -> None:
         async with self._send_lock:
-            await self._control.send_all(_frame(message))
+            await self._control.send_all(frame(message))
 
     async def _receive(self) -> dict[str, Any]:
-        while (taken := _take_message(self._buffer)) is None:
+        while (taken := take_message(self._buffer)) is None:
             try:
                 chunk = await self._control.receive_some(_CHUNK)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -234,42 +219,44 @@ class ProcessUnit:
             await self._send({"command": "renew", "lease": lease})
 
     async def interrupt(self) -> None:
-        # The signal first: the child starts on its way out while the message that
-        # disarms its lease watchdog (so the lease cannot cut the graceful stop short)
-        # follows. The watchdog cannot fire in between: it waits for the lease plus a
-        # second of slack, and the session was live, so its lease had not run out.
+        # T takes it as the end of its lease watchdog too, so the lease cannot cut the
+        # graceful stop short.
         signal_group(self._pgid, signal.SIGTERM)
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self._send({"command": "interrupt"})
+        await trio.lowlevel.checkpoint()
 
     async def kill(self) -> None:
         await trio.lowlevel.checkpoint()
         tracked = self._process.pid
         if self._process.returncode is None:  # not reaped: the pid is still T's
-            namespace = self.containment == "namespace"
-            self._descendants_killed += left_behind(tracked, process_table(), namespace=namespace)
-            if not namespace:
+            self._descendants_killed += left_behind(tracked, process_table())
+            if self.containment != "namespace":
                 tree = Tree()
                 if tree.pin(tracked, self._identity.start_time):
                     tree.freeze([tracked])
                     tree.kill()
                 self._frozen.append(tree)
-        # T and I: in a namespace, the kernel ends everything else with I.
+        # In a namespace, the kernel ends everything else with T, its PID 1.
         signal_group(self._pgid, signal.SIGKILL)
 
     async def wait(self) -> ExitStatus:
         async with self._wait_lock:  # one waiter works it out; the others read it
             if self._status is None:
                 returncode = await self._process.wait()
-                # T is gone; the child is gone when its whole group is (I included, whose
-                # end is the namespace's), and all that the kill froze.
+                # T is gone (and its namespace with it); the child is gone when its
+                # whole group is, and all that the kill froze.
                 await group_gone(self._pgid)
                 while self._frozen:
                     await self._frozen[0].gone(skip={self._process.pid})
                     del self._frozen[0]
                 if self.containment == "sweep" and returncode == -signal.SIGKILL:
                     await self._kill_strays()
-                self._read_leftovers()
+                reported = self._read_leftovers()
+                if reported is not None:
+                    returncode = reported
+                elif self.containment == "namespace" and returncode > 128:
+                    # Unreported (its socket was closed first): a PID 1 cannot die by
+                    # its own signal, so T exits with 128 plus the signal's number.
+                    returncode = 128 - returncode
                 self._status = attrs.evolve(
                     exit_status(returncode), descendants_killed=self._descendants_killed
                 )
@@ -291,8 +278,10 @@ class ProcessUnit:
         await tree.gone()
         self._frozen.remove(tree)
 
-    def _read_leftovers(self) -> None:
-        """Take in what the bootstrap said as it exited (how many it swept).
+    def _read_leftovers(self) -> int | None:
+        """Take in what T said as it exited: how many processes it killed, and how the
+        plugin ended (a returncode, negative for a signal), or None if it said nothing
+        (T itself was killed).
 
         Everything it sent is in the socket already: it has exited. So this reads
         without waiting, and stops at the first empty read.
@@ -305,10 +294,13 @@ class ProcessUnit:
             if not chunk:
                 break
             self._buffer += chunk
-        while (taken := _take_message(self._buffer)) is not None:
+        reported = None
+        while (taken := take_message(self._buffer)) is not None:
             message, self._buffer = taken
-            if isinstance(message, dict) and message.get("event") == "swept":
+            if isinstance(message, dict) and message.get("event") == "exited":
                 self._descendants_killed += int(message.get("killed", 0))
+                reported = os.waitstatus_to_exitcode(int(message["status"]))
+        return reported
 
     async def aclose(self) -> None:
         if self._closed:
@@ -327,6 +319,11 @@ class ProcessUnit:
             self._marker = None
         for tree in self._frozen:  # left by a wait that was cancelled
             tree.close()
+        if isinstance(self._process, ForkedProcess):
+            # Its maker, if nothing waited for T (a recovery ended it): it exited as
+            # soon as T existed.
+            with trio.move_on_after(KILL_CONFIRMATION):
+                await self._process.reap_maker()
         # Once the group is gone its output ends; let the last of it reach the log.
         if not self.output_done.is_set():  # it is when the child wrote the log itself
             with trio.move_on_after(OUTPUT_DRAIN):

@@ -2,9 +2,9 @@
 
 Each child is ``python -I`` running ``_bootstrap.py`` (compiled once into the state
 directory), started in a session and process group of its own, talking to us over a
-socket pair (see ``_bootstrap.py`` for the protocol and its three processes: the
-tracked process T we start and record, the namespace's init I, the plugin P). What a
-remote host may run is decided here, by the runner's owner:
+socket pair (see ``_bootstrap.py`` for the protocol and its two processes: the tracked
+process T we record, which is PID 1 of the child's namespace where there is one, and the
+plugin P). What a remote host may run is decided here, by the runner's owner:
 
 * **entry points** ``package.module:function``, found only on the ``entry_paths`` the
   owner configured: a sync function, or an async one run under ``trio.run``, called with
@@ -116,7 +116,9 @@ class SubprocessExecution:
             while the execution runs, so a grandchild whose parent died is re-parented
             to us, not to PID 1 (which in a container may never reap it), and is reaped
             when its group is waited for. Orphans of *other* children of this process
-            then come to it as well; turn this off if something else reaps them.
+            then come to it as well; turn this off if something else reaps them. A PID
+            namespace needs it (each child's tracked process is forked into its
+            namespace and re-parented to us): without it, "auto" means the sweep.
         standby: Keep one bootstrap interpreter started ahead of the next load, so a
             load does not wait for Python to start (most of a minimal child's load
             time). The standby runs none of the caller's code: it waits for its spawn
@@ -145,7 +147,8 @@ class SubprocessExecution:
 
     Raises:
         ValueError: ``containment`` is none of those, a ``preload`` entry is not a
-            module name, or ``fork_server`` is asked for without ``subreaper``.
+            module name, or ``fork_server`` or ``containment="namespace"`` is asked for
+            without ``subreaper``.
     """
 
     def __init__(
@@ -168,6 +171,12 @@ class SubprocessExecution:
             raise ValueError(
                 "fork_server=True needs subreaper=True: a forked child is re-parented to "
                 "this process, which can wait for it only as a child subreaper"
+            )
+        if containment == "namespace" and not subreaper:
+            raise ValueError(
+                "containment='namespace' needs subreaper=True: each child's tracked "
+                "process is the PID 1 of its namespace, re-parented to this process, "
+                "which can wait for it only as a child subreaper"
             )
         self.preload = check_preload(preload)
         # Absolute: children run with the state directory as their working directory.
@@ -214,11 +223,16 @@ class SubprocessExecution:
         if self.python == sys.executable:
             self._bootstrap = await trio.to_thread.run_sync(compile_bootstrap, self.state_directory)
         self._standby = Standby(self._start_standby)  # afresh: this run may start them
-        if self.standby:
-            # First: it needs no containment until its spawn message says which.
-            self._nursery.start_soon(self._standby.fill, name="standby interpreter")
         try:
-            self.mechanism = await choose(self.containment, self.python, self._bootstrap)
+            if self.subreaper:
+                self.mechanism = await choose(self.containment, self.python, self._bootstrap)
+            else:
+                self.mechanism = Mechanism(
+                    kind="sweep",
+                    unshare=None,
+                    required=self.containment == "sweep",
+                    reason="subreaper=False, and a namespace's PID 1 is re-parented to us",
+                )
             if self.fork_server:
                 self._server = ForkServer(
                     self.python,
@@ -226,12 +240,17 @@ class SubprocessExecution:
                     directory=self.state_directory,
                     environment=self._base_environment(),
                     preload=self.preload,
+                    containment=self.mechanism.spec,
+                    strict=self.mechanism.required,
                 )
                 stack.push_async_callback(self._server.aclose)
                 await self._server.start()
         except BaseException as error:
             await self.__aexit__(type(error), error, error.__traceback__)
             raise
+        if self.standby:
+            # Once the containment is known: the standby's T is made for it.
+            self._nursery.start_soon(self._standby.fill, name="standby interpreter")
         logger.info(
             "subprocess children are contained by %s",
             self.mechanism.describe(),
@@ -315,8 +334,6 @@ class SubprocessExecution:
                 "generation": handle.generation,
                 "config": thaw(load.config),
             },
-            "containment": self.mechanism.spec,
-            "strict": self.mechanism.required,
             **self._plan(load),
         }
 
@@ -345,18 +362,21 @@ class SubprocessExecution:
         return await self._start_cold(environment, output)
 
     async def _start_cold(self, environment: Mapping[str, str], output: int) -> Interpreter:
-        # One at a time: trio starts each process in a thread, and a burst of loads
-        # would run that many fork+exec threads at once, which starve the event loop of
-        # the GIL for hundreds of milliseconds. Serialized, a burst costs the same
-        # total time and the loop goes on serving other sessions between creations.
-        async with self._creating:
-            return await start_interpreter(
-                self.python,
-                self._bootstrap,
-                environment=environment,
-                output=output,
-                directory=self.state_directory,
-            )
+        # Created one at a time (``creating``): trio starts each process in a thread,
+        # and a burst of loads would run that many fork+exec threads at once, which
+        # starve the event loop of the GIL for hundreds of milliseconds. Serialized, a
+        # burst costs the same total time and the loop goes on serving other sessions
+        # between creations.
+        return await start_interpreter(
+            self.python,
+            self._bootstrap,
+            environment=environment,
+            output=output,
+            directory=self.state_directory,
+            containment=self.mechanism.spec,
+            strict=self.mechanism.required,
+            creating=self._creating,
+        )
 
     async def _start_standby(self) -> Interpreter:
         # Output goes nowhere until the spawn message names the session's log.
