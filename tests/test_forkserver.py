@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from trio_supervisor import (
     ExecutionError,
@@ -30,6 +31,7 @@ from trio_supervisor import (
 from trio_supervisor.executions._groups import read_stat
 
 from .harness import opened, report_in, until_logged
+from .test_standby import bootstraps
 
 PLUGINS = Path(__file__).parent.parent / "examples" / "plugins"
 BOUND = 20.0
@@ -175,3 +177,26 @@ def test_bad_fork_server_options_are_refused(
 def test_preload_must_be_a_list_of_names(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="not one string"):
         SubprocessExecution(tmp_path, preload="json")
+
+
+async def test_an_execution_closed_while_its_standby_is_forked_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    # A load takes the standby, and the next one is forked in the background; the
+    # execution exits while the fork server is still answering that request.
+    async with SubprocessExecution(
+        tmp_path, entry_paths=[PLUGINS], fork_server=True, standby=True
+    ) as execution:
+        standby = execution._standby  # white-box: take the standby as a load would
+        with trio.fail_after(BOUND):
+            while standby.ready is None:  # noqa: ASYNC110  # nothing to wait on
+                await trio.sleep(0.01)
+        assert execution._nursery is not None
+        taken = standby.take(execution._nursery)
+        assert taken is not None
+        await taken.discard()
+        await trio.testing.wait_all_tasks_blocked()  # the next fork is under way
+        server = execution.fork_server_pid
+        assert server is not None
+    assert read_stat(server) is None, "the fork server outlived its execution"
+    assert bootstraps() == set(), "a bootstrap outlived its execution"

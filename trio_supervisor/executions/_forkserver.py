@@ -28,6 +28,9 @@ Races this guards against:
 * A request cancelled half-way would leave a reply in the socket that the next
   request would take for its own: a request is shielded, and bounded by
   ``REQUEST_TIMEOUT``, after which the server counts as broken.
+* The execution closes while a request is under way (a standby's, started in the
+  background): :meth:`ForkServer.aclose` closes the socket only once that request has
+  its answer, and the execution discards the standby it made.
 * T exits before we look at it: it is our child (the intermediate process was reaped
   before the server answered), so its pid stays its own until we reap it, and the
   pidfd opened on it is T's.
@@ -251,8 +254,12 @@ class ForkServer:
 
     async def aclose(self) -> None:
         self._closed = True
+        # Shielded, and after a request under way (a standby's, at the execution's exit)
+        # has its answer: closing the socket under it would fail it with an error that
+        # is nobody's. Bounded: a request takes at most REQUEST_TIMEOUT.
         with trio.CancelScope(shield=True):
-            await self._stop()
+            async with self._lock:
+                await self._stop()
 
 
 def _decode(data: bytes) -> Any:
