@@ -17,6 +17,10 @@ that nursery; the session task then, shielded, saves Stopping (one checkpoint, a
 async save is), signals the child and reaps it within a grace period, closes its pipe,
 saves Stopped (another checkpoint), and wakes the disposer. There is no store, no record
 and no control message, so nothing an implementation could trim is left.
+``terminate.cooperative.contained`` (informational) is the same floor with the child
+shaped as containment needs it: a process that runs the plugin as its own child,
+passes the SIGTERM on and ends as the plugin did, so the exit takes two processes, as
+ours does (the tracked process and the plugin).
 """
 
 from __future__ import annotations
@@ -44,6 +48,27 @@ MINIMAL = PLUGIN + "\nmain(None)\n"
 WATCHED = (
     PLUGIN
     + "\nimport _thread, os\n_thread.start_new_thread(os.read, (os.pipe()[0], 1))\nmain(None)\n"
+)
+# The floor's child as containment shapes it (terminate.cooperative.contained): the
+# watched process runs the plugin as its own child, passes SIGTERM on, and once the
+# plugin has ended, ends the same way. Two processes, as ours are (the tracked process
+# and the plugin), without the namespace, the lease, the report or any sweep.
+CONTAINED = (
+    PLUGIN
+    + """
+import _thread, os, signal
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # held until passed on
+plugin = os.fork()
+if plugin == 0:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    main(None)
+_thread.start_new_thread(os.read, (os.pipe()[0], 1))
+signal.signal(signal.SIGTERM, lambda *_: os.kill(plugin, signal.SIGTERM))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+_, status = os.waitpid(plugin, 0)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+os.kill(os.getpid(), os.WTERMSIG(status))
+"""
 )
 GRACE = 5.0
 
@@ -74,10 +99,10 @@ async def _raw_cycle() -> tuple[float, float]:
     return ended - started, ended - stopping
 
 
-async def _floor_cycle() -> tuple[float, float]:
+async def _floor_cycle(code: str = WATCHED) -> tuple[float, float]:
     """One cycle stopped the way section 5 shapes a dispose (see the module docs)."""
     started = time.perf_counter()
-    process = await _ready_child(WATCHED)
+    process = await _ready_child(code)
     assert process.stdout is not None
     stdout = process.stdout
     session_scope = trio.CancelScope()
@@ -220,6 +245,19 @@ def run(quick: bool, rounds: int) -> list[Result]:
             rounds=rounds,
             note="dispose of a running child that exits on SIGTERM vs the same stop shaped "
             "as docs/design.md section 5 with no store (see the module docs)",
+        ),
+        compare(
+            "terminate.cooperative.contained",
+            ours=lambda: ours(cycles, 1),
+            baseline=lambda: raw(cycles, 1, lambda: _floor_cycle(CONTAINED)),
+            baseline_name="floor with a contained child: the plugin a child of the watched one",
+            unit="s",
+            better="lower",
+            target=1.25,
+            rounds=rounds,
+            note="as terminate.cooperative, with the floor's child shaped as containment "
+            "needs: it runs the plugin as its child, passes SIGTERM on, ends as it did",
+            informational=True,
         ),
         compare(
             "terminate.cooperative.raw",
