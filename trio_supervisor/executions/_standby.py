@@ -102,8 +102,9 @@ class Interpreter:
     """A started bootstrap that has not been told what to run yet.
 
     Attributes:
-        process: The bootstrap's process (a ``trio.Process``, or forked by the fork
-            server).
+        process: T, the bootstrap's tracked process: the ``trio.Process`` started (swept),
+            or a :class:`ForkedProcess` (made in its namespace by the process started,
+            or forked by the fork server).
         control: Our end of its socket pair.
         marker: The reading end of a pipe whose writing end it inherited, and passes on
             to whatever it starts: how its leftovers are known once it is gone (see
