@@ -23,6 +23,7 @@ SCENARIOS = {
     "durable.concurrent",
     "durable.concurrent.naive",
     "durable.vs_memory",
+    "durable.vs_memory.floor",
     "child.cycle",
     "child.cycle.no_preload",
     "child.cycle.cold",
@@ -30,6 +31,7 @@ SCENARIOS = {
     "recovery.10k.raw",
     "recovery.100k",
     "terminate.cooperative",
+    "terminate.cooperative.contained",
     "terminate.cooperative.raw",
     "service.cycle",
     "service.cycle.stuck_reader",
@@ -43,6 +45,8 @@ INFORMATIONAL = {
     "durable.concurrent.naive",
     "child.cycle.no_preload",
     "recovery.10k.raw",
+    "durable.vs_memory.floor",
+    "terminate.cooperative.contained",
     "terminate.cooperative.raw",
 }
 
