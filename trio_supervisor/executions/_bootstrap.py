@@ -541,6 +541,9 @@ class Tracked:
         pid."""
         # Swept, P must not outlive T; in a namespace, T's exit ends it anyway.
         parent = os.getpid() if self.containment == "sweep" else None
+        # What T has is P's too, and never garbage: frozen, the plugin's collections
+        # leave it alone, so they neither walk it nor copy the pages it is on.
+        gc.freeze()
         plugin, pipe = fork_plugin(spec)
         if plugin == 0:
             _signal.set_wakeup_fd(-1)  # none of T's handling
@@ -632,11 +635,8 @@ def become_plugin(
         if os.getppid() != parent:
             os._exit(1)  # T died before that was armed
     release()
-    # Forked ahead, so that the forks cost the load nothing: nothing of the caller's
-    # runs before the supervisor's "start". Meanwhile a collection touches, and so
-    # copies, the pages of the objects T left us, which the plugin's imports would
-    # otherwise copy one fault at a time after "start".
-    gc.collect()
+    # Forked ahead, so that the fork costs the load nothing: nothing of the caller's
+    # runs before the supervisor's "start".
     if os.read(go, 1) != b"g":
         os._exit(1)  # T is gone
     os.close(go)
