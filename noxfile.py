@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import nox
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
@@ -12,9 +15,43 @@ nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
 
 
+# What the tests need from the machine, beyond Python: Debian's package for each command.
+# The dashboard's test drives a real headless chromium (never a downloaded browser), and
+# the TLS test makes its certificate with openssl.
+MACHINE_NEEDS = {"chromium": "chromium", "openssl": "openssl"}
+
+
+def install_machine_needs(session: nox.Session) -> None:
+    """Install the Debian packages the tests need, or stop at once naming them."""
+    missing = sorted(
+        package for command, package in MACHINE_NEEDS.items() if not shutil.which(command)
+    )
+    if not missing:
+        return
+    if shutil.which("apt-get") and os.geteuid() == 0:
+        session.log(f"installing {', '.join(missing)} with apt-get (the tests need them)")
+        session.run("apt-get", "update", "-qq", external=True)
+        session.run(
+            "apt-get",
+            "install",
+            "-y",
+            "-qq",
+            *missing,
+            env={"DEBIAN_FRONTEND": "noninteractive"},
+            external=True,
+        )
+        return
+    session.error(
+        f"the tests need {' and '.join(missing)}, which this machine lacks: install "
+        f"{'them' if len(missing) > 1 else 'it'} (on Debian or Ubuntu: "
+        f"sudo apt-get install {' '.join(missing)}), then run this again"
+    )
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite."""
+    """Run the test suite (installing what it needs from the machine's packages)."""
+    install_machine_needs(session)
     session.install("-e", ".[test]")
     session.run("python", "-m", "pytest", *session.posargs)
 
@@ -50,7 +87,7 @@ def conformance(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     session.env["TRIO_SUPERVISOR_CONFORMANCE"] = "deep"
     session.env["TRIO_SUPERVISOR_TEST_TIMEOUT"] = "0"  # each machine runs for minutes
-    session.run("python", "-m", "pytest", "tests/test_conformance.py", *session.posargs)
+    session.run("python", "-m", "pytest", "tests/conformance/test_conformance.py", *session.posargs)
 
 
 @nox.session
@@ -59,7 +96,7 @@ def api(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     # Per operation: 9 of the 12 take input (the other 3 run a few times): 200 is ~1,800.
     session.env["TRIO_SUPERVISOR_API_EXAMPLES"] = "200"
-    session.run("python", "-m", "pytest", "tests/test_api_fuzz.py", *session.posargs)
+    session.run("python", "-m", "pytest", "tests/service/test_api_fuzz.py", *session.posargs)
 
 
 @nox.session

@@ -39,7 +39,7 @@ from trio_supervisor import (
     codec,
     open_supervisor,
 )
-from trio_supervisor.stores.base import Store
+from trio_supervisor.abc import Store
 from trio_supervisor.testing import FakeExecution
 
 from .measure import Result, compare

@@ -21,11 +21,11 @@ from trio_supervisor import (
     SupervisorError,
     open_supervisor,
 )
-from trio_supervisor.background import open_background_nursery
+from trio_supervisor._core.background import open_background_nursery
+from trio_supervisor.abc import Store
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.service import create_app
-from trio_supervisor.stores.base import Store
 from trio_supervisor.testing import FakeExecution
 
 KEY = Key(identity="plugin", instance="a")

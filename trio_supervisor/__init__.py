@@ -1,9 +1,23 @@
 """trio_supervisor: run code for remote hosts on Trio, and never lose track of it.
 
-The face of the package: re-exports only. The design is in docs/design.md; the record
-format's converter, ``encode`` and ``decode`` are in :mod:`trio_supervisor.codec`.
+The face of the package: re-exports only. The engine and its protocols load at once; the
+adapters (stores and executions) load when first named, so a program that embeds the
+engine with an adapter of its own never imports SQLite or the subprocess machinery.
+The design is in docs/design.md; the record format's converter, ``encode`` and
+``decode`` are in :mod:`trio_supervisor.codec`.
 """
 
+import importlib
+from typing import TYPE_CHECKING
+
+from ._core.events import Overflow as Overflow
+from ._core.events import Watch as Watch
+from ._core.lifetime import open_supervisor as open_supervisor
+from ._core.supervisor import Supervisor as Supervisor
+from .abc import BatchStore as BatchStore
+from .abc import Execution as Execution
+from .abc import Store as Store
+from .abc import Unit as Unit
 from .errors import ExecutionError as ExecutionError
 from .errors import LeaseExpiredError as LeaseExpiredError
 from .errors import PackageError as PackageError
@@ -15,13 +29,6 @@ from .errors import StaleSessionError as StaleSessionError
 from .errors import StateStorageError as StateStorageError
 from .errors import SupervisorError as SupervisorError
 from .errors import TerminationUnconfirmedError as TerminationUnconfirmedError
-from .executions.base import Execution as Execution
-from .executions.base import Unit as Unit
-from .executions.inprocess import InProcessExecution as InProcessExecution
-from .executions.inprocess import Plugin as Plugin
-from .executions.inprocess import PluginContext as PluginContext
-from .executions.subprocess import SubprocessExecution as SubprocessExecution
-from .lifetime import open_supervisor as open_supervisor
 from .model import JSON as JSON
 from .model import ActiveRecord as ActiveRecord
 from .model import ChildIdentity as ChildIdentity
@@ -50,10 +57,36 @@ from .model import Superseded as Superseded
 from .model import Termination as Termination
 from .model import negotiate as negotiate
 from .retention import Retention as Retention
-from .stores.base import BatchStore as BatchStore
-from .stores.base import Store as Store
-from .stores.memory import MemoryStore as MemoryStore
-from .stores.sqlite import SqliteStore as SqliteStore
-from .supervisor import Supervisor as Supervisor
+
+if TYPE_CHECKING:
+    from .executions.inprocess import InProcessExecution as InProcessExecution
+    from .executions.inprocess import Plugin as Plugin
+    from .executions.inprocess import PluginContext as PluginContext
+    from .executions.subprocess import SubprocessExecution as SubprocessExecution
+    from .stores.memory import MemoryStore as MemoryStore
+    from .stores.sqlite import SqliteStore as SqliteStore
 
 __version__ = "0.1.0"
+
+# Adapters, loaded on first use: name -> the module that defines it.
+_ADAPTERS = {
+    "InProcessExecution": ".executions.inprocess",
+    "Plugin": ".executions.inprocess",
+    "PluginContext": ".executions.inprocess",
+    "SubprocessExecution": ".executions.subprocess",
+    "MemoryStore": ".stores.memory",
+    "SqliteStore": ".stores.sqlite",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _ADAPTERS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ADAPTERS})

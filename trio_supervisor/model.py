@@ -16,8 +16,8 @@ from typing import Any, ClassVar, Literal, TypeAlias
 
 import attrs
 
-from . import fields
-from .fields import JSON, thaw
+from . import _fields as fields
+from ._fields import JSON, thaw
 
 __all__ = [
     "JSON",

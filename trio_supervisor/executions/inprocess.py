@@ -34,7 +34,8 @@ from typing import Any, Self
 import attrs
 import trio
 
-from ..background import open_background_nursery
+from .._core.background import open_background_nursery
+from ..abc import Unit
 from ..errors import ExecutionError, PackageError
 from ..model import (
     JSON,
@@ -48,7 +49,6 @@ from ..model import (
     Termination,
 )
 from ._bootstrap import Refused, entry_point
-from .base import Unit
 
 __all__ = ["InProcessExecution", "Plugin", "PluginContext"]
 

@@ -76,7 +76,8 @@ from typing import Any, Self
 import attrs
 import trio
 
-from ..background import open_background_nursery
+from .._core.background import open_background_nursery
+from ..abc import Unit
 from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination, thaw
 from ._containment import CONTAINMENTS, Containment, Mechanism, choose
@@ -86,7 +87,6 @@ from ._output import copy_output
 from ._standby import BOOTSTRAP, Interpreter, Standby, compile_bootstrap, start_interpreter
 from ._trees import Tree, kill_recorded, process_table
 from ._unit import ProcessUnit, failure
-from .base import Unit
 
 __all__ = ["SubprocessExecution"]
 

@@ -33,10 +33,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from .._core.supervisor import Supervisor
 from ..codec import converter
 from ..errors import RunnerClosingError, StaleSessionError, SupervisorError
 from ..model import Handle, Key, Phase, SessionRecord
-from ..supervisor import Supervisor
 from .metrics import Metrics
 from .openapi import document
 from .operators import operator_routes

@@ -27,7 +27,9 @@ from prometheus_client import Counter as CounterMetric
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..events import Overflow
+from .._core.events import Overflow
+from .._core.supervisor import Supervisor
+from ..abc import BatchStore, Store
 from ..model import (
     Key,
     LoadedRecord,
@@ -38,8 +40,6 @@ from ..model import (
     StoppingRecord,
 )
 from ..retention import Retention
-from ..stores.base import BatchStore, Store
-from ..supervisor import Supervisor
 
 __all__ = ["Metrics", "TimedStore"]
 

@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..events import Overflow, Watch
-from ..supervisor import Supervisor
+from .._core.events import Overflow, Watch
+from .._core.supervisor import Supervisor
 from .metrics import Metrics
 from .wire import public_record
 

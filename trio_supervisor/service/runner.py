@@ -40,10 +40,10 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from .._core.lifetime import open_supervisor
+from .._core.supervisor import Supervisor
 from ..executions.subprocess import SubprocessExecution
-from ..lifetime import open_supervisor
 from ..stores.sqlite import SqliteStore
-from ..supervisor import Supervisor
 from .app import create_app
 from .metrics import Metrics, TimedStore
 

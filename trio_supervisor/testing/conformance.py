@@ -41,10 +41,10 @@ from hypothesis.stateful import (
     rule,
 )
 
+from .._core.supervisor import Supervisor
 from ..model import ExitStatus, Handle, Key
 from ..model import Load as LoadRequest
 from ..retention import Retention
-from ..supervisor import Supervisor
 from .checks import (
     agreement,
     check_children,

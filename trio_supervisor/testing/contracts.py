@@ -24,6 +24,7 @@ import pytest
 import trio
 import trio.testing
 
+from ..abc import Store
 from ..errors import PackageError
 from ..model import (
     Disposed,
@@ -38,7 +39,6 @@ from ..model import (
     Termination,
 )
 from ..retention import Retention
-from ..stores.base import Store
 from .harnesses import Harness
 
 __all__ = ["ExecutionContract", "StoreContract"]

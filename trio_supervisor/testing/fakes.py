@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 import trio
 
+from ..abc import Store
 from ..errors import ExecutionError, StateStorageError, SupervisorError
 from ..model import (
     ChildIdentity,
@@ -28,7 +29,6 @@ from ..model import (
     Termination,
 )
 from ..retention import Retention
-from ..stores.base import Store
 
 __all__ = ["Behaviour", "Call", "FakeExecution", "FakeUnit", "FaultyStore"]
 

@@ -19,9 +19,9 @@ from typing import Any, Protocol, Self, runtime_checkable
 
 import trio
 
+from ..abc import Execution
 from ..errors import ExecutionError, PackageError
 from ..executions._groups import group_exists, read_stat
-from ..executions.base import Execution
 from ..executions.inprocess import InProcessExecution, PluginContext
 from ..executions.subprocess import SubprocessExecution
 from ..model import ChildIdentity, ExitStatus, Handle

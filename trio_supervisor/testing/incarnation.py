@@ -31,8 +31,8 @@ import attrs
 import trio
 import trio.testing
 
+from ..abc import BatchStore, Execution, Store, Unit
 from ..errors import ExecutionError, StateStorageError
-from ..executions.base import Execution, Unit
 from ..model import (
     ChildIdentity,
     CodeIdentity,
@@ -45,7 +45,6 @@ from ..model import (
     Termination,
 )
 from ..retention import Retention
-from ..stores.base import BatchStore, Store
 from .model import SessionId
 
 __all__ = ["ClockGuard", "Entry", "Incarnation", "Log"]

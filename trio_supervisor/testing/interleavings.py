@@ -34,9 +34,9 @@ from typing import Any
 
 import attrs
 
+from .._core.supervisor import Supervisor
 from ..model import Handle, Key
 from ..model import Load as LoadRequest
-from ..supervisor import Supervisor
 from .checks import key_name, session_name
 from .model import Model, Outcome, SessionId
 

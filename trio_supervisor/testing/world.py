@@ -32,8 +32,10 @@ import attrs
 import trio
 import trio.testing
 
+from .._core.lifetime import open_supervisor
+from .._core.supervisor import Supervisor
+from ..abc import Store
 from ..errors import SupervisorError
-from ..lifetime import open_supervisor
 from ..model import (
     CodeIdentity,
     Key,
@@ -46,9 +48,7 @@ from ..model import (
     Termination,
 )
 from ..retention import Retention
-from ..stores.base import Store
 from ..stores.memory import MemoryStore
-from ..supervisor import Supervisor
 from .harnesses import Harness
 from .incarnation import ClockGuard, Faults, Incarnation, Log
 from .model import Outcome, SessionId, ok

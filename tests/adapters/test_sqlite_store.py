@@ -1,0 +1,497 @@
+"""SqliteStore: durability, crashes, group commit, retention, high-water, bad data."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trio_supervisor import (
+    Disposed,
+    ExitStatus,
+    Fault,
+    Handle,
+    Key,
+    Limits,
+    Load,
+    LoadFailed,
+    MemoryStore,
+    OpenRecord,
+    RecordFormatError,
+    Retention,
+    SessionRecord,
+    SqliteStore,
+    StateStorageError,
+    StoppedRecord,
+    Termination,
+    codec,
+)
+from trio_supervisor.abc import Store
+from trio_supervisor.testing import FakeExecution
+
+from ..harness import KEY, opened, supervise
+
+DONE = Termination(kind="exited", exit=ExitStatus(code=0))
+
+
+def copy_database(source: Path, target: Path) -> None:
+    """Copy a database and its write-ahead log as they are, the way a crash leaves them."""
+    for suffix in ("", "-wal"):
+        if Path(f"{source}{suffix}").exists():
+            shutil.copy(f"{source}{suffix}", f"{target}{suffix}")
+
+
+def open_record(instance: str, generation: int, *, token: str | None = None) -> OpenRecord:
+    handle = Handle(
+        key=Key(identity="p", instance=instance),
+        token=token or f"{instance}-{generation}".rjust(32, "0"),
+        generation=generation,
+    )
+    return OpenRecord(handle=handle, request_id=f"r{generation}", lease=5.0, limits=Limits())
+
+
+def stopped(instance: str, generation: int) -> StoppedRecord:
+    return StoppedRecord.of(open_record(instance, generation), Disposed(), DONE)
+
+
+async def test_records_survive_close_and_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    records: list[SessionRecord] = [open_record("a", 1), stopped("b", 1), open_record("b", 2)]
+    async with SqliteStore(path) as store:
+        for record in records:
+            await store.save(record)
+    async with SqliteStore(path) as store:
+        assert list(await store.list()) == records
+        assert await store.high_water() == {
+            Key(identity="p", instance="a"): 1,
+            Key(identity="p", instance="b"): 2,
+        }
+
+
+async def test_a_record_replaces_the_earlier_record_of_its_token(tmp_path: Path) -> None:
+    async with SqliteStore(tmp_path / "state.db") as store:
+        await store.save(open_record("a", 1))
+        await store.save(stopped("a", 1))
+        assert list(await store.list()) == [stopped("a", 1)]
+
+
+def test_acknowledged_records_survive_a_kill_without_close(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    writer = textwrap.dedent(
+        f"""
+        import sys, trio
+        from tests.adapters.test_sqlite_store import open_record
+        from trio_supervisor import SqliteStore
+
+        async def main():
+            store = SqliteStore({str(path)!r})
+            for generation in range(1, 21):
+                await store.save(open_record("a", generation))
+            print("saved", flush=True)
+            await trio.sleep_forever()
+
+        trio.run(main)
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", writer],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == "saved\n"  # the readiness handshake
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+
+    async def read() -> tuple[list[SessionRecord], dict[Key, int]]:
+        async with SqliteStore(path) as store:
+            return list(await store.list()), dict(await store.high_water())
+
+    records, marks = trio.run(read)
+    assert records == [open_record("a", generation) for generation in range(1, 21)]
+    assert marks == {Key(identity="p", instance="a"): 20}
+
+
+async def test_a_copy_taken_mid_run_holds_everything_acknowledged(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    store = SqliteStore(path)
+    for generation in range(1, 6):
+        await store.save(open_record("a", generation))
+    copy_database(path, copy / "state.db")
+    async with SqliteStore(copy / "state.db") as twin:
+        assert list(await twin.list()) == list(await store.list())
+    await store.aclose()
+
+
+async def test_concurrent_saves_share_transactions(tmp_path: Path) -> None:
+    async with SqliteStore(tmp_path / "state.db") as store:
+        for generation in range(1, 4):
+            await store.save(open_record("a", generation))
+        assert store.commits == 3, "a save alone is a transaction of its own"
+        async with trio.open_nursery() as nursery:
+            for generation in range(1, 101):
+                nursery.start_soon(store.save, open_record(f"k{generation}", 1))
+        assert len(await store.list()) == 103
+        assert store.commits - 3 <= 10, "group commit batches the queue"
+
+
+async def test_a_save_cancelled_in_the_queue_writes_nothing(tmp_path: Path) -> None:
+    async with SqliteStore(tmp_path / "state.db") as store:
+        outcomes = []
+        for generation in range(1, 31):
+            record = open_record("a", generation)
+            with trio.move_on_after(0) as scope:
+                await store.save(record)
+            present = record.handle.token in {stored.handle.token for stored in await store.list()}
+            outcomes.append((scope.cancelled_caught, present))
+            # Cancelled means not written; returned means written.
+            assert present != scope.cancelled_caught
+        assert any(cancelled for cancelled, _ in outcomes)
+
+
+async def test_retention_keeps_the_newest_per_key_and_a_total_cap(tmp_path: Path) -> None:
+    retention = Retention(stopped_per_key=2, stopped_total=3)
+    async with SqliteStore(tmp_path / "state.db", retention=retention) as store:
+        for generation in range(1, 5):
+            await store.save(stopped("a", generation))
+        await store.save(open_record("b", 1))
+        await store.save(stopped("c", 1))
+        await store.save(stopped("c", 2))
+        kept = [
+            (record.handle.key.instance, record.handle.generation) for record in await store.list()
+        ]
+        # a: 3 and 4 are its newest two, but the cap of 3 Stopped evicts a3 as the oldest.
+        assert kept == [("a", 4), ("b", 1), ("c", 1), ("c", 2)]
+        assert (await store.high_water())[Key(identity="p", instance="a")] == 4
+
+
+async def contents(*stores: Store) -> list[tuple[list[SessionRecord], Mapping[Key, int]]]:
+    """Each store's records and high-water marks."""
+    return [(list(await store.list()), await store.high_water()) for store in stores]
+
+
+def operation(instance: str, generation: int, stop: bool) -> SessionRecord:
+    """The record one step of a retention test saves."""
+    return stopped(instance, generation) if stop else open_record(instance, generation)
+
+
+operations = st.lists(
+    st.tuples(st.sampled_from("abc"), st.integers(min_value=1, max_value=6), st.booleans()),
+    max_size=25,
+)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=operations, per_key=st.integers(1, 3), total=st.integers(1, 5))
+def test_retention_matches_the_memory_store(
+    tmp_path: Path, ops: list[tuple[str, int, bool]], per_key: int, total: int
+) -> None:
+    retention = Retention(stopped_per_key=per_key, stopped_total=total)
+
+    async def apply() -> list[tuple[list[SessionRecord], Mapping[Key, int]]]:
+        path = tmp_path / f"r{abs(hash((tuple(ops), per_key, total)))}.db"
+        path.unlink(missing_ok=True)
+        memory = MemoryStore(retention=retention)
+        async with SqliteStore(path, retention=retention) as sqlite:
+            for instance, generation, stop in ops:
+                record = operation(instance, generation, stop)
+                await memory.save(record)
+                await sqlite.save(record)
+            return await contents(memory, sqlite)
+
+    (in_memory, memory_marks), (in_sqlite, sqlite_marks) = trio.run(apply)
+    assert in_sqlite == in_memory
+    assert sqlite_marks == memory_marks
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    batches=st.lists(operations, min_size=1, max_size=4),
+    per_key=st.integers(1, 3),
+    total=st.integers(1, 5),
+)
+def test_retention_in_batches_and_across_reopens_matches_the_memory_store(
+    tmp_path: Path, batches: list[list[tuple[str, int, bool]]], per_key: int, total: int
+) -> None:
+    # Each batch is one transaction (save_many), and the file is closed and opened again
+    # between batches: what the store knows of the table must survive both.
+    retention = Retention(stopped_per_key=per_key, stopped_total=total)
+
+    async def apply() -> list[tuple[list[SessionRecord], Mapping[Key, int]]]:
+        path = tmp_path / f"b{abs(hash((repr(batches), per_key, total)))}.db"
+        path.unlink(missing_ok=True)
+        memory = MemoryStore(retention=retention)
+        for batch in batches:
+            records = [operation(*step) for step in batch]
+            for record in records:
+                await memory.save(record)
+            async with SqliteStore(path, retention=retention) as sqlite:
+                await sqlite.save_many(records)
+        async with SqliteStore(path, retention=retention) as sqlite:
+            return await contents(memory, sqlite)
+
+    (in_memory, memory_marks), (in_sqlite, sqlite_marks) = trio.run(apply)
+    assert in_sqlite == in_memory
+    assert sqlite_marks == memory_marks
+
+
+async def test_a_failed_transaction_changes_nothing_and_later_saves_apply_retention(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db"
+    retention = Retention(stopped_per_key=1, stopped_total=10)
+    async with SqliteStore(path, retention=retention) as store:
+        await store.save(stopped("a", 1))
+    # A trigger makes any transaction that writes generation 3 of "a" fail.
+    connection = sqlite3.connect(path)
+    poisoned = stopped("a", 3).handle.token
+    connection.execute(
+        "CREATE TRIGGER refuse BEFORE INSERT ON records "
+        f"WHEN NEW.token = '{poisoned}' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+    )
+    connection.commit()
+    connection.close()
+    async with SqliteStore(path, retention=retention) as store:
+        with pytest.raises(StateStorageError, match="refused"):
+            await store.save_many([stopped("a", 2), stopped("a", 3)])
+        # Nothing of the failed batch landed: a1 is still a's one Stopped record.
+        assert [record.handle.generation for record in await store.list()] == [1]
+        assert (await store.high_water())[Key(identity="p", instance="a")] == 1
+        # A later save evicts a1, as if the failed batch had never been tried.
+        await store.save(stopped("a", 4))
+        assert [record.handle.generation for record in await store.list()] == [4]
+        await store.save(stopped("b", 1))
+        kept = [(r.handle.key.instance, r.handle.generation) for r in await store.list()]
+        assert kept == [("a", 4), ("b", 1)]
+
+
+async def test_a_batch_of_several_statements_is_still_one_transaction(tmp_path: Path) -> None:
+    # A batch is written as multi-row statements of at most the connection's variable
+    # limit; one bigger than that takes several, which must land together or not at all.
+    with sqlite3.connect(":memory:") as probe:
+        per_statement = probe.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // 7
+    batch = [open_record(f"k{number}", 1) for number in range(per_statement + 10)]
+    path = tmp_path / "state.db"
+    async with SqliteStore(path) as store:
+        await store.save(open_record("first", 1))
+    connection = sqlite3.connect(path)
+    connection.execute(
+        "CREATE TRIGGER refuse BEFORE INSERT ON records "
+        f"WHEN NEW.token = '{batch[-1].handle.token}' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+    )
+    connection.commit()
+    connection.close()
+    async with SqliteStore(path) as store:
+        with pytest.raises(StateStorageError, match="refused"):
+            await store.save_many(batch)
+        assert [record.handle.key.instance for record in await store.list()] == ["first"]
+        assert list(await store.high_water()) == [Key(identity="p", instance="first")]
+        await store.save_many(batch[:-1])  # the same batch but for the refused record
+        assert len(await store.list()) == len(batch)
+        assert len(await store.high_water()) == len(batch)
+
+
+async def test_the_high_water_outlives_eviction_and_generations_continue(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    fake = FakeExecution()
+    retention = Retention(stopped_per_key=1, stopped_total=1)
+    async with SqliteStore(path, retention=retention) as store, supervise(store, fake) as sup:
+        for generation in range(1, 4):
+            await sup.dispose(await opened(sup, request_id=f"r{generation}"))
+        await sup.dispose(await opened(sup, key=Key(identity="other", instance="x")))
+    async with SqliteStore(path, retention=retention) as store:
+        assert all(record.handle.key != KEY for record in await store.list())
+        async with supervise(store, fake) as sup:
+            assert await sup.high_water(KEY) == 3
+            assert (await sup.open(KEY, "again", expected_generation=3)).handle.generation == 4
+
+
+async def test_a_supervisor_runs_on_sqlite_and_recovers_from_it(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    fake = FakeExecution()
+    async with SqliteStore(path) as store, supervise(store, fake) as sup:
+        handle = await opened(sup)
+        await sup.load(handle, Load(specifier="x"))
+        assert (await sup.dispose(handle)).exit.signal == signal.SIGTERM
+        survivor = await opened(sup, request_id="r2")
+        await sup.load(survivor, Load(specifier="x"))
+        # A crash now: a copy of the file is what the next run finds.
+        copy_database(path, tmp_path / "crashed.db")
+        async with (
+            SqliteStore(tmp_path / "crashed.db") as crashed,
+            supervise(crashed, fake) as second,
+        ):
+            record = await second.status(survivor)
+            assert isinstance(record, StoppedRecord)
+            assert record.reason.kind == "Recovery"
+            assert await second.high_water(KEY) == 2
+
+
+def corrupt(path: Path, sql: str, *args: object) -> None:
+    with sqlite3.connect(path) as connection:
+        connection.execute(sql, args)
+    connection.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ("{not json", "is unreadable: a stored record is not valid JSON"),
+        ('{"version": 2}', r"unsupported record version 2"),
+        (None, "holds the record of another session"),
+    ],
+)
+async def test_a_corrupt_row_is_a_clear_error_naming_it(
+    tmp_path: Path, body: str | None, words: str
+) -> None:
+    path = tmp_path / "state.db"
+    async with SqliteStore(path) as store:
+        await store.save(open_record("a", 1))
+        await store.save(open_record("b", 1))
+    if body is None:
+        body = codec.encode(open_record("b", 1))
+    corrupt(path, "UPDATE records SET body = ? WHERE instance = 'a'", body)
+    async with SqliteStore(path) as store:
+        with pytest.raises(RecordFormatError, match=words) as caught:
+            await store.list()
+        assert "p/a" in caught.value.detail
+        assert str(path) in caught.value.detail
+    with pytest.raises(RecordFormatError):
+        async with SqliteStore(path) as store, supervise(store, FakeExecution()):
+            pytest.fail("started on a corrupt store")
+
+
+def failed(record: OpenRecord, message: str) -> StoppedRecord:
+    termination = Termination(
+        kind="exited", exit=ExitStatus(code=1), cause=(Fault(type="OSError", message=message),)
+    )
+    return StoppedRecord.of(record, LoadFailed(cause=()), termination)
+
+
+async def test_records_json_writes_in_more_than_one_way_are_stored_as_they_are(
+    tmp_path: Path,
+) -> None:
+    # Text that is not ASCII, and what only the fallback writer writes: an integer beyond
+    # 64 bits and a lone surrogate (which SQLite could not store unescaped).
+    records: list[SessionRecord] = [
+        failed(open_record("a", 1), "fichier supprimé 🗑"),
+        failed(open_record("b", 1), "no such file: b'\udcff'"),
+        StoppedRecord.of(
+            OpenRecord(
+                handle=open_record("c", 1).handle,
+                request_id="r",
+                lease=5.0,
+                limits=Limits(memory_bytes=2**70),
+            ),
+            Disposed(),
+            DONE,
+        ),
+    ]
+    path = tmp_path / "state.db"
+    async with SqliteStore(path) as store:
+        await store.save_many(records)
+    async with SqliteStore(path) as store:
+        assert list(await store.list()) == records
+
+
+async def test_a_row_sqlite_lets_through_but_no_record_can_hold_is_named(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db"
+    async with SqliteStore(path) as store:
+        await store.save(open_record("a", 1))
+    corrupt(path, "UPDATE records SET token = NULL")  # a TEXT PRIMARY KEY may be NULL
+    async with SqliteStore(path) as store:
+        with pytest.raises(RecordFormatError, match="a record row is malformed") as caught:
+            await store.list()
+        assert str(path) in caught.value.detail
+
+
+async def test_a_store_that_failed_to_open_leaves_the_file_to_others(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    async with SqliteStore(path):
+        pass
+    corrupt(path, "UPDATE schema_version SET version = 9")
+    with pytest.raises(StateStorageError, match="schema version"):
+        async with SqliteStore(path):
+            pass
+    # Its worker thread ends (it may still be on its way out, but not stay).
+    for worker in threading.enumerate():
+        if worker.name == f"trio_supervisor sqlite {path}":
+            worker.join(timeout=5)
+            assert not worker.is_alive()
+    # Neither its connection nor its lock outlived it: the file can be repaired.
+    corrupt(path, "UPDATE schema_version SET version = 1")
+    async with SqliteStore(path) as store:
+        assert list(await store.list()) == []
+
+
+async def test_an_unknown_schema_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    async with SqliteStore(path):
+        pass
+    corrupt(path, "UPDATE schema_version SET version = 9")
+    with pytest.raises(StateStorageError, match=r"schema version \[9\]"):
+        async with SqliteStore(path):
+            pass
+
+
+async def test_a_second_store_on_the_same_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    async with SqliteStore(path) as first:
+        await first.save(open_record("a", 1))
+        with pytest.raises(StateStorageError, match="locked"):
+            async with SqliteStore(path, timeout=0.05):
+                pass
+
+
+async def test_a_closed_store_refuses_saves(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    await store.save(open_record("a", 1))
+    await store.aclose()
+    with pytest.raises(StateStorageError, match="closed"):
+        await store.save(open_record("a", 2))
+
+
+async def test_a_mark_raised_by_a_record_the_same_batch_evicts_is_kept(tmp_path: Path) -> None:
+    # Generation 5 raises the key's mark and stops first; generation 2 stops after it and
+    # evicts it (one Stopped record per key). The mark rode in 5's row: it must survive.
+    path = tmp_path / "state.db"
+    retention = Retention(stopped_per_key=1)
+    async with SqliteStore(path, retention=retention) as store:
+        await store.save_many([stopped("a", 5), stopped("a", 2)])
+    async with SqliteStore(path, retention=retention) as store:
+        assert [record.handle.generation for record in await store.list()] == [2]
+        assert await store.high_water() == {Key(identity="p", instance="a"): 5}
+
+
+async def test_a_mark_stays_when_its_token_is_saved_again_in_the_batch(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    async with SqliteStore(path) as store:
+        await store.save_many([open_record("a", 3), stopped("a", 3)])
+    async with SqliteStore(path) as store:
+        assert await store.list() == [stopped("a", 3)]
+        assert await store.high_water() == {Key(identity="p", instance="a"): 3}

@@ -1,0 +1,108 @@
+"""The benchmark suite runs end to end (tiny sizes) and writes the documented JSON.
+
+A smoke test: it checks that every scenario ran and the shape of what it reports, never
+a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+SCENARIOS = {
+    "control.sequential",
+    "control.sequential.skeleton",
+    "control.concurrent",
+    "control.concurrent.skeleton",
+    "control.scaling",
+    "memory.idle_session",
+    "durable.concurrent",
+    "durable.concurrent.naive",
+    "durable.vs_memory",
+    "durable.vs_memory.floor",
+    "child.cycle",
+    "child.cycle.no_preload",
+    "child.cycle.cold",
+    "recovery.10k",
+    "recovery.10k.raw",
+    "recovery.100k",
+    "terminate.cooperative",
+    "terminate.cooperative.contained",
+    "terminate.cooperative.raw",
+    "service.cycle",
+    "service.cycle.stuck_reader",
+    "loop.lag",
+    "loop.lag.p99",
+}
+# Rows shown for information, not counted among the targets.
+INFORMATIONAL = {
+    "control.sequential.skeleton",
+    "control.concurrent.skeleton",
+    "durable.concurrent.naive",
+    "child.cycle.no_preload",
+    "recovery.10k.raw",
+    "durable.vs_memory.floor",
+    "terminate.cooperative.contained",
+    "terminate.cooperative.raw",
+}
+
+
+def test_the_quick_suite_reports_every_scenario_as_documented(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--rounds", "2", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    document = json.loads(out.read_text())
+    assert set(document["machine"]) >= {"python", "platform", "cpus"}
+    results = document["results"]
+    assert {result["name"] for result in results} == SCENARIOS
+    assert len(results) == len(SCENARIOS)
+    for result in results:
+        assert set(result) >= {
+            "name",
+            "ours",
+            "baseline",
+            "ratio",
+            "unit",
+            "better",
+            "target",
+            "met",
+            "baseline_name",
+            "informational",
+        }
+        # Every row names what it is measured against.
+        assert isinstance(result["baseline_name"], str)
+        assert result["baseline_name"]
+        assert result["informational"] is (result["name"] in INFORMATIONAL)
+        assert result["better"] in ("higher", "lower")
+        assert result["ours"] > 0
+        assert result["baseline"] > 0
+        assert math.isclose(result["ratio"], result["ours"] / result["baseline"])
+        expected = (
+            result["ratio"] >= result["target"]
+            if result["better"] == "higher"
+            else result["ratio"] <= result["target"]
+        )
+        assert result["met"] is expected
+        assert result["rounds"] == 2
+        # The printed table names every scenario too.
+        assert result["name"] in completed.stdout
+    # Recovery and terminate are judged against their floors (issue 22's decision).
+    by_name = {result["name"]: result for result in results}
+    assert by_name["recovery.10k"]["baseline_name"].startswith("floor:")
+    assert by_name["terminate.cooperative"]["baseline_name"].startswith("floor:")
+    assert by_name["recovery.100k"]["baseline_name"].startswith("ours over")
+    # loop.lag says in which phase its worst stall started.
+    (lag,) = (result for result in results if result["name"] == "loop.lag")
+    assert lag["extra"]["worst_phase"] in ("open", "load")
+    assert lag["extra"]["idle_max_ms"] >= 0

@@ -1,0 +1,70 @@
+"""The README's main job: the embedded example, run twice on one state directory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "embedded.py"
+
+
+def run(state: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--state", str(state), "--lease", "1.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout
+
+
+def rows(output: str) -> dict[str, str]:
+    """The final table's rows by session, each row as its line."""
+    table = output.split("\n\n")[-1].splitlines()[2:]
+    return {line.split()[0]: line for line in table}
+
+
+def test_the_example_reports_each_session_and_continues_generations(tmp_path: Path) -> None:
+    first = rows(run(tmp_path))
+    assert set(first) == {
+        "example/renewed",
+        "example/expiring",
+        "example/finishing",
+        "example/stubborn",
+    }
+    assert [first[name].split()[1] for name in sorted(first)] == ["1"] * 4
+    assert first["example/expiring"].endswith("Expired   exited (code 0)")
+    assert first["example/finishing"].endswith("Exited    exited (code 0)")
+    # In-process children are tasks: they are cancelled, never signalled.
+    assert first["example/stubborn"].endswith("Disposed  killed (did not stop in time; cancelled)")
+    assert first["example/renewed"].endswith("Disposed  exited (cancelled)")
+    assert "Open > Loading > Loaded > Stopping > Stopped" in first["example/renewed"]
+
+    output = run(tmp_path)
+    assert "continuing from the stored high-water generation 1" in output
+    second = rows(output)
+    assert [second[name].split()[1] for name in sorted(second)] == ["2"] * 4
+
+
+REMOTE_HOST = Path(__file__).parents[2] / "examples" / "remote_host.py"
+
+
+def test_the_remote_host_example_runs_against_a_runner_of_its_own_twice() -> None:
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, str(REMOTE_HOST), "--serve", "--seconds", "1.5"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        lines = done.stdout.splitlines()
+        assert lines[0].startswith("connected to http://127.0.0.1:")
+        assert "beating: still Loaded after 1.5 s of 1.5-s leases" in lines
+        assert "beating: disposed, exited (code 0)" in lines
+        assert "spawning: disposed, exited (SIGTERM; 2 descendants killed)" in lines
+        assert any(line.startswith("a load of nowhere:main: PackageError: ") for line in lines)
+        assert any(line.startswith("a guessed token: StaleSessionError: ") for line in lines)
+        assert lines[-1] == "the runner stopped (exit status 0), every child reaped"

@@ -1,0 +1,210 @@
+"""The example runner and crashes of a runner process: real processes, real time.
+
+A runner is a separate process here, killed with SIGKILL. The test process is a child
+subreaper (conftest.py), so the runner's orphans come back to it and the leak guard sees
+any that survive. Waits are bounded polls, never timing assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ..harness import running
+
+ROOT = Path(__file__).parents[2]
+RUNNER = ROOT / "examples" / "runner.py"
+CYCLE = Path(__file__).parent / "crash_cycle.py"
+LEASE = 2.0
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid``, and every member of their process groups."""
+    found: set[int] = set()
+    frontier = [pid]
+    table: dict[int, tuple[int, int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_bytes()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(b")") + 2 :].split()
+            table[int(entry.name)] = (int(fields[1]), int(fields[2]))
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, _) in table.items():
+            if ppid == parent and child not in found:
+                found.add(child)
+                frontier.append(child)
+    groups = {table[pid][1] for pid in found if pid in table}
+    found |= {member for member, (_, pgid) in table.items() if pgid in groups}
+    return found
+
+
+def gone_within(pids: set[int], seconds: float) -> set[int]:
+    """Wait until none of ``pids`` runs; return those still running after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = {pid for pid in pids if running(pid)}
+        if not alive:
+            return set()
+        time.sleep(0.05)
+    return {pid for pid in pids if running(pid)}
+
+
+def reap_orphans() -> None:
+    """Reap the zombies the killed runners left to us (we are their subreaper)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def run(*arguments: str, timeout: float = 60, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *arguments], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+
+
+def rows(output: str) -> dict[str, str]:
+    return {line.split()[0]: line for line in output.splitlines() if line.startswith("runner/")}
+
+
+@pytest.fixture
+def held(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], set[int]]]:
+    """A runner holding its children, with the pids of everything it started."""
+    runner = subprocess.Popen(
+        [sys.executable, str(RUNNER), "--state", str(tmp_path), "--lease", str(LEASE), "--hold"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert runner.stdout is not None
+        # The readiness handshake: the line saying it holds its children (after the
+        # lines saying where its state lives and where its generations start).
+        lines = [runner.stdout.readline() for _ in range(3)]
+        assert "holds 7 children" in lines[-1], lines
+        pids = descendants(runner.pid)
+        yield runner, pids
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        runner.wait()
+        if runner.stdout is not None:
+            runner.stdout.close()
+        gone_within(descendants(os.getpid()) - {os.getpid()}, LEASE + 2)
+        reap_orphans()
+
+
+def test_the_runner_shows_every_plugin_s_lifecycle(tmp_path: Path) -> None:
+    # As the README's main job runs it: the default state directory, relative to here.
+    done = run(str(RUNNER), "--lease", str(LEASE), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "runner-state" / "runner.db").exists()
+    table = rows(done.stdout)
+    assert "Disposed  exited (code 0)" in table["runner/heartbeat"]
+    assert "Expired   exited (code 0)" in table["runner/expiring"]
+    assert "Disposed  killed (SIGKILL)" in table["runner/stubborn"]
+    assert "Exited    exited (code 1)" in table["runner/crasher"]
+    assert "the crasher crashed" in table["runner/crasher"]
+    # Its grandchildren ignore SIGTERM: the child's bootstrap had to kill them.
+    assert "Disposed  exited (SIGTERM; 2 descendants killed)" in table["runner/spawner"]
+    assert "Exited    exited (code 1)" in table["runner/hungry"]
+    assert "MemoryError" in table["runner/hungry"]
+    assert "Disposed  exited (SIGTERM)" in table["runner/sleeper"]
+    assert all(" 1 " in line for line in table.values())
+
+
+def standby_of(runner: subprocess.Popen[str]) -> int:
+    """The runner's standby interpreter: a bootstrap whose output goes nowhere yet."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for pid in descendants(runner.pid):
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+                output = os.readlink(f"/proc/{pid}/fd/1")
+            except OSError:
+                continue
+            if b"bootstrap" in command and output == "/dev/null":
+                return pid
+        time.sleep(0.02)
+    raise AssertionError("the runner has no standby interpreter")
+
+
+def test_a_killed_runner_leaves_no_child_or_grandchild_behind(
+    held: tuple[subprocess.Popen[str], set[int]],
+) -> None:
+    runner, pids = held
+    assert len(pids) >= 7 + 2, "seven children and the spawner's two grandchildren"
+    assert all(running(pid) for pid in pids)
+    pids = pids | {standby_of(runner)}  # it runs with standby=True: that one goes too
+    runner.send_signal(signal.SIGKILL)
+    runner.wait()
+    survivors = gone_within(pids, LEASE + 2)
+    assert not survivors, f"outlived their runner: {sorted(survivors)}"
+
+
+def test_a_restarted_runner_recovers_and_generations_continue(
+    tmp_path: Path, held: tuple[subprocess.Popen[str], set[int]]
+) -> None:
+    runner, pids = held
+    runner.send_signal(signal.SIGKILL)
+    runner.wait()
+    again = run(str(RUNNER), "--state", str(tmp_path), "--lease", str(LEASE))
+    assert again.returncode == 0, again.stderr
+    recovery, _, report = again.stdout.partition("\n\n")
+    assert recovery.startswith(f"state: {tmp_path}"), recovery
+    # Four run until killed; the crasher, the hungry one and the expiring one may or
+    # may not have ended by themselves before the kill.
+    found = re.search(r"^recovered (\d) sessions", recovery, flags=re.MULTILINE)
+    assert found, recovery
+    assert 4 <= int(found.group(1)) <= 7
+    for name in ("heartbeat", "stubborn", "spawner", "sleeper"):
+        # Their dead-man switch ended them with the runner: recovery finds them gone.
+        [line] = [line for line in recovery.splitlines() if f"runner/{name} " in line]
+        assert line.endswith("exited (already gone; exit status unknown)"), line
+    assert "generations continue from the stored high-water: heartbeat 1->2" in report
+    assert all(" 2 " in line for line in rows(report).values()), report
+    assert not gone_within(pids, LEASE + 2)
+
+
+SAVES = ["Open", "Loading", "Loading with its child", "Loaded", "Stopping", "Stopped"]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("at", range(1, len(SAVES) + 1), ids=SAVES)
+def test_a_crash_at_any_write_leaves_no_orphan_and_no_lost_generation(
+    tmp_path: Path, at: int, when: str
+) -> None:
+    crashed = run(str(CYCLE), str(tmp_path), "crash", str(at), when)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    children = {
+        int(line.split()[1]) for line in crashed.stdout.splitlines() if line.startswith("child ")
+    }
+    # The dead-man switch: a child outlives its runner by no more than a moment.
+    assert not gone_within(children, LEASE + 2)
+    recovered = run(str(CYCLE), str(tmp_path), "recover")
+    assert recovered.returncode == 0, recovered.stderr
+    report = json.loads(recovered.stdout)
+    assert all(record["phase"] == "Stopped" for record in report["after_recovery"])
+    durable = [record["handle"]["generation"] for record in report["before"]]
+    expected_high = max(durable, default=0)
+    assert report["high_water"] == (expected_high or None)
+    assert report["next"] == expected_high + 1, "the generation never goes down, nor repeats"
+    # Crashing after the Open save (or later) left a record; before it, nothing.
+    assert len(report["before"]) == (0 if (at, when) == (1, "before") else 1)
+    reap_orphans()

@@ -1,0 +1,370 @@
+"""The runner's API, fuzzed from its own OpenAPI document (schemathesis).
+
+A real ``trio-supervisor serve`` process (``fuzzing.py``) serves the document at
+``GET /openapi.json``; schemathesis reads it from there and, for every operation in
+it, generates requests that fit the document (positive) and requests that do not
+(negative). Each answer must hold to the document: no 5xx, a documented status code, a
+documented content type and a body of the documented schema (SERVICE.md section A: "No
+other input yields a 5xx: a fuzzer driven by the OpenAPI document finds none").
+
+Random handles almost never name a real session, so the fuzzer would only ever meet
+404s past ``open``. The session and operator calls therefore also get real sessions:
+for a drawn share of their examples, the generated handle, key or generation is swapped
+for one of a pool of real sessions (the test's own, some loaded with an example plugin,
+and those the fuzzed ``open`` calls opened, with their drawn leases; some stopped or
+superseded by earlier examples), and a load's specifier may be swapped for a real
+plugin's. The rest of the generated body stays as drawn.
+
+After the fuzzing, a few inputs the generator cannot produce (and what the fuzzer found)
+are checked one by one.
+
+Examples per operation: ``TRIO_SUPERVISOR_API_EXAMPLES`` (``nox -s api`` sets it high;
+plain pytest, and so CI, runs a short pass). Schemathesis' pytest plugin is not used for
+the parametrisation (its fixture-loaded schemas need a pytest internal that pytest 9
+removed); its Python API is: ``from_url``, ``as_strategy``, ``Case.call`` and
+``Case.validate_response`` with the checks named below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import hypothesis
+import pytest
+import requests
+import schemathesis
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from trio_supervisor.service.openapi import document
+from trio_supervisor.service.wire import MAX_LEASE
+
+from .fuzzing import EXAMPLES_VARIABLE, LiveRunner, examples_per_operation, live_runner
+
+Case = schemathesis.Case[Any]
+
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
+
+EXAMPLES = examples_per_operation()
+
+# Every operation of the document, known at collection time from the package's own
+# document; the test reads each from the document the live runner serves.
+OPERATIONS = [
+    (method.upper(), path)
+    for path, methods in document()["paths"].items()
+    for method in methods
+    # The event stream never ends by design: tests/service/test_operators.py reads it instead.
+    if path != "/v1/events"
+]
+
+POOL = 12  # real sessions the session calls may be pointed at (the latest ones)
+PLUGINS = ("heartbeat:main", "crasher:main", "inspector:main")
+LEASE = 5.0  # seconds: the pool's own sessions (and their children) do not linger
+TIMEOUT = 30.0  # seconds for one call (a dispose waits for its child to end)
+# Limits that become setrlimit calls in the child. A load under limits the child cannot
+# start with is a 500 for now (see test_a_load_under_limits_its_child_cannot_meet...),
+# so sessions that ask for any of them are kept out of the pool.
+RLIMITS = ("memory_bytes", "cpu_seconds", "open_files", "file_size_bytes")
+
+
+@dataclass
+class Pool:
+    """Real sessions of the live runner: their records (from ``open`` answers, as JSON).
+
+    Some are opened here (and loaded with an example plugin), the others are what the
+    fuzzed ``open`` calls opened; later examples renew, load, dispose or supersede them.
+    """
+
+    runner: LiveRunner
+    http: requests.Session
+    records: list[dict[str, Any]] = field(default_factory=list)
+    opened: Iterator[int] = field(default_factory=itertools.count)
+
+    def draw(self, data: st.DataObject, *, loaded: bool, fresh: bool) -> dict[str, Any]:
+        """A session's record: a fresh one, or one of the pool's."""
+        # A fixed range (Hypothesis wants the same draws for the same choices): an index
+        # past the pool's end is a fresh session.
+        choice = data.draw(st.integers(0, POOL), label="session")
+        if choice < len(self.records) and not fresh:
+            return self.records[choice]
+        number = next(self.opened)
+        key = {"identity": "fuzz", "instance": f"pool-{number}"}
+        body = {"key": key, "request_id": f"pool-{number}", "lease": LEASE}
+        record: dict[str, Any] = self.call("/v1/open", body)["record"]
+        if loaded:
+            load = {"specifier": "heartbeat:main", "config": {"period": 0.5}}
+            self.call("/v1/load", {"handle": record["handle"], "load": load})
+        self.add(record)
+        return record
+
+    def add(self, record: Any) -> None:
+        """Keep a session an ``open`` answered, unless it asks for limits."""
+        limits = record.get("limits") if isinstance(record, dict) else None
+        if isinstance(limits, dict) and any(limits.get(name) is not None for name in RLIMITS):
+            return
+        self.records.append(record)
+        del self.records[:-POOL]
+
+    def call(self, path: str, body: dict[str, Any]) -> Any:
+        answer = self.http.post(
+            self.runner.url + path,
+            json=body,
+            headers={"Authorization": f"Bearer {self.runner.operator_token}"},
+            timeout=TIMEOUT,
+        )
+        assert answer.status_code == 200, (path, answer.status_code, answer.text)
+        return answer.json()
+
+
+@dataclass
+class Fuzz:
+    """What the tests share: the runner, its document, a pool, and the counts."""
+
+    runner: LiveRunner
+    schema: Any
+    pool: Pool
+    http: requests.Session
+    examples: Counter[str] = field(default_factory=Counter)
+    statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
+
+
+@pytest.fixture(scope="module")
+def fuzz(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Iterator[Fuzz]:
+    with (
+        live_runner(tmp_path_factory.mktemp("fuzz") / "state") as runner,
+        requests.Session() as http,
+    ):
+        schema = schemathesis.openapi.from_url(f"{runner.url}/openapi.json", timeout=TIMEOUT)
+        shared = Fuzz(runner=runner, schema=schema, pool=Pool(runner, http), http=http)
+        yield shared
+    _report(pytestconfig, shared)
+
+
+def _report(config: pytest.Config, fuzz: Fuzz) -> None:
+    """Say how many examples ran, per operation, and what they were answered."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or not fuzz.examples:
+        return
+    lines = [
+        f"api fuzz: {sum(fuzz.examples.values())} examples over {len(fuzz.examples)} "
+        f"operations ({EXAMPLES} per operation; {EXAMPLES_VARIABLE} sets it)"
+    ]
+    for label, count in sorted(fuzz.examples.items()):
+        seen = ", ".join(
+            f"{status} x{n}" for (name, status), n in sorted(fuzz.statuses.items()) if name == label
+        )
+        lines.append(f"  {label}: {count} ({seen})")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        reporter.write_line("")
+        for line in lines:
+            reporter.write_line(line)
+
+
+def _real(case: Case, data: st.DataObject, pool: Pool) -> None:
+    """Point a session or operator call at a real session, for a drawn share of cases."""
+    path = case.operation.path
+    body = case.body
+    if path not in REAL or not data.draw(st.booleans(), label="real session"):
+        return
+    # A load mostly meets a session with no child yet, the other calls any session.
+    loading = path == "/v1/load"
+    fresh = loading and data.draw(st.booleans(), label="fresh")
+    record = pool.draw(data, loaded=not loading and data.draw(st.booleans()), fresh=fresh)
+    handle = record["handle"]
+    key = handle["key"]
+    if path == "/v1/logs":
+        case.query = {
+            **(case.query or {}),
+            "identity": key["identity"],
+            "instance": key["instance"],
+            "generation": handle["generation"],
+        }
+        return
+    if not isinstance(body, dict):
+        return
+    if isinstance(body.get("key"), dict):
+        body["key"] = dict(key)
+    if path == "/v1/open" and "key" in body:
+        # The key's next generation: supersedes (and stops) the session it has now.
+        water = pool.call("/v1/high-water", {"key": key})["generation"]
+        body["expected_generation"] = water
+    if path == "/v1/admin/dispose" and "generation" in body:
+        body["generation"] = handle["generation"]
+    if isinstance(body.get("handle"), dict):
+        body["handle"] = json.loads(json.dumps(handle))
+    load = body.get("load")
+    if isinstance(load, dict) and data.draw(st.booleans(), label="real plugin"):
+        load["specifier"] = data.draw(st.sampled_from(PLUGINS), label="plugin")
+
+
+# The calls whose examples may be pointed at real sessions.
+REAL = frozenset(
+    [
+        "/v1/open",
+        "/v1/renew",
+        "/v1/load",
+        "/v1/dispose",
+        "/v1/status",
+        "/v1/high-water",
+        "/v1/logs",
+        "/v1/admin/dispose",
+    ]
+)
+
+
+@pytest.mark.parametrize(("method", "path"), OPERATIONS, ids=[f"{m} {p}" for m, p in OPERATIONS])
+def test_every_answer_holds_to_the_document(fuzz: Fuzz, method: str, path: str) -> None:
+    operation = fuzz.schema[path][method]
+    label = f"{method} {path}"
+    cases = st.one_of([operation.as_strategy(generation_mode=mode) for mode in GenerationMode])
+    tokens = {
+        "operators": fuzz.runner.operator_token,
+        "hosts": fuzz.runner.hosts_token,
+    }
+
+    @hypothesis.settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,  # the server's state moves on; a replayed example means little
+        suppress_health_check=list(hypothesis.HealthCheck),
+        phases=[hypothesis.Phase.generate],
+    )
+    @hypothesis.given(case=cases, data=st.data())
+    def run(case: Case, data: st.DataObject) -> None:
+        _real(case, data, fuzz.pool)
+        # Mostly the operators' token (every call); the hosts' sometimes (403 on the
+        # operator calls, the session calls as a host makes them).
+        role = data.draw(st.sampled_from(["operators", "operators", "hosts"]), label="role")
+        headers = {"Authorization": f"Bearer {tokens[role]}"}
+        fuzz.examples[label] += 1
+        try:
+            response = case.call(session=fuzz.http, headers=headers, timeout=TIMEOUT)
+        except BaseException:
+            print(f"{label} got no answer; the runner's log:\n{fuzz.runner.log()}")
+            raise
+        fuzz.statuses[(label, response.status_code)] += 1
+        if path == "/v1/open" and response.status_code == 200:
+            fuzz.pool.add(response.json()["record"])
+        try:
+            case.validate_response(response, checks=CHECKS, headers=headers)
+        except BaseException:
+            print(f"{label} answered {response.status_code}: {response.text[:2000]}")
+            print(f"the runner's log:\n{fuzz.runner.log()}")
+            raise
+
+    run()
+
+
+# -- one by one --------------------------------------------------------------------------
+# Schemathesis draws JSON that its document allows or that breaks one of its rules; the
+# first three inputs are neither (raw bodies), and each was a 5xx or worse until the wire
+# refused it. The lease is what the fuzzer found; so were the limits.
+
+
+def _post(fuzz: Fuzz, path: str, raw: bytes) -> requests.Response:
+    return fuzz.http.post(
+        fuzz.runner.url + path,
+        data=raw,
+        headers={
+            "Authorization": f"Bearer {fuzz.runner.operator_token}",
+            "Content-Type": "application/json",
+        },
+        timeout=TIMEOUT,
+    )
+
+
+def _refused(answer: requests.Response, status: int, detail: str) -> None:
+    assert answer.status_code == status, answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert detail in answer.json()["detail"], answer.text
+
+
+def test_a_body_nested_too_deeply_is_a_400_not_a_500(fuzz: Fuzz) -> None:
+    deep = b'{"key": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    _refused(_post(fuzz, "/v1/high-water", deep), 400, "nested too deeply")
+
+
+def test_a_lone_surrogate_is_a_422_and_does_not_poison_the_runner(fuzz: Fuzz) -> None:
+    # JSON may escape half a surrogate pair; no store can save the string it makes.
+    for raw in (
+        rb'{"key": {"identity": "\ud800", "instance": "a"}, "request_id": "r"}',
+        rb'{"key": {"identity": "a", "instance": "b"}, "request_id": "\udfff"}',
+        rb'{"key": {"identity": "a", "instance": "b"}, "request_id": "r", "\udfff": {"a": 1}}',
+    ):
+        _refused(_post(fuzz, "/v1/open", raw), 422, "lone UTF-16 surrogate")
+    assert fuzz.http.get(fuzz.runner.url + "/readyz", timeout=TIMEOUT).status_code == 200
+    # A whole pair is a character like any other.
+    raw = rb'{"key": {"identity": "\ud83d\ude00", "instance": "a"}, "request_id": "r"}'
+    assert _post(fuzz, "/v1/open", raw).status_code == 200
+
+
+def test_a_key_with_a_nul_is_refused_before_it_reaches_a_child(fuzz: Fuzz) -> None:
+    # It goes into the child's environment: opened, its load was a 500.
+    raw = rb'{"key": {"identity": "nul\u0000", "instance": "a"}, "request_id": "r"}'
+    _refused(_post(fuzz, "/v1/open", raw), 422, "must not hold a NUL @ $.key.identity")
+
+
+def test_the_longest_lease_still_loads_and_a_longer_one_is_refused(fuzz: Fuzz) -> None:
+    # Found by the fuzzer: with a lease past ~9.2e9 s the child's lease watchdog died
+    # (select() cannot wait that long) and the load never answered.
+    key = {"identity": "lease", "instance": "longest"}
+    body = {"key": key, "request_id": "r", "lease": MAX_LEASE}
+    record = fuzz.pool.call("/v1/open", body)["record"]
+    load = {"handle": record["handle"], "load": {"specifier": "heartbeat:main"}}
+    assert fuzz.pool.call("/v1/load", load)["code"]["specifier"] == "heartbeat:main"
+    assert fuzz.pool.call("/v1/renew", {"handle": record["handle"]}) == {"lease": MAX_LEASE}
+    fuzz.pool.call("/v1/dispose", {"handle": record["handle"]})
+    longer = {"key": key, "request_id": "r2", "expected_generation": 1, "lease": 1e10}
+    _refused(_post(fuzz, "/v1/open", json.dumps(longer).encode()), 422, "at most 1e+09")
+
+
+@pytest.mark.parametrize(
+    ("limits", "named"),
+    [
+        ({"memory_bytes": 1}, "MemoryError"),
+        ({"open_files": 10**12}, "the limit open_files=1000000000000 cannot be applied"),
+        # Accepted by setrlimit, but past what the kernel's CPU timer can count.
+        ({"cpu_seconds": 2**62}, "the limit cpu_seconds=4611686018427387904 cannot be applied"),
+    ],
+    ids=str,
+)
+def test_a_load_under_limits_its_child_cannot_meet_is_a_package_error(
+    fuzz: Fuzz, limits: dict[str, int], named: str
+) -> None:
+    record = fuzz.pool.call(
+        "/v1/open",
+        {
+            "key": {"identity": "limits", "instance": str(limits)},
+            "request_id": "r",
+            "limits": limits,
+        },
+    )["record"]
+    load = {"handle": record["handle"], "load": {"specifier": "heartbeat:main"}}
+    answer = _post(fuzz, "/v1/load", json.dumps(load).encode())
+    fuzz.pool.call("/v1/dispose", {"handle": record["handle"]})
+    # The host asked for limits no child can run under: its request's fault, not ours.
+    _refused(answer, 422, named)
+
+
+def test_no_cpu_time_at_all_is_refused_at_open(fuzz: Fuzz) -> None:
+    body = {"key": {"identity": "limits", "instance": "cpu0"}, "request_id": "r"}
+    answer = _post(fuzz, "/v1/open", json.dumps({**body, "limits": {"cpu_seconds": 0}}).encode())
+    _refused(answer, 422, "Limits.cpu_seconds must be None (no limit) or >= 1")

@@ -1,0 +1,499 @@
+"""What operators get from a runner (SERVICE.md B): metrics, events and logs.
+
+Each test starts a real ``trio-supervisor serve`` on an ephemeral loopback port, waits
+for its readiness line (``listening on URL``, never a guessed while), reads its tokens
+from its state directory, and stops it with SIGTERM on the way out (killed if it does
+not exit in time). Hosts reach it with the hosts' token through the client; operators
+with the operators' token. What a runner logs goes to a file, read when a test asks.
+
+:func:`serving` and :class:`Runner` are shared with ``test_cli.py`` and
+``test_dashboard.py``: they are plain (not async) so that a sync test can use them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable, Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from trio_supervisor import Key, Load, PackageError, StaleSessionError
+from trio_supervisor.client import RemoteSupervisor, connect
+from trio_supervisor.model import Handle
+from trio_supervisor.service.operators import EVENT_BUFFER
+
+ROOT: Final = Path(__file__).parents[2]
+PLUGINS: Final = ROOT / "examples" / "plugins"
+STARTUP: Final = 30.0  # seconds a runner may take to listen (a loaded machine is slow)
+SHUTDOWN: Final = 30.0  # seconds a runner may take to exit on SIGTERM
+LEASE: Final = 120.0  # seconds: no session of these tests expires while it runs
+
+
+# -- a runner, as the tests hold it ---------------------------------------------------------
+
+
+class NotListening(AssertionError):
+    """The runner exited, or said something else, before ``listening on URL``."""
+
+
+class Runner:
+    """A ``serve`` process that said it listens.
+
+    Attributes:
+        process: The process.
+        url: The URL its first line names.
+        state: Its state directory.
+        log: The file its stderr goes to.
+    """
+
+    def __init__(self, process: subprocess.Popen[bytes], url: str, state: Path, log: Path) -> None:
+        self.process = process
+        self.url = url
+        self.state = state
+        self.log = log
+
+    @property
+    def hosts_token(self) -> str:
+        return (self.state / "token").read_text().strip()
+
+    @property
+    def operator_token(self) -> str:
+        return (self.state / "operator-token").read_text().strip()
+
+    def stderr(self) -> str:
+        """What it logged so far."""
+        return self.log.read_text(errors="replace")
+
+    def host(self) -> contextlib.AbstractAsyncContextManager[RemoteSupervisor]:
+        """A host's client: the URL and the hosts' token."""
+        return connect(self.url, token=self.hosts_token)
+
+    def operator(self) -> contextlib.AbstractAsyncContextManager[RemoteSupervisor]:
+        """An operator's client: the URL and the operators' token."""
+        return connect(self.url, token=self.operator_token)
+
+    def http(self, token: str | None = None) -> httpx.AsyncClient:
+        """A bare HTTP client with ``token`` (the operators' by default) as its bearer."""
+        bearer = {"Authorization": f"Bearer {token or self.operator_token}"}
+        return httpx.AsyncClient(base_url=self.url, headers=bearer, timeout=30.0)
+
+    def stop(self) -> int:
+        """SIGTERM, then its exit status within SHUTDOWN seconds (killed after that)."""
+        if self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(SHUTDOWN)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise AssertionError(f"the runner ignored SIGTERM for {SHUTDOWN:g} s") from None
+        return self.process.returncode
+
+
+def _first_line(process: subprocess.Popen[bytes], bound: float) -> str:
+    """Its first line on stdout, or what it printed before it exited or ``bound`` passed."""
+    assert process.stdout is not None
+    data = b""
+    deadline = time.monotonic() + bound
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while b"\n" not in data:
+            left = deadline - time.monotonic()
+            if left <= 0 or not selector.select(left):
+                break
+            chunk = os.read(process.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            data += chunk
+    return data.partition(b"\n")[0].decode(errors="replace")
+
+
+@contextlib.contextmanager
+def serving(
+    state: Path | None,
+    *flags: str,
+    listen: str = "127.0.0.1:0",
+    cwd: Path | None = None,
+    log: Path | None = None,
+) -> Iterator[Runner]:
+    """Run ``serve`` until it listens; on the way out, stop it if it still runs.
+
+    Args:
+        state: Its ``--state``; None leaves the flag out (``./runner-state`` in ``cwd``).
+        flags: More flags; ``--plugins examples/plugins`` is always given.
+        listen: Its ``--listen``.
+        cwd: Its working directory.
+        log: Where its stderr goes (beside the state directory by default).
+
+    Raises:
+        NotListening: It did not print ``listening on URL`` first, within STARTUP seconds.
+    """
+    directory = cwd or ROOT
+    state_path = directory / "runner-state" if state is None else state
+    log = log or state_path.with_name(state_path.name + ".stderr")
+    command = [sys.executable, "-m", "trio_supervisor", "serve", "--listen", listen]
+    command += ["--plugins", str(PLUGINS)]
+    if state is not None:
+        command += ["--state", str(state)]
+    command += flags
+    with log.open("ab") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, cwd=directory)
+    runner: Runner | None = None
+    try:
+        line = _first_line(process, STARTUP)
+        if not line.startswith("listening on http"):
+            raise NotListening(
+                f"serve printed {line!r} first; its stderr:\n{log.read_text(errors='replace')}"
+            )
+        runner = Runner(process, line.removeprefix("listening on "), state_path, log)
+        yield runner
+    finally:
+        # The runner must not outlive the test: SIGTERM, then SIGKILL after SHUTDOWN.
+        try:
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(SHUTDOWN)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        finally:
+            assert process.stdout is not None
+            process.stdout.close()
+
+
+async def open_sessions(
+    runner: Runner, count: int, *, loaded: int = 0, first: int = 1
+) -> list[Handle]:
+    """Open ``count`` sessions of the identity ``acme`` (instances ``eu-FIRST``, ...); load
+    ``heartbeat:main`` in the first ``loaded`` of them. Their lease is LEASE seconds."""
+    handles = []
+    async with runner.host() as host:
+        for number in range(count):
+            key = Key(identity="acme", instance=f"eu-{first + number}")
+            record = await host.open(key, f"open-{uuid.uuid4()}", lease=LEASE)
+            if number < loaded:
+                await host.load(record.handle, Load(specifier="heartbeat:main"))
+            handles.append(record.handle)
+    return handles
+
+
+async def until(condition: Callable[[], Any], what: str, *, bound: float = 20.0) -> Any:
+    """Await ``condition()`` until it is truthy; fail naming ``what`` after ``bound`` s."""
+    with trio.move_on_after(bound):
+        while not (value := await condition()):  # noqa: ASYNC110  # a runner over HTTP
+            await trio.sleep(0.05)
+        return value
+    raise AssertionError(f"{what}: not within {bound:g} s")
+
+
+@pytest.fixture
+def runner(tmp_path: Path) -> Iterator[Runner]:
+    with serving(tmp_path / "state") as started:
+        yield started
+
+
+# -- metrics --------------------------------------------------------------------------------
+
+
+async def scrape(runner: Runner) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """``/metrics``, read by Prometheus' own parser: sample name and labels -> value."""
+    async with runner.http() as operator:
+        answer = await operator.get("/metrics")
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(answer.text)
+        for sample in family.samples
+    }
+
+
+def sample(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+async def test_metrics_parse_and_the_sessions_by_phase_match_the_listing(runner: Runner) -> None:
+    handles = await open_sessions(runner, 4, loaded=2)
+    async with runner.host() as host:
+        await host.dispose(handles[3])  # an Open session, stopped: Open, Loaded, Stopped
+    async with runner.operator() as operator:
+        listed = await operator.sessions()
+    phases = [record["phase"] for record in listed]
+    assert sorted(phases) == ["Loaded", "Loaded", "Open", "Stopped"]
+
+    samples = await scrape(runner)
+    for phase in ("Open", "Loading", "Loaded", "Stopping", "Stopped"):
+        assert sample(samples, "trio_supervisor_sessions", phase=phase) == phases.count(phase)
+    assert sample(samples, "trio_supervisor_children_alive") == 2
+    assert sample(samples, "trio_supervisor_poisoned") == 0
+    # Every save was timed: 4 Open, 2 x (Loading, Loading, Loaded), and the childless
+    # stop's Stopping and Stopped in one transaction.
+    assert sample(samples, "trio_supervisor_store_save_seconds_count") >= 11
+
+
+async def test_calls_are_counted_by_outcome_and_a_dispose_by_kind_and_reason(
+    runner: Runner,
+) -> None:
+    before = await scrape(runner)
+    (handle,) = await open_sessions(runner, 1, loaded=1)
+    async with runner.host() as host:
+        stale = Handle(key=handle.key, token=str(uuid.uuid4()), generation=handle.generation)
+        with pytest.raises(StaleSessionError):
+            await host.renew(stale)
+        termination = await host.dispose(handle)
+
+    async def counted() -> dict[tuple[str, frozenset[tuple[str, str]]], float] | None:
+        samples = await scrape(runner)
+        # The terminations are counted from the events, a moment after the answer.
+        reason = {"kind": termination.kind, "reason": "Disposed"}
+        moved = sample(samples, "trio_supervisor_terminations_total", **reason)
+        return samples if moved else None
+
+    after = await until(counted, "the dispose counted in trio_supervisor_terminations_total")
+
+    def moved(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert moved("trio_supervisor_calls_total", call="open", outcome="ok") == 1
+    assert moved("trio_supervisor_calls_total", call="load", outcome="ok") == 1
+    assert moved("trio_supervisor_calls_total", call="renew", outcome="StaleSession") == 1
+    assert moved("trio_supervisor_calls_total", call="renew", outcome="ok") == 0
+    assert moved("trio_supervisor_calls_total", call="dispose", outcome="ok") == 1
+    assert moved("trio_supervisor_terminations_total", kind="exited", reason="Disposed") == 1
+    assert moved("trio_supervisor_termination_seconds_count") == 1
+    assert sample(after, "trio_supervisor_children_alive") == 0
+
+
+async def test_metrics_and_events_are_for_operators_only(runner: Runner) -> None:
+    for path in ("/metrics", "/v1/events"):
+        async with runner.http(runner.hosts_token) as host:
+            answer = await host.get(path)
+        assert answer.status_code == 403, (path, answer.text)
+        assert answer.json()["code"] == "Forbidden"
+        async with httpx.AsyncClient(base_url=runner.url) as anyone:
+            answer = await anyone.get(path)
+        assert answer.status_code == 401, (path, answer.text)
+        assert answer.headers["www-authenticate"] == "Bearer"
+
+
+# -- events -----------------------------------------------------------------------------------
+
+
+# httpx's streamed responses are chains of async generators (httpx's and httpcore's) that
+# are never closed, so a reader that stops early (this one stops at the Stopped record)
+# leaves them to the garbage collector, and Trio warns (encode/httpx#3686; its fix, #3777,
+# is unreleased). Only those generators are excused: ``events()`` itself is closed.
+HTTPX_GENERATORS: Final = "ignore:Async generator '(httpx|httpcore)[.]:ResourceWarning"
+
+
+def closing_events(
+    operator: RemoteSupervisor,
+) -> contextlib.aclosing[AsyncGenerator[dict[str, Any], None]]:
+    """``operator.events()``, closed when the block ends (Trio warns of one left open)."""
+    events = operator.events()
+    assert isinstance(events, AsyncGenerator)  # typed as an AsyncIterator, which has no aclose
+    return contextlib.aclosing(events)
+
+
+@pytest.mark.filterwarnings(HTTPX_GENERATORS)
+async def test_events_deliver_each_record_of_a_session_without_its_token(runner: Runner) -> None:
+    seen: list[dict[str, Any]] = []
+    key = {"identity": "acme", "instance": "eu-1"}
+
+    async def watch(operator: RemoteSupervisor, done: trio.Event) -> None:
+        async with closing_events(operator) as events:
+            async for event in events:
+                seen.append(event)
+                if event.get("phase") == "Stopped" and event["handle"]["key"] == key:
+                    done.set()
+                    return
+
+    async with runner.operator() as operator, runner.host() as host, trio.open_nursery() as tasks:
+        done = trio.Event()
+        tasks.start_soon(watch, operator, done)
+
+        # The stream has no "subscribed" signal: open probes until the watcher hears one.
+        async def heard() -> bool:
+            probe = Key(identity="probe", instance=str(uuid.uuid4()))
+            await host.open(probe, f"open-{uuid.uuid4()}", lease=LEASE)
+            return bool(seen)
+
+        await until(heard, "the events stream hears of an open")
+        (handle,) = await open_sessions(runner, 1, loaded=1)
+        await host.dispose(handle)
+        with trio.fail_after(20):
+            await done.wait()
+
+    mine = [event for event in seen if event.get("handle", {}).get("key") == key]
+    assert [event["phase"] for event in mine] == [
+        "Open",
+        "Loading",
+        "Loading",
+        "Loaded",
+        "Stopping",
+        "Stopped",
+    ]
+    assert all(event["handle"] == {"key": key, "generation": 1} for event in mine)
+    assert mine[-1]["reason"] == {"kind": "Disposed"}
+    assert handle.token not in json.dumps(seen)
+
+
+@pytest.mark.filterwarnings(HTTPX_GENERATORS)
+async def test_events_end_when_the_runner_shuts_down(runner: Runner) -> None:
+    seen: list[dict[str, Any]] = []
+    ended = trio.Event()
+
+    async def watch(operator: RemoteSupervisor) -> None:
+        async with closing_events(operator) as events:
+            async for event in events:
+                seen.append(event)
+        ended.set()
+
+    async with runner.operator() as operator, runner.host() as host, trio.open_nursery() as tasks:
+        tasks.start_soon(watch, operator)
+
+        async def heard() -> bool:
+            probe = Key(identity="probe", instance=str(uuid.uuid4()))
+            await host.open(probe, f"open-{uuid.uuid4()}", lease=LEASE)
+            return bool(seen)
+
+        await until(heard, "the events stream hears of an open")
+        runner.process.send_signal(signal.SIGTERM)
+        # The stream ends, without an error, once the runner begins to shut down: a
+        # reader (a dashboard left open) neither holds the shutdown up nor sees it fail.
+        with trio.fail_after(3):
+            await ended.wait()
+    # One SIGTERM (a second would skip the grace, and exit 1): wait for the clean exit.
+    assert runner.process.wait(SHUTDOWN) == 0
+
+
+def _stuck_reader(runner: Runner) -> socket.socket:
+    """A connection that asks for the events and then never reads a byte."""
+    address = httpx.URL(runner.url)
+    assert address.host
+    assert address.port
+    reader = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # A small window, so that the runner's writes block soon rather than fill megabytes.
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader.connect((address.host, address.port))
+    reader.sendall(
+        f"GET /v1/events HTTP/1.1\r\nHost: {address.host}\r\n"
+        f"Authorization: Bearer {runner.operator_token}\r\n\r\n".encode()
+    )
+    return reader
+
+
+def _read_until(reader: socket.socket, wanted: bytes, bound: float) -> bytes:
+    data = b""
+    deadline = time.monotonic() + bound
+    while wanted not in data:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        reader.settimeout(left)
+        try:
+            chunk = reader.recv(1 << 16)
+        except TimeoutError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+# Each open + dispose of a session that loads nothing makes 3 records (Open, Stopping,
+# Stopped); this many cycles make more than the reader's buffer and the sockets can hold.
+CYCLES: Final = max(300, EVENT_BUFFER // 2)
+
+
+async def test_an_events_reader_that_never_reads_does_not_slow_the_runner(
+    runner: Runner,
+) -> None:
+    with _stuck_reader(runner) as reader:
+        # Its buffer is registered before the answer's headers go out.
+        assert _read_until(reader, b"\r\n\r\n", 10.0).startswith(b"HTTP/1.1 200 ")
+        began = time.monotonic()
+        async with runner.host() as host:
+            with trio.fail_after(120):
+                for number in range(CYCLES):
+                    key = Key(identity="cycle", instance=f"c{number}")
+                    record = await host.open(key, f"open-{uuid.uuid4()}", lease=LEASE)
+                    await host.dispose(record.handle)
+        took = time.monotonic() - began
+        # The runner kept what fit and dropped the rest; reading now, the reader hears so.
+        data = _read_until(reader, b"event: overflow", 30.0)
+    assert b"event: overflow" in data, f"no overflow after {CYCLES} cycles ({took:.1f} s)"
+    overflow = data[data.index(b"event: overflow") :].split(b"\n")[1]
+    lost = json.loads(overflow.removeprefix(b"data:"))["lost"]
+    assert 0 < lost <= 3 * CYCLES
+    kept = data.count(b"event: record")
+    assert kept >= EVENT_BUFFER
+    assert kept + lost == 3 * CYCLES
+
+
+# -- logs ----------------------------------------------------------------------------------------
+
+
+async def test_json_logs_are_one_object_a_line_with_session_fields_and_no_token(
+    tmp_path: Path,
+) -> None:
+    with serving(tmp_path / "state", "--log-format", "json") as runner:
+        async with runner.host() as host:
+            key = Key(identity="acme", instance="broken")
+            record = await host.open(key, "open-broken", lease=LEASE)
+            with pytest.raises(PackageError):
+                await host.load(record.handle, Load(specifier="no_such_plugin:main"))
+            # Refused requests are logged: a wrong bearer, and the hosts' on /metrics.
+            async with runner.http("not-a-token") as stranger:
+                assert (await stranger.get("/v1/sessions")).status_code == 401
+            async with runner.http(runner.hosts_token) as other_host:
+                assert (await other_host.get("/metrics")).status_code == 403
+        async with runner.operator() as operator:
+            (listed,) = await operator.sessions(identity="acme")
+            assert listed["reason"]["kind"] == "LoadFailed"
+        tokens = {
+            "hosts'": runner.hosts_token,
+            "operators'": runner.operator_token,
+            "session": record.handle.token,
+        }
+        assert runner.stop() == 0
+
+    lines = runner.stderr().splitlines()
+    assert lines
+    logged = []
+    for line in lines:
+        entry = json.loads(line)  # every line is one JSON object
+        assert isinstance(entry, dict), line
+        assert {"level", "logger", "message"} <= entry.keys(), line
+        logged.append(entry)
+    failures = [entry for entry in logged if "no_such_plugin" in entry["message"]]
+    assert failures, "the load failure is not logged"
+    assert failures[0]["level"] == "warning"
+    assert failures[0]["logger"].startswith("trio_supervisor.")
+    assert (failures[0]["identity"], failures[0]["instance"], failures[0]["generation"]) == (
+        "acme",
+        "broken",
+        1,
+    )
+    refused = [entry for entry in logged if entry["message"].startswith("refused")]
+    assert len(refused) == 2, refused
+    for whose, token in tokens.items():
+        leaks = [line for line in lines if token in line]
+        assert not leaks, f"the {whose} token is logged: {leaks}"

@@ -1,0 +1,133 @@
+"""Entering and leaving a supervisor: ``open_supervisor``.
+
+Theory of operation
+-------------------
+Entering checks the arguments, makes the :class:`~trio_supervisor._core.supervisor.Supervisor`
+and recovers what an earlier run left (``recovery.py``, V1-V5) before the caller gets
+it. The supervisor's nursery (every session task) lives around the caller's block.
+Leaving, however the block ends, stops every session with reason Shutdown and reaps
+every child (Z1, Z2) in a shielded scope with a bound; what went wrong is raised after,
+as one flat group (Z3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import trio
+
+from ..abc import Execution, Store
+from ..errors import TerminationUnconfirmedError
+from ..model import Limits
+from ..retention import Retention
+from .background import open_background_nursery
+from .recovery import recover
+from .session import SAVE_BOUND
+from .supervisor import Supervisor, as_seconds
+
+__all__ = ["open_supervisor"]
+
+
+@contextlib.asynccontextmanager
+async def open_supervisor(
+    store: Store,
+    execution: Execution,
+    *,
+    lease: float = 15.0,
+    grace: float = 5.0,
+    confirmation_timeout: float = 5.0,
+    limits: Limits | None = None,
+    retention: Retention | None = None,
+) -> AsyncIterator[Supervisor]:
+    """Run a supervisor for the duration of an ``async with`` block.
+
+    On entry, every stored record is read and every session an earlier run left
+    behind is stopped with reason Recovery (V1-V5). On exit, every session is stopped
+    with reason Shutdown and every child is reaped (Z1-Z3).
+
+    Args:
+        store: Where records are made durable.
+        execution: What spawns and recovers children.
+        lease: The default lease, seconds.
+        grace: How long a child may take to exit after an interrupt, seconds.
+        confirmation_timeout: How long to wait for an exit after a kill, and for each
+            orphan's recovery, seconds.
+        limits: Ceilings for every session's limits.
+        retention: Which Stopped records to keep; by default the store's own policy.
+
+    Raises:
+        TerminationUnconfirmedError: On entry, an orphan could not be confirmed gone.
+        StateStorageError: On entry, the store could not be read or holds a bad record.
+        ExceptionGroup: On exit, when the supervisor was poisoned or a termination had
+            problems; it holds each of them (and the block's own exception, if any).
+    """
+    limits = Limits() if limits is None else limits
+    if not isinstance(limits, Limits):
+        raise TypeError(f"limits must be Limits, not {type(limits).__name__}")
+    for name, adapter, protocol in (("store", store, Store), ("execution", execution, Execution)):
+        if not isinstance(adapter, protocol):
+            raise TypeError(
+                f"{name} does not implement the {protocol.__name__} protocol: {adapter!r}"
+            )
+    stores_policy: Retention | None = getattr(store, "retention", None)
+    if retention is None:
+        retention = stores_policy or Retention()
+    elif not isinstance(retention, Retention):
+        raise TypeError(f"retention must be Retention, not {type(retention).__name__}")
+    elif stores_policy is not None and stores_policy != retention:
+        raise ValueError(
+            f"retention {retention} differs from the store's {stores_policy}; "
+            "the supervisor mirrors the store's policy, so configure it on the store"
+        )
+    supervisor = Supervisor(
+        store,
+        execution,
+        lease=as_seconds("lease", lease),
+        grace=as_seconds("grace", grace, allow_zero=True),
+        confirmation_timeout=as_seconds("confirmation_timeout", confirmation_timeout),
+        limits=limits,
+        retention=retention,
+    )
+    await recover(supervisor._records, execution, confirmation=supervisor._confirmation)
+
+    async with open_background_nursery() as nursery:
+        supervisor._nursery = nursery
+        leases = await nursery.start(supervisor._run_leases)
+        try:
+            yield supervisor
+        except BaseException as error:
+            problems = await _shut_down(supervisor)
+            if problems:
+                raise BaseExceptionGroup(_PROBLEMS, [error, *problems]) from None
+            raise
+        else:
+            problems = await _shut_down(supervisor)
+            if problems:
+                raise ExceptionGroup(_PROBLEMS, problems)
+        finally:
+            # Every session has stopped: no lease is left to watch.
+            leases.cancel()
+            supervisor._nursery = None
+
+
+_PROBLEMS = "the supervisor shut down with problems (Z3)"
+
+
+async def _shut_down(supervisor: Supervisor) -> list[Exception]:
+    # Shielded so that a cancelled block still reaps every child. Every session's stop is
+    # bounded by the same sum (session.py); they run concurrently, and an open caught in
+    # its save waits at most one save. Past that bound something broke a promise: it is
+    # reported, and the block is left rather than held forever.
+    bound = supervisor._grace + 2 * supervisor._confirmation + 3 * SAVE_BOUND
+    problems: list[Exception] = []
+    with trio.move_on_after(bound, shield=True) as scope:
+        problems = await supervisor._shutdown()
+    if scope.cancelled_caught:
+        problems.append(
+            TerminationUnconfirmedError(
+                f"the shutdown took longer than {bound:g} s; some children may still run"
+            )
+        )
+    supervisor._records.watchers.close()
+    return problems

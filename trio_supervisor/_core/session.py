@@ -1,0 +1,563 @@
+"""One session: its lifecycle, its task once it loads, and its stop.
+
+Theory of operation
+-------------------
+A session that has not loaded anything is an object and nothing more: a lifecycle, an
+entry in the supervisor's lease heap (``leases.py``) and a place in its dictionaries.
+Most sessions of a control plane never load, so they cost no task, no cancel scope and
+no wake-up. The first load gives the session its task, in the supervisor's nursery
+(docs/design.md, "Shape in Trio")::
+
+    session task ── session cancel scope (a stop request cancels it)
+                      └─ session nursery
+                           ├─ loader       (the session task itself)
+                           └─ exit watcher (only while a child is registered)
+
+The lease is not a cancel scope's deadline: the lease timer watches every session's
+deadline and asks the expired ones to stop (T1), as any other stop request does.
+
+**Where a stop happens.** Every stop request (dispose, supersede, the child's exit, a
+failed load, expiry, shutdown) goes through the lifecycle, which fixes the reason once
+(P1) and fences the session at once. The first request also decides who runs the stop
+(:meth:`Session._stop`), which happens exactly once:
+
+* a session with a task: the task, woken by the cancellation of its scope, in a
+  shielded scope with a bound (:meth:`Session._stop_shielded`);
+* a session without one, so without a child: a requester that waits for the outcome
+  anyway (dispose, an open superseding it) runs it in its own task
+  (:meth:`Session.stop`); any other requester (expiry, shutdown) starts a task of the
+  supervisor's to run it (:meth:`Session.stop_soon`).
+
+Everyone else waits for the published outcome (P6).
+
+A session that never had a child has nothing to terminate between its Stopping and its
+Stopped record, so both are saved in one transaction (the project's decision on P2;
+docs/design.md, deviations): a crash can leave it Open or Stopped, never running.
+
+A requester's own task is cancellable. When it is cancelled during the save, the store
+wrote nothing (``stores/base.py``: a cancelled save either completes or writes nothing),
+so a task of the supervisor's takes the stop over, and the cancellation goes on out.
+
+The lifecycle (:class:`~trio_supervisor._core.lifecycle.Lifecycle`) decides which move is
+legal; this module persists, signals, waits and publishes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import attrs
+import trio
+
+from ..abc import Execution, Unit
+from ..errors import ExecutionError, StateStorageError, SupervisorError, TerminationUnconfirmedError
+from ..model import (
+    ChildIdentity,
+    CodeIdentity,
+    Exited,
+    ExitStatus,
+    Expired,
+    Fault,
+    Handle,
+    Load,
+    LoadFailed,
+    OpenRecord,
+    SessionRecord,
+    Shutdown,
+    StopReason,
+    Termination,
+)
+from .health import Health
+from .lifecycle import Lifecycle, stop_error
+from .termination import NO_CHILD, faults, release, terminate
+
+__all__ = ["Reply", "Services", "Session", "adapter_call", "adapter_error", "task_name"]
+
+logger = logging.getLogger("trio_supervisor.session")  # the public name, not the private module's
+
+_T = TypeVar("_T")
+
+# Seconds a store save may take before a stop gives up on it (it has two: Stopping and
+# Stopped). Stores must answer in bounded time; this only keeps a broken one from
+# holding a shutdown forever.
+SAVE_BOUND = 30.0
+
+
+class Reply(Generic[_T]):
+    """A result published once and read by any number of waiters.
+
+    The event that wakes waiters is made by the first one to wait: most replies (an
+    idle session's outcome) are never waited for before they are set, or never set.
+    """
+
+    __slots__ = ("_event", "done", "error", "value")
+
+    def __init__(self) -> None:
+        self._event: trio.Event | None = None
+        self.done = False
+        self.value: _T | None = None
+        self.error: SupervisorError | None = None
+
+    def set(self, value: _T) -> None:
+        if not self.done:
+            self.value = value
+            self._wake()
+
+    def fail(self, error: SupervisorError) -> None:
+        if not self.done:
+            self.error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        self.done = True
+        if self._event is not None:
+            self._event.set()
+
+    def result(self) -> _T:
+        """The published value, or a copy of the published error raised; once done."""
+        if self.error is not None:
+            raise self.error.again()
+        assert self.value is not None
+        return self.value
+
+    async def wait(self) -> _T:
+        if self.done:
+            await trio.lowlevel.checkpoint()
+        else:
+            if self._event is None:
+                self._event = trio.Event()
+            await self._event.wait()
+        return self.result()
+
+
+@attrs.define
+class Services:
+    """What a session needs of the supervisor that owns it.
+
+    Attributes:
+        execution: Spawns the session's child.
+        health: Poisoned by a failure the supervisor cannot vouch for (H1).
+        persist: Makes a record durable (and poisons on failure).
+        persist_together: Makes several records durable in one transaction where the
+            store can (and poisons on failure).
+        spawn: Starts a task in the supervisor's nursery: ``spawn(function, name)``.
+        grace: Seconds between the interrupt and the kill (P3).
+        confirmation: Seconds to wait for an exit after the kill, and for a release.
+        stopped: Called once the session's Stopped record is durable (P5): from then
+            on its record answers for it.
+        ended: Called once the stop is over, before anyone hears of it (P6).
+    """
+
+    execution: Execution
+    health: Health
+    persist: Callable[[SessionRecord], Awaitable[None]]
+    persist_together: Callable[[Sequence[SessionRecord]], Awaitable[None]]
+    spawn: Callable[[Callable[[], Awaitable[Any]], str], None]
+    grace: float
+    confirmation: float
+    stopped: Callable[[Session], None]
+    ended: Callable[[Session], None]
+    # The graces of the terminations under way; all cut short by skip_grace.
+    graces: set[trio.CancelScope] = attrs.field(factory=set)
+    hurried: bool = False
+
+    def skip_grace(self) -> None:
+        """From now on, terminations go straight from the interrupt to the kill."""
+        self.hurried = True
+        for scope in self.graces:
+            scope.cancel()
+
+
+def adapter_error(error: Exception, what: str) -> SupervisorError:
+    """An adapter's failure as one of the documented errors."""
+    if isinstance(error, SupervisorError):
+        return error
+    wrapped = ExecutionError(f"{what} failed: {error!r}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+async def adapter_call(call: Awaitable[_T], what: str) -> _T:
+    """Await an adapter call; its failures become documented errors."""
+    try:
+        return await call
+    except Exception as error:
+        raise adapter_error(error, what) from error
+
+
+def task_name(role: str, handle: Handle) -> str:
+    """What a debugger or an instrument shows for a session's task: role, key, generation.
+
+    Made for every session task, so not from the handle's repr (which costs more).
+    """
+    return (
+        f"trio_supervisor {role} {handle.key.identity}/{handle.key.instance} #{handle.generation}"
+    )
+
+
+def _fields(handle: Handle) -> dict[str, object]:
+    """A session's key and generation, as a log record's fields."""
+    return {
+        "identity": handle.key.identity,
+        "instance": handle.key.instance,
+        "generation": handle.generation,
+    }
+
+
+class Session:
+    """The driver's side of one session: its lifecycle and its Trio machinery."""
+
+    __slots__ = (
+        "_services",
+        "lifecycle",
+        "load_failure",
+        "load_reply",
+        "nursery",
+        "opened_at",
+        "outcome",
+        "problems",
+        "scope",
+        "spawned",
+        "unit",
+    )
+
+    def __init__(self, record: OpenRecord, deadline: float, services: Services) -> None:
+        self._services = services
+        self.lifecycle = Lifecycle(record, deadline)
+        self.opened_at = deadline - record.lease  # when its lease began (O9)
+        # The session task's scope, made with the task at the first load; a stop
+        # request cancels it. None while the session has no task.
+        self.scope: trio.CancelScope | None = None
+        self.nursery: trio.Nursery | None = None
+        # What spawn returned (released when the session ends), and the unit once its
+        # identity is durable (terminated when the session ends).
+        self.spawned: Unit | None = None
+        self.unit: Unit | None = None
+        self.load_reply: Reply[CodeIdentity] | None = None
+        self.load_failure: SupervisorError | None = None
+        self.outcome: Reply[Termination] = Reply()
+        # The exceptions behind the termination's cause, for the shutdown report (Z3).
+        self.problems: list[Exception] = []
+
+    @property
+    def handle(self) -> Handle:
+        return self.lifecycle.record.handle
+
+    # -- what the supervisor's calls do here ------------------------------------------
+
+    async def renew(self) -> float:
+        """Move the lease (R4, R6), then forward it to the child (R5)."""
+        lifecycle = self.lifecycle
+        lifecycle.renew(trio.current_time())
+        lease = lifecycle.record.lease
+        unit = self.unit
+        if unit is not None:
+            await adapter_call(unit.renew(lease), "forwarding the lease to the child")
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return lease
+
+    async def load(self, load: Load) -> CodeIdentity:
+        """Start the load, or join the one asked for before (L1-L3, L6)."""
+        lifecycle = self.lifecycle
+        if lifecycle.begin_load(load, trio.current_time()):
+            # The loader runs in the session's task, which starts now (L6: it belongs to
+            # the session, not to this caller).
+            self.load_reply = Reply()
+            self.scope = trio.CancelScope()
+            self._services.spawn(self._run, task_name("session", self.handle))
+        elif lifecycle.code is not None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return lifecycle.code
+        reply = self.load_reply
+        assert reply is not None
+        return await reply.wait()
+
+    def stop_soon(self, reason: StopReason, exit: ExitStatus | None = None) -> None:
+        """Ask the session to stop, and return at once; the first request wins (P1).
+
+        Args:
+            reason: Why.
+            exit: The child's exit status, when it exited by itself (X1).
+        """
+        if self._claim(reason, exit):
+            self._services.spawn(self._run_stop, task_name("stop", self.handle))
+
+    async def stop(self, reason: StopReason) -> Termination:
+        """Ask the session to stop and wait for its outcome; the first request wins (P1).
+
+        A session without a task is stopped here, in the caller's task.
+
+        Raises:
+            TerminationUnconfirmedError, StateStorageError: The stop failed.
+        """
+        if self._claim(reason, None):
+            try:
+                outcome = await self._stop_childless(bounded=False)
+            except trio.Cancelled:
+                # Nothing was saved (the store's promise for a cancelled save): a task of
+                # the supervisor's runs the stop instead, and this caller leaves.
+                self._services.spawn(self._run_stop, task_name("stop", self.handle))
+                raise
+            self._publish(outcome)
+            # The save was this call's checkpoint; waiting again would add another.
+            return self.outcome.result()
+        return await self.outcome.wait()
+
+    def _claim(self, reason: StopReason, exit: ExitStatus | None) -> bool:
+        """Fix the reason if this request is the first (P1); the session is fenced.
+
+        Returns:
+            True when the caller must see the stop run: the request is the first and
+            the session has no task to run it.
+        """
+        if not self.lifecycle.request_stop(reason, exit):
+            return False
+        scope = self.scope
+        if scope is None:
+            return True
+        scope.cancel()  # the session task wakes up and runs the stop
+        return False
+
+    # -- the session task ---------------------------------------------------------------
+
+    async def _run(self) -> None:
+        """The session task, from the first load: load, wait; then stop, exactly once."""
+        lifecycle = self.lifecycle
+        services = self._services
+        scope = self.scope
+        assert scope is not None
+        try:
+            with scope:
+                async with trio.open_nursery() as nursery:
+                    self.nursery = nursery
+                    await self._run_loader()
+                    await trio.sleep_forever()
+        except* trio.Cancelled:
+            # The supervisor's nursery is cancelled from outside (its block was): the
+            # session stops as in a shutdown, and this task ends with it. Not re-raised:
+            # the block's own Cancelled carries the cancellation out, and a copy from
+            # every session would bury the block's errors in nested groups.
+            pass
+        except* Exception as group:
+            # A bug in the driver (the loader catches the adapters' failures): H1.
+            services.health.poison(group.exceptions[0] if len(group.exceptions) == 1 else group)
+        finally:
+            self.nursery = None
+            if lifecycle.live:
+                # Woken with no stop request: the supervisor's nursery was cancelled from
+                # outside. Past the deadline, the lease ran out first (T1).
+                expired = trio.current_time() >= lifecycle.deadline
+                lifecycle.request_stop(Expired() if expired else Shutdown())
+            self._publish(await self._stop_shielded())
+
+    async def _run_stop(self) -> None:
+        """A task that only runs the stop of a session that has no task of its own."""
+        self._publish(await self._stop_shielded())
+
+    def _publish(self, outcome: Termination | SupervisorError) -> None:
+        """P6: the stop is over before anyone hears of it, so whoever waited (an open
+        superseding this session, the shutdown) finds the key free."""
+        self._services.ended(self)
+        if isinstance(outcome, Termination):
+            self.outcome.set(outcome)
+        else:
+            self.outcome.fail(outcome)
+        self._answer_load()
+
+    async def _stop_shielded(self) -> Termination | SupervisorError:
+        services = self._services
+        # Shielded: termination must run to its end even when the supervisor is torn
+        # down by a cancellation, or a child could outlive its session. Every wait inside
+        # is bounded (grace, then confirmation for the kill and for the release, and
+        # SAVE_BOUND for each of the two saves); this bound is their sum, a backstop.
+        bound = services.grace + 2 * services.confirmation + 2 * SAVE_BOUND
+        with trio.move_on_after(bound, shield=True) as scope:
+            try:
+                return await self._stop()
+            except Exception as error:
+                return services.health.poison(error)
+        assert scope.cancelled_caught
+        return services.health.poison(
+            TerminationUnconfirmedError(
+                f"stopping {task_name('session', self.handle)} took longer than {bound:g} s"
+            )
+        )
+
+    def _answer_load(self) -> None:
+        """Tell a load that did not succeed why, once its session stopped (L5, L6)."""
+        reply = self.load_reply
+        reason = self.lifecycle.reason
+        if reply is None or reply.done or reason is None:
+            return
+        error = self.load_failure or stop_error(reason)
+        poison = self._services.health.error
+        if poison is not None and poison is not error:
+            error.add_note(f"the supervisor is poisoned: {poison!r}")
+        reply.fail(error)
+
+    async def _run_loader(self) -> None:
+        lifecycle = self.lifecycle
+        services = self._services
+        reply = self.load_reply
+        load = lifecycle.load
+        assert reply is not None
+        assert load is not None
+        handle = lifecycle.record.handle
+        try:
+            # L3: Loading is durable before anything is spawned.
+            await services.persist(lifecycle.active())
+            unit = await adapter_call(
+                services.execution.spawn(handle, load, lifecycle.record.limits),
+                "spawning the child",
+            )
+            # The unit belongs to the session from here: it is released when the session ends.
+            self.spawned = unit
+            record = lifecycle.child_record(_identity_of(unit), trio.current_time())
+            await adapter_call(
+                unit.renew(lifecycle.remaining(trio.current_time())),
+                "forwarding the lease to the child",
+            )
+            # L4, write-ahead: a crash after this save can always find the child.
+            await services.persist(record)
+            assert record.child is not None
+            lifecycle.register(record.child)
+            self.unit = unit
+            nursery = self.nursery
+            assert nursery is not None
+            nursery.start_soon(self._watch_exit, unit, name=task_name("exit watcher", handle))
+            await adapter_call(unit.start(), "starting the child")
+            code = _code_of(unit)
+            loaded = lifecycle.loaded_record(code, trio.current_time())
+            await services.persist(loaded)
+            lifecycle.loaded(code)
+        except Exception as failure:
+            # L5: the load's caller hears of the failure once the session stopped, so
+            # by then the child it may have left is reaped (see _answer_load).
+            error = adapter_error(failure, "loading")
+            self.load_failure = error
+            logger.warning(
+                "loading %r into %s failed: %s",
+                load.specifier,
+                task_name("session", handle),
+                error,
+                extra=_fields(handle),
+            )
+            if lifecycle.live:
+                self.stop_soon(LoadFailed(cause=(Fault.of(error),)))
+        else:
+            reply.set(code)
+
+    async def _watch_exit(self, unit: Unit) -> None:
+        try:
+            status = await unit.wait()
+        except Exception as error:
+            self._services.health.poison(adapter_error(error, "watching the child"))
+            return
+        # X1: it exited by itself; the stop sends no signal.
+        self.stop_soon(Exited(), status)
+
+    async def _stop(self) -> Termination | SupervisorError:
+        """Persist Stopping, terminate, release, persist Stopped (P2-P5).
+
+        Returns:
+            The stop's outcome, for the caller to publish (P6).
+        """
+        if self.spawned is None:
+            return await self._stop_childless(bounded=True)
+        lifecycle = self.lifecycle
+        services = self._services
+        # P2: the session is fenced in memory already; if this save fails, termination
+        # still runs and the storage error is the stop's outcome.
+        fenced_error: StateStorageError | None = None
+        try:
+            await self._save_within_bound((lifecycle.stopping_record(),))
+        except StateStorageError as error:
+            fenced_error = error
+        problems = self.problems
+        try:
+            termination = await terminate(
+                self.unit,
+                lifecycle.exit,
+                grace=0.0 if services.hurried else services.grace,
+                confirmation=services.confirmation,
+                problems=problems,
+                graces=services.graces,
+            )
+        except TerminationUnconfirmedError as error:
+            await release(self.spawned, confirmation=services.confirmation, problems=problems)
+            error.causes = tuple(problems)
+            logger.error(
+                "the child of %s was killed and its exit is still unconfirmed: %s",
+                task_name("session", self.handle),
+                error,
+                extra=_fields(self.handle),
+            )
+            # The child may still run: the supervisor can no longer vouch for it (H1).
+            return services.health.poison(error)
+        await release(self.spawned, confirmation=services.confirmation, problems=problems)
+        if len(problems) > len(termination.cause):
+            termination = attrs.evolve(termination, cause=faults(problems))
+        stopped = lifecycle.stopped_record(termination)
+        try:
+            await self._save_within_bound((stopped,))
+        except StateStorageError as error:
+            return fenced_error or error
+        # P5: durable, so the session object can go; its record answers from now on.
+        lifecycle.finish(stopped)
+        services.stopped(self)
+        return fenced_error or termination
+
+    async def _stop_childless(self, *, bounded: bool) -> Termination | SupervisorError:
+        """The stop of a session that never had a child: Stopping and Stopped together.
+
+        Nothing can run between the two records, so they are saved in one transaction
+        (P2, P5; see the module's docs). ``bounded``: give up on a store that does not
+        answer within SAVE_BOUND (a requester's own task is bounded by its caller).
+        """
+        lifecycle = self.lifecycle
+        records = (lifecycle.stopping_record(), lifecycle.stopped_record(NO_CHILD))
+        try:
+            if bounded:
+                await self._save_within_bound(records)
+            else:
+                await self._services.persist_together(records)
+        except StateStorageError as error:
+            return error  # poisoned already; the session stays fenced in memory
+        lifecycle.finish(records[1])
+        self._services.stopped(self)
+        return NO_CHILD
+
+    async def _save_within_bound(self, records: Sequence[SessionRecord]) -> None:
+        """Save the records of a stop; a store that does not answer counts as failed."""
+        services = self._services
+        with trio.move_on_after(SAVE_BOUND) as scope:
+            if len(records) == 1:
+                await services.persist(records[0])
+            else:
+                await services.persist_together(records)
+        if scope.cancelled_caught:
+            phases = " and ".join(record.phase.value for record in records)
+            failure = StateStorageError(
+                f"the store did not save the {phases} record of "
+                f"{task_name('session', self.handle)} within {SAVE_BOUND:g} s"
+            )
+            raise services.health.poison(failure)
+
+
+def _identity_of(unit: Unit) -> ChildIdentity:
+    identity = unit.identity
+    if not isinstance(identity, ChildIdentity):
+        raise ExecutionError(
+            f"the unit's identity is a {type(identity).__name__}, not a ChildIdentity"
+        )
+    return identity
+
+
+def _code_of(unit: Unit) -> CodeIdentity:
+    code = unit.code
+    if not isinstance(code, CodeIdentity):
+        raise ExecutionError(f"the unit's code is a {type(code).__name__}, not a CodeIdentity")
+    return code

@@ -1,0 +1,542 @@
+"""The supervisor: the face of the engine, and what open, renew, load and dispose do.
+
+Theory of operation
+-------------------
+A :class:`Supervisor` owns its sessions (``session.py``: an object each, with a task in
+the supervisor's nursery once it loads), their leases (``leases.py``: one timer for
+all), a view of what its store holds (``records.py``: every lookup is answered from
+there in O(1)), its health (``health.py``) and one lock per key (``keylocks.py``). Its
+methods check their arguments and the supervisor's state, find the session, and hand
+the rest to it:
+
+* ``open`` takes the key's lock, checks the request id and the expected generation,
+  supersedes the live generation (waiting for its stop), saves the Open record and only
+  then makes the session and starts its lease (O1-O11);
+* ``renew``, ``load`` and ``dispose`` find the session by its handle and ask it to
+  move its lease, load, or stop (R1-R6, L1-L6, D1-D5);
+* entering ``open_supervisor`` (``lifetime.py``) recovers what an earlier run left
+  (``recovery.py``, V1-V5); leaving it stops every session with reason Shutdown and
+  reaps every child (Z1-Z3: :meth:`Supervisor._shutdown`).
+
+The rules are in docs/design.md, "Semantics"; the ids in comments cite them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+
+import trio
+
+from ..abc import Execution, Store
+from ..errors import (
+    RunnerClosingError,
+    SessionStoppedError,
+    StaleSessionError,
+    SupervisorError,
+)
+from ..model import (
+    CodeIdentity,
+    Disposed,
+    Handle,
+    Key,
+    Limits,
+    Load,
+    OpenRecord,
+    SessionRecord,
+    Shutdown,
+    StoppedRecord,
+    StoppingRecord,
+    Superseded,
+    Termination,
+    negotiate,
+)
+from ..retention import Retention
+from .events import DEFAULT_BUFFER, Watch
+from .health import Health
+from .keylocks import KeyLocks
+from .leases import Leases
+from .lifecycle import stop_error
+from .records import Records
+from .session import Services, Session
+
+__all__ = ["Supervisor", "as_seconds"]
+
+logger = logging.getLogger(
+    "trio_supervisor.supervisor"
+)  # the public name, not the private module's
+
+
+def as_seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    return seconds
+
+
+class Supervisor:
+    """Sessions for keys, their leases, their children. Made by :func:`open_supervisor`."""
+
+    def __init__(
+        self,
+        store: Store,
+        execution: Execution,
+        *,
+        lease: float,
+        grace: float,
+        confirmation_timeout: float,
+        limits: Limits,
+        retention: Retention,
+    ) -> None:
+        self._execution = execution
+        self._lease = lease
+        self._grace = grace
+        self._confirmation = confirmation_timeout
+        self._limits = limits
+        self._health = Health()
+        self._records = Records(store, retention, self._health)
+        # Sessions by token, and the unfinished ones by key (usually one; more while an
+        # open supersedes). A session leaves the first once its Stopped record is
+        # durable, the second once its stop is over.
+        self._sessions: dict[str, Session] = {}
+        self._by_key: dict[Key, list[Session]] = {}
+        self._locks = KeyLocks()
+        self._leases = Leases()
+        self._services = Services(
+            execution=execution,
+            health=self._health,
+            persist=self._persist,
+            persist_together=self._persist_together,
+            spawn=self._spawn,
+            grace=grace,
+            confirmation=confirmation_timeout,
+            stopped=self._stopped,
+            ended=self._ended,
+        )
+        self._closing = False
+        # Opens past their last check, whose session does not exist yet (see _shutdown).
+        self._opening = 0
+        self._opened = trio.lowlevel.ParkingLot()
+        self._nursery: trio.Nursery | None = None
+
+    # -- reading ----------------------------------------------------------------------
+
+    @property
+    def lease(self) -> float:
+        """The default lease, in seconds."""
+        return self._lease
+
+    @property
+    def limits(self) -> Limits:
+        """The ceilings every session's limits are negotiated against."""
+        return self._limits
+
+    @property
+    def poisoned(self) -> SupervisorError | None:
+        """The error that poisoned the supervisor, or None while it is healthy."""
+        return self._health.error
+
+    async def status(self, handle: Handle) -> SessionRecord:
+        """Return the session's last durable record (S1).
+
+        Works while poisoned and while closing.
+
+        Raises:
+            StaleSessionError: No retained record has this token, key and generation.
+        """
+        await trio.lowlevel.checkpoint()
+        return self._record_of(handle)
+
+    async def high_water(self, key: Key) -> int | None:
+        """Return the highest generation ever opened for ``key``, or None (S2)."""
+        await trio.lowlevel.checkpoint()
+        if not isinstance(key, Key):
+            raise TypeError(f"key must be a Key, not {type(key).__name__}")
+        return self._records.high_water(key) or None
+
+    async def wait_failed(self) -> None:
+        """Block until the supervisor is poisoned, then raise the poisoning error (H3)."""
+        await self._health.wait_failed()
+
+    @property
+    def closing(self) -> bool:
+        """True once the shutdown began (Z1)."""
+        return self._closing
+
+    def records(self) -> list[SessionRecord]:
+        """Every retained record, in the order it was last saved: for operators.
+
+        Each record holds its session's handle, token included: the capability to act
+        on the session. Show them to whoever may act on every session, and no one else.
+        """
+        return list(self._records.index)
+
+    def find(self, key: Key, generation: int) -> SessionRecord | None:
+        """The retained record of ``key``'s ``generation``, if any: for operators.
+
+        Live sessions are found at once; a stopped one by a scan of the retained
+        records (operator calls are rare; the hosts' calls carry a handle).
+        """
+        for session in self._by_key.get(key, ()):
+            if session.handle.generation == generation:
+                record = self._records.index.get(session.handle.token)
+                if record is not None:
+                    return record
+        for record in self._records.index:
+            if record.handle.key == key and record.handle.generation == generation:
+                return record
+        return None
+
+    def watch(self, buffer: int = DEFAULT_BUFFER) -> Watch:
+        """Watch every record the supervisor makes durable, from now on.
+
+        ``async with supervisor.watch() as events: async for event in events: ...``
+        gives each record once the store acknowledged it. The supervisor never waits
+        for a watcher: one that falls behind by more than ``buffer`` records loses the
+        rest and reads one :class:`~trio_supervisor._core.events.Overflow`; it should then list
+        the records afresh (:meth:`records`) and go on. The iteration ends when the
+        supervisor shuts down.
+        """
+        return self._records.watchers.watch(buffer)
+
+    def times(self, handle: Handle) -> tuple[float, float] | None:
+        """How long the session has existed and how long its lease has left, in seconds.
+
+        For operators. None once the session's task is over (stopped, or found by
+        recovery): records carry no times, and leases are not persisted (R6).
+        """
+        session = self._sessions.get(handle.token)
+        if session is None or session.handle != handle:
+            return None
+        now = trio.current_time()
+        return now - session.opened_at, session.lifecycle.remaining(now)
+
+    def skip_grace(self) -> None:
+        """Stop waiting for children to end by themselves: every stop kills at once.
+
+        For an operator in a hurry (a second Ctrl-C): terminations under way skip the
+        rest of their grace, and later ones have none. Children are still killed, and
+        their exit confirmed, as P3 says.
+        """
+        self._services.skip_grace()
+
+    # -- open -------------------------------------------------------------------------
+
+    async def open(
+        self,
+        key: Key,
+        request_id: str,
+        *,
+        expected_generation: int | None = None,
+        lease: float | None = None,
+        limits: Limits | None = None,
+    ) -> SessionRecord:
+        """Open a new generation of ``key``, stopping the one before (O1-O11).
+
+        Args:
+            key: What the session is for.
+            request_id: The caller's id for this request; a retry with the same id
+                returns the same record (O3).
+            expected_generation: The key's high-water generation the caller saw; None
+                means 0, "never opened" (O4).
+            lease: Seconds; the supervisor's default when None.
+            limits: Ceilings to ask for; they can only lower the supervisor's.
+
+        Returns:
+            The new session's Open record, or the retained record of ``request_id``.
+
+        Raises:
+            RunnerClosingError: The supervisor is shutting down.
+            StaleSessionError: ``expected_generation`` is not the key's high-water.
+            StateStorageError: The record could not be made durable; the supervisor is
+                poisoned. Once poisoned, open raises the poisoning error.
+        """
+        if not isinstance(key, Key):
+            raise TypeError(f"key must be a Key, not {type(key).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if expected_generation is not None and (
+            isinstance(expected_generation, bool)
+            or not isinstance(expected_generation, int)
+            or expected_generation < 0
+        ):
+            raise ValueError(
+                f"expected_generation must be None or an int >= 0, got {expected_generation!r}"
+            )
+        seconds = self._lease if lease is None else as_seconds("lease", lease)
+        if limits is not None and not isinstance(limits, Limits):
+            raise TypeError(f"limits must be Limits, not {type(limits).__name__}")
+        # No request: the supervisor's own limits, shared (records are immutable).
+        negotiated = self._limits if limits is None else negotiate(self._limits, limits)
+
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._check_usable()
+        await self._locks.acquire(key)
+        try:
+            return await self._open_locked(
+                key, request_id, expected_generation, seconds, negotiated
+            )
+        finally:
+            self._locks.release(key)
+
+    async def _open_locked(
+        self,
+        key: Key,
+        request_id: str,
+        expected_generation: int | None,
+        seconds: float,
+        negotiated: Limits,
+    ) -> SessionRecord:
+        """The part of :meth:`open` that runs holding the key's lock (O2)."""
+        self._check_usable()
+        prior = self._records.index.find_request(key, request_id)
+        if prior is not None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return prior
+        high = self._records.high_water(key)
+        if (expected_generation or 0) != high:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            expected = (
+                "a key never opened"
+                if expected_generation is None
+                else f"generation {expected_generation}"
+            )
+            raise StaleSessionError(
+                f"{key.identity}/{key.instance}: expected {expected}, but its high-water "
+                f"generation is {high}; pass expected_generation={high or None} to open "
+                "the next one"
+            )
+        await self._supersede(key)
+        self._check_usable()
+        record = OpenRecord(
+            handle=Handle(key=key, token=str(uuid.uuid4()), generation=high + 1),
+            request_id=request_id,
+            lease=seconds,
+            limits=negotiated,
+        )
+        self._opening += 1
+        try:
+            await self._persist(record)
+            # The record is durable: from here on nothing may stop the session from
+            # coming to exist (O11), and no checkpoint stands between here and its
+            # existence. Its lease starts now (O9).
+            session = Session(record, trio.current_time() + seconds, self._services)
+            self._sessions[record.handle.token] = session
+            of_key = self._by_key.get(key)
+            if of_key is None:
+                self._by_key[key] = [session]
+            else:
+                of_key.append(session)
+            self._leases.add(session)
+            if self._closing:
+                # Opened while the shutdown began: it stops like every other (Z2).
+                session.stop_soon(Shutdown())
+        finally:
+            self._opening -= 1
+            if self._opened:
+                self._opened.unpark_all()
+        return record
+
+    async def _supersede(self, key: Key) -> None:
+        """Stop every unfinished session of ``key`` and wait for their ends (O5)."""
+        for session in list(self._by_key.get(key, ())):
+            generation = session.handle.generation
+            extra = {"identity": key.identity, "instance": key.instance, "generation": generation}
+            try:
+                termination = await session.stop(Superseded())
+            except SupervisorError as error:
+                logger.warning(
+                    "the superseded generation %d of %s/%s did not terminate cleanly: %s",
+                    generation,
+                    key.identity,
+                    key.instance,
+                    error,
+                    extra=extra,
+                )
+            else:
+                if termination.cause:
+                    logger.warning(
+                        "terminating the superseded generation %d of %s/%s had problems: %s",
+                        generation,
+                        key.identity,
+                        key.instance,
+                        "; ".join(f"{fault.type}: {fault.message}" for fault in termination.cause),
+                        extra=extra,
+                    )
+
+    def _spawn(self, function: Callable[[], Awaitable[object]], name: str) -> None:
+        """Start a task of the supervisor's: a session's, or a stop's."""
+        nursery = self._nursery
+        if nursery is None:
+            raise RuntimeError("the supervisor's nursery is gone")
+        # A task started this way always runs: if the supervisor is cancelled first, it
+        # meets the cancellation inside and still runs its stop, shielded (O11, Z2).
+        nursery.start_soon(function, name=name)
+
+    async def _run_leases(self, *, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        """The lease timer (T1), until the supervisor is done with it."""
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            try:
+                await self._leases.run()
+            except trio.Cancelled:
+                # The supervisor's nursery is cancelled from outside (its block was). Not
+                # re-raised, as the session tasks do not: the block's own Cancelled
+                # carries the cancellation out, and this copy would wrap its errors in a
+                # group of the nursery's.
+                return
+            except Exception as error:  # a bug: the supervisor can vouch for no lease
+                self._health.poison(error)
+
+    # -- renew, load, dispose ---------------------------------------------------------
+
+    async def renew(self, handle: Handle) -> float:
+        """Extend the session's lease by its lease length from now (R1-R6).
+
+        Returns:
+            The lease, in seconds.
+
+        Raises:
+            RunnerClosingError: The supervisor is shutting down; or the poisoning error.
+            StaleSessionError: The handle names no retained session.
+            LeaseExpiredError: The lease ran out, even if the timer has not fired yet.
+            SessionStoppedError: The session stops or stopped for another reason.
+            ExecutionError: Forwarding the lease to the child failed.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._check_usable()
+        return await self._session_of(handle).renew()
+
+    async def load(self, handle: Handle, load: Load) -> CodeIdentity:
+        """Load code into the session's child (L1-L6).
+
+        The load belongs to the session: a caller cancelled while waiting stops
+        waiting, and the load goes on.
+
+        Returns:
+            What was loaded.
+
+        Raises:
+            RunnerClosingError, StaleSessionError, LeaseExpiredError,
+            SessionStoppedError: As for :meth:`renew`; also when the session stops
+                during the load.
+            SessionConflictError: The session loads another specifier.
+            PackageError, ExecutionError, StateStorageError: The load failed.
+        """
+        if not isinstance(load, Load):
+            raise TypeError(f"load must be a Load, not {type(load).__name__}")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._check_usable()
+        return await self._session_of(handle).load(load)
+
+    async def dispose(self, handle: Handle) -> Termination:
+        """Stop the session and return how its child ended (D1-D5).
+
+        Works while poisoned and while closing; disposing a stopped session returns
+        its recorded termination again.
+
+        Raises:
+            StaleSessionError: The handle names no retained session.
+            SessionStoppedError: The record is known but the session was retired.
+            TerminationUnconfirmedError, StateStorageError: The stop failed.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        record = self._record_of(handle)
+        if isinstance(record, StoppedRecord):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return record.termination
+        session = self._sessions.get(handle.token)
+        if session is None:
+            raise SessionStoppedError("the session was retired by recovery or eviction")
+        return await session.stop(Disposed())
+
+    # -- what the sessions tell the supervisor ------------------------------------------
+
+    async def _persist(self, record: SessionRecord) -> None:
+        """Make ``record`` durable (O8, H1); a session whose record is evicted retires (O10)."""
+        for gone in await self._records.save(record):
+            self._sessions.pop(gone.handle.token, None)
+
+    async def _persist_together(self, records: Sequence[SessionRecord]) -> None:
+        """Make ``records`` durable at once where the store can (H1, O10)."""
+        for gone in await self._records.save_together(records):
+            self._sessions.pop(gone.handle.token, None)
+
+    def _stopped(self, session: Session) -> None:
+        """The session's Stopped record is durable: its record answers from now on (P5)."""
+        self._sessions.pop(session.handle.token, None)
+
+    def _ended(self, session: Session) -> None:
+        """The session's stop is over; it is no longer one of its key's sessions."""
+        key = session.handle.key
+        of_key = self._by_key.get(key)
+        if of_key is not None and session in of_key:
+            if len(of_key) == 1:
+                del self._by_key[key]
+            else:
+                of_key.remove(session)
+        self._leases.stopped()
+
+    # -- checks and lookups -----------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        """O1: refuse new work when poisoned or closing."""
+        self._health.check()
+        if self._closing:
+            raise RunnerClosingError("the supervisor is shutting down")
+
+    def _record_of(self, handle: Handle) -> SessionRecord:
+        if not isinstance(handle, Handle):
+            raise TypeError(f"handle must be a Handle, not {type(handle).__name__}")
+        record = self._records.index.get(handle.token)
+        if record is None or record.handle != handle:
+            raise StaleSessionError("no retained session has this token, key and generation")
+        return record
+
+    def _session_of(self, handle: Handle) -> Session:
+        """R2 (and R3 for sessions whose object is gone)."""
+        record = self._record_of(handle)
+        session = self._sessions.get(handle.token)
+        if session is not None:
+            return session
+        if isinstance(record, StoppingRecord | StoppedRecord):
+            raise stop_error(record.reason)
+        raise SessionStoppedError("the session was retired by recovery or eviction")
+
+    # -- shutdown ---------------------------------------------------------------------
+
+    async def _shutdown(self) -> list[Exception]:
+        """Stop every session with reason Shutdown and wait for all (Z1-Z3).
+
+        Returns:
+            What went wrong: the poisoning failures, the stops that failed, and the
+            problems behind any termination's cause.
+        """
+        self._closing = True
+        reported: list[Exception] = []
+        # Every session stops once; each is reported once, on the round it ended in.
+        while self._by_key or self._opening:
+            sessions = [session for of_key in self._by_key.values() for session in of_key]
+            if not sessions:
+                # An open is saving its record; its session stops as soon as it exists.
+                await self._opened.park()
+                continue
+            for session in sessions:
+                session.stop_soon(Shutdown())
+            for session in sessions:
+                with contextlib.suppress(SupervisorError):
+                    await session.outcome.wait()
+                if session.outcome.error is not None:
+                    reported.append(session.outcome.error)
+                reported.extend(session.problems)
+        problems: list[Exception] = list(self._health.failures)
+        for problem in reported:
+            if all(problem is not known for known in problems):
+                problems.append(problem)
+        return problems

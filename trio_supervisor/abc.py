@@ -1,0 +1,144 @@
+"""The adapters' protocols: what a store and an execution must do (docs/design.md, "Adapters").
+
+A leaf module: it imports only values, so the core and every adapter can import it
+without loading any adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+from .model import (
+    ChildIdentity,
+    CodeIdentity,
+    ExitStatus,
+    Handle,
+    Key,
+    Limits,
+    Load,
+    SessionRecord,
+    Termination,
+)
+from .retention import Retention
+
+__all__ = ["BatchStore", "Execution", "Store", "Unit"]
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Where records are made durable.
+
+    A store keeps, per token, the last record saved; applies its retention policy on
+    every save; and keeps each key's high-water generation apart from retention, never
+    evicting it.
+
+    ``save`` must be safe to cancel: when its caller is cancelled, either the record is
+    durable and ``save`` returns normally (the cancellation is seen at the caller's next
+    checkpoint), or ``Cancelled`` is raised and nothing was written. It must return or
+    raise in bounded time: the supervisor waits for it while terminating children.
+    """
+
+    @property
+    def retention(self) -> Retention:
+        """The retention policy this store applies."""
+        ...
+
+    async def save(self, record: SessionRecord) -> None:
+        """Make ``record`` durable, replacing its token's earlier record.
+
+        Raises:
+            StateStorageError: The record could not be made durable.
+        """
+        ...
+
+    async def list(self) -> Sequence[SessionRecord]:
+        """Every retained record, in the order they were last saved.
+
+        Raises:
+            StateStorageError: The store cannot be read, or holds a record that is
+                malformed or of an unknown version (a ``RecordFormatError``).
+        """
+        ...
+
+    async def high_water(self) -> Mapping[Key, int]:
+        """Every key's highest generation ever saved."""
+        ...
+
+
+@runtime_checkable
+class BatchStore(Store, Protocol):
+    """A store that can make several records durable at once (used by recovery)."""
+
+    async def save_many(self, records: Sequence[SessionRecord]) -> None:
+        """Make every record durable, as one atomic write where the store can."""
+        ...
+
+
+@runtime_checkable
+class Unit(Protocol):
+    """The child of one session: an OS process, a Trio task, ...
+
+    A unit is spawned not yet running; the supervisor persists its identity, then calls
+    :meth:`start`. :meth:`interrupt` and :meth:`kill` are requests that return at once;
+    only :meth:`wait` confirms an exit. Errors are reported as ``ExecutionError`` (or
+    ``PackageError`` when the code itself is at fault).
+    """
+
+    @property
+    def identity(self) -> ChildIdentity:
+        """What finds the child again after a crash of the supervisor."""
+        ...
+
+    @property
+    def code(self) -> CodeIdentity:
+        """What code the child runs."""
+        ...
+
+    async def start(self) -> None:
+        """Start the code; return once it began."""
+        ...
+
+    async def renew(self, lease: float) -> None:
+        """Tell the child its lease now ends ``lease`` seconds from now."""
+        ...
+
+    async def interrupt(self) -> None:
+        """Ask the child to stop (SIGTERM, or a cancellation it may handle)."""
+        ...
+
+    async def kill(self) -> None:
+        """Stop the child outright (SIGKILL, or an outright cancellation)."""
+        ...
+
+    async def wait(self) -> ExitStatus:
+        """Wait for the child to exit and return how; any number of tasks may wait."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the unit's resources; called once, when its session ends."""
+        ...
+
+
+@runtime_checkable
+class Execution(Protocol):
+    """The adapter that spawns units, and finds them again after a crash."""
+
+    async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
+        """Make the unit that will run ``load`` for the session ``handle``, not yet started.
+
+        Raises:
+            PackageError: The load's code cannot be resolved.
+            ExecutionError: The unit could not be made.
+        """
+        ...
+
+    async def recover(self, child: ChildIdentity) -> Termination:
+        """Make sure a child left over from an earlier run is gone, and say how it ended.
+
+        Never signals anything that is not the recorded child.
+
+        Raises:
+            ExecutionError: The child's end could not be confirmed.
+        """
+        ...
