@@ -15,11 +15,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-import trio
-
 from ..abc import Execution, Store
 from ..errors import TerminationUnconfirmedError
 from ..model import Limits
+from ..realtime import bounded
 from ..retention import Retention
 from .background import open_background_nursery
 from .recovery import recover
@@ -121,7 +120,7 @@ async def _shut_down(supervisor: Supervisor) -> list[Exception]:
     # reported, and the block is left rather than held forever.
     bound = supervisor._grace + 2 * supervisor._confirmation + 3 * SAVE_BOUND
     problems: list[Exception] = []
-    with trio.move_on_after(bound, shield=True) as scope:
+    with bounded(bound, shield=True) as scope:
         problems = await supervisor._shutdown()
     if scope.cancelled_caught:
         problems.append(

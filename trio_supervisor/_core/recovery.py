@@ -36,6 +36,7 @@ from ..model import (
     StoppingRecord,
     Termination,
 )
+from ..realtime import bounded
 from .lifecycle import recovered
 from .records import Records
 from .termination import NO_CHILD
@@ -62,7 +63,7 @@ async def recover(records: Records, execution: Execution, *, confirmation: float
 
     async def confirm(record: SessionRecord, child: ChildIdentity) -> None:
         async with limiter:
-            with trio.move_on_after(confirmation) as scope:
+            with bounded(confirmation) as scope:
                 try:
                     termination = await execution.recover(child)
                     if not isinstance(termination, Termination):

@@ -69,6 +69,7 @@ from ..model import (
     StopReason,
     Termination,
 )
+from ..realtime import bounded
 from .health import Health
 from .lifecycle import Lifecycle, stop_error
 from .termination import NO_CHILD, faults, release, terminate
@@ -374,7 +375,7 @@ class Session:
         # is bounded (grace, then confirmation for the kill and for the release, and
         # SAVE_BOUND for each of the two saves); this bound is their sum, a backstop.
         bound = services.grace + 2 * services.confirmation + 2 * SAVE_BOUND
-        with trio.move_on_after(bound, shield=True) as scope:
+        with bounded(bound, shield=True) as scope:
             try:
                 return await self._stop()
             except Exception as error:
@@ -533,7 +534,7 @@ class Session:
     async def _save_within_bound(self, records: Sequence[SessionRecord]) -> None:
         """Save the records of a stop; a store that does not answer counts as failed."""
         services = self._services
-        with trio.move_on_after(SAVE_BOUND) as scope:
+        with bounded(SAVE_BOUND) as scope:  # real time, also on a virtual clock
             if len(records) == 1:
                 await services.persist(records[0])
             else:

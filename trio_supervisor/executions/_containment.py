@@ -31,6 +31,7 @@ import attrs
 import trio
 
 from ..errors import ExecutionError
+from ..realtime import bounded, outside_the_run
 
 __all__ = ["CONTAINMENTS", "Containment", "Mechanism", "choose"]
 
@@ -79,7 +80,8 @@ async def _probe(python: str, bootstrap: Path) -> tuple[bool, str]:
     key = (python, bootstrap.name)
     if key not in _PROBED:
         try:
-            with trio.fail_after(PROBE_TIMEOUT):
+            done = None
+            with bounded(PROBE_TIMEOUT), outside_the_run():
                 done = await trio.run_process(
                     [python, "-I", str(bootstrap), "probe"],
                     stdin=subprocess.DEVNULL,
@@ -87,9 +89,11 @@ async def _probe(python: str, bootstrap: Path) -> tuple[bool, str]:
                     capture_stderr=True,
                     check=False,
                 )
+            if done is None:
+                return False, f"the probe did not answer within {PROBE_TIMEOUT:g} s"
             said = (done.stdout or done.stderr).decode(errors="replace").strip()
             _PROBED[key] = (done.returncode == 0, said or f"probe exited {done.returncode}")
-        except (OSError, trio.TooSlowError) as error:
+        except OSError as error:
             return False, f"the probe failed: {error!r}"
     return _PROBED[key]
 

@@ -58,6 +58,7 @@ from typing import Any
 import trio
 
 from ..errors import ExecutionError
+from ..realtime import bounded, outside_the_run
 from ._standby import ForkedProcess, Interpreter
 
 __all__ = ["Broken", "ForkServer", "check_preload"]
@@ -161,7 +162,7 @@ class ForkServer:
         channel = trio.socket.from_stdlib_socket(ours)
         try:
             reply: Any = None
-            with trio.move_on_after(START_TIMEOUT):
+            with bounded(START_TIMEOUT), outside_the_run():
                 reply = _decode(await channel.recv(65536))
             if not isinstance(reply, dict) or reply.get("event") != "ready":
                 why = reply.get("message") if isinstance(reply, dict) else "it did not answer"
@@ -205,7 +206,7 @@ class ForkServer:
                 raise Broken("the fork server is not running")
             reply: Any = None
             # Shielded: a reply left unread would answer the next request.
-            with trio.CancelScope(shield=True), trio.move_on_after(REQUEST_TIMEOUT):
+            with trio.CancelScope(shield=True), bounded(REQUEST_TIMEOUT), outside_the_run():
                 try:
                     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
                     await channel.sendmsg([request], ancillary)
@@ -275,5 +276,5 @@ async def _end(process: trio.Process) -> None:
     """Kill and reap the server (it holds nothing of anyone's)."""
     if process.poll() is None:
         process.kill()
-    with trio.move_on_after(REQUEST_TIMEOUT, shield=True):
+    with bounded(REQUEST_TIMEOUT, shield=True), outside_the_run():
         await process.wait()

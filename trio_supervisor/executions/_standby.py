@@ -42,6 +42,7 @@ import attrs
 import trio
 
 from ..errors import ExecutionError
+from ..realtime import bounded, outside_the_run
 
 __all__ = [
     "BOOTSTRAP",
@@ -121,7 +122,7 @@ class Interpreter:
         os.close(self.marker)
         if self.process.poll() is None:  # not reaped, so its pid is still ours
             self.process.kill()
-        with trio.move_on_after(DISCARD_CONFIRMATION):
+        with bounded(DISCARD_CONFIRMATION), outside_the_run():
             await self.process.wait()
 
 
@@ -185,14 +186,14 @@ async def start_interpreter(
     try:
         # Shielded: a bootstrap that made T and was then abandoned would leave a T
         # nobody knows of. Bounded: Python's start-up, at worst BOOT_TIMEOUT.
-        with trio.CancelScope(shield=True), trio.move_on_after(BOOT_TIMEOUT):
+        with trio.CancelScope(shield=True), bounded(BOOT_TIMEOUT), outside_the_run():
             tracked = await _tracked(process, ours)
             return Interpreter(tracked, ours, marker)
         raise ExecutionError(f"the child's bootstrap did not start within {BOOT_TIMEOUT:g} s")
     except BaseException:
         ours.close()
         os.close(marker)
-        with trio.move_on_after(DISCARD_CONFIRMATION, shield=True):
+        with bounded(DISCARD_CONFIRMATION, shield=True), outside_the_run():
             if process.poll() is None:
                 process.kill()
             await process.wait()
@@ -372,5 +373,5 @@ class Standby:
             # Shielded: this runs as the execution exits, often cancelled, and an
             # interpreter left here would outlive it. Bounded: discard waits at most
             # DISCARD_CONFIRMATION for the reap; this is the ceiling on it.
-            with trio.move_on_after(DISCARD_CONFIRMATION, shield=True):
+            with bounded(DISCARD_CONFIRMATION, shield=True), outside_the_run():
                 await ready.discard()

@@ -51,6 +51,7 @@ import trio
 
 from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, CodeIdentity, ExitStatus, Load
+from ..realtime import bounded, outside_the_run
 from ._groups import exit_status, group_gone, signal_group
 from ._standby import ChildProcess, ForkedProcess, frame, take_message
 from ._trees import Tree, left_behind, process_table, strays
@@ -193,7 +194,7 @@ class ProcessUnit:
         # Shielded: this runs as spawn fails or is cancelled, and a child left here
         # would be one nobody recorded. Bounded: aclose waits at most KILL_CONFIRMATION
         # for the reap and OUTPUT_DRAIN for the output; this is the ceiling on both.
-        with trio.move_on_after(KILL_CONFIRMATION + OUTPUT_DRAIN, shield=True):
+        with bounded(KILL_CONFIRMATION + OUTPUT_DRAIN, shield=True), outside_the_run():
             await self.aclose()
 
     async def start(self) -> None:
@@ -201,13 +202,14 @@ class ProcessUnit:
             await trio.lowlevel.checkpoint()
             raise ExecutionError("this unit was started already")
         self._started = True
-        try:
-            await self._send({"command": "start"})
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
-            raise ExecutionError(
-                f"the child for {self._specifier!r} is gone before it started"
-            ) from error
-        reply = await self._receive()
+        with outside_the_run():  # the child's time is not the run's (realtime.py)
+            try:
+                await self._send({"command": "start"})
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+                raise ExecutionError(
+                    f"the child for {self._specifier!r} is gone before it started"
+                ) from error
+            reply = await self._receive()
         if reply.get("event") != "started":
             raise failure(reply, self._specifier, self.limits)
 
@@ -310,7 +312,7 @@ class ProcessUnit:
         if self._process.returncode is None and not self._started:
             # Never started: nothing of the caller's ran; it simply goes, and is reaped.
             await self.kill()
-            with trio.move_on_after(KILL_CONFIRMATION):
+            with bounded(KILL_CONFIRMATION), outside_the_run():
                 await self.wait()
         # Closing the socket is the child's dead-man switch if anything still runs.
         await self._control.aclose()
@@ -322,9 +324,9 @@ class ProcessUnit:
         if isinstance(self._process, ForkedProcess):
             # Its maker, if nothing waited for T (a recovery ended it): it exited as
             # soon as T existed.
-            with trio.move_on_after(KILL_CONFIRMATION):
+            with bounded(KILL_CONFIRMATION), outside_the_run():
                 await self._process.reap_maker()
         # Once the group is gone its output ends; let the last of it reach the log.
         if not self.output_done.is_set():  # it is when the child wrote the log itself
-            with trio.move_on_after(OUTPUT_DRAIN):
+            with bounded(OUTPUT_DRAIN), outside_the_run():
                 await self.output_done.wait()

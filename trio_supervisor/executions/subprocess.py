@@ -80,6 +80,7 @@ from .._core.background import open_background_nursery
 from ..abc import Unit
 from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination, thaw
+from ..realtime import outside_the_run
 from ._containment import CONTAINMENTS, Containment, Mechanism, choose
 from ._forkserver import Broken, ForkServer, check_preload
 from ._groups import become_subreaper, boot_id, group_gone, read_stat, reap_group, start_time
@@ -404,8 +405,10 @@ class SubprocessExecution:
         # A burst of loads boots that many interpreters at once, and on a small machine
         # they take every core from the event loop. Booted a few at a time, the burst
         # takes the same total time and the loop keeps serving everyone else.
-        async with self._booting:
-            return await self._spawn(nursery, handle, load, limits)
+        # The bootstrap's time is not the run's: a virtual clock waits for it (realtime.py).
+        with outside_the_run():
+            async with self._booting:
+                return await self._spawn(nursery, handle, load, limits)
 
     async def _spawn(
         self, nursery: trio.Nursery, handle: Handle, load: Load, limits: Limits

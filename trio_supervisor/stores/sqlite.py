@@ -36,6 +36,7 @@ import trio
 from ..codec import encode
 from ..errors import StateStorageError
 from ..model import Key, SessionRecord
+from ..realtime import outside_the_run
 from ..retention import Retention
 from ._sqlite_worker import Job, State, Worker
 
@@ -157,7 +158,8 @@ class SqliteStore:
         self._jobs.put(job)
         # Bounded by the writes already queued; the thread exits right after. A
         # cancellation waits for it too (and is seen at the caller's next checkpoint).
-        await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        with outside_the_run():
+            await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
         if job.error is not None:
             raise job.error
 
@@ -180,7 +182,8 @@ class SqliteStore:
             # transaction (and SQLite's lock timeout).
             return trio.lowlevel.Abort.SUCCEEDED if job.withdraw() else trio.lowlevel.Abort.FAILED
 
-        await trio.lowlevel.wait_task_rescheduled(abort)
+        with outside_the_run():  # the worker's time is not the run's (realtime.py)
+            await trio.lowlevel.wait_task_rescheduled(abort)
         if job.error is not None:
             raise job.error
         return job.result
