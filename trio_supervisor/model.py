@@ -234,19 +234,21 @@ class Termination:
 
     Attributes:
         kind: ``"exited"`` when it ended by itself or on interrupt, ``"killed"`` when it
-            had to be killed.
-        exit: Its exit status.
+            had to be killed, ``"none"`` when the session's code never ran: it had no
+            load, or its load failed before the code started (whatever the execution
+            had prepared for it was ended all the same).
+        exit: Its exit status (empty for ``"none"``).
         cause: The problems met while terminating it; empty when all went well.
     """
 
-    kind: Literal["exited", "killed"] = attrs.field(
-        validator=attrs.validators.in_(("exited", "killed"))
+    kind: Literal["exited", "killed", "none"] = attrs.field(
+        validator=attrs.validators.in_(("exited", "killed", "none"))
     )
     exit: ExitStatus = attrs.field(validator=attrs.validators.instance_of(ExitStatus))
     cause: tuple[Fault, ...] = attrs.field(default=(), converter=_faults)
 
     def describe(self) -> str:
-        """One line for people: ``exited (code 0)``, ``killed (SIGKILL)``, ...
+        """One line for people: ``exited (code 0)``, ``killed (SIGKILL)``, ``no child``, ...
 
         In-process tasks read ``exited (cancelled)`` or ``killed (did not stop in time;
         cancelled)``; a child recovery found already dead reads ``exited (already gone;
@@ -254,7 +256,9 @@ class Termination:
         the way, are counted at the end.
         """
         status = self.exit
-        if status.cancelled:
+        if self.kind == "none":
+            details = []
+        elif status.cancelled:
             details = ["did not stop in time; cancelled" if self.kind == "killed" else "cancelled"]
         elif status.code is not None:
             details = [f"code {status.code}"]
@@ -268,6 +272,8 @@ class Termination:
         if self.cause:
             plural = "s" if len(self.cause) != 1 else ""
             details.append(f"{len(self.cause)} problem{plural}")
+        if self.kind == "none":
+            return f"no child ({'; '.join(details)})" if details else "no child"
         return f"{self.kind} ({'; '.join(details)})"
 
 
@@ -276,6 +282,15 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+def log_fields(key: Key, generation: int) -> dict[str, object]:
+    """A session's key and generation as a log record's fields (``extra=``).
+
+    Every log line about a session carries them; ``serve --log-format json`` prints
+    them as fields of their own.
+    """
+    return {"identity": key.identity, "instance": key.instance, "generation": generation}
 
 
 # -- stop reasons ---------------------------------------------------------------------

@@ -168,7 +168,10 @@ async def test_a_plugin_that_returns_or_raises_exits_by_itself(
     ("specifier", "words"),
     [
         ("nothing", "no plugin is registered for the specifier 'nothing'"),
-        ("tests.no_such_module:main", "cannot import 'tests.no_such_module:main'"),
+        (
+            "tests.no_such_module:main",
+            "cannot load 'tests.no_such_module:main': there is no module 'tests.no_such_module'",
+        ),
         (
             "tests.adapters.test_inprocess:missing",
             "tests.adapters.test_inprocess defines no 'missing'",
@@ -179,7 +182,7 @@ async def test_a_plugin_that_returns_or_raises_exits_by_itself(
             "tests.adapters.test_inprocess:Load",
             "trio_supervisor.model.Load, imported by the plugin",
         ),
-        (":main", "not of the form"),
+        (":main", "a specifier is package.module:function"),
     ],
 )
 async def test_unresolvable_specifiers_are_package_errors(specifier: str, words: str) -> None:

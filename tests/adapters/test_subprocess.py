@@ -185,8 +185,16 @@ async def test_a_crashing_plugin_ends_its_session_as_exited(
 @pytest.mark.parametrize(
     ("specifier", "words"),
     [
-        ("nothing:main", "no module 'nothing' on the runner's entry paths$"),
-        ("heartbeat:absent", "cannot import 'heartbeat:absent'"),
+        (
+            "nothing:main",
+            "^cannot load 'nothing:main': there is no module 'nothing' on the runner's entry "
+            "paths; check its name$",
+        ),
+        (
+            "heartbeat:absent",
+            "^cannot load 'heartbeat:absent': heartbeat defines no 'absent'; name a function "
+            "that it defines$",
+        ),
         ("heartbeat", "neither a configured command nor"),
         ("../etc:passwd", "neither a configured command nor"),
         # A remote host picks the specifier: only public names the plugin defines.

@@ -66,9 +66,7 @@ async def test_h2_poisoned_open_renew_load_fail_and_dispose_status_work(
                 with pytest.raises(StateStorageError):
                     await refused
             assert isinstance(await sup.status(draining), LoadedRecord)
-            assert await sup.dispose(disposed) == Termination(
-                kind="exited", exit=ExitStatus(code=0)
-            )
+            assert await sup.dispose(disposed) == Termination(kind="none", exit=ExitStatus())
             assert isinstance(await sup.status(disposed), StoppedRecord)
             # Leases keep running: the loaded session drains and its child is reaped.
             await trio.sleep(6.0)

@@ -10,6 +10,7 @@ import trio.testing
 from trio_supervisor import (
     CodeIdentity,
     ExecutionError,
+    ExitStatus,
     Handle,
     LeaseExpiredError,
     Limits,
@@ -28,6 +29,7 @@ from trio_supervisor import (
     StateStorageError,
     StoppedRecord,
     Supervisor,
+    Termination,
 )
 from trio_supervisor.testing import FakeExecution, FakeUnit, FaultyStore
 
@@ -197,8 +199,7 @@ async def test_l5_a_spawn_package_error_fails_the_load_and_stops_the_session(
     assert isinstance(record, StoppedRecord)
     assert isinstance(record.reason, LoadFailed)
     assert record.reason.cause[0].type == "trio_supervisor.errors.PackageError"
-    assert record.termination.kind == "exited"
-    assert record.termination.exit.code == 0
+    assert record.termination == Termination(kind="none", exit=ExitStatus())
     with pytest.raises(SessionStoppedError):
         await sup.load(handle, Load(specifier="missing:main"))
 

@@ -94,7 +94,7 @@ async def test_v1_every_stored_record_is_read_before_the_supervisor_is_usable(
             assert await sup.high_water(handle.key) == 1
 
 
-async def test_v2_children_are_recovered_and_childless_records_exit_zero(
+async def test_v2_children_are_recovered_and_childless_records_end_with_no_child(
     fake: FakeExecution,
 ) -> None:
     store = MemoryStore()
@@ -110,7 +110,7 @@ async def test_v2_children_are_recovered_and_childless_records_exit_zero(
         for name in ("open", "loading"):
             record = await sup.status(records[name].handle)
             assert isinstance(record, StoppedRecord)
-            assert record.termination == Termination(kind="exited", exit=ExitStatus(code=0))
+            assert record.termination == Termination(kind="none", exit=ExitStatus())
         for name in ("registered", "loaded", "stopping"):
             record = await sup.status(records[name].handle)
             assert isinstance(record, StoppedRecord)

@@ -261,9 +261,12 @@ async def test_p2_a_failed_stopping_save_still_fences_terminates_and_reports_the
             assert await sup.dispose(handle) == record.termination
 
 
-async def test_p3_no_child_exits_with_code_zero(sup: Supervisor) -> None:
+async def test_p3_no_child_ends_with_no_child(sup: Supervisor) -> None:
+    # docs/design.md, deviation (l): "no child", not the "exited, code 0" of a child.
     handle = await opened(sup)
-    assert await sup.dispose(handle) == Termination(kind="exited", exit=ExitStatus(code=0))
+    termination = await sup.dispose(handle)
+    assert termination == Termination(kind="none", exit=ExitStatus())
+    assert termination.describe() == "no child"
 
 
 async def test_p3_a_cooperative_child_exits_on_interrupt(

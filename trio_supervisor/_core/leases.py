@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..model import Expired
+from ..model import Expired, log_fields
 
 if TYPE_CHECKING:
     from .session import Session
@@ -104,11 +104,7 @@ class Leases:
                         key.identity,
                         key.instance,
                         handle.generation,
-                        extra={
-                            "identity": key.identity,
-                            "instance": key.instance,
-                            "generation": handle.generation,
-                        },
+                        extra=log_fields(key, handle.generation),
                     )
                     session.stop_soon(Expired())
             heap = self._heap

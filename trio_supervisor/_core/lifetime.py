@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Entering checks the arguments, makes the :class:`~trio_supervisor._core.supervisor.Supervisor`
+Entering checks the arguments, makes the :class:`~trio_supervisor.Supervisor`
 and recovers what an earlier run left (``recovery.py``, V1-V5) before the caller gets
 it. The supervisor's nursery (every session task) lives around the caller's block.
 Leaving, however the block ends, stops every session with reason Shutdown and reaps
@@ -16,14 +16,10 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from ..abc import Execution, Store
-from ..errors import TerminationUnconfirmedError
 from ..model import Limits
-from ..realtime import bounded
 from ..retention import Retention
 from .background import open_background_nursery
-from .recovery import recover
-from .session import SAVE_BOUND
-from .supervisor import Supervisor, as_seconds
+from .supervisor import Lifetime, Supervisor, as_seconds
 
 __all__ = ["open_supervisor"]
 
@@ -88,45 +84,26 @@ async def open_supervisor(
         limits=limits,
         retention=retention,
     )
-    await recover(supervisor._records, execution, confirmation=supervisor._confirmation)
+    lifetime = Lifetime(supervisor)
+    await lifetime.recover()
 
     async with open_background_nursery() as nursery:
-        supervisor._nursery = nursery
-        leases = await nursery.start(supervisor._run_leases)
+        leases = await lifetime.start(nursery)
         try:
             yield supervisor
         except BaseException as error:
-            problems = await _shut_down(supervisor)
+            problems = await lifetime.shut_down()
             if problems:
                 raise BaseExceptionGroup(_PROBLEMS, [error, *problems]) from None
             raise
         else:
-            problems = await _shut_down(supervisor)
+            problems = await lifetime.shut_down()
             if problems:
                 raise ExceptionGroup(_PROBLEMS, problems)
         finally:
             # Every session has stopped: no lease is left to watch.
             leases.cancel()
-            supervisor._nursery = None
+            lifetime.detach()
 
 
 _PROBLEMS = "the supervisor shut down with problems (Z3)"
-
-
-async def _shut_down(supervisor: Supervisor) -> list[Exception]:
-    # Shielded so that a cancelled block still reaps every child. Every session's stop is
-    # bounded by the same sum (session.py); they run concurrently, and an open caught in
-    # its save waits at most one save. Past that bound something broke a promise: it is
-    # reported, and the block is left rather than held forever.
-    bound = supervisor._grace + 2 * supervisor._confirmation + 3 * SAVE_BOUND
-    problems: list[Exception] = []
-    with bounded(bound, shield=True) as scope:
-        problems = await supervisor._shutdown()
-    if scope.cancelled_caught:
-        problems.append(
-            TerminationUnconfirmedError(
-                f"the shutdown took longer than {bound:g} s; some children may still run"
-            )
-        )
-    supervisor._records.watchers.close()
-    return problems

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from ..abc import BatchStore, Store
 from ..errors import StateStorageError
-from ..model import Key, SessionRecord
+from ..model import Key, SessionRecord, log_fields
 from ..retention import RecordIndex, Retention
 from .events import Watchers
 from .health import Health
@@ -126,11 +126,7 @@ class Records:
             handle.key.instance,
             handle.generation,
             failure,
-            extra={
-                "identity": handle.key.identity,
-                "instance": handle.key.instance,
-                "generation": handle.generation,
-            },
+            extra=log_fields(handle.key, handle.generation),
         )
         self._health.poison(failure)
         return failure

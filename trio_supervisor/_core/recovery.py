@@ -35,6 +35,7 @@ from ..model import (
     StoppedRecord,
     StoppingRecord,
     Termination,
+    log_fields,
 )
 from ..realtime import bounded
 from .lifecycle import recovered
@@ -81,11 +82,7 @@ async def recover(records: Records, execution: Execution, *, confirmation: float
                             key.instance,
                             record.handle.generation,
                             child.pid,
-                            extra={
-                                "identity": key.identity,
-                                "instance": key.instance,
-                                "generation": record.handle.generation,
-                            },
+                            extra=log_fields(key, record.handle.generation),
                         )
             if scope.cancelled_caught:
                 failures.append(

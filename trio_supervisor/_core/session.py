@@ -68,6 +68,7 @@ from ..model import (
     Shutdown,
     StopReason,
     Termination,
+    log_fields,
 )
 from ..realtime import bounded
 from .health import Health
@@ -199,12 +200,7 @@ def task_name(role: str, handle: Handle) -> str:
 
 
 def _fields(handle: Handle) -> dict[str, object]:
-    """A session's key and generation, as a log record's fields."""
-    return {
-        "identity": handle.key.identity,
-        "instance": handle.key.instance,
-        "generation": handle.generation,
-    }
+    return log_fields(handle.key, handle.generation)
 
 
 class Session:
@@ -221,6 +217,7 @@ class Session:
         "problems",
         "scope",
         "spawned",
+        "started",
         "unit",
     )
 
@@ -236,6 +233,9 @@ class Session:
         # identity is durable (terminated when the session ends).
         self.spawned: Unit | None = None
         self.unit: Unit | None = None
+        # Whether the unit's start returned: until then the session's code never ran,
+        # and however the unit is ended, the session ends with no child (NO_CHILD).
+        self.started = False
         self.load_reply: Reply[CodeIdentity] | None = None
         self.load_failure: SupervisorError | None = None
         self.outcome: Reply[Termination] = Reply()
@@ -430,6 +430,7 @@ class Session:
             assert nursery is not None
             nursery.start_soon(self._watch_exit, unit, name=task_name("exit watcher", handle))
             await adapter_call(unit.start(), "starting the child")
+            self.started = True
             code = _code_of(unit)
             loaded = lifecycle.loaded_record(code, trio.current_time())
             await services.persist(loaded)
@@ -499,6 +500,10 @@ class Session:
             # The child may still run: the supervisor can no longer vouch for it (H1).
             return services.health.poison(error)
         await release(self.spawned, confirmation=services.confirmation, problems=problems)
+        if not self.started:
+            # What the execution prepared was ended, but the session's code never ran:
+            # a failed load reads the same however far its unit got.
+            termination = attrs.evolve(NO_CHILD, cause=termination.cause)
         if len(problems) > len(termination.cause):
             termination = attrs.evolve(termination, cause=faults(problems))
         stopped = lifecycle.stopped_record(termination)

@@ -37,6 +37,7 @@ from ..errors import (
     SessionStoppedError,
     StaleSessionError,
     SupervisorError,
+    TerminationUnconfirmedError,
 )
 from ..model import (
     CodeIdentity,
@@ -52,8 +53,10 @@ from ..model import (
     StoppingRecord,
     Superseded,
     Termination,
+    log_fields,
     negotiate,
 )
+from ..realtime import bounded
 from ..retention import Retention
 from .events import DEFAULT_BUFFER, Watch
 from .health import Health
@@ -61,7 +64,8 @@ from .keylocks import KeyLocks
 from .leases import Leases
 from .lifecycle import stop_error
 from .records import Records
-from .session import Services, Session
+from .recovery import recover
+from .session import SAVE_BOUND, Services, Session
 
 __all__ = ["Supervisor", "as_seconds"]
 
@@ -347,7 +351,7 @@ class Supervisor:
         """Stop every unfinished session of ``key`` and wait for their ends (O5)."""
         for session in list(self._by_key.get(key, ())):
             generation = session.handle.generation
-            extra = {"identity": key.identity, "instance": key.instance, "generation": generation}
+            extra = log_fields(key, generation)
             try:
                 termination = await session.stop(Superseded())
             except SupervisorError as error:
@@ -539,4 +543,56 @@ class Supervisor:
         for problem in reported:
             if all(problem is not known for known in problems):
                 problems.append(problem)
+        return problems
+
+
+class Lifetime:
+    """The supervisor's side of its lifetime: all that :func:`open_supervisor` needs.
+
+    Its steps are the rules of entering and leaving (V1-V5, Z1-Z3); the supervisor's
+    users never see it, and ``lifetime.py`` reaches nothing of the supervisor but this.
+    """
+
+    __slots__ = ("_supervisor",)
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+
+    async def recover(self) -> None:
+        """Stop every session an earlier run left behind, with reason Recovery (V1-V5)."""
+        supervisor = self._supervisor
+        await recover(
+            supervisor._records, supervisor._execution, confirmation=supervisor._confirmation
+        )
+
+    async def start(self, nursery: trio.Nursery) -> trio.CancelScope:
+        """Run the supervisor's tasks in ``nursery``; return the lease timer's scope."""
+        self._supervisor._nursery = nursery
+        leases: trio.CancelScope = await nursery.start(self._supervisor._run_leases)
+        return leases
+
+    def detach(self) -> None:
+        """Forget the nursery: every session has stopped."""
+        self._supervisor._nursery = None
+
+    async def shut_down(self) -> list[Exception]:
+        """Stop every session with reason Shutdown, bounded; return what went wrong.
+
+        Shielded, so that a cancelled block still reaps every child. Every session's stop
+        is bounded by the same sum (session.py); they run concurrently, and an open
+        caught in its save waits at most one save. Past that bound something broke a
+        promise: it is reported, and the block is left rather than held forever.
+        """
+        supervisor = self._supervisor
+        bound = supervisor._grace + 2 * supervisor._confirmation + 3 * SAVE_BOUND
+        problems: list[Exception] = []
+        with bounded(bound, shield=True) as scope:
+            problems = await supervisor._shutdown()
+        if scope.cancelled_caught:
+            problems.append(
+                TerminationUnconfirmedError(
+                    f"the shutdown took longer than {bound:g} s; some children may still run"
+                )
+            )
+        supervisor._records.watchers.close()
         return problems

@@ -16,8 +16,9 @@ from ..model import ExitStatus, Fault, Termination
 
 __all__ = ["NO_CHILD", "faults", "release", "terminate"]
 
-# The termination of a session without a child (P3, V2); immutable, so one serves all.
-NO_CHILD = Termination(kind="exited", exit=ExitStatus(code=0, signal=None))
+# The end of a session whose code never ran: it had no load, or its load failed before
+# the code started (P3, V2). Immutable, so one serves all.
+NO_CHILD = Termination(kind="none", exit=ExitStatus())
 
 
 def faults(problems: list[Exception]) -> tuple[Fault, ...]:

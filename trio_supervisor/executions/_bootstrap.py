@@ -694,7 +694,7 @@ def find_module(module: str, paths: list[str]) -> str:
         for candidate in (where + ".py", os.path.join(where, "__init__.py")):
             if os.path.isfile(candidate):
                 return candidate
-    raise Refused(f"no module {module!r} on the runner's entry paths")
+    raise Refused(f"there is no module {module!r} on the runner's entry paths; check its name")
 
 
 def distribution_version(module: str, paths: list[str]) -> str | None:
@@ -736,7 +736,7 @@ def resolve(spec: dict[str, Any]) -> dict[str, str | None]:
         argv = spec["argv"]
         executable = which(argv[0])
         if not executable or not os.access(executable, os.X_OK):
-            raise Refused(f"the command {spec['specifier']!r} has no executable {argv[0]!r}")
+            raise Refused(f"the command's executable {argv[0]!r} is not on this machine")
         return {"origin": executable, "digest": sha256_of(executable), "version": None}
     module = spec["specifier"].partition(":")[0]
     path = find_module(module, spec["paths"])
@@ -789,6 +789,24 @@ def print_traceback() -> None:
     import traceback
 
     traceback.print_exc()
+    sys.stderr.flush()
+
+
+def load_failure(specifier: str, error: BaseException, *, traceback_in_log: bool = False) -> str:
+    """One sentence for a load that cannot run: the specifier, what is wrong, what to do."""
+    if isinstance(error, Refused):
+        return f"cannot load {specifier!r}: {error}"
+    module = specifier.partition(":")[0]
+    see = " (its traceback is in the session's log)" if traceback_in_log else ""
+    if isinstance(error, ModuleNotFoundError) and error.name == module:
+        return f"cannot load {specifier!r}: there is no module {module!r}; check its name"
+    if isinstance(error, SyntaxError):
+        where = f"{os.path.basename(error.filename or module)} line {error.lineno}"
+        return f"cannot load {specifier!r}: {where}: {error.msg}{see}; fix the module"
+    return (
+        f"cannot load {specifier!r}: importing {module} raised "
+        f"{type(error).__name__}: {error}{see}; fix the module"
+    )
 
 
 def _is_awaitable(value: object) -> bool:
@@ -810,17 +828,21 @@ def entry_point(module: Any, attribute: str, specifier: str) -> Any:
     target = module
     for part in attribute.split("."):
         if not part or part.startswith("_"):
-            raise Refused(f"{specifier!r}: {part!r} is not a public name")
+            raise Refused(f"{part!r} is not a public name; name a public function of the module")
         namespace = getattr(target, "__dict__", {})
         if part not in namespace:
-            raise Refused(f"{specifier!r}: {module.__name__} defines no {attribute!r}")
+            raise Refused(
+                f"{module.__name__} defines no {attribute!r}; name a function that it defines"
+            )
         target = getattr(target, part)
     if not callable(target):
-        raise Refused(f"{specifier!r} names a {type(target).__name__}, not a function")
+        raise Refused(
+            f"{attribute!r} names a {type(target).__name__}, not a function; name a function"
+        )
     if getattr(target, "__module__", module.__name__) != module.__name__:
         raise Refused(
-            f"{specifier!r} is {target.__module__}.{attribute}, imported by the plugin; only "
-            "what the plugin defines may be loaded"
+            f"{attribute!r} is {target.__module__}.{attribute}, imported by the plugin; "
+            "only what the plugin defines may be loaded"
         )
     return target
 
@@ -834,9 +856,12 @@ def run_entry_point(spec: dict[str, Any], context: Context, control: Control) ->
     except KeyboardInterrupt:
         raise  # interrupted while importing: plugin_main() ends P by SIGTERM
     except BaseException as error:  # any other failure to import is the package's
-        message = f"cannot import {spec['specifier']!r}: {error!r}"
+        # The traceback first: once the failure is sent, the runner may end the child
+        # before anything written after it reached the log.
+        if not isinstance(error, Refused):
+            print_traceback()
+        message = load_failure(spec["specifier"], error, traceback_in_log=True)
         control.send({"event": "failed", "kind": "PackageError", "message": message})
-        print_traceback()
         return 1
     control.send({"event": "started"})
     control.close()  # the plugin does not hold the supervisor's socket
@@ -980,7 +1005,8 @@ def main() -> int:
         if REFUSED:
             raise OSError(REFUSED[0])
     except Refused as error:
-        control.send({"event": "failed", "kind": "PackageError", "message": str(error)})
+        message = load_failure(spec["specifier"], error)
+        control.send({"event": "failed", "kind": "PackageError", "message": message})
         return 1
     except (OSError, ValueError) as error:
         message = f"cannot prepare the child: {error}"

@@ -341,12 +341,18 @@ class Standby:
             return  # the next load starts its own interpreter, and reports the error
         finally:
             self._filling = False
-        # Kept even if the execution is closing: close() discards it once this task
-        # has ended.
-        self.ready = interpreter
-        if isinstance(interpreter.process, ForkedProcess):
-            # Its maker, which exits at once, is not left a zombie while it waits.
-            await interpreter.process.reap_maker()
+        try:
+            if isinstance(interpreter.process, ForkedProcess):
+                # Its maker exits at once: reaped before the standby is offered, so that
+                # whoever takes it finds T re-parented to us and no maker left. (Offered
+                # first, a reader of the process table could see the maker as the
+                # standby, and T not yet ours.) Shielded and bounded, as a discard is.
+                with bounded(DISCARD_CONFIRMATION, shield=True), outside_the_run():
+                    await interpreter.process.reap_maker()
+        finally:
+            # Kept even if the execution is closing: close() discards it once this task
+            # has ended.
+            self.ready = interpreter
 
     def take(self, nursery: trio.Nursery) -> Interpreter | None:
         """The interpreter started ahead, if there is a live one; the next one starts."""

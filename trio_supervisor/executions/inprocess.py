@@ -47,8 +47,9 @@ from ..model import (
     Limits,
     Load,
     Termination,
+    log_fields,
 )
-from ._bootstrap import Refused, entry_point
+from ._bootstrap import Refused, entry_point, load_failure
 
 __all__ = ["InProcessExecution", "Plugin", "PluginContext"]
 
@@ -174,17 +175,15 @@ class InProcessExecution:
 def _import(specifier: str) -> Plugin:
     module_name, _, attribute = specifier.partition(":")
     if not module_name or not attribute:
-        raise PackageError(
-            f"the specifier {specifier!r} is not of the form package.module:function"
-        )
+        raise PackageError(f"cannot load {specifier!r}: a specifier is package.module:function")
     try:
         module = importlib.import_module(module_name)
     except Exception as error:
-        raise PackageError(f"cannot import {specifier!r}: {error!r}") from error
+        raise PackageError(load_failure(specifier, error)) from error
     try:
         plugin: Plugin = entry_point(module, attribute, specifier)
     except Refused as error:
-        raise PackageError(str(error)) from error
+        raise PackageError(load_failure(specifier, error)) from error
     return plugin
 
 
@@ -263,11 +262,7 @@ class _TaskUnit:
                 key.identity,
                 key.instance,
                 self._context.generation,
-                extra={
-                    "identity": key.identity,
-                    "instance": key.instance,
-                    "generation": self._context.generation,
-                },
+                extra=log_fields(key, self._context.generation),
             )
             code = 1
         finally:

@@ -19,17 +19,14 @@ import queue
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import trio
 
 from ..codec import decode
 from ..errors import RecordFormatError, StateStorageError
 from ..model import Key, SessionRecord, StoppedRecord
-from ..retention import StopOrder
-
-if TYPE_CHECKING:
-    from .sqlite import SqliteStore
+from ..retention import Retention, StopOrder
 
 __all__ = ["SCHEMA_VERSION", "Job", "State", "Worker"]
 
@@ -178,17 +175,35 @@ class Worker:
     (or anything else but a :class:`StateStorageError`) into the
     :class:`StateStorageError` its callers get: no error of SQLite's escapes the store,
     and no failure ends the thread, which would leave its callers waiting forever.
+
+    Args:
+        path: The database file.
+        retention: The policy applied on every save.
+        timeout: SQLite's wait for a lock held by another connection, seconds.
+        jobs: The queue the store puts its jobs on; the worker's only input.
     """
 
-    def __init__(self, store: SqliteStore) -> None:
-        self._store = store
+    def __init__(
+        self,
+        path: str,
+        *,
+        retention: Retention,
+        timeout: float,
+        jobs: queue.SimpleQueue[Job],
+    ) -> None:
+        self.path = path
+        self.retention = retention
+        self._timeout = timeout
+        self._jobs = jobs
+        # Transactions committed; written by this thread only, read by anyone.
+        self.commits = 0
         self._connection: sqlite3.Connection | None = None
         self._open_error: StateStorageError | None = None
         self._mirror: Mirror | None = None
         self._rows_per_statement = 1  # the connection's variable limit over 7 columns
 
     def run(self) -> None:
-        jobs = self._store._jobs
+        jobs = self._jobs
         self._open_error = self._attempt("open", self._open)
         closing: Job | None = None
         while closing is None:
@@ -240,7 +255,7 @@ class Worker:
         except StateStorageError as error:  # RecordFormatError too
             return error
         except Exception as error:  # sqlite3.Error, or a row no record could hold
-            failure = StateStorageError(_explain(self._store.path, action, error))
+            failure = StateStorageError(_explain(self.path, action, error))
             failure.__cause__ = error
             return failure
         return None
@@ -248,8 +263,8 @@ class Worker:
     # -- the connection --------------------------------------------------------------
 
     def _open(self) -> None:
-        path = self._store.path
-        connection = sqlite3.connect(path, timeout=self._store._timeout, isolation_level=None)
+        path = self.path
+        connection = sqlite3.connect(path, timeout=self._timeout, isolation_level=None)
         try:
             connection.execute("PRAGMA locking_mode = EXCLUSIVE")
             mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
@@ -289,7 +304,7 @@ class Worker:
         mirror = self._mirror
         if mirror is None:
             mirror = self._mirror = Mirror.read(connection)
-        retention = self._store.retention
+        retention = self.retention
         # The whole batch is worked out here, against the mirror, into rows of the
         # ``changes`` view; SQLite then gets them as one statement.
         upserts: dict[str, _Change] = {}
@@ -351,12 +366,12 @@ class Worker:
                     connection.execute("ROLLBACK")
             raise
         if chunks:
-            self._store._commits += 1
+            self.commits += 1
 
     def _read(self, job: Job) -> None:
         connection = self._connection
         assert connection is not None
-        path = self._store.path
+        path = self.path
         try:
             if job.kind == "list":
                 # fetchall first: a cursor left open by a decoding error would keep the

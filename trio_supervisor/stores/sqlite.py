@@ -74,13 +74,13 @@ class SqliteStore:
         self._timeout = timeout
         self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._worker: Worker | None = None
         self._closed = False
-        self._commits = 0  # written by the worker thread only
 
     @property
     def commits(self) -> int:
         """How many transactions this store has committed."""
-        return self._commits
+        return 0 if self._worker is None else self._worker.commits
 
     @property
     def retention(self) -> Retention:
@@ -170,8 +170,11 @@ class SqliteStore:
             await trio.lowlevel.checkpoint()
             raise StateStorageError(f"the store {self.path} is closed")
         if self._thread is None:
+            self._worker = Worker(
+                self.path, retention=self._retention, timeout=self._timeout, jobs=self._jobs
+            )
             self._thread = threading.Thread(
-                target=Worker(self).run, name=f"trio_supervisor sqlite {self.path}", daemon=True
+                target=self._worker.run, name=f"trio_supervisor sqlite {self.path}", daemon=True
             )
             self._thread.start()
         self._jobs.put(job)

@@ -441,9 +441,11 @@ class Model:
 
     def _finish(self, session: Session, kind: Literal["exited", "killed"]) -> None:
         child = session.child if session.registered else None
-        status = NO_CHILD if child is None else child.exit
-        assert status is not None, "the model ends a stop before its child ended"
-        termination = Termination(kind=kind, exit=status)
+        if child is None or not child.started:
+            termination = NO_CHILD  # the session's code never ran
+        else:
+            assert child.exit is not None, "the model ends a stop before its child ended"
+            termination = Termination(kind=kind, exit=child.exit)
         self._release(session)
         session.stage, session.stage_until = "over", math.inf
         assert session.reason is not None
@@ -466,7 +468,7 @@ class Model:
     def _finish_childless(self, session: Session, stopping: Durable) -> None:
         """Stopping and Stopped of a session that never had a child, saved together."""
         assert session.reason is not None
-        termination = Termination(kind="exited", exit=NO_CHILD)
+        termination = NO_CHILD
         stopped = Durable(
             "Stopped",
             False,
@@ -581,7 +583,7 @@ class Model:
             record = self.store.records[ident]
             has_child = record.previous_child if record.phase == "Stopping" else record.child
             if not has_child:
-                results[ident] = Termination(kind="exited", exit=NO_CHILD)
+                results[ident] = NO_CHILD
                 continue
             child = self.children[ident]
             child.recovers += 1

@@ -19,7 +19,7 @@ import math
 from collections.abc import Generator
 from typing import Literal, TypeAlias
 
-from ..model import ExitStatus, Key
+from ..model import ExitStatus, Key, Termination
 from .model_store import SessionId
 
 __all__ = [
@@ -52,8 +52,9 @@ def error(name: str) -> Outcome:
 
 STORAGE = "StateStorageError"
 UNCONFIRMED = "TerminationUnconfirmedError"
-# P3, V2: a session without a child ends "exited" with code 0, whatever the execution.
-NO_CHILD = ExitStatus(code=0)
+# P3, V2: a session whose code never ran (no load, or a load that failed before its
+# code started) ends with no child, whatever the execution had prepared.
+NO_CHILD = Termination(kind="none", exit=ExitStatus())
 
 
 @dataclasses.dataclass
