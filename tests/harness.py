@@ -21,7 +21,7 @@ from trio_supervisor import (
     SupervisorError,
     open_supervisor,
 )
-from trio_supervisor._core.background import open_background_nursery
+from trio_supervisor._background import open_background_nursery
 from trio_supervisor.abc import Store
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.executions._groups import read_stat

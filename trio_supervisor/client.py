@@ -36,7 +36,7 @@ from typing import Any, Final, Self, TypeVar
 import httpx
 import trio
 
-from ._core.background import open_background_nursery
+from ._background import open_background_nursery
 from .codec import converter
 from .errors import (
     BY_CODE,

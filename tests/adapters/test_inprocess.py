@@ -167,7 +167,7 @@ async def test_a_plugin_that_returns_or_raises_exits_by_itself(
 @pytest.mark.parametrize(
     ("specifier", "words"),
     [
-        ("nothing", "no plugin is registered for the specifier 'nothing'"),
+        ("nothing", "cannot load 'nothing': no plugin is registered under that name"),
         (
             "tests.no_such_module:main",
             "cannot load 'tests.no_such_module:main': there is no module 'tests.no_such_module'",

@@ -15,10 +15,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+from .._background import open_background_nursery
 from ..abc import Execution, Store
 from ..model import Limits
 from ..retention import Retention
-from .background import open_background_nursery
 from .supervisor import Lifetime, Supervisor, as_seconds
 
 __all__ = ["open_supervisor"]

@@ -34,7 +34,7 @@ from typing import Any, Self
 import attrs
 import trio
 
-from .._core.background import open_background_nursery
+from .._background import open_background_nursery
 from ..abc import Unit
 from ..errors import ExecutionError, PackageError
 from ..model import (
@@ -165,7 +165,9 @@ class InProcessExecution:
         plugin = self._plugins.get(specifier)
         if plugin is None:
             if not self._importable or ":" not in specifier:
-                raise PackageError(f"no plugin is registered for the specifier {specifier!r}")
+                raise PackageError(
+                    f"cannot load {specifier!r}: no plugin is registered under that name"
+                )
             plugin = _import(specifier)
         resolved = (plugin, _identify(specifier, plugin))
         self._codes[specifier] = resolved

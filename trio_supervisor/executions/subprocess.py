@@ -76,7 +76,7 @@ from typing import Any, Self
 import attrs
 import trio
 
-from .._core.background import open_background_nursery
+from .._background import open_background_nursery
 from ..abc import Unit
 from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination, thaw

@@ -1,0 +1,99 @@
+"""The package's layers: the core imports no adapter, and the face loads adapters on use.
+
+STYLE's layers, bottom up: values and protocols (``abc``, ``model``, ``codec``,
+``errors``, ...), then adapters and the core, each importing only what is below it.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import trio_supervisor
+
+PACKAGE = Path(trio_supervisor.__file__).parent
+
+# What each layer may import of the package (by first component after the package).
+BOTTOM = {"abc", "model", "codec", "errors", "_fields", "_background", "retention", "realtime"}
+MAY_IMPORT = {
+    "bottom": BOTTOM,
+    "_core": BOTTOM | {"_core"},
+    "stores": BOTTOM | {"stores"},
+    "executions": BOTTOM | {"executions"},
+}
+
+
+def layer_of(path: Path) -> str | None:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[0] in MAY_IMPORT:
+        return parts[0]
+    if len(parts) == 1 and parts[0] in BOTTOM:
+        return "bottom"
+    return None
+
+
+def package_imports(path: Path) -> set[str]:
+    """The first component of every module of the package that ``path`` imports."""
+    depth = len(path.relative_to(PACKAGE).parts) - 1  # folders below the package
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(path.relative_to(PACKAGE).parts[:depth])
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                target = [*base, *(node.module.split(".") if node.module else [])]
+                names = [target] if node.module else [[*target, a.name] for a in node.names]
+            elif node.module and node.module.startswith("trio_supervisor."):
+                names = [node.module.split(".")[1:]]
+            else:
+                continue
+            found.update(name[0] for name in names if name)
+    return found
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in PACKAGE.rglob("*.py") if layer_of(p) is not None),
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
+def test_each_module_imports_only_what_is_below_it(path: Path) -> None:
+    layer = layer_of(path)
+    assert layer is not None
+    wrong = package_imports(path) - MAY_IMPORT[layer]
+    assert not wrong, f"{path.relative_to(PACKAGE)} ({layer}) imports {sorted(wrong)}"
+
+
+def test_importing_the_core_and_its_protocols_loads_no_adapter() -> None:
+    code = (
+        "import sys\n"
+        "import trio_supervisor.abc\n"
+        "from trio_supervisor import Supervisor, open_supervisor, Key, Store, Execution\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('trio_supervisor.stores',"
+        " 'trio_supervisor.executions', 'trio_supervisor.service', 'trio_supervisor.client'))"
+        " or m in ('sqlite3', 'httpx', 'hypercorn', 'starlette', 'click'))\n"
+        "print(loaded)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_face_loads_an_adapter_when_it_is_named() -> None:
+    code = (
+        "import sys, trio_supervisor\n"
+        "assert 'trio_supervisor.stores.sqlite' not in sys.modules\n"
+        "from trio_supervisor import SqliteStore\n"
+        "from trio_supervisor import *\n"
+        "print(SqliteStore.__module__, SubprocessExecution.__module__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == [
+        "trio_supervisor.stores.sqlite",
+        "trio_supervisor.executions.subprocess",
+    ]
+    assert "SqliteStore" in dir(trio_supervisor)
+    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
+        trio_supervisor.Nothing  # noqa: B018
