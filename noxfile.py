@@ -30,7 +30,8 @@ def install_machine_needs(session: nox.Session) -> None:
         return
     if shutil.which("apt-get") and os.geteuid() == 0:
         session.log(f"installing {', '.join(missing)} with apt-get (the tests need them)")
-        session.run("apt-get", "update", "-qq", external=True)
+        # Silent: apt's progress is long; nox prints it all if a step fails.
+        session.run("apt-get", "update", "-qq", external=True, silent=True)
         session.run(
             "apt-get",
             "install",
@@ -39,6 +40,7 @@ def install_machine_needs(session: nox.Session) -> None:
             *missing,
             env={"DEBIAN_FRONTEND": "noninteractive"},
             external=True,
+            silent=True,
         )
         return
     session.error(

@@ -36,7 +36,7 @@ from types import TracebackType
 
 import trio
 
-__all__ = ["bounded", "outside_the_run"]
+__all__ = ["bounded", "outside_the_run", "sleep"]
 
 # How long the run must sit idle (real seconds) before the clock's holder checks again
 # whether the work outside is done; the work's answer wakes the run sooner.
@@ -208,3 +208,18 @@ class bounded:
         if self._alarm is not None:
             self._alarm.live = False  # dropped by the timer's thread when it comes to it
         return self._scope.__exit__(kind, error, traceback)
+
+
+async def sleep(seconds: float) -> None:
+    """Pause for ``seconds`` of real time, as a poll of something outside the run must.
+
+    Under Trio's own clock this is :func:`trio.sleep`. Under a virtual clock, a virtual
+    sleep in a block marked :func:`outside_the_run` would never end (the clock stands
+    still there), and elsewhere it would end at once, turning a poll into a spin: the
+    pause is spent in a thread instead, and the clock stands still meanwhile.
+    """
+    if not _virtual():
+        await trio.sleep(seconds)
+        return
+    with outside_the_run():
+        await trio.to_thread.run_sync(time.sleep, seconds, abandon_on_cancel=True)

@@ -17,6 +17,7 @@ import trio
 
 from trio_supervisor import (
     Expired,
+    Handle,
     InProcessExecution,
     Key,
     LeaseExpiredError,
@@ -28,12 +29,15 @@ from trio_supervisor import (
     SqliteStore,
     StateStorageError,
     StoppedRecord,
+    SubprocessExecution,
     open_supervisor,
+    realtime,
 )
 from trio_supervisor._core import session
-from trio_supervisor.realtime import outside_the_run
+from trio_supervisor.realtime import bounded, outside_the_run
 
 KEY = Key(identity="app", instance="virtual")
+OTHER = Key(identity="app", instance="other")
 
 
 async def worker(context: PluginContext) -> None:
@@ -114,3 +118,48 @@ async def test_a_bound_on_a_store_s_thread_is_real_time_under_autojump(
             await dispose_on_a_hanging_thread()
     finally:
         store.release.set()
+
+
+PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"
+
+
+@pytest.mark.parametrize("fork_server", [False, True], ids=["started", "forked"])
+async def test_real_children_load_expire_and_stop_under_autojump(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, fork_server: bool
+) -> None:
+    async with (
+        SqliteStore(tmp_path / "state.db") as store,
+        SubprocessExecution(
+            tmp_path / "state", entry_paths=[PLUGINS], fork_server=fork_server
+        ) as execution,
+        open_supervisor(store, execution, lease=15.0, grace=1.0) as supervisor,
+    ):
+        started = trio.current_time()
+        # A polite child: the interrupt ends it within the grace, measured in real time.
+        polite = await supervisor.open(KEY, "polite")
+        await supervisor.load(polite.handle, Load(specifier="heartbeat:main"))
+        assert trio.current_time() - started < 1.0  # its start took no virtual time
+        termination = await supervisor.dispose(polite.handle)
+        assert termination.kind == "exited", termination.describe()
+        # A stubborn one: killed after the grace, and its exit confirmed.
+        stubborn = await supervisor.open(OTHER, "stubborn")
+        await supervisor.load(stubborn.handle, Load(specifier="stubborn:main"))
+        await until_in_log(execution, stubborn.handle, "ignoring SIGTERM")
+        termination = await supervisor.dispose(stubborn.handle)
+        assert termination.kind == "killed", termination.describe()
+        # A child whose lease runs out on the virtual clock.
+        third = await supervisor.open(KEY, "third", expected_generation=1)
+        await supervisor.load(third.handle, Load(specifier="heartbeat:main"))
+        await trio.sleep(16.0)
+        record = await supervisor.status(third.handle)
+        assert isinstance(record, StoppedRecord)
+        assert isinstance(record.reason, Expired)
+        assert supervisor.poisoned is None
+
+
+async def until_in_log(execution: SubprocessExecution, handle: Handle, text: str) -> None:
+    """Poll the child's log file in real time (the child writes it outside the run)."""
+    with bounded(20.0) as scope:
+        while text not in execution.logs(handle):
+            await realtime.sleep(0.02)
+    assert not scope.cancelled_caught, f"{text!r} never reached the log"

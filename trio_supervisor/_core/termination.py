@@ -13,6 +13,7 @@ import trio
 from ..abc import Unit
 from ..errors import ExecutionError, TerminationUnconfirmedError
 from ..model import ExitStatus, Fault, Termination
+from ..realtime import bounded
 
 __all__ = ["NO_CHILD", "faults", "release", "terminate"]
 
@@ -58,7 +59,7 @@ async def terminate(
         return Termination(kind="exited", exit=exit)
     if unit is None:
         return NO_CHILD
-    with trio.move_on_after(grace) as grace_scope:
+    with bounded(grace) as grace_scope:
         if graces is not None:
             graces.add(grace_scope)
         try:
@@ -71,7 +72,7 @@ async def terminate(
         finally:
             if graces is not None:
                 graces.discard(grace_scope)
-    with trio.move_on_after(confirmation):
+    with bounded(confirmation):
         try:
             await unit.kill()
         except Exception as error:
@@ -92,7 +93,7 @@ async def release(unit: Unit | None, *, confirmation: float, problems: list[Exce
     """Release a unit's resources once (P4); problems are appended to ``problems``."""
     if unit is None:
         return
-    with trio.move_on_after(confirmation) as scope:
+    with bounded(confirmation) as scope:
         try:
             await unit.aclose()
         except Exception as error:

@@ -38,8 +38,8 @@ import signal
 from pathlib import Path
 
 import attrs
-import trio
 
+from .. import realtime
 from ..errors import ExecutionError
 from ..model import ExitStatus
 
@@ -179,7 +179,7 @@ async def group_gone(pgid: int) -> None:
         reap_group(pgid)
         if not group_exists(pgid):
             return  # the caller's wait for the leader was the checkpoint
-        await trio.sleep(GROUP_POLL)
+        await realtime.sleep(GROUP_POLL)  # a poll of the process table: real time
 
 
 def reap(pid: int) -> ExitStatus:

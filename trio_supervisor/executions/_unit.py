@@ -125,6 +125,7 @@ class ProcessUnit:
         self._wait_lock = trio.Lock()
         self._send_lock = trio.StrictFIFOLock()
         self._started = False
+        self._signalled = False  # interrupted or killed: its exit is near
         self._closed = False
         self._marker = marker
         # What a kill froze (swept), to be confirmed gone by wait().
@@ -221,12 +222,14 @@ class ProcessUnit:
             await self._send({"command": "renew", "lease": lease})
 
     async def interrupt(self) -> None:
+        self._signalled = True
         # T takes it as the end of its lease watchdog too, so the lease cannot cut the
         # graceful stop short.
         signal_group(self._pgid, signal.SIGTERM)
         await trio.lowlevel.checkpoint()
 
     async def kill(self) -> None:
+        self._signalled = True
         await trio.lowlevel.checkpoint()
         tracked = self._process.pid
         if self._process.returncode is None:  # not reaped: the pid is still T's
@@ -241,6 +244,12 @@ class ProcessUnit:
         signal_group(self._pgid, signal.SIGKILL)
 
     async def wait(self) -> ExitStatus:
+        # Once signalled, the child's exit is near and bounded in real time: a virtual
+        # clock waits for it (realtime.py). Before, the wait is the child's whole life.
+        with outside_the_run() if self._signalled else contextlib.nullcontext():
+            return await self._wait()
+
+    async def _wait(self) -> ExitStatus:
         async with self._wait_lock:  # one waiter works it out; the others read it
             if self._status is None:
                 returncode = await self._process.wait()
