@@ -31,7 +31,6 @@ import itertools
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from types import TracebackType
 
 import trio
@@ -92,28 +91,41 @@ class _Holder:
 _HOLDER: trio.lowlevel.RunVar[_Holder] = trio.lowlevel.RunVar("trio_supervisor clock holder")
 
 
-@contextlib.contextmanager
-def outside_the_run() -> Iterator[None]:
+class outside_the_run:
     """Mark the awaits in this block as waiting for work outside the run.
 
     Under a virtual clock, the clock stands still until the block is left; under Trio's
-    own clock this does nothing. The block must be bounded in real time (by the work
-    itself or by :func:`bounded`): a virtual clock cannot end it.
+    own clock this does nothing (a class, not a generator: it is on every store save).
+    The block must be bounded in real time (by the work itself or by :func:`bounded`):
+    a virtual clock cannot end it.
     """
-    if not _virtual():
-        yield
-        return
-    try:
-        holder = _HOLDER.get()
-    except LookupError:
-        holder = _Holder()
-        _HOLDER.set(holder)
-        trio.lowlevel.spawn_system_task(holder.run, name="trio_supervisor clock holder")
-    holder.hold()
-    try:
-        yield
-    finally:
-        holder.release()
+
+    __slots__ = ("_holder",)
+
+    def __init__(self) -> None:
+        self._holder: _Holder | None = None
+
+    def __enter__(self) -> None:
+        if not _virtual():
+            return
+        try:
+            holder = _HOLDER.get()
+        except LookupError:
+            holder = _Holder()
+            _HOLDER.set(holder)
+            trio.lowlevel.spawn_system_task(holder.run, name="trio_supervisor clock holder")
+        holder.hold()
+        self._holder = holder
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._holder is not None:
+            self._holder.release()
+            self._holder = None
 
 
 # -- bounds in real time ---------------------------------------------------------------
