@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trio_supervisor import MemoryStore, Supervisor
+from trio_supervisor import MemoryStore, SupervisorAPI
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.testing import FakeExecution
 
@@ -139,6 +139,6 @@ def store() -> MemoryStore:
 
 
 @pytest.fixture
-async def sup(store: MemoryStore, fake: FakeExecution) -> AsyncIterator[Supervisor]:
+async def sup(store: MemoryStore, fake: FakeExecution) -> AsyncIterator[SupervisorAPI]:
     async with supervise(store, fake) as supervisor:
         yield supervisor

@@ -22,7 +22,7 @@ from trio_supervisor import (
     open_supervisor,
 )
 from trio_supervisor._core.background import open_background_nursery
-from trio_supervisor.abc import Store
+from trio_supervisor.abc import Store, SupervisorAPI
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.service import create_app
@@ -36,27 +36,37 @@ OTHER = Key(identity="plugin", instance="b")
 # "remote" (a RemoteSupervisor through a real Hypercorn server on an ephemeral loopback
 # port, in the test's own Trio run). Set per test by the ``wire`` fixture (conftest.py).
 WIRE = ["embedded"]
+TIMINGS: dict[str, Any] = {"lease": 10.0, "grace": 1.0, "confirmation_timeout": 1.0}
 HOSTS_TOKEN = "hosts-token-for-tests"
 OPERATOR_TOKEN = "operator-token-for-tests"
 
 
 @contextlib.asynccontextmanager
-async def supervise(store: Store, execution: Any, **options: Any) -> AsyncIterator[Supervisor]:
+async def supervise(store: Store, execution: Any, **options: Any) -> AsyncIterator[SupervisorAPI]:
     """open_supervisor with the short timings the tests use unless they say otherwise.
 
-    Yields the supervisor, or, when the test runs over the wire, a client of it. The
-    server outlives the supervisor's block, so calls made during its shutdown (Z1) and
-    the errors of leaving it (Z3) reach the test as they would embedded.
+    Yields the supervisor, or, when the test runs over the wire, a client of it: either
+    way only the calls both offer (``SupervisorAPI``). The server outlives the
+    supervisor's block, so calls made during its shutdown (Z1) and the errors of leaving
+    it (Z3) reach the test as they would embedded.
     """
-    settings: dict[str, Any] = {"lease": 10.0, "grace": 1.0, "confirmation_timeout": 1.0}
-    settings.update(options)
+    settings = {**TIMINGS, **options}
     if WIRE[0] == "embedded":
         async with open_supervisor(store, execution, **settings) as supervisor:
             yield supervisor
         return
     async with supervise_served(store, execution, **settings) as (_, remote):
-        # It mirrors Supervisor's calls, values and errors: the tests use it as one.
-        yield cast("Supervisor", remote)
+        yield remote
+
+
+@contextlib.asynccontextmanager
+async def supervise_embedded(
+    store: Store, execution: Any, **options: Any
+) -> AsyncIterator[Supervisor]:
+    """open_supervisor with the tests' timings, never over the wire: for tests that look
+    inside the supervisor (its poison, its records, its watchers)."""
+    async with open_supervisor(store, execution, **{**TIMINGS, **options}) as supervisor:
+        yield supervisor
 
 
 @contextlib.asynccontextmanager
@@ -111,9 +121,9 @@ def embedded() -> bool:
     return WIRE[0] == "embedded"
 
 
-async def poisoning(supervisor: Supervisor) -> SupervisorError | None:
+async def poisoning(supervisor: SupervisorAPI) -> SupervisorError | None:
     """The error that poisoned the supervisor, or None; over the wire, as open sees it."""
-    if embedded():
+    if isinstance(supervisor, Supervisor):
         return supervisor.poisoned
     try:
         # Poisoned, open refuses at once (O1) and changes nothing. Healthy, this opens a
@@ -125,7 +135,7 @@ async def poisoning(supervisor: Supervisor) -> SupervisorError | None:
 
 
 async def opened(
-    supervisor: Supervisor, key: Key = KEY, request_id: str = "r1", **options: Any
+    supervisor: SupervisorAPI, key: Key = KEY, request_id: str = "r1", **options: Any
 ) -> Handle:
     """Open a session of ``key`` at the next generation; return its handle."""
     expected = await supervisor.high_water(key)
@@ -134,7 +144,9 @@ async def opened(
 
 
 async def during_shutdown(
-    store: Store, fake: FakeExecution, action: Callable[[Supervisor, Handle], Awaitable[None]]
+    store: Store,
+    fake: FakeExecution,
+    action: Callable[[SupervisorAPI, Handle], Awaitable[None]],
 ) -> Handle:
     """Run ``action`` half a second into a shutdown that waits for a slow child.
 
