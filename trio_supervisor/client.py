@@ -36,8 +36,12 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any, Final, Self, TypeVar
 
-import httpx
 import trio
+
+from ._extras import needs_extra
+
+with needs_extra("client", "trio_supervisor.client", "httpx"):
+    import httpx
 
 from ._core.background import open_background_nursery
 from .codec import converter
