@@ -22,7 +22,7 @@ from . import harness
 from .harness import supervise
 
 # The tests of these rules run twice: on the embedded supervisor, and over the wire
-# (SERVICE.md section A), except those marked ``embedded_only`` (they look inside it).
+# (docs/service.md section A), except those marked ``embedded_only`` (they look inside it).
 WIRE_MODULES = ("test_open", "test_renew", "test_load", "test_stop", "test_recovery")
 
 

@@ -1,4 +1,4 @@
-"""``trio-supervisor``, the operator's command, against a real runner (SERVICE.md B).
+"""``trio-supervisor``, the operator's command, against a real runner (docs/service.md section B).
 
 One runner serves the whole module, started the way an operator starts it: in a working
 directory of its own, with its default ``--state runner-state``. The commands run as

@@ -1,7 +1,7 @@
 """The runner service's wire: tokens, roles, capabilities, bad bodies, problems, documents.
 
 A real Hypercorn server on an ephemeral loopback port serves a supervisor in the test's
-own Trio run; the tests call it with httpx as any host would (SERVICE.md section A).
+own Trio run; the tests call it with httpx as any host would (docs/service.md section A).
 """
 
 from __future__ import annotations

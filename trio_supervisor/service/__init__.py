@@ -1,4 +1,4 @@
-"""The runner service: the supervisor over HTTP (docs/design.md; docs/service.md).
+"""The runner service: the supervisor over HTTP (docs/design.md; docs/service.md, section A).
 
 Needs the ``service`` extra: ``pip install 'trio_supervisor[service]'``.
 """
