@@ -89,6 +89,10 @@ PROBE = textwrap.dedent(
             return (await supervisor.dispose(record.handle)).describe()
 
     report = {"embedded": trio.run(embedded), "parts": {}}
+    # The other adapters need nothing optional either.
+    report["adapters"] = [
+        trio_supervisor.SqliteStore.__name__, trio_supervisor.SubprocessExecution.__name__
+    ]
     for part in ("trio_supervisor.client", "trio_supervisor.service", "the command"):
         try:
             if part == "the command":
@@ -126,6 +130,7 @@ def probe(*blocked: str) -> dict[str, Any]:
 def test_with_no_extra_the_engine_runs_and_the_optional_parts_name_their_pip_command() -> None:
     report = probe(*CLIENT, *SERVICE)
     assert report["embedded"] == "exited (cancelled)"
+    assert report["adapters"] == ["SqliteStore", "SubprocessExecution"]
     parts = report["parts"]
     assert parts["trio_supervisor.client"] == (
         "ImportError: trio_supervisor.client needs httpx, which is not installed; "
