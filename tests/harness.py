@@ -6,7 +6,7 @@ import contextlib
 import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, cast
+from typing import Any
 
 import trio
 from hypercorn.config import Config
@@ -74,42 +74,41 @@ async def supervise_served(
     store: Store, execution: Any, **settings: Any
 ) -> AsyncIterator[tuple[Supervisor, RemoteSupervisor]]:
     """A supervisor and a client of its server, which outlives the supervisor's block."""
-    late = _Late()
-    async with (
-        served(cast("Supervisor", late)) as remote,
-        open_supervisor(store, execution, **settings) as supervisor,
-    ):
-        late.supervisor = supervisor
-        yield supervisor, remote
-
-
-class _Late:
-    """Stands for a supervisor that is not open yet when its server starts."""
-
-    supervisor: Supervisor | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        assert self.supervisor is not None, "a request came before the supervisor opened"
-        return getattr(self.supervisor, name)
+    async with serving() as serve_it, open_supervisor(store, execution, **settings) as supervisor:
+        yield supervisor, await serve_it(supervisor)
 
 
 @contextlib.asynccontextmanager
 async def served(supervisor: Supervisor) -> AsyncIterator[RemoteSupervisor]:
     """Serve ``supervisor`` on an ephemeral loopback port; yield a client connected to it."""
+    async with serving() as serve_it:
+        yield await serve_it(supervisor)
+
+
+@contextlib.asynccontextmanager
+async def serving() -> AsyncIterator[Callable[[Supervisor], Awaitable[RemoteSupervisor]]]:
+    """A place for a server: yields what serves a supervisor there, and returns a client.
+
+    The server runs until this block ends, so a supervisor served from within a block
+    nested in it (``open_supervisor``) keeps its server through its own shutdown.
+    """
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None
     config.graceful_timeout = 1.0
-    app = create_app(supervisor, hosts_token=HOSTS_TOKEN, operator_token=OPERATOR_TOKEN)
     stop = trio.Event()
     async with contextlib.AsyncExitStack() as stack, open_background_nursery() as nursery:
-        # The readiness handshake: serve reports its bound address once it listens.
-        binds = await nursery.start(
-            functools.partial(serve, app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
-        )
-        remote = await stack.enter_async_context(connect(binds[0], token=HOSTS_TOKEN))
+
+        async def serve_it(supervisor: Supervisor) -> RemoteSupervisor:
+            app = create_app(supervisor, hosts_token=HOSTS_TOKEN, operator_token=OPERATOR_TOKEN)
+            # The readiness handshake: serve reports its bound address once it listens.
+            binds = await nursery.start(
+                functools.partial(serve, app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+            )
+            return await stack.enter_async_context(connect(binds[0], token=HOSTS_TOKEN))
+
         try:
-            yield remote
+            yield serve_it
         finally:
             # The server stops first and answers what is in flight (a dispose that
             # joined the shutdown, say); the client closes once it is done.
