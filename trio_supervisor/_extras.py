@@ -26,16 +26,18 @@ def needs_extra(extra: str, what: str, *modules: str) -> Iterator[None]:
             of any other module goes through unchanged.
 
     Raises:
-        ImportError: One of ``modules`` cannot be imported; its message ends with
-            ``pip install 'trio_supervisor[<extra>]'``, and its ``name`` is the module's.
+        ModuleNotFoundError: One of ``modules`` is not installed (an ``ImportError``);
+            its message ends with ``pip install 'trio_supervisor[<extra>]'``, and its
+            ``name`` is the module's. A module that is installed but fails to import
+            (too old a version, say) raises its own error unchanged.
     """
     try:
         yield
-    except ImportError as error:
+    except ModuleNotFoundError as error:
         missing = (error.name or "").partition(".")[0]
         if missing not in modules:
             raise
-        raise ImportError(
+        raise ModuleNotFoundError(
             f"{what} needs {missing}, which is not installed; it comes with the "
             f"[{extra}] extra: pip install 'trio_supervisor[{extra}]'",
             name=error.name,

@@ -7,6 +7,7 @@ that installed only ``pip install trio_supervisor`` would.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import json
 import re
@@ -15,7 +16,10 @@ import sys
 import textwrap
 from typing import Any
 
+import pytest
 from packaging.requirements import Requirement
+
+from trio_supervisor._extras import needs_extra
 
 CLIENT = ("httpx",)
 SERVICE = ("hypercorn", "starlette", "click", "rich", "prometheus_client")
@@ -101,7 +105,7 @@ PROBE = textwrap.dedent(
             else:
                 importlib.import_module(part)
         except ImportError as error:
-            report["parts"][part] = f"ImportError: {error}"
+            report["parts"][part] = f"{type(error).__name__}: {error}"
         except SystemExit as exit:
             report["parts"][part] = f"exit {exit.code}"
         else:
@@ -133,20 +137,22 @@ def test_with_no_extra_the_engine_runs_and_the_optional_parts_name_their_pip_com
     assert report["adapters"] == ["SqliteStore", "SubprocessExecution"]
     parts = report["parts"]
     assert parts["trio_supervisor.client"] == (
-        "ImportError: trio_supervisor.client needs httpx, which is not installed; "
+        "ModuleNotFoundError: trio_supervisor.client needs httpx, which is not installed; "
         "it comes with the [client] extra: pip install 'trio_supervisor[client]'"
     )
-    # Which service module is missed first is the import order's business.
+    # Which module is missed first is the import order's business.
+    service = "(hypercorn|starlette|prometheus_client)"
+    command = "(click|rich|httpx|hypercorn|starlette|prometheus_client)"
+    then = (
+        r", which is not installed; it comes with the \[service\] extra: "
+        r"pip install 'trio_supervisor\[service\]'"
+    )
     assert re.fullmatch(
-        r"ImportError: trio_supervisor\.service needs (hypercorn|starlette|prometheus_client), "
-        r"which is not installed; it comes with the \[service\] extra: "
-        r"pip install 'trio_supervisor\[service\]'",
+        rf"ModuleNotFoundError: trio_supervisor\.service needs {service}{then}",
         parts["trio_supervisor.service"],
     )
     assert re.fullmatch(
-        r"ImportError: the trio-supervisor command needs (click|rich|httpx|hypercorn|starlette|"
-        r"prometheus_client), which is not installed; it comes with the \[service\] extra: "
-        r"pip install 'trio_supervisor\[service\]'",
+        rf"ModuleNotFoundError: the trio-supervisor command needs {command}{then}",
         parts["the command"],
     )
     assert report["loaded"] == []
@@ -169,3 +175,30 @@ def test_with_every_extra_the_command_runs() -> None:
         "trio_supervisor.service": "imported",
         "the command": "exit 0",
     }
+
+
+def test_only_a_missing_module_of_the_extra_is_reported_as_the_extra_s() -> None:
+    # Installed, but without the name asked for (an old version, say): its own error.
+    with (
+        pytest.raises(ImportError, match="cannot import name 'no_such_name'") as caught,
+        needs_extra("client", "this test", "json"),
+    ):
+        exec("from json import no_such_name")
+    assert not isinstance(caught.value, ModuleNotFoundError)
+    # A missing module the extra does not provide: unchanged too.
+    with (
+        pytest.raises(ModuleNotFoundError, match=r"^No module named 'no_such_module'$"),
+        needs_extra("client", "this test", "httpx"),
+    ):
+        importlib.import_module("no_such_module")
+    # A missing module it provides: named, with the command.
+    with (
+        pytest.raises(ModuleNotFoundError) as named,
+        needs_extra("client", "this test", "no_such_module"),
+    ):
+        importlib.import_module("no_such_module.sub")
+    assert str(named.value) == (
+        "this test needs no_such_module, which is not installed; it comes with the "
+        "[client] extra: pip install 'trio_supervisor[client]'"
+    )
+    assert named.value.name == "no_such_module"
