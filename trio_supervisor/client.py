@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import ssl
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
@@ -464,6 +465,12 @@ async def connect(
     """
     if not isinstance(token, str) or not token:
         raise ValueError("token must be a non-empty str")
+    if (
+        isinstance(retry_for, bool)
+        or not isinstance(retry_for, int | float)
+        or not 0 <= retry_for < math.inf
+    ):
+        raise ValueError(f"retry_for must be a finite number of seconds >= 0, got {retry_for!r}")
     client = httpx.AsyncClient(
         base_url=url,
         headers={"Authorization": f"Bearer {token}"},

@@ -102,3 +102,12 @@ async def test_a_refused_certificate_is_not_retried() -> None:
             await host.status(record.handle)
         assert flaky.attempts == ["/v1/open", "/v1/status"]
         assert trio.current_time() - started < 1.0
+
+
+@pytest.mark.parametrize("retry_for", [-1.0, float("inf"), float("nan"), True, "15"])
+async def test_a_retry_window_that_is_not_a_finite_number_of_seconds_is_refused(
+    retry_for: object,
+) -> None:
+    with pytest.raises(ValueError, match="retry_for must be a finite number of seconds >= 0"):
+        async with connect("http://127.0.0.1:1", token="t", retry_for=retry_for):  # type: ignore[arg-type]
+            pass
