@@ -54,7 +54,7 @@ def install_machine_needs(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Run the test suite (installing what it needs from the machine's packages)."""
     install_machine_needs(session)
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test]")  # the test extra pulls [service,client]
     session.run("python", "-m", "pytest", *session.posargs)
 
 
@@ -77,7 +77,7 @@ def typecheck(session: nox.Session) -> None:
 def examples(session: nox.Session) -> None:
     """Run the example runner (real child processes on a SQLite store), then a remote host
     against a runner service of its own (``examples/remote_host.py --serve``)."""
-    session.install("-e", ".")
+    session.install("-e", ".[service]")  # remote_host.py starts a runner and reaches it
     session.run("python", "examples/runner.py", *session.posargs)
     if "--hold" not in session.posargs:
         session.run("python", "examples/remote_host.py", "--serve")
@@ -114,5 +114,5 @@ def mutants(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """The side-by-side benchmarks; pass ``-- --json out.json`` to keep the figures."""
-    session.install("-e", ".")
+    session.install("-e", ".[service]")  # benchmarks/service.py serves a runner
     session.run("python", "-m", "benchmarks", *session.posargs)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trio_supervisor import MemoryStore, Supervisor
+from trio_supervisor import MemoryStore, SupervisorAPI
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.testing import FakeExecution
 
@@ -22,7 +22,7 @@ from . import harness
 from .harness import supervise
 
 # The tests of these rules run twice: on the embedded supervisor, and over the wire
-# (SERVICE.md section A), except those marked ``embedded_only`` (they look inside it).
+# (docs/service.md section A), except those marked ``embedded_only`` (they look inside it).
 WIRE_MODULES = ("test_open", "test_renew", "test_load", "test_stop", "test_recovery")
 
 
@@ -139,6 +139,6 @@ def store() -> MemoryStore:
 
 
 @pytest.fixture
-async def sup(store: MemoryStore, fake: FakeExecution) -> AsyncIterator[Supervisor]:
+async def sup(store: MemoryStore, fake: FakeExecution) -> AsyncIterator[SupervisorAPI]:
     async with supervise(store, fake) as supervisor:
         yield supervisor

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, cast
+from typing import Any
 
 import trio
 from hypercorn.config import Config
@@ -22,7 +22,7 @@ from trio_supervisor import (
     open_supervisor,
 )
 from trio_supervisor._background import open_background_nursery
-from trio_supervisor.abc import Store
+from trio_supervisor.abc import Store, SupervisorAPI
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.service import create_app
@@ -36,27 +36,37 @@ OTHER = Key(identity="plugin", instance="b")
 # "remote" (a RemoteSupervisor through a real Hypercorn server on an ephemeral loopback
 # port, in the test's own Trio run). Set per test by the ``wire`` fixture (conftest.py).
 WIRE = ["embedded"]
+TIMINGS: dict[str, Any] = {"lease": 10.0, "grace": 1.0, "confirmation_timeout": 1.0}
 HOSTS_TOKEN = "hosts-token-for-tests"
 OPERATOR_TOKEN = "operator-token-for-tests"
 
 
 @contextlib.asynccontextmanager
-async def supervise(store: Store, execution: Any, **options: Any) -> AsyncIterator[Supervisor]:
+async def supervise(store: Store, execution: Any, **options: Any) -> AsyncIterator[SupervisorAPI]:
     """open_supervisor with the short timings the tests use unless they say otherwise.
 
-    Yields the supervisor, or, when the test runs over the wire, a client of it. The
-    server outlives the supervisor's block, so calls made during its shutdown (Z1) and
-    the errors of leaving it (Z3) reach the test as they would embedded.
+    Yields the supervisor, or, when the test runs over the wire, a client of it: either
+    way only the calls both offer (``SupervisorAPI``). The server outlives the
+    supervisor's block, so calls made during its shutdown (Z1) and the errors of leaving
+    it (Z3) reach the test as they would embedded.
     """
-    settings: dict[str, Any] = {"lease": 10.0, "grace": 1.0, "confirmation_timeout": 1.0}
-    settings.update(options)
+    settings = {**TIMINGS, **options}
     if WIRE[0] == "embedded":
         async with open_supervisor(store, execution, **settings) as supervisor:
             yield supervisor
         return
     async with supervise_served(store, execution, **settings) as (_, remote):
-        # It mirrors Supervisor's calls, values and errors: the tests use it as one.
-        yield cast("Supervisor", remote)
+        yield remote
+
+
+@contextlib.asynccontextmanager
+async def supervise_embedded(
+    store: Store, execution: Any, **options: Any
+) -> AsyncIterator[Supervisor]:
+    """open_supervisor with the tests' timings, never over the wire: for tests that look
+    inside the supervisor (its poison, its records, its watchers)."""
+    async with open_supervisor(store, execution, **{**TIMINGS, **options}) as supervisor:
+        yield supervisor
 
 
 @contextlib.asynccontextmanager
@@ -64,42 +74,41 @@ async def supervise_served(
     store: Store, execution: Any, **settings: Any
 ) -> AsyncIterator[tuple[Supervisor, RemoteSupervisor]]:
     """A supervisor and a client of its server, which outlives the supervisor's block."""
-    late = _Late()
-    async with (
-        served(cast("Supervisor", late)) as remote,
-        open_supervisor(store, execution, **settings) as supervisor,
-    ):
-        late.supervisor = supervisor
-        yield supervisor, remote
-
-
-class _Late:
-    """Stands for a supervisor that is not open yet when its server starts."""
-
-    supervisor: Supervisor | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        assert self.supervisor is not None, "a request came before the supervisor opened"
-        return getattr(self.supervisor, name)
+    async with serving() as serve_it, open_supervisor(store, execution, **settings) as supervisor:
+        yield supervisor, await serve_it(supervisor)
 
 
 @contextlib.asynccontextmanager
 async def served(supervisor: Supervisor) -> AsyncIterator[RemoteSupervisor]:
     """Serve ``supervisor`` on an ephemeral loopback port; yield a client connected to it."""
+    async with serving() as serve_it:
+        yield await serve_it(supervisor)
+
+
+@contextlib.asynccontextmanager
+async def serving() -> AsyncIterator[Callable[[Supervisor], Awaitable[RemoteSupervisor]]]:
+    """A place for a server: yields what serves a supervisor there, and returns a client.
+
+    The server runs until this block ends, so a supervisor served from within a block
+    nested in it (``open_supervisor``) keeps its server through its own shutdown.
+    """
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None
     config.graceful_timeout = 1.0
-    app = create_app(supervisor, hosts_token=HOSTS_TOKEN, operator_token=OPERATOR_TOKEN)
     stop = trio.Event()
     async with contextlib.AsyncExitStack() as stack, open_background_nursery() as nursery:
-        # The readiness handshake: serve reports its bound address once it listens.
-        binds = await nursery.start(
-            functools.partial(serve, app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
-        )
-        remote = await stack.enter_async_context(connect(binds[0], token=HOSTS_TOKEN))
+
+        async def serve_it(supervisor: Supervisor) -> RemoteSupervisor:
+            app = create_app(supervisor, hosts_token=HOSTS_TOKEN, operator_token=OPERATOR_TOKEN)
+            # The readiness handshake: serve reports its bound address once it listens.
+            binds = await nursery.start(
+                functools.partial(serve, app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+            )
+            return await stack.enter_async_context(connect(binds[0], token=HOSTS_TOKEN))
+
         try:
-            yield remote
+            yield serve_it
         finally:
             # The server stops first and answers what is in flight (a dispose that
             # joined the shutdown, say); the client closes once it is done.
@@ -111,9 +120,9 @@ def embedded() -> bool:
     return WIRE[0] == "embedded"
 
 
-async def poisoning(supervisor: Supervisor) -> SupervisorError | None:
+async def poisoning(supervisor: SupervisorAPI) -> SupervisorError | None:
     """The error that poisoned the supervisor, or None; over the wire, as open sees it."""
-    if embedded():
+    if isinstance(supervisor, Supervisor):
         return supervisor.poisoned
     try:
         # Poisoned, open refuses at once (O1) and changes nothing. Healthy, this opens a
@@ -125,7 +134,7 @@ async def poisoning(supervisor: Supervisor) -> SupervisorError | None:
 
 
 async def opened(
-    supervisor: Supervisor, key: Key = KEY, request_id: str = "r1", **options: Any
+    supervisor: SupervisorAPI, key: Key = KEY, request_id: str = "r1", **options: Any
 ) -> Handle:
     """Open a session of ``key`` at the next generation; return its handle."""
     expected = await supervisor.high_water(key)
@@ -134,7 +143,9 @@ async def opened(
 
 
 async def during_shutdown(
-    store: Store, fake: FakeExecution, action: Callable[[Supervisor, Handle], Awaitable[None]]
+    store: Store,
+    fake: FakeExecution,
+    action: Callable[[SupervisorAPI, Handle], Awaitable[None]],
 ) -> Handle:
     """Run ``action`` half a second into a shutdown that waits for a slow child.
 

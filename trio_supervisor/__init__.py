@@ -17,13 +17,17 @@ from ._core.supervisor import Supervisor as Supervisor
 from .abc import BatchStore as BatchStore
 from .abc import Execution as Execution
 from .abc import Store as Store
+from .abc import SupervisorAPI as SupervisorAPI
 from .abc import Unit as Unit
 from .errors import ExecutionError as ExecutionError
 from .errors import LeaseExpiredError as LeaseExpiredError
+from .errors import OperatorsOnlyError as OperatorsOnlyError
 from .errors import PackageError as PackageError
 from .errors import RecordFormatError as RecordFormatError
+from .errors import RunnerAccessError as RunnerAccessError
 from .errors import RunnerClosingError as RunnerClosingError
 from .errors import SessionConflictError as SessionConflictError
+from .errors import SessionLostError as SessionLostError
 from .errors import SessionStoppedError as SessionStoppedError
 from .errors import StaleSessionError as StaleSessionError
 from .errors import StateStorageError as StateStorageError

@@ -1,4 +1,5 @@
-"""The adapters' protocols: what a store and an execution must do (docs/design.md, "Adapters").
+"""The protocols: what a store and an execution must do (docs/design.md, "Adapters"), and
+the calls every supervisor offers its hosts, embedded or remote (:class:`SupervisorAPI`).
 
 A leaf module: it imports only values, so the core and every adapter can import it
 without loading any adapter.
@@ -22,7 +23,7 @@ from .model import (
 )
 from .retention import Retention
 
-__all__ = ["BatchStore", "Execution", "Store", "Unit"]
+__all__ = ["BatchStore", "Execution", "Store", "SupervisorAPI", "Unit"]
 
 
 @runtime_checkable
@@ -141,4 +142,80 @@ class Execution(Protocol):
         Raises:
             ExecutionError: The child's end could not be confirmed.
         """
+        ...
+
+
+@runtime_checkable
+class SupervisorAPI(Protocol):
+    """The calls a host makes on a supervisor, wherever the supervisor runs.
+
+    Both the embedded :class:`~trio_supervisor.Supervisor` and the runner's client,
+    :class:`~trio_supervisor.client.RemoteSupervisor`, offer these methods with these
+    signatures, the same values and the same errors (docs/design.md, "Public surface";
+    on the wire, docs/service.md section A). Code written against this protocol runs on either:
+    moving a host from an embedded supervisor to a remote runner changes only how the
+    object is made.
+    """
+
+    async def open(
+        self,
+        key: Key,
+        request_id: str,
+        *,
+        expected_generation: int | None = None,
+        lease: float | None = None,
+        limits: Limits | None = None,
+    ) -> SessionRecord:
+        """Open the next generation of ``key`` and return its Open record (O1-O11).
+
+        A retry with the same ``request_id`` returns the record of the first open.
+
+        Raises:
+            StaleSessionError: ``expected_generation`` is not the key's high-water.
+            RunnerClosingError: The supervisor is shutting down.
+            StateStorageError: The supervisor is poisoned.
+        """
+        ...
+
+    async def renew(self, handle: Handle) -> float:
+        """Extend the session's lease from now and return its length in seconds (R1-R6).
+
+        Raises:
+            StaleSessionError: The handle names no retained session.
+            LeaseExpiredError: The lease already ran out.
+            SessionStoppedError: The session stops or stopped for another reason.
+        """
+        ...
+
+    async def load(self, handle: Handle, load: Load) -> CodeIdentity:
+        """Load code into the session's child and return what was loaded (L1-L6).
+
+        Raises:
+            SessionConflictError: The session loads another specifier.
+            PackageError: The specifier cannot be resolved or started.
+            ExecutionError: The child could not be made or started.
+        """
+        ...
+
+    async def dispose(self, handle: Handle) -> Termination:
+        """Stop the session and return how its child ended (D1-D5).
+
+        Disposing a stopped session returns its recorded termination again.
+
+        Raises:
+            StaleSessionError: The handle names no retained session.
+            TerminationUnconfirmedError: The child was killed and not seen to exit.
+        """
+        ...
+
+    async def status(self, handle: Handle) -> SessionRecord:
+        """Return the session's last durable record (S1).
+
+        Raises:
+            StaleSessionError: The handle names no retained session.
+        """
+        ...
+
+    async def high_water(self, key: Key) -> int | None:
+        """Return the highest generation ever opened for ``key``, or None (S2)."""
         ...

@@ -20,17 +20,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-import click
-import httpx
 import trio
-from rich.console import Console
-from rich.table import Table
 
-from .client import RemoteSupervisor, connect
+from ._extras import needs_extra
 from .codec import converter
 from .errors import SupervisorError
 from .model import Key, Phase, Termination
-from .service.runner import DEFAULT_LISTEN, ConfigError, RunnerConfig, run_runner
+
+# What the command needs beyond the engine comes with the service extra.
+with needs_extra(
+    "service",
+    "the trio-supervisor command",
+    *("click", "rich", "httpx", "hypercorn", "starlette", "prometheus_client"),
+):
+    import click
+    import httpx
+    from rich.console import Console
+    from rich.table import Table
+
+    from .client import RemoteSupervisor, connect
+    from .service.runner import DEFAULT_LISTEN, ConfigError, RunnerConfig, run_runner
 
 __all__ = ["main"]
 

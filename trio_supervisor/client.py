@@ -9,10 +9,13 @@ lease, and disposes it when the block ends, however it ends. If the lease is los
 good (expired, stopped, superseded, stale), the block is cancelled and
 :class:`SessionLostError` says why.
 
-Calls that are safe to repeat (open by request id, renew, status, dispose) are retried
-with backoff when the connection fails, within the lease. The client imports only the
+Calls that are safe to repeat (open by request id, renew, status, dispose, high-water)
+are retried with backoff when the connection fails: a session's own renewals within its
+lease, other calls within ``connect``'s ``retry_for``. The client imports only the
 package's values, errors and codec (and its background-nursery helper), never the
-service.
+service. Its errors (:class:`SessionLostError`, :class:`RunnerAccessError`,
+:class:`OperatorsOnlyError`) live in :mod:`trio_supervisor.errors` with the others, and
+are re-exported here. The wire it speaks is docs/service.md, section A.
 
 Example::
 
@@ -28,19 +31,27 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import ssl
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any, Final, Self, TypeVar
 
-import httpx
 import trio
+
+from ._extras import needs_extra
+
+with needs_extra("client", "trio_supervisor.client", "httpx"):
+    import httpx
 
 from ._background import open_background_nursery
 from .codec import converter
 from .errors import (
     BY_CODE,
     LeaseExpiredError,
+    OperatorsOnlyError,
+    RunnerAccessError,
+    SessionLostError,
     SessionStoppedError,
     StaleSessionError,
     SupervisorError,
@@ -56,6 +67,7 @@ from .model import (
 )
 
 __all__ = [
+    "OperatorsOnlyError",
     "RemoteSession",
     "RemoteSupervisor",
     "RunnerAccessError",
@@ -69,27 +81,7 @@ _T = TypeVar("_T")
 _LOST: Final = (LeaseExpiredError, SessionStoppedError, StaleSessionError)
 FIRST_BACKOFF: Final = 0.05  # seconds before the first retry; doubled each time
 MAX_BACKOFF: Final = 2.0
-RETRY_WITHOUT_LEASE: Final = 15.0  # seconds an open is retried (it has no lease yet)
-
-
-class SessionLostError(SupervisorError):
-    """A session's lease could not be kept: it expired, stopped or was superseded.
-
-    Attributes:
-        cause: The error the renew met.
-    """
-
-    code = "SessionLost"
-
-    def __init__(self, detail: str, cause: BaseException | None = None) -> None:
-        super().__init__(detail)
-        self.cause = cause
-
-
-class RunnerAccessError(SupervisorError):
-    """The runner refused the token (401), or the call needs the operators' one (403)."""
-
-    code = "Unauthorized"
+RETRY_FOR: Final = 15.0  # seconds a repeatable call made directly is retried
 
 
 def _error_of(response: httpx.Response) -> Exception:
@@ -99,8 +91,10 @@ def _error_of(response: httpx.Response) -> Exception:
         code, detail = str(problem["code"]), str(problem["detail"])
     except (ValueError, KeyError, TypeError):
         return SupervisorError(f"the runner answered {response.status_code}: {response.text:.200}")
-    if response.status_code in (401, 403):
+    if response.status_code == 401:
         return RunnerAccessError(detail)
+    if response.status_code == 403:
+        return OperatorsOnlyError(detail)
     if code in ("InvalidRequest", "MalformedRequest", "RequestTooLarge"):
         return ValueError(detail)
     error = BY_CODE.get(code, SupervisorError)(detail)
@@ -111,16 +105,34 @@ def _error_of(response: httpx.Response) -> Exception:
     return error
 
 
+def _refused_by_tls(error: BaseException) -> bool:
+    """Whether a failed connection failed in the TLS handshake (no retry mends that)."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, ssl.SSLError):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
 def _check(value: object, kind: type, name: str) -> None:
     if not isinstance(value, kind):
         raise TypeError(f"{name} must be a {kind.__name__}, not {type(value).__name__}")
 
 
 class RemoteSupervisor:
-    """A runner's supervisor, reached over HTTP. Made by :func:`connect`."""
+    """A runner's supervisor, reached over HTTP. Made by :func:`connect`.
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    It satisfies :class:`trio_supervisor.abc.SupervisorAPI`: ``open``, ``renew``,
+    ``load``, ``dispose``, ``status`` and ``high_water`` take and return what the
+    embedded supervisor's do, and raise the same error classes.
+    """
+
+    def __init__(self, client: httpx.AsyncClient, *, retry_for: float = RETRY_FOR) -> None:
         self._client = client
+        self._retry_for = retry_for
 
     async def aclose(self) -> None:
         """Close the connections."""
@@ -148,8 +160,12 @@ class RemoteSupervisor:
         while True:
             try:
                 response = await self._client.post(path, json=body)
-            except httpx.TransportError:
-                if deadline is None or trio.current_time() + backoff >= deadline:
+            except httpx.TransportError as error:
+                if (
+                    deadline is None
+                    or trio.current_time() + backoff >= deadline
+                    or _refused_by_tls(error)
+                ):
                     raise
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
@@ -183,13 +199,19 @@ class RemoteSupervisor:
             "limits": None if limits is None else converter.unstructure(limits),
         }
         answer = await self._call(
-            "/v1/open", body, retry_for=lease if lease is not None else RETRY_WITHOUT_LEASE
+            "/v1/open", body, retry_for=lease if lease is not None else self._retry_for
         )
         record: SessionRecord = _structure(answer["record"], SessionRecord)
         return record
 
-    async def renew(self, handle: Handle, *, retry_for: float | None = None) -> float:
-        """Renew the session's lease (R1-R6); see ``Supervisor.renew``."""
+    async def renew(self, handle: Handle) -> float:
+        """Renew the session's lease (R1-R6); see ``Supervisor.renew``.
+
+        Retried on a failed connection (renewing twice is renewing once, later).
+        """
+        return await self._renew(handle, self._retry_for)
+
+    async def _renew(self, handle: Handle, retry_for: float) -> float:
         answer = await self._call("/v1/renew", _handle(handle), retry_for=retry_for)
         return float(answer["lease"])
 
@@ -201,15 +223,25 @@ class RemoteSupervisor:
         code: CodeIdentity = _structure(answer["code"], CodeIdentity)
         return code
 
-    async def dispose(self, handle: Handle, *, retry_for: float | None = None) -> Termination:
-        """Stop the session (D1-D5); see ``Supervisor.dispose``."""
+    async def dispose(self, handle: Handle) -> Termination:
+        """Stop the session (D1-D5); see ``Supervisor.dispose``.
+
+        Retried on a failed connection: disposing a stopped session returns its
+        termination again (D4).
+        """
+        return await self._dispose(handle, self._retry_for)
+
+    async def _dispose(self, handle: Handle, retry_for: float) -> Termination:
         answer = await self._call("/v1/dispose", _handle(handle), retry_for=retry_for)
         termination: Termination = _structure(answer["termination"], Termination)
         return termination
 
-    async def status(self, handle: Handle, *, retry_for: float | None = None) -> SessionRecord:
-        """The session's last durable record (S1); see ``Supervisor.status``."""
-        answer = await self._call("/v1/status", _handle(handle), retry_for=retry_for)
+    async def status(self, handle: Handle) -> SessionRecord:
+        """The session's last durable record (S1); see ``Supervisor.status``.
+
+        Retried on a failed connection.
+        """
+        answer = await self._call("/v1/status", _handle(handle), retry_for=self._retry_for)
         record: SessionRecord = _structure(answer["record"], SessionRecord)
         return record
 
@@ -217,7 +249,7 @@ class RemoteSupervisor:
         """The highest generation ever opened for ``key`` (S2)."""
         _check(key, Key, "key")
         answer = await self._call(
-            "/v1/high-water", {"key": converter.unstructure(key)}, retry_for=RETRY_WITHOUT_LEASE
+            "/v1/high-water", {"key": converter.unstructure(key)}, retry_for=self._retry_for
         )
         generation = answer["generation"]
         return None if generation is None else int(generation)
@@ -338,7 +370,7 @@ class RemoteSupervisor:
             # bounded: a runner that does not answer within the lease lets it expire.
             with trio.move_on_after(record.lease, shield=True):
                 with contextlib.suppress(SupervisorError, httpx.HTTPError):
-                    session.termination = await self.dispose(record.handle, retry_for=record.lease)
+                    session.termination = await self._dispose(record.handle, record.lease)
         if lost:
             raise SessionLostError(
                 f"the session {key.identity}/{key.instance} generation "
@@ -355,7 +387,7 @@ class RemoteSupervisor:
             await trio.sleep(every)
             try:
                 # Retried within what is left of the lease after this period.
-                await self.renew(session.handle, retry_for=max(lease - every, 0.0))
+                await self._renew(session.handle, max(lease - every, 0.0))
             except _LOST as error:
                 lost.append(error)
                 body.cancel()
@@ -417,6 +449,7 @@ async def connect(
     request_timeout: float = 60.0,
     verify: bool | str = True,
     transport: httpx.AsyncBaseTransport | None = None,
+    retry_for: float = RETRY_FOR,
 ) -> AsyncIterator[RemoteSupervisor]:
     """Connect to a runner.
 
@@ -426,9 +459,18 @@ async def connect(
         request_timeout: Seconds any one request may take (a load waits for its child).
         verify: TLS verification: True, False, or a CA bundle's path.
         transport: An httpx transport, for tests.
+        retry_for: Seconds within which a call that is safe to repeat (open by request
+            id, renew, dispose, status, high-water) is retried when its connection
+            fails; 0: never. An open with a lease is retried within that lease.
     """
     if not isinstance(token, str) or not token:
         raise ValueError("token must be a non-empty str")
+    if (
+        isinstance(retry_for, bool)
+        or not isinstance(retry_for, int | float)
+        or not 0 <= retry_for < math.inf
+    ):
+        raise ValueError(f"retry_for must be a finite number of seconds >= 0, got {retry_for!r}")
     client = httpx.AsyncClient(
         base_url=url,
         headers={"Authorization": f"Bearer {token}"},
@@ -437,5 +479,5 @@ async def connect(
         verify=ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify,
         transport=transport,
     )
-    async with RemoteSupervisor(client) as runner:
+    async with RemoteSupervisor(client, retry_for=retry_for) as runner:
         yield runner

@@ -1,8 +1,11 @@
-"""The errors of docs/design.md, "Public surface".
+"""The errors of docs/design.md, "Public surface", and those of the runner's client.
 
 Every error a supervisor raises on purpose is a :class:`SupervisorError`. Each class has
 a ``code``: the reference implementation's name for it, which is also its wire code, so
-a host on the other end of a network can tell them apart without Python.
+a host on the other end of a network can tell them apart without Python. The last three
+classes are raised by the client only (:mod:`trio_supervisor.client`, docs/service.md
+section A): a runner that refused the caller's token, and a session whose lease the
+client could not keep.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ __all__ = [
     "BY_CODE",
     "ExecutionError",
     "LeaseExpiredError",
+    "OperatorsOnlyError",
     "PackageError",
     "RecordFormatError",
+    "RunnerAccessError",
     "RunnerClosingError",
     "SessionConflictError",
+    "SessionLostError",
     "SessionStoppedError",
     "StaleSessionError",
     "StateStorageError",
@@ -125,6 +131,36 @@ class RunnerClosingError(SupervisorError):
     code = "RunnerClosing"
 
 
+class RunnerAccessError(SupervisorError):
+    """The runner refused the call's bearer token: missing, or not one it knows (401)."""
+
+    code = "Unauthorized"
+
+
+class OperatorsOnlyError(RunnerAccessError):
+    """The call is for the runner's operators, and was made with the hosts' token (403)."""
+
+    code = "Forbidden"
+
+
+class SessionLostError(SupervisorError):
+    """A session's lease could not be kept: it expired, stopped or was superseded.
+
+    Raised by :meth:`trio_supervisor.client.RemoteSupervisor.session` when a background
+    renew fails for good; the block was cancelled.
+
+    Attributes:
+        cause: The error the renew met (``LeaseExpiredError``, ``SessionStoppedError``
+            or ``StaleSessionError``), or None.
+    """
+
+    code = "SessionLost"
+
+    def __init__(self, detail: str, cause: BaseException | None = None) -> None:
+        super().__init__(detail)
+        self.cause = cause
+
+
 BY_CODE: dict[str, type[SupervisorError]] = {
     kind.code: kind
     for kind in (
@@ -138,6 +174,9 @@ BY_CODE: dict[str, type[SupervisorError]] = {
         PackageError,
         TerminationUnconfirmedError,
         RunnerClosingError,
+        RunnerAccessError,
+        OperatorsOnlyError,
+        SessionLostError,
     )
 }
 """Every error class by its wire code, for a client that gets the code back."""

@@ -9,7 +9,7 @@ from trio_supervisor import Load, MemoryStore, Phase, SessionRecord, StoppedReco
 from trio_supervisor._core.events import Overflow
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from ..harness import OTHER, opened, supervise
+from ..harness import OTHER, opened, supervise_embedded
 
 
 def phase_of(event: SessionRecord | Overflow) -> Phase | None:
@@ -19,7 +19,7 @@ def phase_of(event: SessionRecord | Overflow) -> Phase | None:
 async def test_a_watcher_sees_every_durable_record_in_order(fake: FakeExecution) -> None:
     store = FaultyStore(MemoryStore())
     seen: list[SessionRecord | Overflow] = []
-    async with supervise(store, fake) as sup, sup.watch() as events:
+    async with supervise_embedded(store, fake) as sup, sup.watch() as events:
         handle = await opened(sup)
         await sup.load(handle, Load(specifier="plugin:main"))
         await sup.dispose(handle)
@@ -42,7 +42,7 @@ async def test_a_watcher_sees_every_durable_record_in_order(fake: FakeExecution)
 async def test_a_watcher_that_never_reads_does_not_slow_the_supervisor(
     fake: FakeExecution,
 ) -> None:
-    async with supervise(MemoryStore(), fake) as sup:
+    async with supervise_embedded(MemoryStore(), fake) as sup:
         stuck = sup.watch(buffer=4)  # never read until the end
         async with stuck:
             first_handle = await opened(sup)
@@ -71,7 +71,7 @@ async def test_watching_ends_when_the_supervisor_shuts_down(
             async for event in watched:
                 events.append(event)
 
-    async with trio.open_nursery() as nursery, supervise(MemoryStore(), fake) as sup:
+    async with trio.open_nursery() as nursery, supervise_embedded(MemoryStore(), fake) as sup:
         await nursery.start(watch, sup)
         await opened(sup)
         # The watcher read the Open, and the shutdown's Stopping and Stopped, then ended.

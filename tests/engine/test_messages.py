@@ -37,7 +37,7 @@ from trio_supervisor._core.lifecycle import Lifecycle, recovered
 from trio_supervisor.testing import FakeExecution
 from trio_supervisor.testing.fakes import FakeUnit
 
-from ..harness import KEY, opened, supervise
+from ..harness import KEY, opened, supervise_embedded
 
 
 def causes(error: BaseException) -> list[BaseException]:
@@ -107,7 +107,7 @@ class FlawedExecution(FakeExecution):
 @pytest.fixture
 async def flawed() -> Any:
     execution = FlawedExecution()
-    async with supervise(MemoryStore(), execution) as supervisor:
+    async with supervise_embedded(MemoryStore(), execution) as supervisor:
         yield supervisor
 
 
@@ -185,7 +185,7 @@ async def test_a_failing_adapter_is_named_with_what_was_being_done(
 
 async def test_forwarding_a_renewal_that_fails_names_it() -> None:
     execution = FlawedExecution()
-    async with supervise(MemoryStore(), execution) as sup:
+    async with supervise_embedded(MemoryStore(), execution) as sup:
         handle = await opened(sup)
         await sup.load(handle, Load(specifier="renew-later"))
         execution.flawed[handle].flaw = "renew"  # the test's own fake, flawed from now on
@@ -200,7 +200,7 @@ async def test_a_watcher_that_fails_poisons_with_the_cause_kept() -> None:
     poisons: list[BaseException] = []
 
     async def run() -> None:
-        async with supervise(MemoryStore(), execution) as sup:
+        async with supervise_embedded(MemoryStore(), execution) as sup:
             handle = await opened(sup)
             await sup.load(handle, Load(specifier="wait"))
             with pytest.raises(ExecutionError) as caught:
@@ -251,7 +251,7 @@ async def test_a_store_that_cannot_save_what_recovery_found_says_so() -> None:
     )
     store.refuse = True
     with pytest.raises(StateStorageError) as caught:
-        async with supervise(store, FakeExecution()):
+        async with supervise_embedded(store, FakeExecution()):
             pass
     assert caught.value.detail == "the store failed to save recovered records: Broken('disk')"
     assert [str(cause) for cause in causes(caught.value)] == ["disk"]
@@ -446,7 +446,7 @@ async def test_open_supervisor_names_the_duration_it_refuses(
     await store.save(left_over)  # what a crashed run left: recovery would stop it
     fake = FakeExecution()
     with pytest.raises(error) as caught:
-        async with supervise(store, fake, **{option: value}):
+        async with supervise_embedded(store, fake, **{option: value}):
             pytest.fail("a supervisor ran with a bad duration")
     assert str(caught.value) == message
     # Refused before recovery: the left-over record is still Open, nothing was called.
@@ -460,7 +460,7 @@ async def test_a_zero_grace_is_accepted_and_goes_straight_to_the_kill(
     # grace=0 is allowed (>= 0): the interrupt gets no time, the kill follows at once (P3).
     fake = FakeExecution()
     fake.behave("stubborn", ignore_interrupt=True)
-    async with supervise(MemoryStore(), fake, grace=0) as sup:
+    async with supervise_embedded(MemoryStore(), fake, grace=0) as sup:
         handle = await opened(sup)
         await sup.load(handle, Load(specifier="stubborn"))
         started = trio.current_time()

@@ -18,7 +18,7 @@ from trio_supervisor import (
 from trio_supervisor._core.session import SAVE_BOUND
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from ..harness import opened, supervise
+from ..harness import opened, supervise_embedded
 
 
 class StoreThatHangsOnStopping(MemoryStore):
@@ -36,7 +36,7 @@ async def test_a_store_that_never_answers_poisons_but_the_child_still_ends(
     store = StoreThatHangsOnStopping()
 
     async def dispose_on_a_hanging_store() -> None:
-        async with supervise(store, fake) as sup:
+        async with supervise_embedded(store, fake) as sup:
             handle = await opened(sup)
             await sup.load(handle, Load(specifier="plugin:main"))
             started = trio.current_time()
@@ -64,7 +64,7 @@ async def test_a_cancelled_block_raises_its_problems_as_one_flat_group(
 
     async def cancelled_while_the_store_fails() -> None:
         with trio.move_on_after(10):
-            async with supervise(store, fake) as sup:
+            async with supervise_embedded(store, fake) as sup:
                 for instance in ("a", "b"):
                     handle = await opened(sup, Key(identity="plugin", instance=instance))
                     await sup.load(handle, Load(specifier="plugin:main"))
@@ -86,7 +86,7 @@ async def test_skip_grace_cuts_every_termination_short(
     fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
     fake.behave("stubborn:main", ignore_interrupt=True)
-    async with supervise(MemoryStore(), fake, grace=5.0) as sup:
+    async with supervise_embedded(MemoryStore(), fake, grace=5.0) as sup:
         first = await opened(sup)
         await sup.load(first, Load(specifier="stubborn:main"))
         started = trio.current_time()

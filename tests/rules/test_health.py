@@ -20,13 +20,13 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from ..harness import OTHER, opened, supervise
+from ..harness import OTHER, opened, supervise_embedded
 
 
 async def test_h1_a_failed_save_poisons_the_supervisor(fake: FakeExecution) -> None:
     store = FaultyStore(MemoryStore())
     with pytest.RaisesGroup(StateStorageError):
-        async with supervise(store, fake) as sup:
+        async with supervise_embedded(store, fake) as sup:
             assert sup.poisoned is None
             store.fail_next()
             with pytest.raises(StateStorageError) as caught:
@@ -37,7 +37,7 @@ async def test_h1_a_failed_save_poisons_the_supervisor(fake: FakeExecution) -> N
 async def test_h1_a_crashed_background_task_poisons_the_supervisor(fake: FakeExecution) -> None:
     fake.behave("blind", wait_error=RuntimeError("pidfd went away"))
     with pytest.RaisesGroup(ExecutionError):
-        async with supervise(MemoryStore(), fake) as sup:
+        async with supervise_embedded(MemoryStore(), fake) as sup:
             handle = await opened(sup)
             await sup.load(handle, Load(specifier="blind"))
             await trio.testing.wait_all_tasks_blocked()
@@ -51,7 +51,7 @@ async def test_h2_poisoned_open_renew_load_fail_and_dispose_status_work(
 ) -> None:
     store = FaultyStore(MemoryStore())
     with pytest.RaisesGroup(StateStorageError):
-        async with supervise(store, fake, lease=5.0) as sup:
+        async with supervise_embedded(store, fake, lease=5.0) as sup:
             draining = await opened(sup)
             await sup.load(draining, Load(specifier="x"))
             disposed = await opened(sup, key=OTHER)
@@ -89,7 +89,7 @@ async def test_h3_wait_failed_blocks_until_poisoned_then_raises(
             raised.append((error, trio.current_time()))
 
     with pytest.RaisesGroup(StateStorageError):
-        async with supervise(store, fake) as sup, trio.open_nursery() as nursery:
+        async with supervise_embedded(store, fake) as sup, trio.open_nursery() as nursery:
             nursery.start_soon(watch, sup)
             await trio.sleep(3.0)
             assert raised == []

@@ -28,7 +28,7 @@ from trio_supervisor import (
     StaleSessionError,
     StateStorageError,
     StoppedRecord,
-    Supervisor,
+    SupervisorAPI,
     Termination,
 )
 from trio_supervisor.testing import FakeExecution, FakeUnit, FaultyStore
@@ -77,7 +77,7 @@ async def test_l1_load_is_refused_like_renew(
 
     late: list[BaseException] = []
 
-    async def load_late(supervisor: Supervisor, handle: Handle) -> None:
+    async def load_late(supervisor: SupervisorAPI, handle: Handle) -> None:
         with pytest.raises(RunnerClosingError) as caught:
             await supervisor.load(handle, Load(specifier="other"))
         late.append(caught.value)
@@ -101,7 +101,7 @@ async def test_l1_load_fails_with_the_poisoning_error(fake: FakeExecution) -> No
 
 
 async def test_l2_a_load_of_the_same_specifier_joins_or_returns_the_recorded_code(
-    sup: Supervisor, fake: FakeExecution
+    sup: SupervisorAPI, fake: FakeExecution
 ) -> None:
     handle = await opened(sup)
     results: list[CodeIdentity] = []
@@ -118,7 +118,7 @@ async def _append(results: list[CodeIdentity], call: object) -> None:
     results.append(await call)  # type: ignore[misc]
 
 
-async def test_l2_another_specifier_conflicts(sup: Supervisor, fake: FakeExecution) -> None:
+async def test_l2_another_specifier_conflicts(sup: SupervisorAPI, fake: FakeExecution) -> None:
     handle = await opened(sup)
     await sup.load(handle, Load(specifier="x"))
     with pytest.raises(SessionConflictError, match="'y'"):
@@ -158,7 +158,7 @@ async def test_l4_the_child_identity_is_durable_before_the_child_starts(
 
 
 async def test_l4_the_exit_watcher_runs_once_the_child_is_registered(
-    sup: Supervisor, fake: FakeExecution
+    sup: SupervisorAPI, fake: FakeExecution
 ) -> None:
     handle = await opened(sup)
     await sup.load(handle, Load(specifier="x"))
@@ -189,7 +189,7 @@ async def test_l4_a_second_registration_is_an_execution_error() -> None:
 
 
 async def test_l5_a_spawn_package_error_fails_the_load_and_stops_the_session(
-    sup: Supervisor, fake: FakeExecution
+    sup: SupervisorAPI, fake: FakeExecution
 ) -> None:
     fake.fail_next_spawn(PackageError("no module named 'missing'"))
     handle = await opened(sup)
@@ -205,7 +205,7 @@ async def test_l5_a_spawn_package_error_fails_the_load_and_stops_the_session(
 
 
 async def test_l5_a_start_failure_stops_the_session_and_terminates_the_child(
-    sup: Supervisor, fake: FakeExecution
+    sup: SupervisorAPI, fake: FakeExecution
 ) -> None:
     fake.behave("broken", start_error=ExecutionError("exec format error"))
     handle = await opened(sup)
@@ -221,7 +221,7 @@ async def test_l5_a_start_failure_stops_the_session_and_terminates_the_child(
 
 
 async def test_l5_an_adapter_crash_is_reported_as_an_execution_error(
-    sup: Supervisor, fake: FakeExecution
+    sup: SupervisorAPI, fake: FakeExecution
 ) -> None:
     fake.behave("buggy", spawn_error=None, start_error=None)
 
@@ -311,6 +311,6 @@ async def test_l6_a_session_stopping_during_the_load_fails_it_with_the_stop_erro
         assert not execution.units, "the spawn was cancelled with the session"
 
 
-async def _dispose_later(sup: Supervisor, handle: Handle) -> None:
+async def _dispose_later(sup: SupervisorAPI, handle: Handle) -> None:
     await trio.sleep(1.0)
     await sup.dispose(handle)

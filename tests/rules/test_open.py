@@ -23,7 +23,7 @@ from trio_supervisor import (
     StateStorageError,
     StoppedRecord,
     Superseded,
-    Supervisor,
+    SupervisorAPI,
     TerminationUnconfirmedError,
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
@@ -50,7 +50,7 @@ async def test_o1_open_fails_with_runner_closing_once_shutdown_began(
 ) -> None:
     refused: list[BaseException] = []
 
-    async def open_late(supervisor: Supervisor, handle: Handle) -> None:
+    async def open_late(supervisor: SupervisorAPI, handle: Handle) -> None:
         with pytest.raises(RunnerClosingError) as caught:
             await supervisor.open(OTHER, "late")
         refused.append(caught.value)
@@ -82,7 +82,7 @@ async def test_o2_opens_of_one_key_are_serialized_and_other_keys_proceed(
     store = GatedStore()
     outcomes: dict[str, object] = {}
 
-    async def attempt(supervisor: Supervisor, name: str, key: object) -> None:
+    async def attempt(supervisor: SupervisorAPI, name: str, key: object) -> None:
         try:
             outcomes[name] = await supervisor.open(key, name)  # type: ignore[arg-type]
         except StaleSessionError as error:
@@ -117,7 +117,7 @@ async def test_o3_open_is_idempotent_by_request_id(fake: FakeExecution) -> None:
 
 
 async def test_o3_a_repeated_request_id_returns_the_record_in_whatever_phase(
-    sup: Supervisor,
+    sup: SupervisorAPI,
 ) -> None:
     first = await sup.open(KEY, "r1")
     await sup.dispose(first.handle)
@@ -127,7 +127,7 @@ async def test_o3_a_repeated_request_id_returns_the_record_in_whatever_phase(
     assert await sup.high_water(KEY) == 1
 
 
-async def test_o4_expected_generation_must_equal_the_high_water(sup: Supervisor) -> None:
+async def test_o4_expected_generation_must_equal_the_high_water(sup: SupervisorAPI) -> None:
     with pytest.raises(
         StaleSessionError, match=r"expected generation 1, but its high-water generation is 0"
     ):
@@ -147,7 +147,7 @@ async def test_o4_expected_generation_must_equal_the_high_water(sup: Supervisor)
 
 
 async def test_o5_open_stops_the_live_session_and_waits_for_its_termination(
-    sup: Supervisor, fake: FakeExecution, autojump_clock: trio.testing.MockClock
+    sup: SupervisorAPI, fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
     fake.behave("slow", exit_delay=0.7)
     old = await opened(sup)
@@ -165,7 +165,7 @@ async def test_o5_open_stops_the_live_session_and_waits_for_its_termination(
 
 
 async def test_o5_a_termination_problem_is_logged_and_does_not_fail_the_open(
-    sup: Supervisor, fake: FakeExecution, caplog: pytest.LogCaptureFixture
+    sup: SupervisorAPI, fake: FakeExecution, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake.behave("stubborn", interrupt_error=OSError("no such process"))
     old = await opened(sup)
@@ -226,7 +226,7 @@ async def test_o7_the_new_record_has_the_next_generation_a_fresh_token_and_negot
 
 
 async def test_o7_bad_open_arguments_are_refused_and_change_nothing(
-    sup: Supervisor, store: MemoryStore
+    sup: SupervisorAPI, store: MemoryStore
 ) -> None:
     calls: list[Callable[[], Awaitable[object]]] = [
         lambda: sup.open(KEY, ""),
@@ -284,7 +284,7 @@ async def test_o8_a_store_failing_in_its_own_way_is_reported_as_a_storage_error(
 
 
 async def test_o8_the_record_is_durable_when_open_returns(
-    sup: Supervisor, store: MemoryStore
+    sup: SupervisorAPI, store: MemoryStore
 ) -> None:
     record = await sup.open(KEY, "r1")
     assert await store.list() == [record]

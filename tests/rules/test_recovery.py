@@ -33,7 +33,7 @@ from trio_supervisor import (
     StateStorageError,
     StoppedRecord,
     StoppingRecord,
-    Supervisor,
+    SupervisorAPI,
     Termination,
     TerminationUnconfirmedError,
 )
@@ -241,7 +241,7 @@ async def test_v3_a_store_that_cannot_save_recovered_records_keeps_it_from_start
             pytest.fail("started without recording the recovery")
 
 
-async def test_s1_status_returns_the_record_only_for_a_matching_handle(sup: Supervisor) -> None:
+async def test_s1_status_returns_the_record_only_for_a_matching_handle(sup: SupervisorAPI) -> None:
     opened_record = await sup.open(KEY, "r1")
     handle = opened_record.handle
     assert await sup.status(handle) == opened_record
@@ -270,7 +270,7 @@ async def test_s1_status_works_while_poisoned(fake: FakeExecution) -> None:
             assert isinstance(await sup.status(handle), OpenRecord)
 
 
-async def test_s2_high_water_is_the_highest_generation_or_none(sup: Supervisor) -> None:
+async def test_s2_high_water_is_the_highest_generation_or_none(sup: SupervisorAPI) -> None:
     assert await sup.high_water(KEY) is None
     await opened(sup)
     await opened(sup, request_id="r2")

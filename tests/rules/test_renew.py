@@ -22,10 +22,11 @@ from trio_supervisor import (
     StoppedRecord,
     StoppingRecord,
     Supervisor,
+    SupervisorAPI,
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from ..harness import OTHER, during_shutdown, embedded, opened, supervise
+from ..harness import OTHER, during_shutdown, opened, supervise, supervise_embedded
 
 
 async def test_r1_renew_fails_with_runner_closing_during_shutdown(
@@ -33,7 +34,7 @@ async def test_r1_renew_fails_with_runner_closing_during_shutdown(
 ) -> None:
     refused: list[BaseException] = []
 
-    async def renew_late(supervisor: Supervisor, handle: Handle) -> None:
+    async def renew_late(supervisor: SupervisorAPI, handle: Handle) -> None:
         with pytest.raises(RunnerClosingError) as caught:
             await supervisor.renew(handle)
         refused.append(caught.value)
@@ -55,12 +56,14 @@ async def test_r1_renew_fails_with_the_poisoning_error(fake: FakeExecution) -> N
                 await sup.renew(handle)
             # The poisoning error itself (a copy chained to it), not a new failure; over
             # the wire, the same error with the same detail.
-            if embedded():
+            if isinstance(sup, Supervisor):
                 assert caught.value.__cause__ is sup.poisoned
             assert caught.value.detail == "injected failure saving a Open record"
 
 
-async def test_r2_unknown_tokens_and_wrong_keys_or_generations_are_stale(sup: Supervisor) -> None:
+async def test_r2_unknown_tokens_and_wrong_keys_or_generations_are_stale(
+    sup: SupervisorAPI,
+) -> None:
     handle = await opened(sup)
     for stale in (
         attrs.evolve(handle, token="0" * 36),
@@ -104,7 +107,7 @@ async def test_r2_a_retired_session_that_expired_says_so(
 
 
 async def test_r3_a_stopping_session_is_stopped_and_an_expired_one_expired(
-    sup: Supervisor, fake: FakeExecution, autojump_clock: trio.testing.MockClock
+    sup: SupervisorAPI, fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
     fake.behave("slow", exit_delay=0.8)
     disposed = await opened(sup)
@@ -137,7 +140,7 @@ async def test_r4_renew_at_the_deadline_fails_even_before_the_timer_fired(
     checkpoint, and a checkpoint would let the timer fire.
     """
     store = FaultyStore(MemoryStore())
-    async with supervise(store, fake, lease=5.0) as sup:
+    async with supervise_embedded(store, fake, lease=5.0) as sup:
         handle = await opened(sup)
         mock_clock.jump(5.0)
         # No checkpoint since the jump: the session task has not seen its deadline.
@@ -159,7 +162,7 @@ async def test_r4_renew_at_the_deadline_fails_even_before_the_timer_fired(
 
 
 async def test_r5_the_lease_is_forwarded_to_the_child(
-    sup: Supervisor, fake: FakeExecution, autojump_clock: trio.testing.MockClock
+    sup: SupervisorAPI, fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
     handle = await opened(sup, lease=4.0)
     await trio.sleep(1.0)
@@ -197,7 +200,7 @@ async def test_r6_renew_moves_the_deadline_and_is_not_persisted(
 
 
 async def test_r6_renew_returns_the_session_s_own_lease_not_the_supervisor_s(
-    sup: Supervisor, autojump_clock: trio.testing.MockClock
+    sup: SupervisorAPI, autojump_clock: trio.testing.MockClock
 ) -> None:
     default = await sup.open(OTHER, "default lease")
     assert default.lease == 10.0  # the supervisor's

@@ -16,7 +16,7 @@ from trio_supervisor import (
     StateStorageError,
     StoppedRecord,
     StoppingRecord,
-    Supervisor,
+    SupervisorAPI,
     TerminationUnconfirmedError,
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
@@ -29,7 +29,7 @@ async def test_z1_closing_is_set_first_so_new_work_is_refused(
 ) -> None:
     refused: list[str] = []
 
-    async def new_work(sup: Supervisor, handle: Handle) -> None:
+    async def new_work(sup: SupervisorAPI, handle: Handle) -> None:
         for name, call in (
             ("open", sup.open(Key(identity="p", instance="new"), "r")),
             ("renew", sup.renew(handle)),

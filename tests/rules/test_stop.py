@@ -27,6 +27,7 @@ from trio_supervisor import (
     StoppedRecord,
     StoppingRecord,
     Supervisor,
+    SupervisorAPI,
     Termination,
     TerminationUnconfirmedError,
 )
@@ -51,14 +52,14 @@ class HeldStore(MemoryStore):
         await super().save(record)
 
 
-async def stopped(sup: Supervisor, handle: object) -> StoppedRecord:
+async def stopped(sup: SupervisorAPI, handle: object) -> StoppedRecord:
     record = await sup.status(handle)  # type: ignore[arg-type]
     assert isinstance(record, StoppedRecord), record
     return record
 
 
 async def test_x1_a_child_that_exits_by_itself_stops_the_session_without_a_signal(
-    sup: Supervisor, fake: FakeExecution
+    sup: SupervisorAPI, fake: FakeExecution
 ) -> None:
     handle = await opened(sup)
     await sup.load(handle, Load(specifier="x"))
@@ -73,7 +74,7 @@ async def test_x1_a_child_that_exits_by_itself_stops_the_session_without_a_signa
 
 
 async def test_t1_at_the_deadline_the_session_expires_and_its_child_is_terminated(
-    sup: Supervisor, fake: FakeExecution, autojump_clock: trio.testing.MockClock
+    sup: SupervisorAPI, fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
     handle = await opened(sup, lease=3.0)
     await sup.load(handle, Load(specifier="x"))
@@ -87,7 +88,7 @@ async def test_t1_at_the_deadline_the_session_expires_and_its_child_is_terminate
 
 
 async def test_t1_a_renewed_lease_does_not_expire_at_the_old_deadline(
-    sup: Supervisor, autojump_clock: trio.testing.MockClock
+    sup: SupervisorAPI, autojump_clock: trio.testing.MockClock
 ) -> None:
     handle = await opened(sup, lease=3.0)
     await trio.sleep(2.0)
@@ -118,7 +119,7 @@ async def test_d1_dispose_works_during_shutdown_and_joins_it(
 ) -> None:
     joined: list[Termination] = []
 
-    async def dispose_late(sup: Supervisor, handle: Handle) -> None:
+    async def dispose_late(sup: SupervisorAPI, handle: Handle) -> None:
         joined.append(await sup.dispose(handle))
 
     await during_shutdown(store, fake, dispose_late)
@@ -128,7 +129,7 @@ async def test_d1_dispose_works_during_shutdown_and_joins_it(
     assert joined == [record.termination]
 
 
-async def test_d2_dispose_of_a_stale_handle_fails(sup: Supervisor) -> None:
+async def test_d2_dispose_of_a_stale_handle_fails(sup: SupervisorAPI) -> None:
     handle = await opened(sup)
     with pytest.raises(StaleSessionError):
         await sup.dispose(attrs.evolve(handle, generation=2))
@@ -136,7 +137,7 @@ async def test_d2_dispose_of_a_stale_handle_fails(sup: Supervisor) -> None:
 
 
 async def test_d3_dispose_of_a_stopped_session_returns_its_termination_again(
-    sup: Supervisor, fake: FakeExecution
+    sup: SupervisorAPI, fake: FakeExecution
 ) -> None:
     handle = await opened(sup)
     await sup.load(handle, Load(specifier="x"))
@@ -169,7 +170,7 @@ async def test_d4_dispose_of_a_known_record_without_a_session_object_is_stopped(
 
 
 async def test_d5_dispose_stops_the_session_or_joins_the_stop_in_progress(
-    sup: Supervisor, fake: FakeExecution, autojump_clock: trio.testing.MockClock
+    sup: SupervisorAPI, fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
     fake.behave("slow", exit_delay=0.8)  # within the grace of 1.0
     handle = await opened(sup)
@@ -227,7 +228,7 @@ async def test_p2_stopping_is_persisted_with_the_active_snapshot(fake: FakeExecu
         await _stop_loaded(sup, store)
 
 
-async def _stop_loaded(sup: Supervisor, store: FaultyStore) -> None:
+async def _stop_loaded(sup: SupervisorAPI, store: FaultyStore) -> None:
     handle = await opened(sup)
     await sup.load(handle, Load(specifier="x"))
     loaded = await sup.status(handle)
@@ -261,7 +262,7 @@ async def test_p2_a_failed_stopping_save_still_fences_terminates_and_reports_the
             assert await sup.dispose(handle) == record.termination
 
 
-async def test_p3_no_child_ends_with_no_child(sup: Supervisor) -> None:
+async def test_p3_no_child_ends_with_no_child(sup: SupervisorAPI) -> None:
     # docs/design.md, deviation (l): "no child", not the "exited, code 0" of a child.
     handle = await opened(sup)
     termination = await sup.dispose(handle)
@@ -270,7 +271,7 @@ async def test_p3_no_child_ends_with_no_child(sup: Supervisor) -> None:
 
 
 async def test_p3_a_cooperative_child_exits_on_interrupt(
-    sup: Supervisor, fake: FakeExecution, autojump_clock: trio.testing.MockClock
+    sup: SupervisorAPI, fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
     fake.behave("polite", exit_delay=0.4, interrupt_code=0)
     handle = await opened(sup)
@@ -373,7 +374,7 @@ async def test_p5_records_are_written_in_lifecycle_order(fake: FakeExecution) ->
 
 
 async def test_p6_everyone_waiting_gets_the_same_outcome(
-    sup: Supervisor, fake: FakeExecution, autojump_clock: trio.testing.MockClock
+    sup: SupervisorAPI, fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
     fake.behave("slow", exit_delay=0.5)
     handle = await opened(sup)

@@ -2,7 +2,7 @@
 
 :func:`live_runner` starts ``python -m trio_supervisor serve`` on an ephemeral loopback
 port with a fresh state directory and the example plugins, takes its first stdout line
-(``listening on URL``, SERVICE.md section A) as the sign that it listens, reads the
+(``listening on URL``, docs/service.md section A) as the sign that it listens, reads the
 tokens it made, and on the way out stops it with SIGTERM, waits for it to exit (every
 child reaped) and kills it if it hangs. Its stderr goes to a file, so that a failure can
 show what the runner logged (the traceback behind a 500, say).

@@ -4,8 +4,8 @@ A real ``trio-supervisor serve`` process (``fuzzing.py``) serves the document at
 ``GET /openapi.json``; schemathesis reads it from there and, for every operation in
 it, generates requests that fit the document (positive) and requests that do not
 (negative). Each answer must hold to the document: no 5xx, a documented status code, a
-documented content type and a body of the documented schema (SERVICE.md section A: "No
-other input yields a 5xx: a fuzzer driven by the OpenAPI document finds none").
+documented content type and a body of the documented schema (docs/service.md section A,
+"Errors": nothing a client sends yields a 5xx).
 
 Random handles almost never name a real session, so the fuzzer would only ever meet
 404s past ``open``. The session and operator calls therefore also get real sessions:

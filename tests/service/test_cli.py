@@ -1,4 +1,4 @@
-"""``trio-supervisor``, the operator's command, against a real runner (SERVICE.md B).
+"""``trio-supervisor``, the operator's command, against a real runner (docs/service.md section B).
 
 One runner serves the whole module, started the way an operator starts it: in a working
 directory of its own, with its default ``--state runner-state``. The commands run as
@@ -236,7 +236,7 @@ def test_a_runners_error_exits_1_with_its_detail(operator: Operator) -> None:
     # The hosts' token is not the operators': the runner says so.
     result = operator.run("sessions", "--token-file", "runner-state/token")
     assert result.status == 1
-    assert result.err == "Error: Unauthorized: this call is for the runner's operators\n"
+    assert result.err == "Error: Forbidden: this call is for the runner's operators\n"
 
 
 def test_a_runner_out_of_reach_exits_1_saying_where(operator: Operator) -> None:

@@ -1,4 +1,4 @@
-"""The dashboard (``GET /``), driven in a real headless Chromium (SERVICE.md B).
+"""The dashboard (``GET /``), driven in a real headless Chromium (docs/service.md section B).
 
 An operator opens the runner's page, signs in once with the operators' token, sees the
 sessions live, opens one to read its record and its log tail, and disposes one with its

@@ -1,4 +1,4 @@
-"""What operators get from a runner (SERVICE.md B): metrics, events and logs.
+"""What operators get from a runner (docs/service.md section B): metrics, events and logs.
 
 Each test starts a real ``trio-supervisor serve`` on an ephemeral loopback port, waits
 for its readiness line (``listening on URL``, never a guessed while), reads its tokens

@@ -2,7 +2,7 @@
 
 Each test starts the console command (``python -m trio_supervisor serve``) on an
 ephemeral loopback port and waits for its readiness line, ``listening on URL``, never
-for a guessed while (SERVICE.md section A). Hosts reach it with nothing but the URL and
+for a guessed while (docs/service.md section A). Hosts reach it with nothing but the URL and
 the hosts' token, through ``trio_supervisor.client``; operators with the operators'
 token, over plain HTTP. Processes are watched through /proc: a runner's descendants are
 collected before it is signalled or killed, and each must be gone afterwards.

@@ -1,7 +1,7 @@
 """The runner service's wire: tokens, roles, capabilities, bad bodies, problems, documents.
 
 A real Hypercorn server on an ephemeral loopback port serves a supervisor in the test's
-own Trio run; the tests call it with httpx as any host would (SERVICE.md section A).
+own Trio run; the tests call it with httpx as any host would (docs/service.md section A).
 """
 
 from __future__ import annotations
@@ -20,7 +20,15 @@ from trio_supervisor import Handle, Key, Load, MemoryStore, Supervisor
 from trio_supervisor.client import RunnerAccessError, SessionLostError, connect
 from trio_supervisor.testing import FakeExecution
 
-from ..harness import HOSTS_TOKEN, KEY, OPERATOR_TOKEN, opened, served, supervise, supervise_served
+from ..harness import (
+    HOSTS_TOKEN,
+    KEY,
+    OPERATOR_TOKEN,
+    opened,
+    served,
+    supervise_embedded,
+    supervise_served,
+)
 
 HOSTS = {"Authorization": f"Bearer {HOSTS_TOKEN}"}
 OPERATORS = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
@@ -29,7 +37,7 @@ OPERATORS = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
 @contextlib.asynccontextmanager
 async def runner(fake: FakeExecution) -> AsyncIterator[tuple[Supervisor, httpx.AsyncClient, str]]:
     """A served supervisor, and a bare httpx client (no token) pointed at it."""
-    async with supervise(MemoryStore(), fake) as supervisor, served(supervisor) as remote:
+    async with supervise_embedded(MemoryStore(), fake) as supervisor, served(supervisor) as remote:
         url = str(remote._client.base_url)
         async with httpx.AsyncClient(base_url=url) as client:
             yield supervisor, client, url
@@ -194,7 +202,7 @@ async def test_a_closing_runner_answers_503_with_retry_after(
 async def test_the_client_keeps_a_session_alive_and_disposes_it(
     fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
-    async with supervise(MemoryStore(), fake) as sup, served(sup) as remote:
+    async with supervise_embedded(MemoryStore(), fake) as sup, served(sup) as remote:
         started = trio.current_time()
         async with remote.session(KEY, lease=2.0) as session:
             await session.load(Load(specifier="plugin:main"))
@@ -210,7 +218,7 @@ async def test_the_client_keeps_a_session_alive_and_disposes_it(
 async def test_a_lost_session_cancels_the_block_and_says_why(
     fake: FakeExecution, autojump_clock: trio.testing.MockClock
 ) -> None:
-    async with supervise(MemoryStore(), fake) as sup, served(sup) as remote:
+    async with supervise_embedded(MemoryStore(), fake) as sup, served(sup) as remote:
         reached_the_end = False
 
         async def superseded_while_in_the_block() -> None:

@@ -1,4 +1,4 @@
-"""The runner's metrics, in Prometheus' text format (``GET /metrics``; SERVICE.md B).
+"""The runner's metrics, in Prometheus' text format (``GET /metrics``; docs/service.md section B).
 
 Theory of operation
 -------------------

@@ -3,7 +3,7 @@
 The schemas are generated from the value classes themselves (their attrs fields and
 type hints, and the checks their validators make), so the document cannot drift from
 what the converter reads and writes. The paths are written out: each is one call of
-SERVICE.md section A, with the statuses it may answer.
+docs/service.md section A, with the statuses it may answer.
 """
 
 from __future__ import annotations

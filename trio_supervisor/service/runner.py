@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-One ``trio.run`` holds everything (SERVICE.md section A): the SQLite store in the state
+One ``trio.run`` holds everything (docs/service.md section A): the SQLite store in the state
 directory, a subprocess execution over the configured entry paths and named commands,
 the supervisor, and Hypercorn's Trio server with the app of ``app.py``. In order:
 

@@ -8,7 +8,7 @@ Answers are written with the same converter, so a record on the wire has exactly
 shape it has in storage (without the storage's ``version``).
 
 Errors are ``application/problem+json`` (RFC 9457): one table, :data:`STATUS`, maps
-each error class to its HTTP status, as SERVICE.md section A says.
+each error class to its HTTP status, as docs/service.md section A says.
 """
 
 from __future__ import annotations
