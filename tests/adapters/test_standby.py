@@ -28,6 +28,7 @@ from trio_supervisor import (
     open_supervisor,
 )
 from trio_supervisor.executions._groups import read_stat
+from trio_supervisor.executions._standby import ForkedProcess
 
 from ..harness import opened, process_state, report_in, running, until_logged
 
@@ -57,16 +58,18 @@ def bootstraps() -> set[int]:
 async def standby_other_than(execution: SubprocessExecution, *taken: int) -> int:
     """The waiting interpreter: a bootstrap of ours that is none of ``taken``.
 
-    Looked for once the execution has one ready: until then, a bootstrap that makes its
-    child's namespace is still on its way out, and the T it made is not ours yet.
+    Once the execution offers one, it is the only such bootstrap: the process that made
+    it (and its namespace) is gone and reaped, and it is our child.
     """
     with trio.fail_after(BOUND):
         while True:
-            waiting = bootstraps() - set(taken)
             ready = execution._standby.ready  # white-box: only when to look
-            if waiting and ready is not None and ready.process.pid not in taken:
-                assert len(waiting) == 1, f"more than one standby: {waiting}"
-                return waiting.pop()
+            if ready is not None and ready.process.pid not in taken:
+                waiting = bootstraps() - set(taken)
+                assert waiting == {ready.process.pid}, (
+                    f"the standby offered is {ready.process.pid}; our bootstraps: {waiting}"
+                )
+                return ready.process.pid
             await trio.sleep(0.01)
 
 
@@ -198,3 +201,26 @@ async def test_a_standby_whose_supervisor_is_gone_exits_by_itself(
     with trio.fail_after(BOUND):
         code = await ready.process.wait()
     assert code == 2
+
+
+async def test_a_standby_is_offered_only_once_its_maker_is_reaped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In a PID namespace the standby T is made by a process that exits at once. Offered
+    # before that process was reaped, a load (or a reader of the process table) could
+    # find T not yet re-parented to us, and the maker in its place.
+    offered_first: list[bool] = []
+    reap_maker = ForkedProcess.reap_maker
+
+    async def watched(process: ForkedProcess) -> None:
+        ready = execution._standby.ready
+        offered_first.append(ready is not None and ready.process is process)
+        await reap_maker(process)
+
+    monkeypatch.setattr(ForkedProcess, "reap_maker", watched)
+    async with SubprocessExecution(tmp_path, entry_paths=[PLUGINS], standby=True) as execution:
+        await standby_other_than(execution)
+        if execution.mechanism.kind != "namespace":
+            pytest.skip("only a namespace's standby has a maker")  # not this machine's case
+        assert offered_first, "the standby's maker was never reaped"
+        assert not any(offered_first), "the standby was offered before its maker was reaped"
