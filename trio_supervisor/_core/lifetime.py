@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 import trio
 
+from .._fields import GRACE, LEASE, TIMEOUT
 from ..abc import Execution, Store
 from ..errors import TerminationUnconfirmedError
 from ..model import Limits
@@ -24,7 +25,7 @@ from ..retention import Retention
 from .background import open_background_nursery
 from .recovery import recover
 from .session import SAVE_BOUND
-from .supervisor import Supervisor, as_seconds
+from .supervisor import Supervisor
 
 __all__ = ["open_supervisor"]
 
@@ -83,9 +84,9 @@ async def open_supervisor(
     supervisor = Supervisor(
         store,
         execution,
-        lease=as_seconds("lease", lease),
-        grace=as_seconds("grace", grace, allow_zero=True),
-        confirmation_timeout=as_seconds("confirmation_timeout", confirmation_timeout),
+        lease=LEASE.seconds("lease", lease),
+        grace=GRACE.seconds("grace", grace),
+        confirmation_timeout=TIMEOUT.seconds("confirmation_timeout", confirmation_timeout),
         limits=limits,
         retention=retention,
     )

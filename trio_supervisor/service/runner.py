@@ -40,6 +40,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from .. import _fields as fields
 from .._core.lifetime import open_supervisor
 from .._core.supervisor import Supervisor
 from ..executions.subprocess import SubprocessExecution
@@ -57,11 +58,6 @@ GRACEFUL_SECONDS: Final = 5.0  # how long the server lets requests in flight fin
 
 class ConfigError(ValueError):
     """The runner's configuration cannot work; the message says why."""
-
-
-def _seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not value > 0 and not (attribute.name == "grace" and value == 0):
-        raise ConfigError(f"--{attribute.name.replace('_', '-')} must be > 0, got {value}")
 
 
 @attrs.frozen(kw_only=True)
@@ -87,9 +83,9 @@ class RunnerConfig:
     listen: str = DEFAULT_LISTEN
     plugins: tuple[Path, ...] = ()
     commands: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
-    lease: float = attrs.field(default=15.0, validator=_seconds)
-    grace: float = attrs.field(default=5.0, validator=_seconds)
-    confirmation_timeout: float = attrs.field(default=5.0, validator=_seconds)
+    lease: float = attrs.field(default=15.0, validator=fields.LEASE)
+    grace: float = attrs.field(default=5.0, validator=fields.GRACE)
+    confirmation_timeout: float = attrs.field(default=5.0, validator=fields.TIMEOUT)
     token_file: Path | None = None
     operator_token_file: Path | None = None
     certfile: Path | None = None
