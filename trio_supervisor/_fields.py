@@ -193,12 +193,15 @@ class Seconds(Check):
         """
         self._refuse_seconds(name, value)
         assert isinstance(value, int | float)
-        return float(value)
+        return float(value)  # finite and bounded: it converts
 
     def _refuse_seconds(self, name: str, value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int past any float: out of bounds, not a crash
+            seconds = math.inf
         low = seconds >= self.minimum if self.inclusive else seconds > self.minimum
         high = self.maximum is None or seconds <= self.maximum
         if not (math.isfinite(seconds) and low and high):

@@ -410,6 +410,7 @@ async def test_a_troubled_supersede_is_logged_with_the_session(
         ("lease", -2.5, ValueError, f"{LEASE_BOUNDS}, got -2.5"),
         ("lease", 0.05, ValueError, f"{LEASE_BOUNDS}, got 0.05"),  # under the minimum
         ("lease", 2e9, ValueError, f"{LEASE_BOUNDS}, got 2000000000.0"),
+        ("lease", 10**400, ValueError, f"{LEASE_BOUNDS}, got {10**400!r}"),  # past any float
         (
             "lease",
             float("inf"),
