@@ -45,6 +45,7 @@ from .metrics import Metrics
 from .openapi import document
 from .operators import operator_handlers
 from .wire import (
+    MAX_BODY,
     AdminDisposeBody,
     HandleBody,
     KeyBody,
@@ -60,7 +61,6 @@ __all__ = ["MAX_BODY", "Logs", "create_app"]
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY: Final = 1 << 20  # bytes: a larger body is a 413
 DRAIN: Final = 8 << 20  # bytes of an oversized body read (and dropped) before the 413
 RETRY_AFTER: Final = "5"  # seconds a client should wait before retrying a closing runner
 

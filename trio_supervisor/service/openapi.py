@@ -24,7 +24,7 @@ from ..codec import TAGGED_UNIONS
 from ..errors import SupervisorError
 from ..model import Phase
 from .calls import CALLS, Call
-from .wire import REFINEMENTS, status_for
+from .wire import MAX_BODY, REFINEMENTS, status_for
 
 __all__ = ["document"]
 
@@ -120,7 +120,7 @@ _REFUSALS: Final[Mapping[int, str]] = {
     400: "The body is not JSON (or is nested too deeply), or Content-Length is not a number.",
     401: "No valid bearer token.",
     403: "The hosts' token may not make operator calls.",
-    413: "The body is over 1 MiB.",
+    413: f"The body is over {MAX_BODY} bytes.",
 }
 _INVALID_BODY: Final = (
     "a field is missing, of the wrong type or invalid (a string holding a lone surrogate, "

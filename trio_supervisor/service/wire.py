@@ -38,6 +38,7 @@ from ..errors import (
 from ..model import Handle, Key, Limits, Load, SessionRecord
 
 __all__ = [
+    "MAX_BODY",
     "REFINEMENTS",
     "STATUS",
     "AdminDisposeBody",
@@ -53,6 +54,8 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+MAX_BODY: Final = 1 << 20  # bytes: a larger body is a 413
 
 
 # -- request bodies -----------------------------------------------------------------------
