@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 import trio
-from reporting import Journal, describe, table
+from reporting import Journal, describe, run_or_explain_lock, table
 
 from trio_supervisor import (
     Handle,
@@ -131,4 +131,4 @@ if __name__ == "__main__":
     parser.add_argument("--lease", type=float, default=1.0, help="the sessions' lease, in seconds")
     arguments = parser.parse_args()
     arguments.state.mkdir(parents=True, exist_ok=True)
-    trio.run(main, arguments.state, arguments.lease)
+    run_or_explain_lock(lambda: trio.run(main, arguments.state, arguments.lease), arguments.state)

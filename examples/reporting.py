@@ -1,12 +1,13 @@
-"""What the examples share: a store that remembers each phase it saved, and a table."""
+"""What the examples share: a store that remembers each phase it saved, a table, and
+what they say when their store is held by another process."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from trio_supervisor import SessionRecord, SqliteStore, StoppedRecord
+from trio_supervisor import SessionRecord, SqliteStore, StateStorageError, StoppedRecord
 
 
 class Journal(SqliteStore):
@@ -57,3 +58,29 @@ def describe(record: SessionRecord, phases: Mapping[str, list[str]]) -> list[str
         reason,
         termination,
     ]
+
+
+def run_or_explain_lock(run: Callable[[], object], state: Path) -> None:
+    """Call ``run``; if its SQLite store is locked by another process, exit with one
+    sentence saying so (and how to give the example a store of its own), not a traceback.
+
+    Another process holding the file is most likely ``trio-supervisor serve``, or this
+    example, running on the same state directory.
+    """
+    try:
+        run()
+    except (StateStorageError, BaseExceptionGroup) as error:
+        if not _all_locked(error):
+            raise
+        raise SystemExit(
+            f"the store in {state} is locked by another process (a runner serving on "
+            f"{state}?): stop it, or give this example a state directory of its own "
+            "with --state DIR"
+        ) from None
+
+
+def _all_locked(error: BaseException) -> bool:
+    if isinstance(error, BaseExceptionGroup):
+        return all(_all_locked(inner) for inner in error.exceptions)
+    # SQLite's own words, which the store's message quotes: "database is locked".
+    return isinstance(error, StateStorageError) and "locked" in error.detail

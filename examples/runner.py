@@ -7,6 +7,10 @@ phases, generation, child pid, termination and the last line of its log.
 
     python examples/runner.py [--state DIR] [--lease SECONDS] [--hold]
 
+Its state directory is ``./example-runner-state`` unless ``--state`` says otherwise:
+not ``./runner-state``, which ``trio-supervisor serve`` uses by default, so that the
+example and a runner serving from the same folder never contend for one store.
+
 With ``--hold`` it keeps its children running and renewed until it is killed. Kill it
 with ``kill -9`` and start it again on the same state directory: the first thing it
 prints is what recovery found and did. Its children never outlive it by more than a
@@ -23,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import trio
-from reporting import Journal, describe, table
+from reporting import Journal, describe, run_or_explain_lock, table
 
 from trio_supervisor import (
     Handle,
@@ -150,7 +154,10 @@ async def main(state: Path, lease: float, hold: bool) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
-        "--state", type=Path, default=Path("runner-state"), help="where the store and logs live"
+        "--state",
+        type=Path,
+        default=Path("example-runner-state"),
+        help="where the store and logs live",
     )
     parser.add_argument("--lease", type=float, default=2.0, help="the sessions' lease, in seconds")
     parser.add_argument(
@@ -158,4 +165,5 @@ if __name__ == "__main__":
     )
     arguments = parser.parse_args()
     arguments.state.mkdir(parents=True, exist_ok=True)
-    trio.run(main, arguments.state.absolute(), arguments.lease, arguments.hold)
+    state = arguments.state.absolute()
+    run_or_explain_lock(lambda: trio.run(main, state, arguments.lease, arguments.hold), state)

@@ -1,31 +1,84 @@
 """The checks every value's fields go through, and the freezing of JSON configs.
 
 Each check names the class and the field (``Limits.cpu_seconds must be ...``), so the
-error says exactly what was wrong; ``model.py`` puts them on its fields. Nothing here
-does I/O or knows about Trio.
+error says exactly what was wrong; ``model.py`` puts them on its fields. A check that
+bounds a value (a minimum, a length) is a :class:`Check`, which also states its bounds
+as JSON Schema keywords: the runner's OpenAPI document reads them from the check itself,
+so the document and the check cannot disagree. Nothing here does I/O or knows about Trio.
 """
 
 from __future__ import annotations
 
 import math
 import types
-from collections.abc import Mapping, Sequence
-from typing import Any, TypeAlias
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, TypeAlias
 
 import attrs
 
 JSON: TypeAlias = bool | int | float | str | Sequence["JSON"] | Mapping[str, "JSON"] | None
+
+MAX_KEY_LENGTH: Final = 128  # characters of a key's identity, and of its instance
+MIN_LEASE: Final = 0.1  # seconds: below this, renewing would be most of what a host does
+# Seconds (about 31 years). A child's lease watchdog waits in select(), which cannot
+# wait past ~9.2e9 seconds: with a longer lease its thread died and its load never
+# returned (found by fuzzing the service).
+MAX_LEASE: Final = 1e9
 
 
 def where(instance: object, attribute: attrs.Attribute[Any]) -> str:
     return f"{type(instance).__name__}.{attribute.name}"
 
 
-def text(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+class Check:
+    """A field validator that also states what it accepts, as JSON Schema keywords.
+
+    Called as an attrs validator, it names the field as ``Class.field``; called through
+    :meth:`check`, it names the value as the caller says (``--lease``, ``lease``).
+
+    Attributes:
+        schema: The JSON Schema keywords of what the check accepts (``minLength``,
+            ``minimum``, ...), for a value of the field's type.
+    """
+
+    __slots__ = ("_refuse", "schema")
+
+    def __init__(self, refuse: Callable[[str, object], None], **schema: Any) -> None:
+        self._refuse = refuse
+        self.schema: Mapping[str, Any] = types.MappingProxyType(schema)
+
+    def check(self, name: str, value: object) -> None:
+        """Refuse ``value`` with an error naming it ``name``, unless it passes.
+
+        Raises:
+            TypeError: The value is of the wrong type.
+            ValueError: The value is out of bounds.
+        """
+        self._refuse(name, value)
+
+    def __call__(self, instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        self._refuse(where(instance, attribute), value)
+
+
+def _text(name: str, value: object) -> None:
     if not isinstance(value, str):
-        raise TypeError(f"{where(instance, attribute)} must be a str, not {type(value).__name__}")
+        raise TypeError(f"{name} must be a str, not {type(value).__name__}")
     if not value:
-        raise ValueError(f"{where(instance, attribute)} must not be empty")
+        raise ValueError(f"{name} must not be empty")
+
+
+text: Final = Check(_text, minLength=1)
+
+
+def _key_text(name: str, value: object) -> None:
+    _text(name, value)
+    assert isinstance(value, str)
+    if len(value) > MAX_KEY_LENGTH:
+        raise ValueError(f"{name} must be at most {MAX_KEY_LENGTH} characters, got {len(value)}")
+
+
+# A key's identity or instance: not empty, and short enough to read in a table of sessions.
+key_text: Final = Check(_key_text, minLength=1, maxLength=MAX_KEY_LENGTH)
 
 
 def optional_text(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -36,9 +89,7 @@ def optional_text(instance: object, attribute: attrs.Attribute[Any], value: obje
 
 
 def integer(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    # bool is an int to Python, never to us.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{where(instance, attribute)} must be an int, not {type(value).__name__}")
+    _integer(where(instance, attribute), value)
 
 
 def optional_integer(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -46,50 +97,125 @@ def optional_integer(instance: object, attribute: attrs.Attribute[Any], value: o
         integer(instance, attribute, value)
 
 
-def at_least(minimum: int) -> Any:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        integer(instance, attribute, value)
+def _integer(name: str, value: object) -> None:
+    # bool is an int to Python, never to us.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+
+
+def at_least(minimum: int) -> Check:
+    """An int no smaller than ``minimum``."""
+
+    def refuse(name: str, value: object) -> None:
+        _integer(name, value)
         assert isinstance(value, int)
         if value < minimum:
-            raise ValueError(f"{where(instance, attribute)} must be >= {minimum}, got {value}")
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
-    return check
+    return Check(refuse, minimum=minimum)
 
 
-def limit(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+def optional(check: Check) -> Check:
+    """``check``, or None; the schema is the check's, for the value that is not None."""
+
+    def refuse(name: str, value: object) -> None:
+        if value is not None:
+            check.check(name, value)
+
+    return Check(refuse, **check.schema)
+
+
+def _limit(name: str, value: object) -> None:
     if value is None:
         return
-    integer(instance, attribute, value)
+    _integer(name, value)
     assert isinstance(value, int)
     if value < 0:
-        raise ValueError(
-            f"{where(instance, attribute)} must be None (no limit) or >= 0, got {value}"
-        )
+        raise ValueError(f"{name} must be None (no limit) or >= 0, got {value}")
 
 
-def cpu_limit(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    limit(instance, attribute, value)
+limit: Final = Check(_limit, minimum=0)
+
+
+def _cpu_limit(name: str, value: object) -> None:
+    _limit(name, value)
     if value == 0:
         raise ValueError(
-            f"{where(instance, attribute)} must be None (no limit) or >= 1, got 0: "
-            "a child with no CPU time cannot start"
+            f"{name} must be None (no limit) or >= 1, got 0: a child with no CPU time cannot start"
         )
+
+
+cpu_limit: Final = Check(_cpu_limit, minimum=1)
 
 
 def as_float(value: object) -> object:
     return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-def lease(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, float):
-        raise TypeError(
-            f"{where(instance, attribute)} must be a number of seconds, not {type(value).__name__}"
-        )
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"{where(instance, attribute)} must be a positive finite number of seconds, "
-            f"got {value!r}"
-        )
+def _number(value: float) -> str:
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+class Seconds(Check):
+    """A duration: a finite number of seconds within bounds; the one check of every
+    lease, grace and timeout, so that each is refused in the same words.
+
+    Args:
+        minimum: The smallest duration accepted.
+        inclusive: Whether ``minimum`` itself is accepted.
+        maximum: The largest duration accepted, if any.
+    """
+
+    __slots__ = ("inclusive", "maximum", "minimum")
+
+    def __init__(
+        self, *, minimum: float = 0.0, inclusive: bool = False, maximum: float | None = None
+    ) -> None:
+        self.minimum = minimum
+        self.inclusive = inclusive
+        self.maximum = maximum
+        low = "minimum" if inclusive else "exclusiveMinimum"
+        high = {} if maximum is None else {"maximum": maximum}
+        super().__init__(self._refuse_seconds, **{low: minimum}, **high)
+
+    @property
+    def bounds(self) -> str:
+        """The bounds in words: ``> 0``, ``>= 0.1 and <= 1000000000``."""
+        low = f"{'>=' if self.inclusive else '>'} {_number(self.minimum)}"
+        return low if self.maximum is None else f"{low} and <= {_number(self.maximum)}"
+
+    def seconds(self, name: str, value: object) -> float:
+        """``value`` as a float, once checked.
+
+        Raises:
+            TypeError: ``value`` is not a number (a bool is not one).
+            ValueError: It is not finite, or out of bounds; the message names ``name``.
+        """
+        self._refuse_seconds(name, value)
+        assert isinstance(value, int | float)
+        return float(value)  # finite and bounded: it converts
+
+    def _refuse_seconds(self, name: str, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int past any float: out of bounds, not a crash
+            seconds = math.inf
+        low = seconds >= self.minimum if self.inclusive else seconds > self.minimum
+        high = self.maximum is None or seconds <= self.maximum
+        if not (math.isfinite(seconds) and low and high):
+            raise ValueError(
+                f"{name} must be a finite number of seconds {self.bounds}, got {value!r}"
+            )
+
+
+# A lease a caller asks for (the supervisor's default, an open's, a runner's).
+LEASE: Final = Seconds(minimum=MIN_LEASE, inclusive=True, maximum=MAX_LEASE)
+# A lease as a record holds it: any a supervisor ever granted, also before the minimum.
+RECORDED_LEASE: Final = Seconds()
+GRACE: Final = Seconds(inclusive=True)  # 0: the interrupt gets no time, the kill follows
+TIMEOUT: Final = Seconds()
 
 
 def freeze_json(value: object, where: str = "config") -> Any:
@@ -135,11 +261,14 @@ def plain_integer(value: object) -> object:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-def count(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    integer(instance, attribute, value)
+def _count(name: str, value: object) -> None:
+    _integer(name, value)
     assert isinstance(value, int)
     if value < 0:
-        raise ValueError(f"{where(instance, attribute)} must be >= 0, got {value}")
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+count: Final = Check(_count, minimum=0)
 
 
 def flag(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -16,13 +16,16 @@ import logging
 import shlex
 import sys
 import tomllib
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
+import attrs
 import trio
 
 from ._extras import needs_extra
+from ._fields import Check
 from .codec import converter
 from .errors import SupervisorError
 from .model import Key, Phase, Termination
@@ -39,7 +42,7 @@ with needs_extra(
     from rich.table import Table
 
     from .client import RemoteSupervisor, connect
-    from .service.runner import DEFAULT_LISTEN, ConfigError, RunnerConfig, run_runner
+    from .service.runner import FLAG, ConfigError, RunnerConfig, StartupError, run_runner
 
 __all__ = ["main"]
 
@@ -79,37 +82,138 @@ def configure_logging(log_format: str) -> None:
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
 
 
-def _command(text: str) -> tuple[str, tuple[str, ...]]:
-    name, equals, argv = text.partition("=")
-    if not equals or not name or not argv.strip():
-        raise click.BadParameter(f"expected NAME=ARGV, got {text!r}", param_hint="--command")
-    return name, tuple(shlex.split(argv))
+class _Command(click.ParamType[tuple[str, tuple[str, ...]], Any]):
+    """``NAME=ARGV`` (ARGV split like a shell would); from a TOML table, ``(NAME, ARGV)``."""
+
+    name = "NAME=ARGV"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[str, tuple[str, ...]]:
+        if isinstance(value, tuple):
+            return value  # a [commands] entry of the config file, read by _read_config
+        name, equals, argv = str(value).partition("=")
+        if not equals or not name or not argv.strip():
+            self.fail(f"expected NAME=ARGV, got {value!r}", param, ctx)
+        return name, tuple(shlex.split(argv))
 
 
-def _from_file(path: Path) -> dict[str, Any]:
+_CONFIG_FILE: Final = "trio_supervisor.config_file"  # where the --config path is kept
+_HINTS: Final = typing.get_type_hints(RunnerConfig)  # each flag's type is its field's
+_DEFAULTS: Final = RunnerConfig()  # and so is its default
+
+
+def _table_commands(value: object, path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    if not isinstance(value, dict):
+        raise click.BadParameter(
+            f"{path}: commands must be a table of NAME = [ARGV...]", param_hint="--config"
+        )
+    commands = []
+    for name, argv in value.items():
+        if isinstance(argv, str):
+            argv = shlex.split(argv)
+        if not argv or not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise click.BadParameter(
+                f"{path}: commands.{name} must be an argv (a list of strings, or one string "
+                "split like a shell would)",
+                param_hint="--config",
+            )
+        commands.append((name, tuple(argv)))
+    return commands
+
+
+def _read_config(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:
+    """Make the TOML file's keys the defaults of ``serve``'s flags (flags given win).
+
+    An eager option's callback: it runs before the other options are read, and they take
+    their defaults from ``ctx.default_map``.
+    """
+    if path is None:
+        return None
     try:
         data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as error:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
         raise click.BadParameter(f"{path}: {error}", param_hint="--config") from error
-    return {name.replace("-", "_"): value for name, value in data.items()}
+    fields = attrs.fields_dict(RunnerConfig)
+    defaults: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in fields:
+            known = ", ".join(fields)
+            raise click.BadParameter(
+                f"unknown key {key!r} in {path} (the keys are {known})", param_hint="--config"
+            )
+        if name == "commands":
+            value = _table_commands(value, path)
+        elif _is_repeated(fields[name]) and not isinstance(value, list):
+            raise click.BadParameter(
+                f"{path}: {key} must be an array, not {value!r}", param_hint="--config"
+            )
+        defaults[name] = value
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    ctx.meta[_CONFIG_FILE] = path
+    return path
 
 
-_FLAGS = (
-    "state",
-    "listen",
-    "plugins",
-    "command",
-    "commands",
-    "lease",
-    "grace",
-    "confirmation_timeout",
-    "token_file",
-    "operator_token_file",
-    "certfile",
-    "keyfile",
-    "insecure_http",
-    "log_format",
-)
+def _is_repeated(field: attrs.Attribute[Any]) -> bool:
+    """Whether the field's flag is repeatable (its TOML key, an array or a table)."""
+    kind = _HINTS[field.name]
+    return typing.get_origin(kind) in (tuple, Mapping)
+
+
+def _checked(field: attrs.Attribute[Any], flag: str) -> Any:
+    """The option's callback: the field's own check, naming the flag (or the file's key)."""
+    check = field.validator if isinstance(field.validator, Check) else None
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if check is not None and value is not None:
+            name = flag
+            if ctx.get_parameter_source(field.name) is click.core.ParameterSource.DEFAULT_MAP:
+                name = f"{field.name} (in {ctx.meta[_CONFIG_FILE]})"
+            try:
+                check.check(name, value)
+            except (TypeError, ValueError) as error:
+                raise click.UsageError(str(error), ctx) from None
+        return value
+
+    return callback
+
+
+def _option(field: attrs.Attribute[Any]) -> Callable[[Any], Any]:
+    """``serve``'s flag for a field of :class:`RunnerConfig`, from its type and metadata."""
+    meta = field.metadata[FLAG]
+    kind = _HINTS[field.name]
+    flag = meta["flag"] or "--" + field.name.replace("_", "-")
+    options: dict[str, Any] = {"help": meta["help"], "metavar": meta["metavar"]}
+    default = getattr(_DEFAULTS, field.name)
+    if meta["path"] is not None:
+        options["type"] = click.Path(
+            path_type=Path,
+            exists=meta["exists"],
+            file_okay=meta["path"] == "file",
+            dir_okay=meta["path"] == "dir",
+        )
+    elif kind is bool:
+        flag = f"{flag}/--no-{flag.removeprefix('--')}"
+    elif kind is float:
+        options["type"] = float
+    elif typing.get_origin(kind) is Literal:
+        options["type"] = click.Choice(typing.get_args(kind))
+    elif field.name == "commands":
+        options["type"] = _Command()
+    if _is_repeated(field):
+        options["multiple"] = True
+        default = tuple(default.items() if isinstance(default, Mapping) else default)
+    options["default"] = default
+    options["show_default"] = default not in (None, ())
+    return click.option(flag, field.name, callback=_checked(field, flag), **options)
+
+
+def _runner_options(command: Any) -> Any:
+    """Every field of :class:`RunnerConfig` as a flag of ``command``, in their order."""
+    for field in reversed(attrs.fields(RunnerConfig)):
+        command = _option(field)(command)
+    return command
 
 
 @click.group()
@@ -123,120 +227,52 @@ def main() -> None:
     "--config",
     "config_file",
     type=click.Path(path_type=Path, dir_okay=False),
-    help="A TOML file whose keys are these flags; flags win.",
+    is_eager=True,
+    expose_value=False,
+    callback=_read_config,
+    help="A TOML file whose keys are these flags' names (plugins = [...], [commands]); "
+    "a flag given here wins over its key.",
 )
-@click.option(
-    "--state",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=Path("runner-state"),
-    show_default=True,
-    help="The state directory: store, children's logs, tokens (made 0700).",
-)
-@click.option(
-    "--listen",
-    default=DEFAULT_LISTEN,
-    show_default=True,
-    help="HOST:PORT to listen on; port 0 picks a free one.",
-)
-@click.option(
-    "--plugins",
-    multiple=True,
-    type=click.Path(path_type=Path, file_okay=False),
-    help="An entry path for module:function specifiers (repeatable).",
-)
-@click.option(
-    "--command",
-    multiple=True,
-    metavar="NAME=ARGV",
-    help="A named command a host may load by NAME (repeatable; no shell).",
-)
-@click.option("--lease", type=float, default=15.0, show_default=True, help="Seconds.")
-@click.option("--grace", type=float, default=5.0, show_default=True, help="Seconds.")
-@click.option("--confirmation-timeout", type=float, default=5.0, show_default=True, help="Seconds.")
-@click.option(
-    "--token-file",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="The hosts' token [default: STATE/token]; made if absent.",
-)
-@click.option(
-    "--operator-token-file",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="The operators' token [default: STATE/operator-token]; made if absent.",
-)
-@click.option("--certfile", type=click.Path(path_type=Path, dir_okay=False), help="TLS.")
-@click.option("--keyfile", type=click.Path(path_type=Path, dir_okay=False), help="TLS.")
-@click.option(
-    "--insecure-http", is_flag=True, help="Allow plain HTTP on an address that is not loopback."
-)
-@click.option(
-    "--log-format",
-    type=click.Choice(["text", "json"]),
-    default="text",
-    show_default=True,
-    help="How stderr logging looks.",
-)
-@click.pass_context
-def serve(context: click.Context, /, config_file: Path | None, **flags: Any) -> None:
+@_runner_options
+def serve(**values: Any) -> None:
     """Run a runner: hosts open, load, renew and dispose sessions over HTTP."""
-    if config_file is not None:
-        for name, value in _from_file(config_file).items():
-            if name not in _FLAGS:
-                raise click.BadParameter(
-                    f"unknown key {name!r} in {config_file}", param_hint="--config"
-                )
-            source = context.get_parameter_source(name)
-            if name == "commands" or source is click.core.ParameterSource.DEFAULT:
-                flags[name] = value
-    configure_logging(flags["log_format"])
-    commands = dict(_command(text) for text in flags["command"])
-    for name, argv in dict(flags.get("commands") or {}).items():
-        commands.setdefault(name, tuple(shlex.split(argv) if isinstance(argv, str) else argv))
+    values["commands"] = dict(values["commands"])
     try:
-        config = RunnerConfig(
-            state=Path(flags["state"]),
-            listen=str(flags["listen"]),
-            plugins=tuple(Path(path) for path in flags["plugins"]),
-            commands=commands,
-            lease=float(flags["lease"]),
-            grace=float(flags["grace"]),
-            confirmation_timeout=float(flags["confirmation_timeout"]),
-            token_file=_path(flags["token_file"]),
-            operator_token_file=_path(flags["operator_token_file"]),
-            certfile=_path(flags["certfile"]),
-            keyfile=_path(flags["keyfile"]),
-            insecure_http=bool(flags["insecure_http"]),
-        )
+        config = RunnerConfig(**values)
         config.check()
     except (ConfigError, ValueError, TypeError) as error:
         raise click.UsageError(str(error)) from error
+    configure_logging(config.log_format)
     try:
         status = trio.run(run_runner, config)
     except ConfigError as error:
         raise click.UsageError(str(error)) from error
-    except SupervisorError as error:
-        raise click.ClickException(error.detail) from error
-    except BaseExceptionGroup as group:
-        # The runner's nursery wraps what failed in it (a store another runner holds, a
-        # shutdown's problems): status 1 and each detail, as for a bare error.
-        failed, rest = group.split(SupervisorError)
-        if failed is None or rest is not None:
+    except (SupervisorError, StartupError, BaseExceptionGroup) as error:
+        # The runner's nursery wraps what failed in it (an address in use, a shutdown's
+        # problems): status 1 and each one's sentence, never a traceback.
+        problems = _problems(error)
+        if problems is None:
             raise
-        raise click.ClickException("; ".join(_details(failed))) from group
+        raise click.ClickException("; ".join(problems)) from error
     sys.exit(status)
 
 
-def _details(group: BaseExceptionGroup[SupervisorError]) -> list[str]:
-    details: list[str] = []
-    for error in group.exceptions:
-        if isinstance(error, BaseExceptionGroup):
-            details += _details(error)
-        else:
-            details.append(error.detail)
-    return details
-
-
-def _path(value: object) -> Path | None:
-    return None if value is None else Path(str(value))
+def _problems(error: BaseException) -> list[str] | None:
+    """The sentence of each error in ``error`` (a group, or one), or None if any is not
+    one of ours (a bug, whose traceback is worth seeing)."""
+    if isinstance(error, BaseExceptionGroup):
+        problems: list[str] = []
+        for inner in error.exceptions:
+            found = _problems(inner)
+            if found is None:
+                return None
+            problems += found
+        return problems
+    if isinstance(error, SupervisorError):
+        return [error.detail]
+    if isinstance(error, StartupError):
+        return [str(error)]
+    return None
 
 
 # -- the operator's commands: a runner's sessions, logs, dispose, health -------------------

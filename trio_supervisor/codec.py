@@ -37,7 +37,16 @@ from .model import (
     thaw,
 )
 
-__all__ = ["VERSION", "converter", "decode", "encode", "structure", "unstructure"]
+__all__ = [
+    "TAGGED_UNIONS",
+    "VERSION",
+    "converter",
+    "decode",
+    "describe_error",
+    "encode",
+    "structure",
+    "unstructure",
+]
 
 VERSION: Final = 1
 
@@ -139,12 +148,13 @@ def _kind_of(member: type) -> str:
     return member.__name__
 
 
-# Each tagged union: the field that names the member, and the member's name.
-_UNIONS: Final[tuple[tuple[Any, str, Callable[[Any], str]], ...]] = (
+TAGGED_UNIONS: Final[tuple[tuple[Any, str, Callable[[Any], str]], ...]] = (
     (StopReason, "kind", _kind_of),
     (ActiveRecord, "phase", _phase_of),
     (SessionRecord, "phase", _phase_of),
 )
+"""Each tagged union, the field that names its member, and how a member is named; the
+runner's OpenAPI document describes the unions from this table too."""
 
 
 def _configure(target: cattrs.Converter) -> cattrs.Converter:
@@ -163,7 +173,7 @@ def _configure(target: cattrs.Converter) -> cattrs.Converter:
             Load, target, _cattrs_forbid_extra_keys=True, config=override(struct_hook=_config_as_is)
         ),
     )
-    for union, tag_name, tag_of in _UNIONS:
+    for union, tag_name, tag_of in TAGGED_UNIONS:
         _tagged(target, union, tag_name, tag_of)
     return target
 
@@ -174,8 +184,12 @@ _configure(converter)
 # -- the record face -------------------------------------------------------------------
 
 
-def _describe(error: BaseException, kind: type | None) -> str:
-    # Our validators and hooks word their errors for a reader; cattrs words the rest.
+def describe_error(error: BaseException, kind: type | None) -> str:
+    """One problem of a structuring error, for ``cattrs.transform_error``.
+
+    Our validators and hooks word their errors for a reader; cattrs words the rest (a
+    missing field, an extra one).
+    """
     if isinstance(error, ValueError | TypeError) and str(error):
         return str(error)
     return cattrs.v.format_exception(error, kind)
@@ -207,7 +221,7 @@ def structure(data: object) -> SessionRecord:
     try:
         record: SessionRecord = converter.structure(fields, SessionRecord)  # type: ignore[arg-type]
     except Exception as error:
-        problems = cattrs.transform_error(error, "$", _describe)
+        problems = cattrs.transform_error(error, "$", describe_error)
         raise RecordFormatError("malformed session record: " + "; ".join(problems)) from error
     return record
 

@@ -1,9 +1,11 @@
 """The values of docs/design.md, "Public surface": keys, handles, loads, limits, records.
 
 Every class here is frozen, slotted and keyword-only, and checks its fields when it is
-built, so an invalid value never exists: an empty identity, a lease that is not a
-positive finite number of seconds or a negative limit is refused with an error naming
-the field. Nothing here does I/O or knows about Trio.
+built, so an invalid value never exists: an empty identity or one over
+:data:`MAX_KEY_LENGTH` characters, a lease that is not a positive finite number of
+seconds or a negative limit is refused with an error naming the field. (A lease a
+caller *asks* for is also bounded by :data:`MIN_LEASE` and :data:`MAX_LEASE`; a record
+holds whatever lease was granted.) Nothing here does I/O or knows about Trio.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ from typing import Any, ClassVar, Literal, TypeAlias
 import attrs
 
 from . import _fields as fields
-from ._fields import JSON, thaw
+from ._fields import JSON, MAX_KEY_LENGTH, MAX_LEASE, MIN_LEASE, thaw
 
 __all__ = [
     "JSON",
+    "MAX_KEY_LENGTH",
+    "MAX_LEASE",
+    "MIN_LEASE",
     "ActiveRecord",
     "ChildIdentity",
     "CodeIdentity",
@@ -56,10 +61,13 @@ __all__ = [
 
 @attrs.frozen(kw_only=True, cache_hash=True)  # a key is hashed at every index it meets
 class Key:
-    """What a session is for: an identity (say, a plugin) and an instance of it."""
+    """What a session is for: an identity (say, a plugin) and an instance of it.
 
-    identity: str = attrs.field(validator=fields.text)
-    instance: str = attrs.field(validator=fields.text)
+    Each is a non-empty string of at most :data:`MAX_KEY_LENGTH` (128) characters.
+    """
+
+    identity: str = attrs.field(validator=fields.key_text)
+    instance: str = attrs.field(validator=fields.key_text)
 
 
 @attrs.frozen(kw_only=True)
@@ -361,7 +369,7 @@ class Phase(enum.Enum):
 class _Record:
     handle: Handle = attrs.field(validator=attrs.validators.instance_of(Handle))
     request_id: str = attrs.field(validator=fields.text)
-    lease: float = attrs.field(converter=fields.as_float, validator=fields.lease)
+    lease: float = attrs.field(converter=fields.as_float, validator=fields.RECORDED_LEASE)
     limits: Limits = attrs.field(validator=attrs.validators.instance_of(Limits))
 
 

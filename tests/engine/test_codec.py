@@ -223,7 +223,7 @@ def test_a_termination_cause_is_stored_as_type_and_message(stopped: dict[str, ob
         (lambda d: d.update(extra=1), r"extra fields found \(extra\)"),
         (
             lambda d: d.update(lease=-1),
-            r"StoppedRecord.lease must be a positive finite number of seconds, got -1.0 @ \$",
+            r"StoppedRecord.lease must be a finite number of seconds > 0, got -1.0 @ \$",
         ),
         (lambda d: d["termination"].update(kind="vanished"), r"@ \$.termination.kind"),
         (

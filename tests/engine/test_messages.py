@@ -39,6 +39,9 @@ from trio_supervisor.testing.fakes import FakeUnit
 
 from ..harness import KEY, opened, supervise_embedded
 
+# Every lease a caller asks for is refused in these words (the minimum is documented).
+LEASE_BOUNDS = "lease must be a finite number of seconds >= 0.1 and <= 1000000000"
+
 
 def causes(error: BaseException) -> list[BaseException]:
     """The chain of ``__cause__`` below an error."""
@@ -342,7 +345,8 @@ async def test_tasks_are_named_after_their_session(sup: Supervisor) -> None:
             ValueError,
             "expected_generation must be None or an int >= 0, got '1'",
         ),
-        ({"lease": -1.0}, ValueError, "lease must be a finite number of seconds > 0, got -1.0"),
+        ({"lease": -1.0}, ValueError, f"{LEASE_BOUNDS}, got -1.0"),
+        ({"lease": 0.099}, ValueError, f"{LEASE_BOUNDS}, got 0.099"),
         ({"limits": {}}, TypeError, "limits must be Limits, not dict"),
     ],
 )
@@ -402,13 +406,16 @@ async def test_a_troubled_supersede_is_logged_with_the_session(
 @pytest.mark.parametrize(
     ("option", "value", "error", "message"),
     [
-        ("lease", 0, ValueError, "lease must be a finite number of seconds > 0, got 0"),
-        ("lease", -2.5, ValueError, "lease must be a finite number of seconds > 0, got -2.5"),
+        ("lease", 0, ValueError, f"{LEASE_BOUNDS}, got 0"),
+        ("lease", -2.5, ValueError, f"{LEASE_BOUNDS}, got -2.5"),
+        ("lease", 0.05, ValueError, f"{LEASE_BOUNDS}, got 0.05"),  # under the minimum
+        ("lease", 2e9, ValueError, f"{LEASE_BOUNDS}, got 2000000000.0"),
+        ("lease", 10**400, ValueError, f"{LEASE_BOUNDS}, got {10**400!r}"),  # past any float
         (
             "lease",
             float("inf"),
             ValueError,
-            "lease must be a finite number of seconds > 0, got inf",
+            f"{LEASE_BOUNDS}, got inf",
         ),
         ("lease", True, TypeError, "lease must be a number of seconds, not bool"),
         ("lease", "5", TypeError, "lease must be a number of seconds, not str"),
@@ -470,12 +477,13 @@ async def test_a_zero_grace_is_accepted_and_goes_straight_to_the_kill(
     assert fake.units[0].signals == ["interrupt", "kill"]
 
 
-@pytest.mark.parametrize(("lease", "shown"), [(0, "0"), (-1, "-1"), (float("nan"), "nan")])
-async def test_open_refuses_a_lease_that_is_not_a_positive_duration(
+@pytest.mark.parametrize(
+    ("lease", "shown"), [(0, "0"), (-1, "-1"), (float("nan"), "nan"), (0.01, "0.01")]
+)
+async def test_open_refuses_a_lease_under_the_minimum(
     sup: Supervisor, lease: float, shown: str
 ) -> None:
-    with pytest.raises(
-        ValueError, match=rf"^lease must be a finite number of seconds > 0, got {shown}$"
-    ):
+    with pytest.raises(ValueError, match=r"^lease must be") as caught:
         await sup.open(KEY, "r1", expected_generation=None, lease=lease)
+    assert str(caught.value) == f"{LEASE_BOUNDS}, got {shown}"
     assert await sup.high_water(KEY) is None

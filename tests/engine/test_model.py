@@ -48,6 +48,16 @@ def open_record(**changes: Any) -> OpenRecord:
         (lambda: Key(identity="", instance="a"), ValueError, "Key.identity must not be empty"),
         (lambda: Key(identity="a", instance=""), ValueError, "Key.instance must not be empty"),
         (lambda: Key(identity=3, instance="a"), TypeError, "Key.identity must be a str"),  # type: ignore[arg-type]
+        (
+            lambda: Key(identity="i" * 129, instance="a"),
+            ValueError,
+            "Key.identity must be at most 128 characters, got 129",
+        ),
+        (
+            lambda: Key(identity="a", instance="i" * 500),
+            ValueError,
+            "Key.instance must be at most 128 characters, got 500",
+        ),
         (lambda: Handle(key=KEY, token="", generation=1), ValueError, "Handle.token"),
         (
             lambda: Handle(key=KEY, token="t", generation=0),
@@ -61,10 +71,26 @@ def open_record(**changes: Any) -> OpenRecord:
         (lambda: Load(specifier="x", config={"a": {1, 2}}), TypeError, "Load.config['a']"),
         (lambda: Load(specifier="x", config={"a": math.inf}), ValueError, "JSON cannot represent"),
         (lambda: Load(specifier="x", config={1: "a"}), TypeError, "keys are strings"),
-        (lambda: open_record(lease=0), ValueError, "positive finite"),
-        (lambda: open_record(lease=-1.0), ValueError, "positive finite"),
-        (lambda: open_record(lease=math.nan), ValueError, "positive finite"),
-        (lambda: open_record(lease=math.inf), ValueError, "positive finite"),
+        (
+            lambda: open_record(lease=0),
+            ValueError,
+            "OpenRecord.lease must be a finite number of seconds > 0",
+        ),
+        (
+            lambda: open_record(lease=-1.0),
+            ValueError,
+            "OpenRecord.lease must be a finite number of seconds > 0",
+        ),
+        (
+            lambda: open_record(lease=math.nan),
+            ValueError,
+            "OpenRecord.lease must be a finite number of seconds > 0",
+        ),
+        (
+            lambda: open_record(lease=math.inf),
+            ValueError,
+            "OpenRecord.lease must be a finite number of seconds > 0",
+        ),
         (lambda: open_record(lease="5"), TypeError, "number of seconds"),
         (lambda: open_record(request_id=""), ValueError, "OpenRecord.request_id"),
         (lambda: Termination(kind="gone", exit=ExitStatus()), ValueError, "kind"),  # type: ignore[arg-type]
@@ -75,6 +101,14 @@ def test_values_refuse_bad_input_naming_the_field(
 ) -> None:
     with pytest.raises(kind, match=words.replace("[", r"\[").replace("]", r"\]")):
         build()
+
+
+def test_the_bounds_themselves_are_accepted() -> None:
+    key = Key(identity="i" * 128, instance="j" * 128)  # MAX_KEY_LENGTH, each
+    assert (len(key.identity), len(key.instance)) == (128, 128)
+    # A record holds whatever lease was granted: the minimum bounds what a caller asks for,
+    # so a record stored before it existed still reads.
+    assert open_record(lease=0.01).lease == 0.01
 
 
 def test_values_are_frozen_and_slotted() -> None:

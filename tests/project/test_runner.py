@@ -114,7 +114,7 @@ def test_the_runner_shows_every_plugin_s_lifecycle(tmp_path: Path) -> None:
     # As the README's main job runs it: the default state directory, relative to here.
     done = run(str(RUNNER), "--lease", str(LEASE), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "runner-state" / "runner.db").exists()
+    assert (tmp_path / "example-runner-state" / "runner.db").exists()
     table = rows(done.stdout)
     assert "Disposed  exited (code 0)" in table["runner/heartbeat"]
     assert "Expired   exited (code 0)" in table["runner/expiring"]

@@ -48,8 +48,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from trio_supervisor.model import MAX_LEASE, MIN_LEASE
 from trio_supervisor.service.openapi import document
-from trio_supervisor.service.wire import MAX_LEASE
 
 from .fuzzing import EXAMPLES_VARIABLE, LiveRunner, examples_per_operation, live_runner
 
@@ -333,7 +333,14 @@ def test_the_longest_lease_still_loads_and_a_longer_one_is_refused(fuzz: Fuzz) -
     assert fuzz.pool.call("/v1/renew", {"handle": record["handle"]}) == {"lease": MAX_LEASE}
     fuzz.pool.call("/v1/dispose", {"handle": record["handle"]})
     longer = {"key": key, "request_id": "r2", "expected_generation": 1, "lease": 1e10}
-    _refused(_post(fuzz, "/v1/open", json.dumps(longer).encode()), 422, "at most 1e+09")
+    _refused(
+        _post(fuzz, "/v1/open", json.dumps(longer).encode()),
+        422,
+        "OpenBody.lease must be a finite number of seconds >= 0.1 and <= 1000000000, "
+        "got 10000000000.0 @ $",
+    )
+    shorter = {"key": key, "request_id": "r3", "expected_generation": 1, "lease": MIN_LEASE / 2}
+    _refused(_post(fuzz, "/v1/open", json.dumps(shorter).encode()), 422, "got 0.05 @ $")
 
 
 @pytest.mark.parametrize(

@@ -258,6 +258,10 @@ def test_a_usage_error_exits_2(operator: Operator) -> None:
     result = operator.run("logs", "acme", "eu-1", "first")
     assert result.status == 2
     assert "'first' is not a valid integer" in result.err
+    # A key over the documented length, refused before the runner is asked.
+    result = operator.run("dispose", "i" * 129, "eu-1", "1")
+    assert result.status == 2
+    assert "Error: Key.identity must be at most 128 characters, got 129" in result.err
     # No token where the command looks: a usage error, saying where it looked.
     result = operator.run("sessions", "--state", "elsewhere")
     assert result.status == 2

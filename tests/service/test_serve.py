@@ -348,10 +348,38 @@ async def test_a_second_runner_on_a_state_directory_in_use_exits_1_saying_why(
         assert second.returncode == 1, second.stderr
         assert second.stdout == b""  # it never listened
         stderr = second.stderr.decode()
-        assert f"{state / 'runner.db'}" in stderr, stderr
-        assert "locked" in stderr, stderr
         assert "Traceback" not in stderr, stderr  # the detail, as the CLI promises
+        errors = [line for line in stderr.splitlines() if line.startswith("Error")]
+        assert errors == [
+            f"Error: the store {state / 'runner.db'} is locked by another process (a runner "
+            f"serving on {state}?): stop it, or give this runner a state directory of its "
+            "own with --state DIR"
+        ], stderr
         async with runner.host() as host:  # the first one serves on, undisturbed
+            assert await host.high_water(Key(identity="any", instance="a")) is None
+        assert await runner.terminate() == 0
+
+
+async def test_an_example_on_a_serving_runners_state_directory_says_to_give_it_its_own(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    async with serving(state) as runner:
+        with trio.fail_after(STARTUP + 10):  # SQLite waits 10 s for the store's lock
+            example = await trio.run_process(
+                [sys.executable, str(ROOT / "examples" / "runner.py"), "--state", str(state)],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+                cwd=tmp_path,
+            )
+        assert example.returncode == 1, example.stderr
+        assert example.stderr.decode() == (
+            f"the store in {state} is locked by another process (a runner serving on "
+            f"{state}?): stop it, or give this example a state directory of its own with "
+            "--state DIR\n"
+        )
+        async with runner.host() as host:  # the runner serves on, undisturbed
             assert await host.high_water(Key(identity="any", instance="a")) is None
         assert await runner.terminate() == 0
 
@@ -593,7 +621,11 @@ async def test_a_config_file_is_honoured_and_a_flag_wins_over_it(tmp_path: Path)
             return record.lease
 
     config = tmp_path / "runner.toml"
-    config.write_text(f'listen = "127.0.0.1:0"\nplugins = ["{PLUGINS}"]\nlease = 3\n')
+    # standby and fork_server off: every load starts an interpreter of its own.
+    config.write_text(
+        f'listen = "127.0.0.1:0"\nplugins = ["{PLUGINS}"]\nlease = 3\n'
+        "standby = false\nfork_server = false\n"
+    )
     async with serving(tmp_path / "state", "--config", config, listen=None) as runner:
         assert runner.url.startswith("http://127.0.0.1:")
         assert await lease_and_load(runner) == 3.0

@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_supervisor import Handle, Key, Load, MemoryStore, Supervisor
+from trio_supervisor import Handle, Key, Load, MemoryStore, StaleSessionError, Supervisor
 from trio_supervisor.client import RunnerAccessError, SessionLostError, connect
 from trio_supervisor.testing import FakeExecution
 
@@ -137,7 +137,14 @@ async def test_bad_bodies_are_400_413_or_422_naming_the_field(fake: FakeExecutio
             "$.key": open_body(instance=""),
             "extra fields found (colour)": open_body(colour="red"),
             "$.expected_generation": open_body(expected_generation="1"),
-            "lease must be a finite number of seconds > 0": open_body(lease=-1),
+            "OpenBody.lease must be a finite number of seconds >= 0.1 and <= 1000000000, "
+            "got -1.0 @ $": open_body(lease=-1),
+            "OpenBody.lease must be a finite number of seconds >= 0.1 and <= 1000000000, "
+            "got 0.05 @ $": open_body(lease=0.05),
+            "Key.identity must be at most 128 characters, got 129 @ $.key": {
+                "key": {"identity": "i" * 129, "instance": "a"},
+                "request_id": "r1",
+            },
             "required field missing @ $.request_id": {"key": {"identity": "a", "instance": "b"}},
             "Limits.memory_bytes must be None (no limit) or >= 0": open_body(
                 limits={"memory_bytes": -1}
@@ -159,7 +166,7 @@ async def test_errors_map_to_their_statuses(fake: FakeExecution) -> None:
         stale = await client.post(
             "/v1/open", json=open_body(request_id="r2", expected_generation=5), headers=HOSTS
         )
-        assert "expected generation 5" in problem(stale, 404, "StaleSession")["detail"]
+        assert "expected generation 5" in problem(stale, 409, "StaleSession")["detail"]
         missing = {"handle": handle, "load": {"specifier": "missing:main"}}
         problem(await client.post("/v1/load", json=missing, headers=HOSTS), 422, "PackageError")
         # The failed load stopped the session: renew is now a 409.
@@ -168,6 +175,48 @@ async def test_errors_map_to_their_statuses(fake: FakeExecution) -> None:
             409,
             "SessionStopped",
         )
+
+
+async def test_a_stale_expected_generation_is_409_a_stale_handle_404_both_stale_in_the_client(
+    fake: FakeExecution,
+) -> None:
+    async with runner(fake) as (sup, client, url):
+        first = await client.post("/v1/open", json=open_body(), headers=HOSTS)
+        handle = first.json()["record"]["handle"]
+        # Another open got in first: a conflict with the key's state, not a missing session.
+        late = open_body(request_id="r2", expected_generation=None)
+        body = problem(await client.post("/v1/open", json=late, headers=HOSTS), 409, "StaleSession")
+        assert body["detail"] == (
+            "wire/a: expected a key never opened, but its high-water generation is 1; "
+            "pass expected_generation=1 to open the next one"
+        )
+        unknown = {**handle, "generation": 7}
+        problem(
+            await client.post("/v1/status", json={"handle": unknown}, headers=HOSTS),
+            404,
+            "StaleSession",
+        )
+        assert [record.handle.generation for record in sup.records()] == [1]  # nothing opened
+        async with connect(url, token=HOSTS_TOKEN) as remote:
+            key = Key(identity="wire", instance="a")
+            with pytest.raises(StaleSessionError, match="high-water generation is 1"):
+                await remote.open(key, "r3", expected_generation=None)
+            with pytest.raises(StaleSessionError):
+                await remote.status(Handle(key=key, token=handle["token"], generation=7))
+
+
+async def test_every_documented_call_is_served_and_answers_a_documented_status(
+    fake: FakeExecution,
+) -> None:
+    async with runner(fake) as (_, client, _):
+        document = (await client.get("/openapi.json")).json()
+        for path, operations in document["paths"].items():
+            for method, operation in operations.items():
+                # No token: a secured call refuses (401), an open one answers.
+                answer = await client.request(method.upper(), path)
+                assert str(answer.status_code) in operation["responses"], (path, answer.text)
+                assert bool(operation["security"]) == (answer.status_code == 401), path
+        problem(await client.get("/v1/nothing-here"), 404, "NotFound")
 
 
 async def test_a_closing_runner_answers_503_with_retry_after(
@@ -264,6 +313,21 @@ async def test_the_openapi_document_describes_every_call(fake: FakeExecution) ->
     ):
         assert path in paths, path
     schemas = document["components"]["schemas"]
+    # The bounds are the checks' own: what the runner refuses is what the document says.
+    assert schemas["Key"]["properties"]["identity"] == {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": 128,
+        "pattern": "^[^\\x00]*$",
+    }
+    lease = schemas["OpenBody"]["properties"]["lease"]
+    assert lease == {
+        "anyOf": [{"type": "number", "minimum": 0.1, "maximum": 1e9}, {"type": "null"}]
+    }
+    # A stale expected_generation is a conflict; a handle that names no session, a 404.
+    assert "409" in paths["/v1/open"]["post"]["responses"]
+    assert "404" not in paths["/v1/open"]["post"]["responses"]
+    assert "404" in paths["/v1/status"]["post"]["responses"]
     assert set(schemas["OpenBody"]["required"]) == {"key", "request_id"}
     assert schemas["Handle"]["properties"]["generation"]["minimum"] == 1
     assert schemas["ExitStatus"]["properties"]["cancelled"] == {"type": "boolean"}

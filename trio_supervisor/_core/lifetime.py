@@ -16,10 +16,11 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from .._background import open_background_nursery
+from .._fields import GRACE, LEASE, TIMEOUT
 from ..abc import Execution, Store
 from ..model import Limits
 from ..retention import Retention
-from .supervisor import Lifetime, Supervisor, as_seconds
+from .supervisor import Lifetime, Supervisor
 
 __all__ = ["open_supervisor"]
 
@@ -78,9 +79,9 @@ async def open_supervisor(
     supervisor = Supervisor(
         store,
         execution,
-        lease=as_seconds("lease", lease),
-        grace=as_seconds("grace", grace, allow_zero=True),
-        confirmation_timeout=as_seconds("confirmation_timeout", confirmation_timeout),
+        lease=LEASE.seconds("lease", lease),
+        grace=GRACE.seconds("grace", grace),
+        confirmation_timeout=TIMEOUT.seconds("confirmation_timeout", confirmation_timeout),
         limits=limits,
         retention=retention,
     )

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
+from .._fields import LEASE
 from ..abc import Execution, Store
 from ..errors import (
     RunnerClosingError,
@@ -67,21 +67,11 @@ from .records import Records
 from .recovery import recover
 from .session import SAVE_BOUND, Services, Session
 
-__all__ = ["Supervisor", "as_seconds"]
+__all__ = ["Supervisor"]
 
 logger = logging.getLogger(
     "trio_supervisor.supervisor"
 )  # the public name, not the private module's
-
-
-def as_seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
-    return seconds
 
 
 class Supervisor:
@@ -273,7 +263,7 @@ class Supervisor:
             raise ValueError(
                 f"expected_generation must be None or an int >= 0, got {expected_generation!r}"
             )
-        seconds = self._lease if lease is None else as_seconds("lease", lease)
+        seconds = self._lease if lease is None else LEASE.seconds("lease", lease)
         if limits is not None and not isinstance(limits, Limits):
             raise TypeError(f"limits must be Limits, not {type(limits).__name__}")
         # No request: the supervisor's own limits, shared (records are immutable).

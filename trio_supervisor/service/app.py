@@ -2,12 +2,15 @@
 
 Theory of operation
 -------------------
-The app is a list of routes (Starlette, on AnyIO's Trio backend, in the supervisor's
-own Trio run). Each session route reads its body into a request class
-(``wire.py``), calls the one supervisor method it mirrors, and writes the answer with
-the same converter; errors are mapped to problem+json in one place,
-:func:`_problem_of`. The wire is a translation of the Python API, never a second
-implementation of a rule: every rule of docs/design.md keeps its meaning here.
+The app is a route per call of the table of calls (``calls.py``; Starlette, on AnyIO's
+Trio backend, in the supervisor's own Trio run): a handler here is served under its
+call's path and method, guarded by its call's role, and its errors get its call's
+statuses; the OpenAPI document is made from the same table. Each session route reads
+its body into a request class (``wire.py``), calls the one supervisor method it
+mirrors, and writes the answer with the same converter; errors are mapped to
+problem+json in one place, :func:`_problem_of`. The wire is a translation of the
+Python API, never a second implementation of a rule: every rule of docs/design.md
+keeps its meaning here.
 
 Who may call what: every ``/v1`` request carries ``Authorization: Bearer <token>``.
 The hosts' token allows the session calls (open ... high-water), where the session's
@@ -37,10 +40,12 @@ from .._core.supervisor import Supervisor
 from ..codec import converter
 from ..errors import RunnerClosingError, StaleSessionError, SupervisorError
 from ..model import Handle, Key, Phase, SessionRecord
+from .calls import CALLS, Call, by_name
 from .metrics import Metrics
 from .openapi import document
-from .operators import operator_routes
+from .operators import operator_handlers
 from .wire import (
+    MAX_BODY,
     AdminDisposeBody,
     HandleBody,
     KeyBody,
@@ -50,20 +55,17 @@ from .wire import (
     problem_body,
     public_record,
     read_body,
-    status_of,
 )
 
 __all__ = ["MAX_BODY", "Logs", "create_app"]
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY: Final = 1 << 20  # bytes: a larger body is a 413
 DRAIN: Final = 8 << 20  # bytes of an oversized body read (and dropped) before the 413
 RETRY_AFTER: Final = "5"  # seconds a client should wait before retrying a closing runner
-PAGE: Final = 100  # sessions per page by default
-MAX_PAGE: Final = 1000
 
 _HOSTS, _OPERATORS = "hosts", "operators"
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 @runtime_checkable
@@ -88,11 +90,14 @@ def create_app(
         hosts_token: The bearer token of the hosts (session calls only).
         operator_token: The bearer token of the operators (every call).
         logs: Where ``GET /v1/logs`` reads a child's output; None: no logs are kept.
-        metrics: Where calls are counted, and what ``GET /metrics`` renders; None: no
-            metrics (the runner passes its own; see ``metrics.py``).
+        metrics: Where calls are counted, and what ``GET /metrics`` renders; None: a
+            registry of the app's own, which counts the calls only (the runner passes
+            one that it also feeds from the supervisor; see ``metrics.py``).
     """
     if not hosts_token or not operator_token or hosts_token == operator_token:
         raise ValueError("the hosts' and the operators' tokens must be set and differ")
+    # Every call of the table is served: /metrics too, with the calls' counts at least.
+    metrics = metrics if metrics is not None else Metrics()
     hosts_secret = hosts_token.encode()
     operators_secret = operator_token.encode()
 
@@ -106,35 +111,30 @@ def create_app(
         is_host = hmac.compare_digest(secret, hosts_secret)
         return _OPERATORS if is_operator else _HOSTS if is_host else None
 
-    def guarded(
-        handler: Callable[[Request], Awaitable[Response]],
-        *,
-        operators_only: bool = False,
-        call: str | None = None,
-    ) -> Callable[[Request], Awaitable[Response]]:
+    def guarded(call: Call, handler: Endpoint) -> Endpoint:
+        """``handler`` as ``call`` is served: its role checked, its errors answered with
+        its statuses, its answers counted when it is metered."""
+        counted = metrics if call.metered else None
+
         async def endpoint(request: Request) -> Response:
-            role = role_of(request)
             try:
-                if role is None:
-                    raise Problem(401, "Unauthorized", "a valid bearer token is required")
-                if operators_only and role != _OPERATORS:
-                    raise Problem(403, "Forbidden", "this call is for the runner's operators")
+                if call.role is not None:
+                    role = role_of(request)
+                    if role is None:
+                        raise Problem(401, "Unauthorized", "a valid bearer token is required")
+                    if call.role == _OPERATORS and role != _OPERATORS:
+                        raise Problem(403, "Forbidden", "this call is for the runner's operators")
                 answer = await handler(request)
             except Exception as error:
-                answer = _problem_of(error, request, supervisor)
-                if call is not None and metrics is not None:
-                    metrics.called(call, _outcome(answer))
+                answer = _problem_of(error, request, supervisor, call)
+                if counted is not None:
+                    counted.called(call.name, _outcome(answer))
                 return answer
-            if call is not None and metrics is not None:
-                metrics.called(call, "ok")
+            if counted is not None:
+                counted.called(call.name, "ok")
             return answer
 
         return endpoint
-
-    def operators(
-        handler: Callable[[Request], Awaitable[Response]],
-    ) -> Callable[[Request], Awaitable[Response]]:
-        return guarded(handler, operators_only=True)
 
     # -- the session calls: one each per supervisor method -------------------------------
 
@@ -179,12 +179,14 @@ def create_app(
         age, lease_left = times if times is not None else (None, None)
         return {**public_record(record), "age": age, "lease_left": lease_left}
 
+    sessions_call, logs_call = by_name("sessions"), by_name("logs")
+
     async def sessions(request: Request) -> Response:
         query = request.query_params
-        phase = _phase(query.get("phase"))
-        identity = query.get("identity") or None
-        limit = _integer(query.get("limit"), "limit", PAGE, 1, MAX_PAGE)
-        after = _cursor(query.get("after"))
+        phase = _phase(sessions_call.param("phase").read(query))
+        identity = sessions_call.param("identity").read(query)
+        limit = sessions_call.param("limit").read(query)
+        after = _cursor(sessions_call.param("after").read(query))
         chosen = sorted(
             (
                 record
@@ -207,12 +209,14 @@ def create_app(
 
     async def session_logs(request: Request) -> Response:
         query = request.query_params
-        key = _key(query.get("identity"), query.get("instance"))
-        generation = _integer(query.get("generation"), "generation", None, 1, None)
-        tail = _integer(query.get("tail"), "tail", 0, 0, None) or None
+        key = _key(logs_call.param("identity").read(query), logs_call.param("instance").read(query))
+        generation = logs_call.param("generation").read(query)
+        tail = logs_call.param("tail").read(query) or None
         record = supervisor.find(key, generation)
         if record is None:
-            raise StaleSessionError(f"{key.identity}/{key.instance} has no retained {generation}")
+            raise StaleSessionError(
+                f"{key.identity}/{key.instance} has no retained generation {generation}"
+            )
         if logs is None:
             return PlainTextResponse("")
         return PlainTextResponse(logs.logs(record.handle, tail=tail))
@@ -245,6 +249,7 @@ def create_app(
         return JSONResponse({"status": "ok"})
 
     async def readyz(request: Request) -> Response:
+        # Answered here, not raised: a poisoning error of any class is a 503 to readyz.
         if supervisor.poisoned is not None:
             return _problem(503, supervisor.poisoned.code, f"poisoned: {supervisor.poisoned}")
         if supervisor.closing:
@@ -264,22 +269,29 @@ def create_app(
             error.detail,
         )
 
+    extra, end_streams = operator_handlers(supervisor, metrics)
+    handlers: dict[str, Endpoint] = {
+        "open": open_,
+        "renew": renew,
+        "load": load,
+        "dispose": dispose,
+        "status": status,
+        "high_water": high_water,
+        "sessions": sessions,
+        "logs": session_logs,
+        "admin_dispose": admin_dispose,
+        "healthz": healthz,
+        "readyz": readyz,
+        "openapi": openapi_json,
+        **extra,
+    }
+    # One handler per call of the table, and no other: each is served as its call says.
+    assert set(handlers) == {call.name for call in CALLS}, set(handlers) ^ {c.name for c in CALLS}
     routes = [
-        Route("/v1/open", guarded(open_, call="open"), methods=["POST"]),
-        Route("/v1/renew", guarded(renew, call="renew"), methods=["POST"]),
-        Route("/v1/load", guarded(load, call="load"), methods=["POST"]),
-        Route("/v1/dispose", guarded(dispose, call="dispose"), methods=["POST"]),
-        Route("/v1/status", guarded(status, call="status"), methods=["POST"]),
-        Route("/v1/high-water", guarded(high_water, call="high_water"), methods=["POST"]),
-        Route("/v1/sessions", guarded(sessions, operators_only=True), methods=["GET"]),
-        Route("/v1/logs", guarded(session_logs, operators_only=True), methods=["GET"]),
-        Route("/v1/admin/dispose", guarded(admin_dispose, operators_only=True), methods=["POST"]),
-        Route("/healthz", healthz, methods=["GET"]),
-        Route("/readyz", readyz, methods=["GET"]),
-        Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route(call.path, guarded(call, handlers[call.name]), methods=[call.method])
+        for call in CALLS
     ]
-    extra, end_streams = operator_routes(supervisor, metrics, operators)
-    app = Starlette(routes=routes + extra, exception_handlers={HTTPException: not_found})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: not_found})
     # A server that stops ends the event streams first: they would never end by themselves.
     app.state.end_event_streams = end_streams
     return app
@@ -334,15 +346,15 @@ def _problem(status: int, code: str, detail: str, **headers: str) -> Response:
     )
 
 
-def _problem_of(error: Exception, request: Request, supervisor: Supervisor) -> Response:
-    """The one place an error becomes an HTTP answer."""
+def _problem_of(error: Exception, request: Request, supervisor: Supervisor, call: Call) -> Response:
+    """The one place an error becomes an HTTP answer (with ``call``'s statuses)."""
     if isinstance(error, Problem):
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
         if error.status in (401, 403):
             logger.warning("refused %s %s: %s", request.method, request.url.path, error.detail)
         return _problem(error.status, error.code, error.detail, **headers)
     if isinstance(error, SupervisorError):
-        status = status_of(error, poisoned=supervisor.poisoned is not None)
+        status = call.status(error, poisoned=supervisor.poisoned is not None)
         headers = {"Retry-After": RETRY_AFTER} if isinstance(error, RunnerClosingError) else {}
         body = problem_body(status, error.code, error.detail)
         notes = getattr(error, "__notes__", None)
@@ -361,40 +373,16 @@ def _problem_of(error: Exception, request: Request, supervisor: Supervisor) -> R
 # -- query parameters ---------------------------------------------------------------------
 
 
-def _integer(value: str | None, name: str, default: int | None, low: int, high: int | None) -> int:
-    if value is None or value == "":
-        if default is None:
-            raise Problem(422, "InvalidRequest", f"the query parameter {name!r} is required")
-        return default
+def _key(identity: str, instance: str) -> Key:
     try:
-        number = int(value)
-    except ValueError:
-        raise Problem(
-            422, "InvalidRequest", f"the query parameter {name!r} must be an integer"
-        ) from None
-    if number < low or (high is not None and number > high):
-        bound = f"{low}..{high}" if high is not None else f">= {low}"
-        raise Problem(422, "InvalidRequest", f"the query parameter {name!r} must be {bound}")
-    return number
-
-
-def _key(identity: str | None, instance: str | None) -> Key:
-    try:
-        return Key(identity=identity or "", instance=instance or "")
+        return Key(identity=identity, instance=instance)
     except (ValueError, TypeError) as error:
         raise Problem(422, "InvalidRequest", f"{error} (query parameters)") from None
 
 
 def _phase(value: str | None) -> Phase | None:
-    if not value:
-        return None
-    try:
-        return Phase(value)
-    except ValueError:
-        known = ", ".join(phase.value for phase in Phase)
-        raise Problem(
-            422, "InvalidRequest", f"the query parameter 'phase' must be one of {known}"
-        ) from None
+    # Its call's parameter has checked that it names a phase.
+    return None if value is None else Phase(value)
 
 
 _Order = tuple[str, str, int]

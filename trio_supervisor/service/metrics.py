@@ -44,7 +44,6 @@ from ..retention import Retention
 __all__ = ["Metrics", "TimedStore"]
 
 PREFIX: Final = "trio_supervisor"
-CALLS: Final = ("open", "renew", "load", "dispose", "status", "high_water")
 
 
 class _Snapshot(Collector):

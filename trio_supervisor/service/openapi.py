@@ -1,9 +1,11 @@
 """The OpenAPI 3.1 document of the runner service (``GET /openapi.json``).
 
-The schemas are generated from the value classes themselves (their attrs fields and
-type hints, and the checks their validators make), so the document cannot drift from
-what the converter reads and writes. The paths are written out: each is one call of
-docs/service.md section A, with the statuses it may answer.
+Nothing in it is written twice. The paths, and the statuses each call may answer, are
+made from the table of calls (``calls.py``, docs/service.md section A); the schemas from
+the value classes themselves: their attrs fields and type hints, the bounds their checks
+state (:class:`~trio_supervisor._fields.Check`), the wire's own checks
+(``wire.REFINEMENTS``), and the tagged unions of the one converter
+(``codec.TAGGED_UNIONS``).
 """
 
 from __future__ import annotations
@@ -11,72 +13,22 @@ from __future__ import annotations
 import functools
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Final, Literal
 
 import attrs
 
 from .. import __version__
-from ..model import (
-    ActiveRecord,
-    CodeIdentity,
-    Limits,
-    SessionRecord,
-    StopReason,
-    Termination,
-)
-from .wire import MAX_LEASE, AdminDisposeBody, HandleBody, KeyBody, LoadBody, OpenBody
+from .._fields import Check
+from ..codec import TAGGED_UNIONS
+from ..errors import SupervisorError
+from ..model import Phase
+from .calls import CALLS, Call
+from .wire import MAX_BODY, REFINEMENTS, status_for
 
 __all__ = ["document"]
 
 _REF = "#/components/schemas/"
-
-# Checks the validators make, as JSON Schema keywords: (class, field) -> keywords.
-_CHECKS: Final[Mapping[tuple[str, str], Mapping[str, Any]]] = {
-    # No NUL: a key goes into the child's environment (wire.py refuses it).
-    ("Key", "identity"): {"minLength": 1, "pattern": "^[^\\x00]*$"},
-    ("Key", "instance"): {"minLength": 1, "pattern": "^[^\\x00]*$"},
-    ("Handle", "token"): {"minLength": 1},
-    ("Handle", "generation"): {"minimum": 1},
-    ("Load", "specifier"): {"minLength": 1},
-    ("CodeIdentity", "specifier"): {"minLength": 1},
-    ("ChildIdentity", "adapter"): {"minLength": 1},
-    ("ChildIdentity", "ref"): {"minLength": 1},
-    ("Fault", "type"): {"minLength": 1},
-    ("ExitStatus", "descendants_killed"): {"minimum": 0},
-    ("OpenBody", "request_id"): {"minLength": 1},
-    ("OpenBody", "expected_generation"): {"minimum": 0},
-    ("OpenBody", "lease"): {"exclusiveMinimum": 0, "maximum": MAX_LEASE},
-    ("AdminDisposeBody", "generation"): {"minimum": 1},
-    **{("Limits", name): {"minimum": 0} for name in attrs.fields_dict(Limits)},
-    **{
-        (record, name): rule
-        for record in (
-            "OpenRecord",
-            "LoadingRecord",
-            "LoadedRecord",
-            "StoppingRecord",
-            "StoppedRecord",
-        )
-        for name, rule in (("request_id", {"minLength": 1}), ("lease", {"exclusiveMinimum": 0}))
-    },
-}
-
-
-def _phase_of(member: Any) -> str:
-    return str(member.phase.value)
-
-
-def _name_of(member: Any) -> str:
-    return str(member.__name__)
-
-
-# Tagged unions: the field that names the member, and how a member is named.
-_UNIONS: Final[tuple[tuple[Any, str, Callable[[Any], str]], ...]] = (
-    (SessionRecord, "phase", _phase_of),
-    (ActiveRecord, "phase", _phase_of),
-    (StopReason, "kind", _name_of),
-)
 
 
 class _Schemas:
@@ -87,7 +39,7 @@ class _Schemas:
 
     def of(self, kind: Any) -> dict[str, Any]:
         """The schema of a type, registering the classes it refers to."""
-        for union, tag, name_of in _UNIONS:
+        for union, tag, name_of in TAGGED_UNIONS:
             if kind == union:
                 members = typing.get_args(union)
                 for member in members:
@@ -134,9 +86,9 @@ class _Schemas:
         required: list[str] = []
         for field in attrs.fields(cls):
             schema = self.of(hints[field.name])
-            checks = _CHECKS.get((name, field.name))
-            if checks:
-                schema = _with(schema, checks)
+            for check in (field.validator, REFINEMENTS.get((cls, field.name))):
+                if isinstance(check, Check):
+                    schema = _with(schema, check.schema)
             properties[field.name] = schema
             if field.default is attrs.NOTHING:
                 required.append(field.name)
@@ -163,247 +115,103 @@ def _with(schema: dict[str, Any], checks: Mapping[str, Any]) -> dict[str, Any]:
     return {**schema, **checks}
 
 
-_ERRORS: Final = {
+# What a status means when no supervisor error is behind it.
+_REFUSALS: Final[Mapping[int, str]] = {
     400: "The body is not JSON (or is nested too deeply), or Content-Length is not a number.",
     401: "No valid bearer token.",
-    413: "The body is over 1 MiB.",
-    422: (
-        "A field is missing, of the wrong type or invalid (a string holding a lone "
-        "surrogate, a key holding a NUL); the detail names it."
-    ),
-    503: "The runner is poisoned (StateStorageError) or shutting down (RunnerClosing).",
+    403: "The hosts' token may not make operator calls.",
+    413: f"The body is over {MAX_BODY} bytes.",
 }
+_INVALID_BODY: Final = (
+    "a field is missing, of the wrong type or invalid (a string holding a lone surrogate, "
+    "a key holding a NUL); the detail names it"
+)
+_INVALID_QUERY: Final = "a query parameter is invalid; the detail names it"
+_PROBLEM: Final = {"application/problem+json": {"schema": {"$ref": _REF + "Problem"}}}
 
 
-def _call(
-    summary: str,
-    body: type | None,
-    answer: Mapping[str, Any],
-    statuses: Mapping[int, str],
-    *,
-    operators: bool = False,
-) -> dict[str, Any]:
+def _meaning(kind: type[SupervisorError]) -> str:
+    """An error class in a few words: its code and its docstring's first line."""
+    summary = (kind.__doc__ or "").strip().splitlines()[0].rstrip(".")
+    return f"{kind.code}: {summary[:1].lower()}{summary[1:]}"
+
+
+def _statuses(call: Call) -> dict[int, list[str]]:
+    """Every status ``call`` may answer besides 200, with what each means."""
+    meanings: dict[int, list[str]] = {}
+    if call.role is not None:
+        meanings[401] = [_REFUSALS[401]]
+    if call.role == "operators":
+        meanings[403] = [_REFUSALS[403]]
+    if call.body is not None:
+        meanings[400] = [_REFUSALS[400]]
+        meanings[413] = [_REFUSALS[413]]
+        meanings.setdefault(422, []).append(_INVALID_BODY)
+    if call.params:
+        meanings.setdefault(422, []).append(_INVALID_QUERY)
+    for kind in call.errors:
+        if kind in call.overrides:
+            status, meaning = call.overrides[kind]
+            meanings.setdefault(status, []).append(f"{kind.code}: {meaning}")
+            continue
+        known = status_for(kind)
+        assert known is not None, kind
+        meanings.setdefault(known, []).append(_meaning(kind))
+    for kind, (status, meaning) in call.overrides.items():
+        if kind not in call.errors:
+            meanings.setdefault(status, []).append(f"{kind.code}: {meaning}")
+    return meanings
+
+
+def _operation(call: Call, schemas: _Schemas) -> dict[str, Any]:
+    if call.answer is None:
+        answer: dict[str, Any] = {"type": "string"}
+    else:
+        answer = {
+            "type": "object",
+            "properties": {
+                name: dict(kind) if isinstance(kind, Mapping) else schemas.of(kind)
+                for name, kind in call.answer.items()
+            },
+            "required": list(call.answer),
+        }
     responses: dict[str, Any] = {
-        "200": {
-            "description": "Done.",
-            "content": {"application/json": {"schema": dict(answer)}},
-        }
+        "200": {"description": "Done.", "content": {call.media: {"schema": answer}}}
     }
-    errors = {**_ERRORS, **statuses}
-    if operators:
-        errors[403] = "The hosts' token may not make operator calls."
-    if body is None:
-        errors.pop(400)
-        errors.pop(413)
-    for status, description in sorted(errors.items()):
-        responses[str(status)] = {
-            "description": description,
-            "content": {"application/problem+json": {"schema": {"$ref": _REF + "Problem"}}},
-        }
+    for status, meanings in sorted(_statuses(call).items()):
+        text = "; ".join(meanings)
+        responses[str(status)] = {"description": text[:1].upper() + text[1:], "content": _PROBLEM}
     operation: dict[str, Any] = {
-        "summary": summary,
-        "security": [{"bearer": []}],
+        "operationId": call.name,
+        "summary": call.summary,
+        "security": [{"bearer": []}] if call.role is not None else [],
         "responses": responses,
     }
-    if body is not None:
+    if call.body is not None:
         operation["requestBody"] = {
             "required": True,
-            "content": {"application/json": {"schema": {"$ref": _REF + body.__name__}}},
+            "content": {"application/json": {"schema": schemas.of(call.body)}},
         }
+    if call.params:
+        operation["parameters"] = [
+            {
+                "name": param.name,
+                "in": "query",
+                "required": param.required,
+                "schema": dict(param.schema),
+            }
+            for param in call.params
+        ]
     return operation
-
-
-def _answer(schemas: _Schemas, **fields: Any) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {name: schemas.of(kind) for name, kind in fields.items()},
-        "required": list(fields),
-    }
-
-
-_SESSION_ERRORS: Final = {
-    404: "StaleSession: no retained session has this token, key and generation.",
-    409: "SessionStopped or SessionConflict.",
-    410: "LeaseExpired: the session's lease ran out.",
-    500: "ExecutionError or TerminationUnconfirmed: the runner could not act on a child.",
-}
 
 
 @functools.cache
 def document() -> dict[str, Any]:
     """The OpenAPI document; built once, on first use."""
     schemas = _Schemas()
-    for body in (OpenBody, HandleBody, LoadBody, KeyBody, AdminDisposeBody):
-        schemas.of(body)
-    record = schemas.of(SessionRecord)
-    public = {"$ref": _REF + "PublicRecord"}
-    paths: dict[str, Any] = {
-        "/v1/open": {
-            "post": _call(
-                "Open the next generation of a key (O1-O11).",
-                OpenBody,
-                {"type": "object", "properties": {"record": record}, "required": ["record"]},
-                {404: "StaleSession: expected_generation is not the key's high-water."},
-            )
-        },
-        "/v1/renew": {
-            "post": _call(
-                "Renew a session's lease (R1-R6).",
-                HandleBody,
-                _answer(schemas, lease=float),
-                _SESSION_ERRORS,
-            )
-        },
-        "/v1/load": {
-            "post": _call(
-                "Load code into a session (L1-L6).",
-                LoadBody,
-                _answer(schemas, code=CodeIdentity),
-                {**_SESSION_ERRORS, 422: "PackageError, or an invalid field."},
-            )
-        },
-        "/v1/dispose": {
-            "post": _call(
-                "Stop a session and say how its child ended (D1-D5).",
-                HandleBody,
-                _answer(schemas, termination=Termination),
-                _SESSION_ERRORS,
-            )
-        },
-        "/v1/status": {
-            "post": _call(
-                "A session's last durable record (S1).",
-                HandleBody,
-                {"type": "object", "properties": {"record": record}, "required": ["record"]},
-                {404: _SESSION_ERRORS[404]},
-            )
-        },
-        "/v1/high-water": {
-            "post": _call(
-                "The highest generation ever opened for a key, or null (S2).",
-                KeyBody,
-                _answer(schemas, generation=int | None),
-                {},
-            )
-        },
-        "/v1/sessions": {
-            "get": {
-                **_call(
-                    "Every retained record, tokens left out, in pages (operators).",
-                    None,
-                    {
-                        "type": "object",
-                        "properties": {
-                            "sessions": {"type": "array", "items": public},
-                            "next": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-                        },
-                        "required": ["sessions", "next"],
-                    },
-                    {},
-                    operators=True,
-                ),
-                "parameters": [
-                    _query("phase", {"enum": ["Open", "Loading", "Loaded", "Stopping", "Stopped"]}),
-                    _query("identity", {"type": "string"}),
-                    _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
-                    _query("after", {"type": "string"}),
-                ],
-            }
-        },
-        "/v1/logs": {
-            "get": {
-                **_call(
-                    "The tail of a child's log (operators).",
-                    None,
-                    {"type": "string"},
-                    {404: "No retained session of this key and generation."},
-                    operators=True,
-                ),
-                "parameters": [
-                    _query("identity", {"type": "string", "minLength": 1}, required=True),
-                    _query("instance", {"type": "string", "minLength": 1}, required=True),
-                    _query("generation", {"type": "integer", "minimum": 1}, required=True),
-                    _query("tail", {"type": "integer", "minimum": 0}),
-                ],
-            }
-        },
-        "/v1/admin/dispose": {
-            "post": _call(
-                "Dispose a session by key and generation, with no session token (operators).",
-                AdminDisposeBody,
-                _answer(schemas, termination=Termination),
-                {404: "No retained session of this key and generation.", 500: "As dispose."},
-                operators=True,
-            )
-        },
-        "/healthz": {"get": _plain("The process answers.", {"status": {"const": "ok"}})},
-        "/readyz": {
-            "get": {
-                **_plain("The runner takes work.", {"status": {"const": "ready"}}),
-                "responses": {
-                    **_plain("", {"status": {"const": "ready"}})["responses"],
-                    "503": {
-                        "description": "Poisoned or shutting down.",
-                        "content": {
-                            "application/problem+json": {"schema": {"$ref": _REF + "Problem"}}
-                        },
-                    },
-                },
-            }
-        },
-        "/openapi.json": {
-            "get": {
-                "summary": "This document.",
-                "security": [],
-                "responses": {
-                    "200": {
-                        "description": "The OpenAPI document.",
-                        "content": {"application/json": {"schema": {"type": "object"}}},
-                    }
-                },
-            }
-        },
-    }
-    paths["/v1/events"] = {
-        "get": _call(
-            "Each record the runner makes durable, as server-sent events (operators).",
-            None,
-            {"type": "string"},
-            {},
-            operators=True,
-        )
-    }
-    paths["/metrics"] = {
-        "get": _call(
-            "The runner's metrics in Prometheus' text format (operators).",
-            None,
-            {"type": "string"},
-            {},
-            operators=True,
-        )
-    }
-    paths["/"] = {
-        "get": {
-            "summary": "The dashboard: a page for operators (it asks for their token).",
-            "security": [],
-            "responses": {
-                "200": {
-                    "description": "The page.",
-                    "content": {"text/html": {"schema": {"type": "string"}}},
-                }
-            },
-        }
-    }
-    # These answer text, not JSON: the logs, an event stream ("event: record" or
-    # "event: overflow", then "data: <the record as /v1/sessions lists it>"), metrics.
-    for path, media in (
-        ("/v1/logs", "text/plain"),
-        ("/v1/events", "text/event-stream"),
-        ("/metrics", "text/plain"),
-    ):
-        paths[path]["get"]["responses"]["200"]["content"] = {media: {"schema": {"type": "string"}}}
-    paths["/v1/events"]["get"]["responses"].pop("422", None)
-    paths["/metrics"]["get"]["responses"].pop("422", None)
+    paths: dict[str, Any] = {}
+    for call in CALLS:
+        paths.setdefault(call.path, {})[call.method.lower()] = _operation(call, schemas)
     components = schemas.components
     components["Problem"] = {
         "type": "object",
@@ -417,7 +225,7 @@ def document() -> dict[str, Any]:
         },
         "required": ["type", "title", "status", "detail", "code"],
     }
-    components["PublicRecord"] = _PUBLIC_RECORD
+    components["PublicRecord"] = _public_record(schemas)
     return {
         "openapi": "3.1.0",
         "info": {
@@ -434,47 +242,23 @@ def document() -> dict[str, Any]:
     }
 
 
-# A record as operators see it: a record whose handles carry no token. Operator answers
-# are informational, so they are described loosely rather than as a second copy of every
-# record schema.
-_PUBLIC_RECORD: Final = {
-    "type": "object",
-    "properties": {
-        "phase": {"enum": ["Open", "Loading", "Loaded", "Stopping", "Stopped"]},
-        "handle": {
-            "type": "object",
-            "properties": {
-                "key": {"$ref": _REF + "Key"},
-                "generation": {"type": "integer", "minimum": 1},
-            },
-            "required": ["key", "generation"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["phase", "handle"],
-}
+def _public_record(schemas: _Schemas) -> dict[str, Any]:
+    """A record as operators see it: a record whose handles carry no token.
 
-
-def _query(name: str, schema: Mapping[str, Any], *, required: bool = False) -> dict[str, Any]:
-    return {"name": name, "in": "query", "required": required, "schema": dict(schema)}
-
-
-def _plain(summary: str, properties: Mapping[str, Any]) -> dict[str, Any]:
+    Operator answers are informational, so they are described loosely rather than as a
+    second copy of every record schema.
+    """
+    handle = schemas.components["Handle"]
     return {
-        "summary": summary,
-        "security": [],
-        "responses": {
-            "200": {
-                "description": summary or "Ready.",
-                "content": {
-                    "application/json": {
-                        "schema": {
-                            "type": "object",
-                            "properties": dict(properties),
-                            "required": list(properties),
-                        }
-                    }
-                },
-            }
+        "type": "object",
+        "properties": {
+            "phase": {"enum": [phase.value for phase in Phase]},
+            "handle": {
+                "type": "object",
+                "properties": {name: handle["properties"][name] for name in ("key", "generation")},
+                "required": ["key", "generation"],
+                "additionalProperties": False,
+            },
         },
+        "required": ["phase", "handle"],
     }

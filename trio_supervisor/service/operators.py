@@ -20,14 +20,13 @@ from typing import Final
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from .._core.events import Overflow, Watch
 from .._core.supervisor import Supervisor
 from .metrics import Metrics
 from .wire import public_record
 
-__all__ = ["operator_routes"]
+__all__ = ["operator_handlers"]
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 EVENT_BUFFER: Final = 1024  # records one events reader may fall behind before overflow
@@ -38,17 +37,16 @@ def _dashboard() -> str:
     return resources.files(__package__).joinpath("dashboard.html").read_text(encoding="utf-8")
 
 
-def operator_routes(
-    supervisor: Supervisor,
-    metrics: Metrics | None,
-    guard: Callable[[Endpoint], Endpoint],
-) -> tuple[list[Route], Callable[[], None]]:
-    """The routes of events, metrics and the dashboard, and what ends the event streams.
+def operator_handlers(
+    supervisor: Supervisor, metrics: Metrics
+) -> tuple[dict[str, Endpoint], Callable[[], None]]:
+    """The handlers of events, metrics and the dashboard, by their calls' names
+    (``calls.py`` says where each is served, and to whom), and what ends the event
+    streams.
 
     Args:
         supervisor: What the events come from.
-        metrics: The series ``/metrics`` renders; None: no ``/metrics``.
-        guard: Wraps an endpoint so that only the operators' token may call it.
+        metrics: The series ``/metrics`` renders.
     """
     page = _dashboard()
     streams: set[Watch] = set()
@@ -83,7 +81,6 @@ def operator_routes(
         )
 
     async def render_metrics(request: Request) -> Response:
-        assert metrics is not None
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def dashboard(request: Request) -> Response:
@@ -99,10 +96,9 @@ def operator_routes(
             },
         )
 
-    routes = [
-        Route("/v1/events", guard(events), methods=["GET"], name="events"),
-        Route("/", dashboard, methods=["GET"]),
-    ]
-    if metrics is not None:
-        routes.append(Route("/metrics", guard(render_metrics), methods=["GET"]))
-    return routes, end_streams
+    handlers: dict[str, Endpoint] = {
+        "events": events,
+        "dashboard": dashboard,
+        "metrics": render_metrics,
+    }
+    return handlers, end_streams

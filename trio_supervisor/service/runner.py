@@ -24,6 +24,7 @@ set: the bearer tokens would cross the network in the clear. TLS comes from
 
 from __future__ import annotations
 
+import errno
 import functools
 import ipaddress
 import logging
@@ -31,23 +32,25 @@ import os
 import secrets
 import signal
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Final, TextIO
+from typing import Any, Final, Literal, TextIO
 
 import attrs
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from .. import _fields as fields
 from .._core.lifetime import open_supervisor
 from .._core.supervisor import Supervisor
+from ..errors import StateStorageError
 from ..executions.subprocess import SubprocessExecution
 from ..stores.sqlite import SqliteStore
 from .app import create_app
 from .metrics import Metrics, TimedStore
 
-__all__ = ["ConfigError", "RunnerConfig", "run_runner"]
+__all__ = ["ConfigError", "RunnerConfig", "StartupError", "run_runner"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +62,64 @@ class ConfigError(ValueError):
     """The runner's configuration cannot work; the message says why."""
 
 
-def _seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not value > 0 and not (attribute.name == "grace" and value == 0):
-        raise ConfigError(f"--{attribute.name.replace('_', '-')} must be > 0, got {value}")
+class StartupError(Exception):
+    """The runner cannot start where it was told to: its address is taken, or its store
+    is held by another process. The message says why and what to do, in one sentence."""
+
+
+async def _open_store(config: RunnerConfig) -> SqliteStore:
+    """The runner's store, opened; a store another process holds is a :class:`StartupError`."""
+    store = SqliteStore(config.state / "runner.db")
+    try:
+        await store.open()
+    except StateStorageError as error:
+        await store.aclose()
+        # SQLite says "database is locked" when another connection holds the file
+        # (ours keep it with locking_mode=EXCLUSIVE): most likely a runner serving there.
+        if "locked" not in error.detail:
+            raise
+        raise StartupError(
+            f"the store {store.path} is locked by another process (a runner serving on "
+            f"{config.state}?): stop it, or give this runner a state directory of its own "
+            "with --state DIR"
+        ) from error
+    return store
+
+
+FLAG: Final = "trio_supervisor.flag"  # a RunnerConfig field's metadata: its serve flag
+
+
+def _flag(
+    text: str,
+    *,
+    flag: str | None = None,
+    metavar: str | None = None,
+    path: Literal["dir", "file"] | None = None,
+    exists: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """A field's ``serve`` flag, as attrs metadata: the CLI makes the flag from it.
+
+    Args:
+        text: The flag's help text.
+        flag: Its name, when not ``--`` and the field's name with dashes.
+        metavar: What its value is called in the help.
+        path: Whether its value is a directory or a file.
+        exists: Whether that path must exist.
+    """
+    return {FLAG: {"help": text, "flag": flag, "metavar": metavar, "path": path, "exists": exists}}
+
+
+def _paths(value: Iterable[str | os.PathLike[str]]) -> tuple[Path, ...]:
+    # A lone path is a sequence of characters: never read it as one path per character.
+    if isinstance(value, str | os.PathLike):
+        raise TypeError(f"RunnerConfig.plugins must be a sequence of paths, not {value!r}")
+    return tuple(Path(path) for path in value)
 
 
 @attrs.frozen(kw_only=True)
 class RunnerConfig:
-    """What ``trio-supervisor serve`` is told (its flags, or the keys of its TOML file).
+    """What ``trio-supervisor serve`` is told: each field is a flag of ``serve`` and a key
+    of its TOML file (the CLI makes both from these fields and their metadata).
 
     Attributes:
         state: The state directory: the store, the children's logs, the token files.
@@ -81,22 +134,96 @@ class RunnerConfig:
         standby: Keep one interpreter started ahead of the next load.
         fork_server: Fork each load's child from a fork server (see
             ``SubprocessExecution``); the standby serves loads while it restarts.
+        log_format: How the runner's log lines look on stderr (``text`` or ``json``);
+            the CLI sets logging up, :func:`run_runner` leaves it to its caller.
     """
 
-    state: Path = Path("runner-state")
-    listen: str = DEFAULT_LISTEN
-    plugins: tuple[Path, ...] = ()
-    commands: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
-    lease: float = attrs.field(default=15.0, validator=_seconds)
-    grace: float = attrs.field(default=5.0, validator=_seconds)
-    confirmation_timeout: float = attrs.field(default=5.0, validator=_seconds)
-    token_file: Path | None = None
-    operator_token_file: Path | None = None
-    certfile: Path | None = None
-    keyfile: Path | None = None
-    insecure_http: bool = False
-    standby: bool = True
-    fork_server: bool = True
+    state: Path = attrs.field(
+        default=Path("runner-state"),
+        converter=Path,
+        metadata=_flag(
+            "The state directory: store, children's logs, tokens (made 0700).",
+            metavar="DIR",
+            path="dir",
+        ),
+    )
+    listen: str = attrs.field(
+        default=DEFAULT_LISTEN,
+        metadata=_flag("HOST:PORT to listen on; port 0 picks a free one.", metavar="HOST:PORT"),
+    )
+    plugins: tuple[Path, ...] = attrs.field(
+        default=(),
+        converter=_paths,
+        metadata=_flag(
+            "An entry path for module:function specifiers (repeatable; it must exist).",
+            metavar="DIR",
+            path="dir",
+            exists=True,
+        ),
+    )
+    commands: Mapping[str, tuple[str, ...]] = attrs.field(
+        factory=dict,
+        metadata=_flag(
+            "A named command a host may load by NAME (repeatable; split like a shell "
+            "would, run with no shell). In TOML: a [commands] table, NAME = [ARGV...].",
+            flag="--command",
+            metavar="NAME=ARGV",
+        ),
+    )
+    lease: float = attrs.field(
+        default=15.0,
+        validator=fields.LEASE,
+        metadata=_flag(
+            f"The default lease, in seconds ({fields.MIN_LEASE:g} at least).", metavar="SECONDS"
+        ),
+    )
+    grace: float = attrs.field(
+        default=5.0,
+        validator=fields.GRACE,
+        metadata=_flag(
+            "Seconds a child has to exit after its interrupt, before it is killed.",
+            metavar="SECONDS",
+        ),
+    )
+    confirmation_timeout: float = attrs.field(
+        default=5.0,
+        validator=fields.TIMEOUT,
+        metadata=_flag("Seconds to wait for a killed child's exit to be seen.", metavar="SECONDS"),
+    )
+    token_file: Path | None = attrs.field(
+        default=None,
+        metadata=_flag("The hosts' token [default: STATE/token]; made if absent.", path="file"),
+    )
+    operator_token_file: Path | None = attrs.field(
+        default=None,
+        metadata=_flag(
+            "The operators' token [default: STATE/operator-token]; made if absent.",
+            path="file",
+        ),
+    )
+    certfile: Path | None = attrs.field(
+        default=None, metadata=_flag("TLS: the certificate chain (PEM).", path="file")
+    )
+    keyfile: Path | None = attrs.field(
+        default=None, metadata=_flag("TLS: the certificate's private key (PEM).", path="file")
+    )
+    insecure_http: bool = attrs.field(
+        default=False,
+        metadata=_flag("Allow plain HTTP on an address that is not loopback."),
+    )
+    standby: bool = attrs.field(
+        default=True,
+        metadata=_flag("Keep one interpreter started ahead of the next load."),
+    )
+    fork_server: bool = attrs.field(
+        default=True,
+        metadata=_flag("Fork each load's child from a fork server, not a fresh interpreter."),
+    )
+    log_format: Literal["text", "json"] = attrs.field(
+        default="text",
+        validator=attrs.validators.in_(("text", "json")),
+        metadata=_flag("How stderr logging looks: text, or one JSON object per line."),
+    )
 
     @property
     def hosts_token_path(self) -> Path:
@@ -163,6 +290,19 @@ def read_or_make_token(path: Path) -> str:
     return token
 
 
+def _cannot_listen(config: RunnerConfig, failed: BaseExceptionGroup[OSError]) -> StartupError:
+    error: BaseException = failed
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, OSError)
+    if error.errno == errno.EADDRINUSE:
+        return StartupError(
+            f"cannot listen on {config.listen}: the address is already in use (another "
+            "runner?); give --listen another HOST:PORT, or port 0 for a free one"
+        )
+    return StartupError(f"cannot listen on {config.listen}: {error.strerror or error}")
+
+
 def _url(bind: str, tls: bool) -> str:
     """Hypercorn's bind (``http://127.0.0.1:8470``) as the URL a host uses."""
     address = bind.partition("://")[2]
@@ -184,6 +324,8 @@ async def run_runner(
 
     Raises:
         ConfigError: The configuration cannot work.
+        StartupError: The store is held by another process (raised as it is), or the
+            address is taken (raised in the exception group of the runner's nursery).
     """
     host, port = config.check()
     out = stdout or sys.stdout
@@ -220,12 +362,14 @@ async def run_runner(
             for supervisor in hurry:
                 supervisor.skip_grace()
 
+    # Opened before anything else starts, so that a store in use is one plain error.
+    sqlite = await _open_store(config)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as watching:
             watching.start_soon(watch_signals, signals)
             metrics = Metrics()
             async with (
-                SqliteStore(config.state / "runner.db") as sqlite,
+                sqlite,
                 SubprocessExecution(
                     config.state,
                     entry_paths=list(config.plugins),
@@ -261,14 +405,19 @@ async def run_runner(
                 watching.start_soon(end_event_streams)
                 async with trio.open_nursery() as serving:
                     # serve returns once stop_serving is set and what it served is done.
-                    binds: Sequence[str] = await serving.start(
-                        functools.partial(
-                            serve,
-                            app,  # type: ignore[arg-type]  # Starlette is an ASGI app
-                            server,
-                            shutdown_trigger=stop_serving.wait,
+                    try:
+                        binds: Sequence[str] = await serving.start(
+                            functools.partial(
+                                serve,
+                                app,  # type: ignore[arg-type]  # Starlette is an ASGI app
+                                server,
+                                shutdown_trigger=stop_serving.wait,
+                            )
                         )
-                    )
+                    except* OSError as failed:
+                        # Hypercorn binds in nurseries of its own: the OSError comes
+                        # wrapped in their groups.
+                        raise _cannot_listen(config, failed) from None
                     url = _url(binds[0], config.tls)
                     print(f"listening on {url}", file=out, flush=True)
                     logger.info("listening on %s; state in %s", url, config.state)

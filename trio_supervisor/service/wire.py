@@ -20,7 +20,8 @@ from typing import Any, Final, TypeVar
 import attrs
 import cattrs
 
-from ..codec import converter
+from .. import _fields as fields
+from ..codec import converter, describe_error
 from ..errors import (
     ExecutionError,
     LeaseExpiredError,
@@ -37,7 +38,8 @@ from ..errors import (
 from ..model import Handle, Key, Limits, Load, SessionRecord
 
 __all__ = [
-    "MAX_LEASE",
+    "MAX_BODY",
+    "REFINEMENTS",
     "STATUS",
     "AdminDisposeBody",
     "HandleBody",
@@ -47,15 +49,20 @@ __all__ = [
     "Problem",
     "public_record",
     "read_body",
+    "status_for",
     "status_of",
 ]
 
 _T = TypeVar("_T")
 
-MAX_LEASE: Final = 1e9  # seconds (about 31 years): the longest lease a host may ask for
+MAX_BODY: Final = 1 << 20  # bytes: a larger body is a 413
 
 
 # -- request bodies -----------------------------------------------------------------------
+
+
+# The bodies check what the supervisor would refuse (with the same checks), so that the
+# OpenAPI document, which reads the checks, says what a body must be.
 
 
 @attrs.frozen(kw_only=True)
@@ -63,9 +70,11 @@ class OpenBody:
     """``POST /v1/open``."""
 
     key: Key
-    request_id: str
-    expected_generation: int | None = None
-    lease: float | None = None
+    request_id: str = attrs.field(validator=fields.text)
+    expected_generation: int | None = attrs.field(
+        default=None, validator=fields.optional(fields.at_least(0))
+    )
+    lease: float | None = attrs.field(default=None, validator=fields.optional(fields.LEASE))
     limits: Limits | None = None
 
 
@@ -96,7 +105,24 @@ class AdminDisposeBody:
     """``POST /v1/admin/dispose``: an operator names a session by key and generation."""
 
     key: Key
-    generation: int
+    generation: int = attrs.field(validator=fields.at_least(1))
+
+
+def _no_nul(name: str, value: object) -> None:
+    if isinstance(value, str) and "\0" in value:
+        raise ValueError(f"{name} must not hold a NUL")
+
+
+# A key goes into the child's environment (and file names), which cannot hold a NUL:
+# such a key was opened, then its load was a 500 (ExecutionError). An embedder's key
+# may hold one (an in-process child has no environment); a host's may not.
+_key_on_the_wire: Final = fields.Check(_no_nul, pattern="^[^\\x00]*$")
+
+REFINEMENTS: Final[Mapping[tuple[type, str], fields.Check]] = {
+    (Key, "identity"): _key_on_the_wire,
+    (Key, "instance"): _key_on_the_wire,
+}
+"""The checks the wire adds to a value class's own: ``(class, field) -> check``."""
 
 
 class Problem(Exception):
@@ -113,13 +139,6 @@ class Problem(Exception):
         self.status = status
         self.code = code
         self.detail = detail
-
-
-def _describe(error: BaseException, kind: type | None) -> str:
-    # Our value classes word their errors for a reader; cattrs words the rest.
-    if isinstance(error, ValueError | TypeError) and not isinstance(error, KeyError) and str(error):
-        return str(error)
-    return cattrs.v.format_exception(error, kind)
 
 
 def read_body(raw: bytes, kind: type[_T]) -> _T:
@@ -150,24 +169,15 @@ def read_body(raw: bytes, kind: type[_T]) -> _T:
     try:
         body = converter.structure(data, kind)
     except Exception as error:
-        problems = cattrs.transform_error(error, "$", _describe)
+        problems = cattrs.transform_error(error, "$", describe_error)
         raise Problem(422, "InvalidRequest", "; ".join(problems)) from error
-    # A key goes into the child's environment (and file names), which cannot hold a NUL:
-    # such a key was opened, then its load was a 500 (ExecutionError).
-    for where, key in _keys(body):
-        for name in ("identity", "instance"):
-            if "\0" in getattr(key, name):
-                raise Problem(
-                    422, "InvalidRequest", f"Key.{name} must not hold a NUL @ {where}.{name}"
-                )
-    # A child's lease watchdog waits in select(), which cannot wait past ~9.2e9 seconds:
-    # with a longer lease its thread died and the load never returned (found by fuzzing).
-    if isinstance(body, OpenBody) and body.lease is not None and body.lease > MAX_LEASE:
-        raise Problem(
-            422,
-            "InvalidRequest",
-            f"OpenBody.lease must be at most {MAX_LEASE:g} seconds, got {body.lease!r} @ $.lease",
-        )
+    for where, value in _keys(body):
+        for (kind, name), check in REFINEMENTS.items():
+            if isinstance(value, kind):
+                try:
+                    check.check(f"{kind.__name__}.{name}", getattr(value, name))
+                except ValueError as error:
+                    raise Problem(422, "InvalidRequest", f"{error} @ {where}.{name}") from None
     return body
 
 
@@ -284,15 +294,23 @@ TITLES: Final[Mapping[int, str]] = {
 }
 
 
+def status_for(kind: type[SupervisorError]) -> int | None:
+    """The HTTP status of an error class in :data:`STATUS`, if it has one."""
+    for known, status in STATUS:
+        if issubclass(kind, known):
+            return status
+    return None
+
+
 def status_of(error: SupervisorError, *, poisoned: bool) -> int:
     """The HTTP status of a supervisor error.
 
     A plain :class:`SupervisorError` is the poisoning error of a crashed background
     task: 503 while the supervisor is poisoned, 500 otherwise.
     """
-    for kind, status in STATUS:
-        if isinstance(error, kind):
-            return status
+    status = status_for(type(error))
+    if status is not None:
+        return status
     return 503 if poisoned else 500
 
 

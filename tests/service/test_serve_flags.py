@@ -1,0 +1,232 @@
+"""``trio-supervisor serve``'s flags and its TOML file: one of each per RunnerConfig field.
+
+The flags and the file's keys are made from ``RunnerConfig``'s fields, so these tests
+drive the command itself (click's runner, in this process) with each field given as a
+flag and as a key, and look at the configuration the runner would have been started
+with: the runner's start is replaced by one that records its configuration, and
+logging's set-up by one that records the format (the test process keeps its own).
+The edges that need a real process (a taken port, a missing plugins directory) run the
+console command.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+import pytest
+import trio
+from click.testing import CliRunner
+
+from trio_supervisor import cli
+from trio_supervisor.service.runner import RunnerConfig
+
+ROOT: Final = Path(__file__).parents[2]
+TIMEOUT: Final = 60.0  # seconds one command may take
+
+
+@attrs.frozen
+class Sample:
+    """A value for one field, other than its default: as flags, as TOML, as read."""
+
+    flags: tuple[str, ...]
+    toml: str
+    value: Any
+
+
+def samples(tmp: Path) -> dict[str, Sample]:
+    """A sample per field of RunnerConfig (the test fails when a field has none)."""
+    plugins = tmp / "plugins"
+    plugins.mkdir(exist_ok=True)
+    return {
+        "state": Sample(("--state", str(tmp / "s")), f'state = "{tmp / "s"}"', tmp / "s"),
+        "listen": Sample(("--listen", "127.0.0.1:0"), 'listen = "127.0.0.1:0"', "127.0.0.1:0"),
+        "plugins": Sample(("--plugins", str(plugins)), f'plugins = ["{plugins}"]', (plugins,)),
+        "commands": Sample(
+            ("--command", "nap=sleep 600"),
+            '[commands]\nnap = ["sleep", "600"]',
+            {"nap": ("sleep", "600")},
+        ),
+        "lease": Sample(("--lease", "7.5"), "lease = 7.5", 7.5),
+        "grace": Sample(("--grace", "0"), "grace = 0", 0.0),
+        "confirmation_timeout": Sample(
+            ("--confirmation-timeout", "2"), "confirmation-timeout = 2", 2.0
+        ),
+        "token_file": Sample(
+            ("--token-file", str(tmp / "t")), f'token_file = "{tmp / "t"}"', tmp / "t"
+        ),
+        "operator_token_file": Sample(
+            ("--operator-token-file", str(tmp / "o")),
+            f'operator_token_file = "{tmp / "o"}"',
+            tmp / "o",
+        ),
+        "certfile": Sample(
+            ("--certfile", str(tmp / "c"), "--keyfile", str(tmp / "k")),
+            f'certfile = "{tmp / "c"}"\nkeyfile = "{tmp / "k"}"',
+            tmp / "c",
+        ),
+        "keyfile": Sample(
+            ("--keyfile", str(tmp / "k"), "--certfile", str(tmp / "c")),
+            f'keyfile = "{tmp / "k"}"\ncertfile = "{tmp / "c"}"',
+            tmp / "k",
+        ),
+        "insecure_http": Sample(("--insecure-http",), "insecure_http = true", True),
+        "standby": Sample(("--no-standby",), "standby = false", False),
+        "fork_server": Sample(("--no-fork-server",), "fork-server = false", False),
+        "log_format": Sample(("--log-format", "json"), 'log_format = "json"', "json"),
+    }
+
+
+@attrs.define
+class Started:
+    """What ``serve`` would have started the runner with."""
+
+    configs: list[RunnerConfig] = attrs.field(factory=list)
+    log_formats: list[str] = attrs.field(factory=list)
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> Started:
+    seen = Started()
+
+    async def run_runner(config: RunnerConfig) -> int:
+        await trio.lowlevel.checkpoint()
+        seen.configs.append(config)
+        return 0
+
+    monkeypatch.setattr(cli, "run_runner", run_runner)
+    monkeypatch.setattr(cli, "configure_logging", seen.log_formats.append)
+    return seen
+
+
+def serve(*arguments: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli.main, ["serve", *arguments])
+    return result.exit_code, result.output
+
+
+def test_every_runner_config_field_is_a_serve_flag_and_a_toml_key(
+    tmp_path: Path, started: Started
+) -> None:
+    fields = attrs.fields_dict(RunnerConfig)
+    given = samples(tmp_path)
+    assert set(given) == set(fields), "a field of RunnerConfig has no sample here"
+    status, help_text = serve("--help")
+    assert status == 0
+    for name, sample in given.items():
+        assert sample.value != fields[name].default, name  # a sample shows the flag works
+        assert sample.flags[0].removeprefix("--no-") in help_text.replace("--no-", "--"), name
+
+        status, output = serve(*sample.flags)
+        assert status == 0, (name, output)
+        assert getattr(started.configs[-1], name) == sample.value, name
+
+        config = tmp_path / f"{name}.toml"
+        config.write_text(sample.toml + "\n")
+        status, output = serve("--config", str(config))
+        assert status == 0, (name, output)
+        assert getattr(started.configs[-1], name) == sample.value, name
+    # Logging is set up as configured: json twice (the flag's, the key's), else text.
+    assert sorted(started.log_formats) == ["json"] * 2 + ["text"] * (len(given) * 2 - 2)
+
+
+def test_standby_false_in_a_config_file_is_a_standby_turned_off(
+    tmp_path: Path, started: Started
+) -> None:
+    config = tmp_path / "runner.toml"
+    config.write_text("standby = false\nfork_server = false\n")
+    status, output = serve("--config", str(config))
+    assert status == 0, output
+    assert (started.configs[-1].standby, started.configs[-1].fork_server) == (False, False)
+    # A flag wins over its key.
+    status, output = serve("--config", str(config), "--standby")
+    assert status == 0, output
+    assert (started.configs[-1].standby, started.configs[-1].fork_server) == (True, False)
+
+
+@pytest.mark.parametrize(
+    ("toml", "words"),
+    [
+        ("colour = 'red'", "unknown key 'colour' in "),
+        ("lease = 0.05", "lease (in "),  # the key is named, then the same words as a flag's
+        ("lease = 'long'", "'long' is not a valid float"),
+        ("plugins = 'one'", "plugins must be an array"),
+        ("commands = ['sleep']", "commands must be a table of NAME = [ARGV...]"),
+        ("lease = ", "--config"),  # not TOML
+    ],
+)
+def test_a_bad_config_file_is_a_usage_error_naming_the_key(
+    tmp_path: Path, started: Started, toml: str, words: str
+) -> None:
+    config = tmp_path / "runner.toml"
+    config.write_text(toml + "\n")
+    status, output = serve("--config", str(config))
+    assert status == 2, output
+    assert words in output, output
+    assert started.configs == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (
+            ("--lease", "0.05"),
+            "Error: --lease must be a finite number of seconds >= 0.1 and <= 1000000000, "
+            "got 0.05\n",
+        ),
+        (
+            ("--grace", "-1"),
+            "Error: --grace must be a finite number of seconds >= 0, got -1.0\n",
+        ),
+        (("--command", "nap"), "expected NAME=ARGV, got 'nap'"),
+        (("--log-format", "xml"), "'xml' is not one of 'text', 'json'"),
+        (("--certfile", "c"), "--certfile and --keyfile go together"),
+    ],
+)
+def test_a_bad_flag_is_a_usage_error_naming_it(
+    started: Started, flags: tuple[str, ...], words: str
+) -> None:
+    status, output = serve(*flags)
+    assert status == 2, output
+    assert words in output, output
+    assert started.configs == []
+
+
+def run(*arguments: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trio_supervisor", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=cwd,
+        check=False,
+    )
+
+
+def test_plugins_that_do_not_exist_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    done = run("serve", "--plugins", "/nonexistent", "--listen", "127.0.0.1:0", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "Error: Invalid value for '--plugins': Directory '/nonexistent' does not exist." in (
+        done.stderr
+    )
+    assert done.stdout == ""
+    assert not (tmp_path / "runner-state").exists()  # nothing was made
+
+
+def test_a_port_in_use_is_one_line_saying_so_and_exit_status_1(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        done = run("serve", "--listen", address, "--no-standby", "--no-fork-server", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""  # it never listened
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error")]
+    assert errors == [
+        f"Error: cannot listen on {address}: the address is already in use (another "
+        "runner?); give --listen another HOST:PORT, or port 0 for a free one"
+    ], done.stderr

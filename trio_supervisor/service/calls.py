@@ -1,0 +1,344 @@
+"""Every call the runner answers, in one table: :data:`CALLS`.
+
+The app's routes (``app.py``), the OpenAPI document's paths (``openapi.py``) and the
+statuses each call may answer are all made from this table, so a call cannot be served
+without being documented, nor documented with statuses it never answers. What a call
+refuses is said once: its error classes here, their statuses in ``wire.STATUS``; its
+query parameters' bounds are read and documented from the same :class:`Param`.
+
+One call answers an error with a status of its own: ``open``'s ``StaleSession`` (its
+``expected_generation`` is not the key's high-water: another open got in first) is a
+409 Conflict, as a stale write is in HTTP; everywhere else ``StaleSession`` means the
+handle names no retained session, a 404. ``open`` takes no handle, so the call alone
+tells the two apart, and the error keeps its class and code (a client raises
+``StaleSessionError`` for both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final, Literal
+
+import attrs
+
+from .. import _fields as fields
+from ..errors import (
+    ExecutionError,
+    LeaseExpiredError,
+    PackageError,
+    RunnerClosingError,
+    SessionConflictError,
+    SessionStoppedError,
+    StaleSessionError,
+    StateStorageError,
+    SupervisorError,
+    TerminationUnconfirmedError,
+)
+from ..model import CodeIdentity, Phase, SessionRecord, Termination
+from .wire import AdminDisposeBody, HandleBody, KeyBody, LoadBody, OpenBody, Problem, status_of
+
+__all__ = ["CALLS", "PAGE", "Call", "Param", "by_name"]
+
+PAGE: Final = 100  # sessions per page by default
+MAX_PAGE: Final = 1000
+
+Role = Literal["hosts", "operators"]
+
+
+@attrs.frozen(kw_only=True)
+class Param:
+    """A query parameter: its JSON Schema, which is also how it is read.
+
+    Attributes:
+        name: The parameter's name.
+        schema: What it accepts (``type``, ``minimum``, ``maximum``, ``enum``, ...).
+        required: Whether a call without it is refused.
+        default: Its value when it is absent (or empty).
+    """
+
+    name: str
+    schema: Mapping[str, Any]
+    required: bool = False
+    default: int | None = None
+
+    def read(self, query: Mapping[str, str]) -> Any:
+        """The parameter's value in ``query``, checked against :attr:`schema`.
+
+        Raises:
+            Problem: 422, naming the parameter and what it must be.
+        """
+        text = query.get(self.name) or None
+        if text is None:
+            if self.required:
+                raise self._refused("is required")
+            return self.default
+        if "enum" in self.schema and text not in self.schema["enum"]:
+            raise self._refused(f"must be one of {', '.join(self.schema['enum'])}")
+        if self.schema.get("type") != "integer":
+            return text
+        try:
+            number = int(text)
+        except ValueError:
+            raise self._refused("must be an integer") from None
+        low, high = self.schema.get("minimum"), self.schema.get("maximum")
+        if (low is not None and number < low) or (high is not None and number > high):
+            raise self._refused(
+                f"must be {low}..{high}" if high is not None else f"must be >= {low}"
+            )
+        return number
+
+    def _refused(self, must: str) -> Problem:
+        return Problem(422, "InvalidRequest", f"the query parameter {self.name!r} {must}")
+
+
+# Every /v1 call may meet a runner that is poisoned or shutting down.
+_RUNNER: Final = (StateStorageError, RunnerClosingError)
+_HANDLE: Final = (
+    StaleSessionError,
+    LeaseExpiredError,
+    SessionStoppedError,
+    SessionConflictError,
+    ExecutionError,
+    TerminationUnconfirmedError,
+)
+
+
+@attrs.frozen(kw_only=True)
+class Call:
+    """One call of the runner (SERVICE.md section A).
+
+    Attributes:
+        name: The app's name for its handler; also its label in the calls metric, when
+            ``metered``.
+        method: ``GET`` or ``POST``.
+        path: Where it is served.
+        summary: One line for the document.
+        role: Who may call it: the hosts (and the operators), the operators only, or
+            anyone (None: no token needed).
+        body: The request body's class, if it takes one.
+        answer: The 200 answer: its fields and their types (or JSON Schemas) for a JSON
+            object; None for text.
+        media: The 200 answer's content type.
+        params: Its query parameters.
+        errors: The supervisor errors it may answer; their statuses are ``wire.STATUS``'s.
+        overrides: An error whose status is this call's own, with what it means here.
+        metered: Whether its answers are counted in the calls metric.
+    """
+
+    name: str
+    method: Literal["GET", "POST"]
+    path: str
+    summary: str
+    role: Role | None
+    body: type | None = None
+    answer: Mapping[str, Any] | None = None
+    media: str = "application/json"
+    params: tuple[Param, ...] = ()
+    errors: tuple[type[SupervisorError], ...] = ()
+    overrides: Mapping[type[SupervisorError], tuple[int, str]] = attrs.field(factory=dict)
+    metered: bool = False
+
+    def status(self, error: SupervisorError, *, poisoned: bool) -> int:
+        """The HTTP status of ``error`` answered by this call."""
+        for kind, (status, _) in self.overrides.items():
+            if isinstance(error, kind):
+                return status
+        return status_of(error, poisoned=poisoned)
+
+    def param(self, name: str) -> Param:
+        """The query parameter called ``name``."""
+        for param in self.params:
+            if param.name == name:
+                return param
+        raise KeyError(name)
+
+
+def _key_param(name: str) -> Param:
+    return Param(name=name, schema={"type": "string", **fields.key_text.schema}, required=True)
+
+
+_PHASES: Final = [phase.value for phase in Phase]
+
+CALLS: Final[tuple[Call, ...]] = (
+    # -- the session calls: one each per supervisor method --------------------------------
+    Call(
+        name="open",
+        method="POST",
+        path="/v1/open",
+        summary="Open the next generation of a key (O1-O11).",
+        role="hosts",
+        body=OpenBody,
+        answer={"record": SessionRecord},
+        errors=_RUNNER,
+        overrides={
+            StaleSessionError: (
+                409,
+                "expected_generation is not the key's high-water: another open got in first",
+            )
+        },
+        metered=True,
+    ),
+    Call(
+        name="renew",
+        method="POST",
+        path="/v1/renew",
+        summary="Renew a session's lease (R1-R6).",
+        role="hosts",
+        body=HandleBody,
+        answer={"lease": float},
+        errors=_HANDLE + _RUNNER,
+        metered=True,
+    ),
+    Call(
+        name="load",
+        method="POST",
+        path="/v1/load",
+        summary="Load code into a session (L1-L6).",
+        role="hosts",
+        body=LoadBody,
+        answer={"code": CodeIdentity},
+        errors=(*_HANDLE, PackageError, *_RUNNER),
+        metered=True,
+    ),
+    Call(
+        name="dispose",
+        method="POST",
+        path="/v1/dispose",
+        summary="Stop a session and say how its child ended (D1-D5).",
+        role="hosts",
+        body=HandleBody,
+        answer={"termination": Termination},
+        errors=_HANDLE + _RUNNER,
+        metered=True,
+    ),
+    Call(
+        name="status",
+        method="POST",
+        path="/v1/status",
+        summary="A session's last durable record (S1).",
+        role="hosts",
+        body=HandleBody,
+        answer={"record": SessionRecord},
+        errors=(StaleSessionError, *_RUNNER),
+        metered=True,
+    ),
+    Call(
+        name="high_water",
+        method="POST",
+        path="/v1/high-water",
+        summary="The highest generation ever opened for a key, or null (S2).",
+        role="hosts",
+        body=KeyBody,
+        answer={"generation": int | None},
+        errors=_RUNNER,
+        metered=True,
+    ),
+    # -- the operator calls -------------------------------------------------------------
+    Call(
+        name="sessions",
+        method="GET",
+        path="/v1/sessions",
+        summary="Every retained record, tokens left out, in pages (operators).",
+        role="operators",
+        answer={
+            "sessions": {"type": "array", "items": {"$ref": "#/components/schemas/PublicRecord"}},
+            "next": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        },
+        params=(
+            Param(name="phase", schema={"enum": _PHASES}),
+            Param(name="identity", schema={"type": "string"}),
+            Param(
+                name="limit",
+                schema={"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
+                default=PAGE,
+            ),
+            Param(name="after", schema={"type": "string"}),
+        ),
+        errors=_RUNNER,
+    ),
+    Call(
+        name="logs",
+        method="GET",
+        path="/v1/logs",
+        summary="The tail of a child's log (operators).",
+        role="operators",
+        media="text/plain",
+        params=(
+            _key_param("identity"),
+            _key_param("instance"),
+            Param(name="generation", schema={"type": "integer", "minimum": 1}, required=True),
+            Param(name="tail", schema={"type": "integer", "minimum": 0}, default=0),
+        ),
+        errors=(StaleSessionError, *_RUNNER),
+    ),
+    Call(
+        name="events",
+        method="GET",
+        path="/v1/events",
+        summary="Each record the runner makes durable, as server-sent events (operators).",
+        role="operators",
+        media="text/event-stream",
+        errors=_RUNNER,
+    ),
+    Call(
+        name="admin_dispose",
+        method="POST",
+        path="/v1/admin/dispose",
+        summary="Dispose a session by key and generation, with no session token (operators).",
+        role="operators",
+        body=AdminDisposeBody,
+        answer={"termination": Termination},
+        errors=(StaleSessionError, ExecutionError, TerminationUnconfirmedError, *_RUNNER),
+    ),
+    Call(
+        name="metrics",
+        method="GET",
+        path="/metrics",
+        summary="The runner's metrics in Prometheus' text format (operators).",
+        role="operators",
+        media="text/plain",
+        errors=_RUNNER,
+    ),
+    # -- no token needed ----------------------------------------------------------------
+    Call(
+        name="healthz",
+        method="GET",
+        path="/healthz",
+        summary="The process answers.",
+        role=None,
+        answer={"status": {"const": "ok"}},
+    ),
+    Call(
+        name="readyz",
+        method="GET",
+        path="/readyz",
+        summary="The runner takes work.",
+        role=None,
+        answer={"status": {"const": "ready"}},
+        errors=_RUNNER,
+    ),
+    Call(
+        name="openapi",
+        method="GET",
+        path="/openapi.json",
+        summary="This document.",
+        role=None,
+        answer={},
+    ),
+    Call(
+        name="dashboard",
+        method="GET",
+        path="/",
+        summary="The dashboard: a page for operators (it asks for their token).",
+        role=None,
+        media="text/html",
+    ),
+)
+
+
+def by_name(name: str) -> Call:
+    """The call called ``name``."""
+    for call in CALLS:
+        if call.name == name:
+            return call
+    raise KeyError(name)
