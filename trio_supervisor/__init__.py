@@ -7,13 +7,13 @@ The design is in docs/design.md; the record format's converter, ``encode`` and
 ``decode`` are in :mod:`trio_supervisor.codec`.
 """
 
-import importlib
 from typing import TYPE_CHECKING
 
 from ._core.events import Overflow as Overflow
 from ._core.events import Watch as Watch
 from ._core.lifetime import open_supervisor as open_supervisor
 from ._core.supervisor import Supervisor as Supervisor
+from ._lazy import lazy_exports
 from .abc import BatchStore as BatchStore
 from .abc import Execution as Execution
 from .abc import Store as Store
@@ -140,14 +140,4 @@ _ADAPTERS = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _ADAPTERS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_ADAPTERS})
+__getattr__, __dir__ = lazy_exports(__name__, _ADAPTERS)

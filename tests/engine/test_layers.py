@@ -18,7 +18,10 @@ import trio_supervisor
 PACKAGE = Path(trio_supervisor.__file__).parent
 
 # What each layer may import of the package (by first component after the package).
-BOTTOM = {"abc", "model", "codec", "errors", "_fields", "_background", "retention", "realtime"}
+BOTTOM = {
+    *("abc", "model", "codec", "errors", "retention", "realtime"),
+    *("_fields", "_background", "_lazy"),
+}
 MAY_IMPORT = {
     "bottom": BOTTOM,
     "_core": BOTTOM | {"_core"},

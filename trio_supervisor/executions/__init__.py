@@ -2,9 +2,9 @@
 protocols are in :mod:`trio_supervisor.abc`).
 """
 
-import importlib
 from typing import TYPE_CHECKING
 
+from .._lazy import lazy_exports
 from ..abc import Execution as Execution
 from ..abc import Unit as Unit
 
@@ -23,14 +23,4 @@ _ADAPTERS = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _ADAPTERS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_ADAPTERS})
+__getattr__, __dir__ = lazy_exports(__name__, _ADAPTERS)
