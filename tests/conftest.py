@@ -18,8 +18,8 @@ from trio_supervisor import MemoryStore, Supervisor
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.testing import FakeExecution
 
-from . import harness
-from .harness import supervise
+from . import support
+from .support import supervise
 
 # The tests of these rules run twice: on the embedded supervisor, and over the wire
 # (SERVICE.md section A), except those marked ``embedded_only`` (they look inside it).
@@ -40,11 +40,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def wire(request: pytest.FixtureRequest) -> Iterator[str]:
     """How this test reaches its supervisor: "embedded", or "remote" over HTTP."""
     chosen = getattr(request, "param", "embedded")
-    harness.WIRE[0] = chosen
+    support.WIRE[0] = chosen
     try:
         yield chosen
     finally:
-        harness.WIRE[0] = "embedded"
+        support.WIRE[0] = "embedded"
 
 
 _PR_SET_CHILD_SUBREAPER = 36

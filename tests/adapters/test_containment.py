@@ -43,7 +43,6 @@ from trio_supervisor import (
     Load,
     LoadedRecord,
     MemoryStore,
-    StoppedRecord,
     SubprocessExecution,
     Supervisor,
     Termination,
@@ -54,7 +53,16 @@ from trio_supervisor.executions import _containment
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.executions._unit import ProcessUnit
 
-from ..harness import running, until_logged
+from ..support import (
+    launched,
+    reap_orphans,
+    running,
+    settled,
+    survivors,
+    until,
+    until_logged,
+    until_stopped,
+)
 
 PLUGINS = Path(__file__).parent / "plugins_escape"
 RUNNER = PLUGINS / "runner.py"
@@ -119,17 +127,6 @@ def kill_marked(nonce: str) -> set[int]:
     return found
 
 
-def reap_orphans() -> None:
-    """Reap the zombies re-parented to us (the test process is a child subreaper)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
 @contextlib.contextmanager
 def reaping() -> Iterator[None]:
     """Reap, in the background, the zombies re-parented to us, as an init would.
@@ -158,10 +155,8 @@ def reaping() -> Iterator[None]:
 
 def gone_within(nonce: str, seconds: float) -> set[int]:
     """Wait until nothing carries the marker; what still does after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while (alive := marked(nonce)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
+    settled(lambda: not marked(nonce), seconds)
+    return marked(nonce)
 
 
 @pytest.fixture
@@ -239,15 +234,6 @@ def assert_swept(name: str, termination: Termination) -> None:
         assert termination.exit.descendants_killed >= LEAVES[name], (name, termination)
     else:
         assert termination.exit.descendants_killed == LEAVES[name], (name, termination)
-
-
-async def until_stopped(supervisor: Supervisor, handle: Handle) -> StoppedRecord:
-    with trio.fail_after(BOUND):
-        while True:
-            record = await supervisor.status(handle)
-            if isinstance(record, StoppedRecord):
-                return record
-            await trio.sleep(0.02)
 
 
 # -- ways out, in this process ----------------------------------------------------------
@@ -383,9 +369,7 @@ async def test_a_named_command_s_daemon_ends_with_it(
         def daemonized() -> bool:  # setsid has run (its argv carries the marker already)
             return any(getattr(read_stat(pid), "session", 0) == pid for pid in marked(nonce))
 
-        with trio.fail_after(BOUND):
-            while not daemonized():  # noqa: ASYNC110  # /proc has nothing to wait on
-                await trio.sleep(0.02)
+        await until(daemonized, "the command's daemon called setsid", bound=BOUND)
         with trio.fail_after(BOUND):
             termination = await supervisor.dispose(record.handle)
         assert termination == Termination(
@@ -400,30 +384,17 @@ async def test_a_named_command_s_daemon_ends_with_it(
 @contextlib.contextmanager
 def held(
     state: Path, containment: str, nonce: str
-) -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
+) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, int]]]:
     """A runner (``plugins_escape/runner.py``) holding every escape plugin; it and its
     children's pids by plugin (and the fork server's as "server", with a containment
     ending in "+fork"). Killed, if it still runs, at the end."""
-    runner = subprocess.Popen(
-        [sys.executable, str(RUNNER), str(state), containment, "hold", nonce],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        assert runner.stdout is not None
+    command: list[str | Path] = [sys.executable, RUNNER, state, containment, "hold", nonce]
+    with launched(command, ready=lambda line: line == "holding\n", stop=signal.SIGKILL) as runner:
         children = {}
-        while (line := runner.stdout.readline()) != "holding\n":
-            assert line, "the runner exited before it held its children"
+        for line in runner.lines[:-1]:  # "child NAME PID"
             _, name, pid = line.split()
             children[name] = int(pid)
-        yield runner, children
-    finally:
-        if runner.poll() is None:
-            runner.kill()
-        runner.wait()
-        if runner.stdout is not None:
-            runner.stdout.close()
+        yield runner.process, children
 
 
 def left_in(state: Path) -> set[int]:
@@ -451,11 +422,8 @@ def test_a_killed_runner_leaves_nothing_behind(
         # The dead-man switch: every tree ends with its runner, within the lease + 2 s.
         # (A namespace's processes are gone a moment before its PID 1, whose exit ends
         # them, has finished exiting.)
-        deadline = time.monotonic() + LEASE + 2
         assert gone_within(nonce, LEASE + 2) == set()
-        while any(running(pid) for pid in children.values()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not any(running(pid) for pid in children.values())
+        assert not survivors(children.values(), LEASE + 2)
     reap_orphans()
 
 

@@ -30,7 +30,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.executions._groups import read_stat
 
-from ..harness import opened, report_in, until_logged
+from ..support import opened, report_in, until_logged
 from .test_standby import bootstraps
 
 PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"

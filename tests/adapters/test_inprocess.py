@@ -27,7 +27,7 @@ from trio_supervisor import (
     TerminationUnconfirmedError,
 )
 
-from ..harness import opened, supervise
+from ..support import opened, supervise
 
 seen: list[PluginContext] = []
 
@@ -169,10 +169,16 @@ async def test_a_plugin_that_returns_or_raises_exits_by_itself(
     [
         ("nothing", "no plugin is registered for the specifier 'nothing'"),
         ("tests.no_such_module:main", "cannot import 'tests.no_such_module:main'"),
-        ("tests.adapters.test_inprocess:missing", "tests.adapters.test_inprocess defines no 'missing'"),
+        (
+            "tests.adapters.test_inprocess:missing",
+            "tests.adapters.test_inprocess defines no 'missing'",
+        ),
         ("tests.adapters.test_inprocess:not_a_function", "names a int, not a function"),
         ("tests.adapters.test_inprocess:__class__", "'__class__' is not a public name"),
-        ("tests.adapters.test_inprocess:Load", "trio_supervisor.model.Load, imported by the plugin"),
+        (
+            "tests.adapters.test_inprocess:Load",
+            "trio_supervisor.model.Load, imported by the plugin",
+        ),
         (":main", "not of the form"),
     ],
 )

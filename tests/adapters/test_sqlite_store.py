@@ -40,7 +40,7 @@ from trio_supervisor import (
 from trio_supervisor.abc import Store
 from trio_supervisor.testing import FakeExecution
 
-from ..harness import KEY, opened, supervise
+from ..support import KEY, opened, supervise
 
 DONE = Termination(kind="exited", exit=ExitStatus(code=0))
 

@@ -29,7 +29,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.executions._groups import read_stat
 
-from ..harness import opened, process_state, report_in, running, until_logged
+from ..support import opened, process_state, report_in, running, until_logged
 
 PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"
 BOUND = 20.0

@@ -37,7 +37,7 @@ from trio_supervisor._core.lifecycle import Lifecycle, recovered
 from trio_supervisor.testing import FakeExecution
 from trio_supervisor.testing.fakes import FakeUnit
 
-from ..harness import KEY, opened, supervise
+from ..support import KEY, opened, supervise
 
 
 def causes(error: BaseException) -> list[BaseException]:

@@ -29,7 +29,7 @@ import trio
 from trio_supervisor.cli import DEFAULT_URL
 from trio_supervisor.client import connect
 
-from .test_operators import NotListening, Runner, open_sessions, serving
+from ..support import NotReady, Runner, open_sessions, serving
 
 DEFAULT_LISTEN: Final = "127.0.0.1:8470"
 COMMAND_TIMEOUT: Final = 60.0  # seconds one command may take
@@ -95,7 +95,7 @@ def operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     with contextlib.ExitStack() as stack:
         runner: Runner | None = None
         if port_free(DEFAULT_LISTEN):
-            with contextlib.suppress(NotListening):  # taken meanwhile: any port will do
+            with contextlib.suppress(NotReady):  # taken meanwhile: any port will do
                 runner = stack.enter_context(
                     serving(None, listen=DEFAULT_LISTEN, cwd=directory, log=log)
                 )

@@ -20,7 +20,7 @@ from trio_supervisor import Handle, Key, Load, MemoryStore, Supervisor
 from trio_supervisor.client import RunnerAccessError, SessionLostError, connect
 from trio_supervisor.testing import FakeExecution
 
-from ..harness import HOSTS_TOKEN, KEY, OPERATOR_TOKEN, opened, served, supervise, supervise_served
+from ..support import HOSTS_TOKEN, KEY, OPERATOR_TOKEN, opened, served, supervise, supervise_served
 
 HOSTS = {"Authorization": f"Bearer {HOSTS_TOKEN}"}
 OPERATORS = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
