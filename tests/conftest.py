@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import faulthandler
 import os
 import signal
 import sys
 import threading
+import traceback
+import types
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import pytest_timeout  # type: ignore[import-untyped]
+import trio
 
 from trio_supervisor import MemoryStore, Supervisor
 from trio_supervisor.executions._groups import read_stat
@@ -66,39 +70,69 @@ def _children(pid: int) -> list[tuple[int, str]]:
 
 
 # A test that deadlocks never ends under an autojump clock (nothing is left to jump to).
-# Rather than hang the run, end it with every thread's traceback. Seconds of real time
-# per test; 0 turns the guard off (the deep conformance profile runs for minutes).
-HANG_TIMEOUT = float(os.environ.get("TRIO_SUPERVISOR_TEST_TIMEOUT", "600"))
+# pytest-timeout ends it: after ``timeout`` seconds (pyproject.toml; PYTEST_TIMEOUT or
+# --timeout override it, 0 turns it off) its "thread" method dumps every thread's stack
+# and ends the run. (Its "signal" method raises inside Trio's run loop: pytest dies with an
+# INTERNALERROR and no useful traceback.) A thread's stack shows only Trio waiting for I/O,
+# so the tasks' own tracebacks, where each one awaits, are written first.
 
 
-@pytest.fixture(autouse=True)
-def no_hang(request: pytest.FixtureRequest) -> Iterator[None]:
-    if HANG_TIMEOUT <= 0:
-        yield
-        return
-    capture = request.config.pluginmanager.getplugin("capturemanager")
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """Start pytest-timeout's "thread" timer, with the Trio tasks' tracebacks added."""
+    if settings.method != "thread":
+        return None  # pytest-timeout's own
 
-    def hung() -> None:
-        try:
-            if capture is not None:
-                capture.suspend_global_capture(in_=True)  # write to the real stderr
-            stream = sys.__stderr__ or sys.stderr
-            stream.write(
-                f"\n{request.node.nodeid} still runs after {HANG_TIMEOUT:g} s: deadlocked? "
-                "Every thread's traceback follows; the run ends here.\n"
-            )
-            stream.flush()
-            faulthandler.dump_traceback(file=stream, all_threads=True)
-        finally:
-            os._exit(1)
+    def expired() -> None:
+        main = sys._current_frames().get(threading.main_thread().ident or 0)
+        stream = sys.__stderr__ or sys.stderr
+        stream.write(
+            f"\n{item.nodeid} still runs after {settings.timeout:g} s: deadlocked? "
+            "Its Trio tasks, then every thread's stack, follow; the run ends here.\n"
+            + trio_tasks(main)
+        )
+        stream.flush()
+        pytest_timeout.timeout_timer(item, settings)  # dumps the threads, then os._exit(1)
 
-    timer = threading.Timer(HANG_TIMEOUT, hung)
+    timer = threading.Timer(settings.timeout, expired)
+    timer.name = f"pytest_timeout {item.nodeid}"
     timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
+
+    def cancel() -> None:
         timer.cancel()
+        timer.join()
+
+    item.cancel_timeout = cancel  # type: ignore[attr-defined]  # pytest-timeout's own slot
+    timer.start()
+    return True
+
+
+def trio_tasks(frame: types.FrameType | None) -> str:
+    """Where each task of the Trio run on ``frame``'s stack awaits, as tracebacks."""
+    while frame is not None and not (
+        frame.f_globals.get("__name__") == "trio._core._run" and "runner" in frame.f_locals
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return "(no Trio run)\n"
+    lines: list[str] = []
+
+    def walk(task: trio.lowlevel.Task, depth: int) -> None:
+        indent = "  " * depth
+        lines.append(f"{indent}task {task.name}:\n")
+        for code_frame, line in task.iter_await_frames():
+            summary = traceback.FrameSummary(
+                code_frame.f_code.co_filename, line, code_frame.f_code.co_name
+            )
+            lines.append(f'{indent}  File "{summary.filename}", line {line}, in {summary.name}\n')
+            if summary.line:
+                lines.append(f"{indent}    {summary.line}\n")
+        for nursery in task.child_nurseries:
+            for child in nursery.child_tasks:
+                walk(child, depth + 1)
+
+    walk(frame.f_locals["runner"].init_task, 0)
+    return "".join(lines)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,4 +1,5 @@
-"""The run's hang guard: a deadlocked test ends the run with tracebacks, not never."""
+"""The run's hang guard: a deadlocked Trio test ends the run with a failure and
+tracebacks (pytest-timeout, as pyproject.toml and tests/conftest.py set it up), not never."""
 
 from __future__ import annotations
 
@@ -9,25 +10,48 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 
+DEADLOCK = """\
+import trio
 
-def test_a_deadlocked_test_ends_the_run(tmp_path: Path) -> None:
-    (tmp_path / "test_deadlock.py").write_text(
-        "import trio\n\n"
-        "async def test_waits_for_nothing(autojump_clock):\n"
-        "    await trio.Event().wait()  # nobody will ever set it\n"
+
+async def test_waits_for_nothing(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.sleep_forever, name="helper")
+        await trio.Event().wait()  # nobody will ever set it
+
+
+def test_never_reached():
+    pass
+"""
+
+
+def test_a_deadlocked_trio_test_ends_the_run_with_its_tracebacks(tmp_path: Path) -> None:
+    (tmp_path / "test_deadlock.py").write_text(DEADLOCK)
+    (tmp_path / "conftest.py").write_text(
+        "from tests.conftest import pytest_timeout_set_timer  # noqa: F401\n"
     )
-    (tmp_path / "pytest.ini").write_text("[pytest]\ntrio_mode = true\n")
-    (tmp_path / "conftest.py").write_text("from tests.conftest import no_hang  # noqa: F401\n")
-    environment = {**os.environ, "TRIO_SUPERVISOR_TEST_TIMEOUT": "1", "PYTHONPATH": str(ROOT)}
+    # The project's own settings (pyproject.toml), with the timeout the nox sessions set
+    # through the environment shortened to 1 s.
+    environment = {**os.environ, "PYTEST_TIMEOUT": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml")]
+    command += ["--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-v", str(tmp_path)]
     completed = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        command,
         cwd=tmp_path,
         env=environment,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
         check=False,
     )
-    assert completed.returncode != 0
-    assert "test_waits_for_nothing still runs after 1 s: deadlocked?" in completed.stderr
-    assert "Thread" in completed.stderr  # the tracebacks
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 1, output
+    assert "test_deadlock.py::test_waits_for_nothing still runs after 1 s: deadlocked?" in output
+    # Where each Trio task awaits: the test, and the task it started.
+    test_task = output.index("task <test 'test_waits_for_nothing'>:")
+    assert "await trio.Event().wait()  # nobody will ever set it" in output[test_task:], output
+    helper = output.index("task helper:", test_task)
+    assert "in sleep_forever" in output[helper:], output
+    # Then every thread's stack, from pytest-timeout, and the run ends there.
+    assert "Stack of MainThread" in output, output
+    assert "test_never_reached" not in output, output
