@@ -5,14 +5,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import traceback
 import types
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 import pytest_timeout  # type: ignore[import-untyped]
@@ -160,6 +162,52 @@ def no_leaked_processes() -> Iterator[None]:
                 os.waitpid(pid, 0)
     if leaked:
         pytest.fail("child processes outlived the test run:\n" + "\n".join(leaked), pytrace=False)
+
+
+# Temporary files: none in the system's temporary directory. The run gets one of its own,
+# under the project, for as long as it runs: TMPDIR (so tempfile, and every process the
+# tests start, write there) is a fresh directory that must be empty when the run ends,
+# which it then removes. A check of /tmp itself would be blind to whose entries it sees,
+# on a machine where other runs use it at the same time; this one sees only this run's.
+# pytest's own tmp_path directories go below the project too (PYTEST_DEBUG_TEMPROOT),
+# numbered per run as pytest makes them in /tmp, so runs side by side (mutmut's) never
+# share one, as they would a fixed --basetemp, which each run empties first. With
+# tmp_path_retention_policy = "failed" (pyproject.toml) only failed tests' directories
+# are kept, for the last three runs.
+TEMPORARY: Final = Path(__file__).parents[1] / ".pytest-tmp"
+_RUN_TEMPORARY: list[Path] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    TEMPORARY.mkdir(exist_ok=True)
+    ignore = TEMPORARY / ".gitignore"
+    if not ignore.exists():
+        ignore.write_text("# tests/conftest.py: the test runs' temporary files\n*\n")
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", str(TEMPORARY))
+    run = Path(tempfile.mkdtemp(prefix="tmpdir-", dir=TEMPORARY))
+    _RUN_TEMPORARY.append(run)
+    os.environ["TMPDIR"] = str(run)
+    tempfile.tempdir = None  # tempfile.gettempdir() reads TMPDIR again
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _RUN_TEMPORARY:
+        shutil.rmtree(_RUN_TEMPORARY.pop(), ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_temporary_files() -> Iterator[None]:
+    """Fail the run if it left anything in the system's temporary directory (the run's
+    own, see above), instead of a tmp_path."""
+    yield
+    directory = Path(tempfile.gettempdir())
+    left = sorted(entry.name for entry in directory.iterdir())
+    if left:
+        pytest.fail(
+            f"the run left {len(left)} entries in the temporary directory {directory} "
+            f"(use tmp_path or tmp_path_factory): {', '.join(left[:20])}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture

@@ -25,7 +25,6 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -583,6 +582,24 @@ def test_an_unknown_containment_is_refused(tmp_path: Path) -> None:
         SubprocessExecution(tmp_path, containment="cgroup")  # type: ignore[arg-type]
 
 
+@pytest.fixture
+def nobody_may_enter(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """tmp_path, which nobody may enter: the directories pytest made above it (0o700) let
+    others pass through for the test's duration."""
+    top = tmp_path_factory.getbasetemp().parent  # pytest-of-USER
+    opened = []
+    for directory in (above for above in tmp_path.parents if above.is_relative_to(top)):
+        mode = stat.S_IMODE(directory.stat().st_mode)
+        if not mode & stat.S_IXOTH:
+            directory.chmod(mode | stat.S_IXOTH)
+            opened.append((directory, mode))
+    try:
+        yield tmp_path
+    finally:
+        for directory, mode in opened:
+            directory.chmod(mode)
+
+
 NOBODY_PYTHON = Path("/usr/bin/python3")
 
 
@@ -604,30 +621,30 @@ def as_nobody(directory: Path) -> Path:
     or not NOBODY_PYTHON.exists(),
     reason="needs root (to start children as nobody), setpriv and a system Python",
 )
-async def test_an_unprivileged_child_gets_its_namespace_in_a_user_namespace(nonce: str) -> None:
+async def test_an_unprivileged_child_gets_its_namespace_in_a_user_namespace(
+    nobody_may_enter: Path, nonce: str
+) -> None:
     # The children run as nobody, who may not unshare a PID namespace but may make a
     # user namespace and one inside it.
-    directory = Path(tempfile.mkdtemp(prefix="containment-"))  # nobody may enter it
-    try:
-        python = as_nobody(directory)
-        async with (
-            SubprocessExecution(directory, entry_paths=[PLUGINS], python=str(python)) as execution,
-            open_supervisor(MemoryStore(), execution, grace=5.0) as supervisor,
-        ):
-            assert execution.mechanism.unshare == "user"
-            record = await supervisor.open(Key(identity="escape", instance="daemon"), "d")
-            await supervisor.load(
-                record.handle, Load(specifier="escapes:daemon", config={"nonce": nonce})
-            )
-            await until_logged(execution, record.handle, "ready", bound=BOUND)
-            [pid] = left(execution, record.handle)
-            assert running(pid)
-            assert os.stat(f"/proc/{pid}").st_uid == 65534
-            with trio.fail_after(BOUND):
-                termination = await supervisor.dispose(record.handle)
-            assert termination == Termination(
-                kind="exited", exit=ExitStatus(code=0, descendants_killed=1)
-            )
-            assert marked(nonce) == set()
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    python = as_nobody(nobody_may_enter)
+    async with (
+        SubprocessExecution(
+            nobody_may_enter, entry_paths=[PLUGINS], python=str(python)
+        ) as execution,
+        open_supervisor(MemoryStore(), execution, grace=5.0) as supervisor,
+    ):
+        assert execution.mechanism.unshare == "user"
+        record = await supervisor.open(Key(identity="escape", instance="daemon"), "d")
+        await supervisor.load(
+            record.handle, Load(specifier="escapes:daemon", config={"nonce": nonce})
+        )
+        await until_logged(execution, record.handle, "ready", bound=BOUND)
+        [pid] = left(execution, record.handle)
+        assert running(pid)
+        assert os.stat(f"/proc/{pid}").st_uid == 65534
+        with trio.fail_after(BOUND):
+            termination = await supervisor.dispose(record.handle)
+        assert termination == Termination(
+            kind="exited", exit=ExitStatus(code=0, descendants_killed=1)
+        )
+        assert marked(nonce) == set()
