@@ -591,3 +591,23 @@ async def open_sessions(
                 await host.load(record.handle, Load(specifier="heartbeat:main"))
             handles.append(record.handle)
     return handles
+
+
+def run_pytest(
+    directory: Path, *arguments: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Another pytest run, of the tests in ``directory``, with the project's settings
+    (pyproject.toml) and ``tests`` importable; its tmp_path directories go in
+    ``directory`` too. For the tests of the run's own guards (conftest.py)."""
+    command: list[str] = [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml")]
+    command += ["--rootdir", str(directory), "-p", "no:cacheprovider"]
+    command += ["--basetemp", str(directory / "basetemp"), *arguments, str(directory)]
+    return subprocess.run(
+        command,
+        cwd=directory,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )

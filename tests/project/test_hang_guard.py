@@ -3,12 +3,9 @@ tracebacks (pytest-timeout, as pyproject.toml and tests/conftest.py set it up), 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).parents[2]
+from ..support import run_pytest
 
 DEADLOCK = """\
 import trio
@@ -30,20 +27,9 @@ def test_a_deadlocked_trio_test_ends_the_run_with_its_tracebacks(tmp_path: Path)
     (tmp_path / "conftest.py").write_text(
         "from tests.conftest import pytest_timeout_set_timer  # noqa: F401\n"
     )
-    # The project's own settings (pyproject.toml), with the timeout the nox sessions set
-    # through the environment shortened to 1 s.
-    environment = {**os.environ, "PYTEST_TIMEOUT": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml")]
-    command += ["--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-v", str(tmp_path)]
-    completed = subprocess.run(
-        command,
-        cwd=tmp_path,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    # The project's own settings, with the timeout the nox sessions set through the
+    # environment shortened to 1 s.
+    completed = run_pytest(tmp_path, "-v", env={"PYTEST_TIMEOUT": "1"})
     output = completed.stdout + completed.stderr
     assert completed.returncode == 1, output
     assert "test_deadlock.py::test_waits_for_nothing still runs after 1 s: deadlocked?" in output

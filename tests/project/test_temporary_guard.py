@@ -3,13 +3,10 @@ directory fails, naming it; the tests' own files go in tmp_path (tests/conftest.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).parents[2]
+from ..support import ROOT, run_pytest
 
 TESTS = """\
 import tempfile
@@ -30,32 +27,15 @@ CONFTEST = (
 )
 
 
-def run(directory: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
-    """pytest on ``directory`` with the project's settings (pyproject.toml); its tmp_path
-    directories go in ``directory`` too."""
-    command = [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml")]
-    command += ["--rootdir", str(directory), "-p", "no:cacheprovider"]
-    command += ["--basetemp", str(directory / "basetemp"), *arguments]
-    return subprocess.run(
-        command,
-        cwd=directory,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_a_run_that_leaves_a_temporary_file_fails_naming_it(tmp_path: Path) -> None:
     (tmp_path / "test_leaving.py").write_text(TESTS)
     (tmp_path / "conftest.py").write_text(CONFTEST)
 
-    clean = run(tmp_path, "-k", "tmp_path", str(tmp_path))
+    clean = run_pytest(tmp_path, "-k", "tmp_path")
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert "1 passed" in clean.stdout
 
-    leaking = run(tmp_path, str(tmp_path))
+    leaking = run_pytest(tmp_path)
     output = leaking.stdout + leaking.stderr
     assert leaking.returncode == 1, output
     assert "2 passed, 1 error" in output  # the guard's, at the end of the run
