@@ -86,15 +86,19 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
         return None  # pytest-timeout's own
 
     def expired() -> None:
-        main = sys._current_frames().get(threading.main_thread().ident or 0)
         stream = sys.__stderr__ or sys.stderr
-        stream.write(
-            f"\n{item.nodeid} still runs after {settings.timeout:g} s: deadlocked? "
-            "Its Trio tasks, then every thread's stack, follow; the run ends here.\n"
-            + trio_tasks(main)
-        )
-        stream.flush()
-        pytest_timeout.timeout_timer(item, settings)  # dumps the threads, then os._exit(1)
+        try:
+            stream.write(
+                f"\n{item.nodeid} still runs after {settings.timeout:g} s: deadlocked? "
+                "Its Trio tasks, then every thread's stack, follow; the run ends here.\n"
+            )
+            main = sys._current_frames().get(threading.main_thread().ident or 0)
+            stream.write(trio_tasks(main))
+        except Exception:  # the tasks moved meanwhile (the test was busy, not stuck)
+            traceback.print_exc(file=stream)
+        finally:
+            stream.flush()
+            pytest_timeout.timeout_timer(item, settings)  # dumps the threads, os._exit(1)
 
     timer = threading.Timer(settings.timeout, expired)
     timer.name = f"pytest_timeout {item.nodeid}"

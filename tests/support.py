@@ -326,10 +326,6 @@ class Launched:
         self.lines = lines
         self.log = log
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
     def stderr(self, last: int | None = None) -> str:
         """What it logged so far (its ``last`` lines only, if given)."""
         if self.log is None:
