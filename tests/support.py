@@ -234,15 +234,23 @@ T = TypeVar("T")
 
 @overload
 async def until(
-    condition: Callable[[], Awaitable[T | None]], what: str, *, bound: float = ...
+    condition: Callable[[], Awaitable[T | None]],
+    what: str,
+    *,
+    bound: float = ...,
+    every: float = ...,
 ) -> T: ...
 @overload
-async def until(condition: Callable[[], T | None], what: str, *, bound: float = ...) -> T: ...
-async def until(condition: Callable[[], Any], what: str, *, bound: float = 20.0) -> Any:
+async def until(
+    condition: Callable[[], T | None], what: str, *, bound: float = ..., every: float = ...
+) -> T: ...
+async def until(
+    condition: Callable[[], Any], what: str, *, bound: float = 20.0, every: float = 0.02
+) -> Any:
     """Poll ``condition()`` (awaited if it is async) until it is truthy; return that value.
 
-    For what has nothing to wait on (/proc, a file, a runner over HTTP). Fails naming
-    ``what`` after ``bound`` seconds.
+    For what has nothing to wait on (/proc, a file, a runner over HTTP), asked every
+    ``every`` seconds. Fails naming ``what`` after ``bound`` seconds.
     """
     with trio.move_on_after(bound):
         while True:
@@ -251,19 +259,19 @@ async def until(condition: Callable[[], Any], what: str, *, bound: float = 20.0)
                 value = await value
             if value:
                 return value
-            await trio.sleep(0.02)
+            await trio.sleep(every)
     raise AssertionError(f"{what}: not within {bound:g} s")
 
 
-def settled(condition: Callable[[], T], bound: float) -> T:
-    """Poll ``condition()``, blocking, until it is truthy or ``bound`` seconds passed; its
-    last value (truthy if it held in time).
+def settled(condition: Callable[[], T], bound: float, *, every: float = 0.02) -> T:
+    """Poll ``condition()``, blocking, every ``every`` seconds until it is truthy or
+    ``bound`` seconds passed; its last value (truthy if it held in time).
 
     For sync tests and fixtures; an async test uses :func:`until`.
     """
     deadline = time.monotonic() + bound
     while not (value := condition()) and time.monotonic() < deadline:
-        time.sleep(0.02)
+        time.sleep(every)
     return value
 
 

@@ -29,7 +29,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.executions._groups import read_stat
 
-from ..support import opened, process_state, report_in, running, until_logged
+from ..support import opened, process_state, report_in, running, until, until_logged
 
 PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"
 BOUND = 20.0
@@ -60,14 +60,16 @@ async def standby_other_than(execution: SubprocessExecution, *taken: int) -> int
     Looked for once the execution has one ready: until then, a bootstrap that makes its
     child's namespace is still on its way out, and the T it made is not ours yet.
     """
-    with trio.fail_after(BOUND):
-        while True:
-            waiting = bootstraps() - set(taken)
-            ready = execution._standby.ready  # white-box: only when to look
-            if waiting and ready is not None and ready.process.pid not in taken:
-                assert len(waiting) == 1, f"more than one standby: {waiting}"
-                return waiting.pop()
-            await trio.sleep(0.01)
+
+    def waiting() -> int | None:
+        others = bootstraps() - set(taken)
+        ready = execution._standby.ready  # white-box: only when to look
+        if others and ready is not None and ready.process.pid not in taken:
+            assert len(others) == 1, f"more than one standby: {others}"
+            return others.pop()
+        return None
+
+    return await until(waiting, "a standby interpreter is ready", bound=BOUND)
 
 
 @pytest.fixture
@@ -156,9 +158,7 @@ async def test_a_standby_that_died_is_replaced_by_a_fresh_child(
     ahead = await standby_other_than(execution)
     os.kill(ahead, signal.SIGKILL)
     if reaped_first:
-        with trio.fail_after(BOUND):
-            while process_state(ahead) != "Z":  # noqa: ASYNC110
-                await trio.sleep(0.01)
+        await until(lambda: process_state(ahead) == "Z", "the killed standby", bound=BOUND)
     handle = await opened(sup)
     await sup.load(handle, Load(specifier="inspector:main"))
     record = await sup.status(handle)
