@@ -188,7 +188,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if not ignore.exists():
         ignore.write_text("# tests/conftest.py: the test runs' temporary files\n*\n")
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", str(TEMPORARY))
-    run = Path(tempfile.mkdtemp(prefix="tmpdir-", dir=TEMPORARY))
+    for left in TEMPORARY.glob("tmpdir-*-*"):  # a run that was killed (a hang) left it
+        pid = left.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(left, ignore_errors=True)
+    run = Path(tempfile.mkdtemp(prefix=f"tmpdir-{os.getpid()}-", dir=TEMPORARY))
     _RUN_TEMPORARY.append(run)
     os.environ["TMPDIR"] = str(run)
     tempfile.tempdir = None  # tempfile.gettempdir() reads TMPDIR again
