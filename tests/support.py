@@ -16,7 +16,15 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from pathlib import Path
 from typing import Any, Final, TypeVar, cast, overload
 
@@ -598,18 +606,20 @@ async def open_sessions(
 
 
 def run_pytest(
-    directory: Path, *arguments: str, env: dict[str, str] | None = None
+    directory: Path, *arguments: str, env: Mapping[str, str | None] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Another pytest run, of the tests in ``directory``, with the project's settings
     (pyproject.toml) and ``tests`` importable; its tmp_path directories go in
-    ``directory`` too. For the tests of the run's own guards (conftest.py)."""
+    ``directory`` too. ``env`` adds to the environment (None: takes the variable out).
+    For the tests of the run's own guards (conftest.py)."""
     command: list[str] = [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml")]
     command += ["--rootdir", str(directory), "-p", "no:cacheprovider"]
     command += ["--basetemp", str(directory / "basetemp"), *arguments, str(directory)]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(
         command,
         cwd=directory,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        env={name: value for name, value in environment.items() if value is not None},
         capture_output=True,
         text=True,
         timeout=120,

@@ -41,3 +41,17 @@ def test_a_deadlocked_trio_test_ends_the_run_with_its_tracebacks(tmp_path: Path)
     # Then every thread's stack, from pytest-timeout, and the run ends there.
     assert "Stack of MainThread" in output, output
     assert "test_never_reached" not in output, output
+
+
+def test_a_test_may_run_for_600_s_unless_pytest_timeout_says_otherwise(tmp_path: Path) -> None:
+    (tmp_path / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    default = run_pytest(tmp_path, "-v", env={"PYTEST_TIMEOUT": None})
+    assert default.returncode == 0, default.stdout + default.stderr
+    assert "timeout: 600.0s\ntimeout method: thread\n" in default.stdout, default.stdout
+    # What the nox sessions set: 60 (mutants), and 0, off (conformance).
+    shorter = run_pytest(tmp_path, "-v", env={"PYTEST_TIMEOUT": "60"})
+    assert shorter.returncode == 0, shorter.stdout + shorter.stderr
+    assert "timeout: 60.0s\n" in shorter.stdout, shorter.stdout
+    off = run_pytest(tmp_path, "-v", env={"PYTEST_TIMEOUT": "0"})
+    assert off.returncode == 0, off.stdout + off.stderr
+    assert "timeout:" not in off.stdout, off.stdout
