@@ -88,7 +88,7 @@ def conformance(session: nox.Session) -> None:
     """The conformance machines with the deep Hypothesis profile (>= 20,000 examples)."""
     session.install("-e", ".[test]")
     session.env["TRIO_SUPERVISOR_CONFORMANCE"] = "deep"
-    session.env["TRIO_SUPERVISOR_TEST_TIMEOUT"] = "0"  # each machine runs for minutes
+    session.env["PYTEST_TIMEOUT"] = "0"  # pytest-timeout off: each machine runs for minutes
     session.run("python", "-m", "pytest", "tests/conformance/test_conformance.py", *session.posargs)
 
 
@@ -106,7 +106,7 @@ def mutants(session: nox.Session) -> None:
     """Mutation testing of lifecycle.py and supervisor.py (mutmut); prints the kill rate."""
     session.install("-e", ".[test]", "mutmut>=3.3")
     # A mutant that deadlocks a test fails it after 60 s instead of hanging the run.
-    session.env["TRIO_SUPERVISOR_TEST_TIMEOUT"] = "60"
+    session.env["PYTEST_TIMEOUT"] = "60"  # pytest-timeout
     session.run("mutmut", "run", *session.posargs)
     session.run("mutmut", "results")
 

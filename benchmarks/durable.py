@@ -217,8 +217,12 @@ def batched_rate(cycles: int) -> float:
 
 
 def run(quick: bool, rounds: int) -> list[Result]:
+    with tempfile.TemporaryDirectory(prefix="trio-supervisor-bench-") as directory:
+        return _run(quick, rounds, Path(directory))
+
+
+def _run(quick: bool, rounds: int, directory: Path) -> list[Result]:
     cycles = 3 if quick else 20
-    directory = Path(tempfile.mkdtemp(prefix="trio-supervisor-bench-"))
 
     def sqlite_store() -> Store:
         return SqliteStore(directory / f"{uuid.uuid4().hex}.db")

@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import faulthandler
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
+import traceback
+import types
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any, Final
 
 import pytest
+import pytest_timeout  # type: ignore[import-untyped]
+import trio
 
 from trio_supervisor import MemoryStore, SupervisorAPI
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.testing import FakeExecution
 
-from . import harness
-from .harness import supervise
+from . import support
+from .support import supervise
 
 # The tests of these rules run twice: on the embedded supervisor, and over the wire
 # (docs/service.md section A), except those marked ``embedded_only`` (they look inside it).
@@ -40,11 +46,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def wire(request: pytest.FixtureRequest) -> Iterator[str]:
     """How this test reaches its supervisor: "embedded", or "remote" over HTTP."""
     chosen = getattr(request, "param", "embedded")
-    harness.WIRE[0] = chosen
+    support.WIRE[0] = chosen
     try:
         yield chosen
     finally:
-        harness.WIRE[0] = "embedded"
+        support.WIRE[0] = "embedded"
 
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -66,39 +72,73 @@ def _children(pid: int) -> list[tuple[int, str]]:
 
 
 # A test that deadlocks never ends under an autojump clock (nothing is left to jump to).
-# Rather than hang the run, end it with every thread's traceback. Seconds of real time
-# per test; 0 turns the guard off (the deep conformance profile runs for minutes).
-HANG_TIMEOUT = float(os.environ.get("TRIO_SUPERVISOR_TEST_TIMEOUT", "600"))
+# pytest-timeout ends it: after ``timeout`` seconds (pyproject.toml; PYTEST_TIMEOUT or
+# --timeout override it, 0 turns it off) its "thread" method dumps every thread's stack
+# and ends the run. (Its "signal" method raises inside Trio's run loop: pytest dies with an
+# INTERNALERROR and no useful traceback.) A thread's stack shows only Trio waiting for I/O,
+# so the tasks' own tracebacks, where each one awaits, are written first.
 
 
-@pytest.fixture(autouse=True)
-def no_hang(request: pytest.FixtureRequest) -> Iterator[None]:
-    if HANG_TIMEOUT <= 0:
-        yield
-        return
-    capture = request.config.pluginmanager.getplugin("capturemanager")
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """Start pytest-timeout's "thread" timer, with the Trio tasks' tracebacks added."""
+    if settings.method != "thread":
+        return None  # pytest-timeout's own
 
-    def hung() -> None:
+    def expired() -> None:
+        stream = sys.__stderr__ or sys.stderr
         try:
-            if capture is not None:
-                capture.suspend_global_capture(in_=True)  # write to the real stderr
-            stream = sys.__stderr__ or sys.stderr
             stream.write(
-                f"\n{request.node.nodeid} still runs after {HANG_TIMEOUT:g} s: deadlocked? "
-                "Every thread's traceback follows; the run ends here.\n"
+                f"\n{item.nodeid} still runs after {settings.timeout:g} s: deadlocked? "
+                "Its Trio tasks, then every thread's stack, follow; the run ends here.\n"
             )
-            stream.flush()
-            faulthandler.dump_traceback(file=stream, all_threads=True)
+            main = sys._current_frames().get(threading.main_thread().ident or 0)
+            stream.write(trio_tasks(main))
+        except Exception:  # the tasks moved meanwhile (the test was busy, not stuck)
+            traceback.print_exc(file=stream)
         finally:
-            os._exit(1)
+            stream.flush()
+            pytest_timeout.timeout_timer(item, settings)  # dumps the threads, os._exit(1)
 
-    timer = threading.Timer(HANG_TIMEOUT, hung)
+    timer = threading.Timer(settings.timeout, expired)
+    timer.name = f"pytest_timeout {item.nodeid}"
     timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
+
+    def cancel() -> None:
         timer.cancel()
+        timer.join()
+
+    item.cancel_timeout = cancel  # type: ignore[attr-defined]  # pytest-timeout's own slot
+    timer.start()
+    return True
+
+
+def trio_tasks(frame: types.FrameType | None) -> str:
+    """Where each task of the Trio run on ``frame``'s stack awaits, as tracebacks."""
+    while frame is not None and not (
+        frame.f_globals.get("__name__") == "trio._core._run" and "runner" in frame.f_locals
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return "(no Trio run)\n"
+    lines: list[str] = []
+
+    def walk(task: trio.lowlevel.Task, depth: int) -> None:
+        indent = "  " * depth
+        lines.append(f"{indent}task {task.name}:\n")
+        for code_frame, line in task.iter_await_frames():
+            summary = traceback.FrameSummary(
+                code_frame.f_code.co_filename, line, code_frame.f_code.co_name
+            )
+            lines.append(f'{indent}  File "{summary.filename}", line {line}, in {summary.name}\n')
+            if summary.line:
+                lines.append(f"{indent}    {summary.line}\n")
+        for nursery in task.child_nurseries:
+            for child in nursery.child_tasks:
+                walk(child, depth + 1)
+
+    walk(frame.f_locals["runner"].init_task, 0)
+    return "".join(lines)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -126,6 +166,56 @@ def no_leaked_processes() -> Iterator[None]:
                 os.waitpid(pid, 0)
     if leaked:
         pytest.fail("child processes outlived the test run:\n" + "\n".join(leaked), pytrace=False)
+
+
+# Temporary files: none in the system's temporary directory. The run gets one of its own,
+# under the project, for as long as it runs: TMPDIR (so tempfile, and every process the
+# tests start, write there) is a fresh directory that must be empty when the run ends,
+# which it then removes. A check of /tmp itself would be blind to whose entries it sees,
+# on a machine where other runs use it at the same time; this one sees only this run's.
+# pytest's own tmp_path directories go below the project too (PYTEST_DEBUG_TEMPROOT),
+# numbered per run as pytest makes them in /tmp, so runs side by side (mutmut's) never
+# share one, as they would a fixed --basetemp, which each run empties first. With
+# tmp_path_retention_policy = "failed" (pyproject.toml) only failed tests' directories
+# are kept, for the last three runs.
+TEMPORARY: Final = Path(__file__).parents[1] / ".pytest-tmp"
+_RUN_TEMPORARY: list[Path] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    TEMPORARY.mkdir(exist_ok=True)
+    ignore = TEMPORARY / ".gitignore"
+    if not ignore.exists():
+        ignore.write_text("# tests/conftest.py: the test runs' temporary files\n*\n")
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", str(TEMPORARY))
+    for left in TEMPORARY.glob("tmpdir-*-*"):  # a run that was killed (a hang) left it
+        pid = left.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(left, ignore_errors=True)
+    run = Path(tempfile.mkdtemp(prefix=f"tmpdir-{os.getpid()}-", dir=TEMPORARY))
+    _RUN_TEMPORARY.append(run)
+    os.environ["TMPDIR"] = str(run)
+    tempfile.tempdir = None  # tempfile.gettempdir() reads TMPDIR again
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _RUN_TEMPORARY:
+        shutil.rmtree(_RUN_TEMPORARY.pop(), ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_temporary_files() -> Iterator[None]:
+    """Fail the run if it left anything in the system's temporary directory (the run's
+    own, see above), instead of a tmp_path."""
+    yield
+    directory = Path(tempfile.gettempdir())
+    left = sorted(entry.name for entry in directory.iterdir())
+    if left:
+        pytest.fail(
+            f"the run left {len(left)} entries in the temporary directory {directory} "
+            f"(use tmp_path or tmp_path_factory): {', '.join(left[:20])}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture

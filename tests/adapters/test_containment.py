@@ -25,7 +25,6 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -43,7 +42,6 @@ from trio_supervisor import (
     Load,
     LoadedRecord,
     MemoryStore,
-    StoppedRecord,
     SubprocessExecution,
     Supervisor,
     Termination,
@@ -54,7 +52,16 @@ from trio_supervisor.executions import _containment
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.executions._unit import ProcessUnit
 
-from ..harness import running, until_logged
+from ..support import (
+    launched,
+    reap_orphans,
+    running,
+    settled,
+    survivors,
+    until,
+    until_logged,
+    until_stopped,
+)
 
 PLUGINS = Path(__file__).parent / "plugins_escape"
 RUNNER = PLUGINS / "runner.py"
@@ -119,17 +126,6 @@ def kill_marked(nonce: str) -> set[int]:
     return found
 
 
-def reap_orphans() -> None:
-    """Reap the zombies re-parented to us (the test process is a child subreaper)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
 @contextlib.contextmanager
 def reaping() -> Iterator[None]:
     """Reap, in the background, the zombies re-parented to us, as an init would.
@@ -158,10 +154,8 @@ def reaping() -> Iterator[None]:
 
 def gone_within(nonce: str, seconds: float) -> set[int]:
     """Wait until nothing carries the marker; what still does after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while (alive := marked(nonce)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
+    settled(lambda: not marked(nonce), seconds)
+    return marked(nonce)
 
 
 @pytest.fixture
@@ -239,15 +233,6 @@ def assert_swept(name: str, termination: Termination) -> None:
         assert termination.exit.descendants_killed >= LEAVES[name], (name, termination)
     else:
         assert termination.exit.descendants_killed == LEAVES[name], (name, termination)
-
-
-async def until_stopped(supervisor: Supervisor, handle: Handle) -> StoppedRecord:
-    with trio.fail_after(BOUND):
-        while True:
-            record = await supervisor.status(handle)
-            if isinstance(record, StoppedRecord):
-                return record
-            await trio.sleep(0.02)
 
 
 # -- ways out, in this process ----------------------------------------------------------
@@ -383,9 +368,7 @@ async def test_a_named_command_s_daemon_ends_with_it(
         def daemonized() -> bool:  # setsid has run (its argv carries the marker already)
             return any(getattr(read_stat(pid), "session", 0) == pid for pid in marked(nonce))
 
-        with trio.fail_after(BOUND):
-            while not daemonized():  # noqa: ASYNC110  # /proc has nothing to wait on
-                await trio.sleep(0.02)
+        await until(daemonized, "the command's daemon called setsid", bound=BOUND)
         with trio.fail_after(BOUND):
             termination = await supervisor.dispose(record.handle)
         assert termination == Termination(
@@ -400,30 +383,17 @@ async def test_a_named_command_s_daemon_ends_with_it(
 @contextlib.contextmanager
 def held(
     state: Path, containment: str, nonce: str
-) -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
+) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, int]]]:
     """A runner (``plugins_escape/runner.py``) holding every escape plugin; it and its
     children's pids by plugin (and the fork server's as "server", with a containment
     ending in "+fork"). Killed, if it still runs, at the end."""
-    runner = subprocess.Popen(
-        [sys.executable, str(RUNNER), str(state), containment, "hold", nonce],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        assert runner.stdout is not None
+    command: list[str | Path] = [sys.executable, RUNNER, state, containment, "hold", nonce]
+    with launched(command, ready=lambda line: line == "holding\n", stop=signal.SIGKILL) as runner:
         children = {}
-        while (line := runner.stdout.readline()) != "holding\n":
-            assert line, "the runner exited before it held its children"
+        for line in runner.lines[:-1]:  # "child NAME PID"
             _, name, pid = line.split()
             children[name] = int(pid)
-        yield runner, children
-    finally:
-        if runner.poll() is None:
-            runner.kill()
-        runner.wait()
-        if runner.stdout is not None:
-            runner.stdout.close()
+        yield runner.process, children
 
 
 def left_in(state: Path) -> set[int]:
@@ -451,11 +421,8 @@ def test_a_killed_runner_leaves_nothing_behind(
         # The dead-man switch: every tree ends with its runner, within the lease + 2 s.
         # (A namespace's processes are gone a moment before its PID 1, whose exit ends
         # them, has finished exiting.)
-        deadline = time.monotonic() + LEASE + 2
         assert gone_within(nonce, LEASE + 2) == set()
-        while any(running(pid) for pid in children.values()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not any(running(pid) for pid in children.values())
+        assert not survivors(children.values(), LEASE + 2)
     reap_orphans()
 
 
@@ -615,6 +582,24 @@ def test_an_unknown_containment_is_refused(tmp_path: Path) -> None:
         SubprocessExecution(tmp_path, containment="cgroup")  # type: ignore[arg-type]
 
 
+@pytest.fixture
+def nobody_may_enter(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """tmp_path, which nobody may enter: the directories pytest made above it (0o700) let
+    others pass through for the test's duration."""
+    top = tmp_path_factory.getbasetemp().parent  # pytest-of-USER
+    opened = []
+    for directory in (above for above in tmp_path.parents if above.is_relative_to(top)):
+        mode = stat.S_IMODE(directory.stat().st_mode)
+        if not mode & stat.S_IXOTH:
+            directory.chmod(mode | stat.S_IXOTH)
+            opened.append((directory, mode))
+    try:
+        yield tmp_path
+    finally:
+        for directory, mode in opened:
+            directory.chmod(mode)
+
+
 NOBODY_PYTHON = Path("/usr/bin/python3")
 
 
@@ -636,30 +621,30 @@ def as_nobody(directory: Path) -> Path:
     or not NOBODY_PYTHON.exists(),
     reason="needs root (to start children as nobody), setpriv and a system Python",
 )
-async def test_an_unprivileged_child_gets_its_namespace_in_a_user_namespace(nonce: str) -> None:
+async def test_an_unprivileged_child_gets_its_namespace_in_a_user_namespace(
+    nobody_may_enter: Path, nonce: str
+) -> None:
     # The children run as nobody, who may not unshare a PID namespace but may make a
     # user namespace and one inside it.
-    directory = Path(tempfile.mkdtemp(prefix="containment-"))  # nobody may enter it
-    try:
-        python = as_nobody(directory)
-        async with (
-            SubprocessExecution(directory, entry_paths=[PLUGINS], python=str(python)) as execution,
-            open_supervisor(MemoryStore(), execution, grace=5.0) as supervisor,
-        ):
-            assert execution.mechanism.unshare == "user"
-            record = await supervisor.open(Key(identity="escape", instance="daemon"), "d")
-            await supervisor.load(
-                record.handle, Load(specifier="escapes:daemon", config={"nonce": nonce})
-            )
-            await until_logged(execution, record.handle, "ready", bound=BOUND)
-            [pid] = left(execution, record.handle)
-            assert running(pid)
-            assert os.stat(f"/proc/{pid}").st_uid == 65534
-            with trio.fail_after(BOUND):
-                termination = await supervisor.dispose(record.handle)
-            assert termination == Termination(
-                kind="exited", exit=ExitStatus(code=0, descendants_killed=1)
-            )
-            assert marked(nonce) == set()
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    python = as_nobody(nobody_may_enter)
+    async with (
+        SubprocessExecution(
+            nobody_may_enter, entry_paths=[PLUGINS], python=str(python)
+        ) as execution,
+        open_supervisor(MemoryStore(), execution, grace=5.0) as supervisor,
+    ):
+        assert execution.mechanism.unshare == "user"
+        record = await supervisor.open(Key(identity="escape", instance="daemon"), "d")
+        await supervisor.load(
+            record.handle, Load(specifier="escapes:daemon", config={"nonce": nonce})
+        )
+        await until_logged(execution, record.handle, "ready", bound=BOUND)
+        [pid] = left(execution, record.handle)
+        assert running(pid)
+        assert os.stat(f"/proc/{pid}").st_uid == 65534
+        with trio.fail_after(BOUND):
+            termination = await supervisor.dispose(record.handle)
+        assert termination == Termination(
+            kind="exited", exit=ExitStatus(code=0, descendants_killed=1)
+        )
+        assert marked(nonce) == set()

@@ -30,7 +30,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.executions._groups import read_stat
 
-from ..harness import opened, report_in, until_logged
+from ..support import opened, report_in, until, until_logged
 from .test_standby import bootstraps
 
 PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"
@@ -188,9 +188,7 @@ async def test_an_execution_closed_while_its_standby_is_forked_leaves_nothing(
         tmp_path, entry_paths=[PLUGINS], fork_server=True, standby=True
     ) as execution:
         standby = execution._standby  # white-box: take the standby as a load would
-        with trio.fail_after(BOUND):
-            while standby.ready is None:  # noqa: ASYNC110  # nothing to wait on
-                await trio.sleep(0.01)
+        await until(lambda: standby.ready is not None, "the standby is ready", bound=BOUND)
         assert execution._nursery is not None
         taken = standby.take(execution._nursery)
         assert taken is not None

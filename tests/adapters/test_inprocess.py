@@ -27,7 +27,7 @@ from trio_supervisor import (
     TerminationUnconfirmedError,
 )
 
-from ..harness import opened, supervise
+from ..support import opened, supervise
 
 seen: list[PluginContext] = []
 

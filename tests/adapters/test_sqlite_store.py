@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import signal
 import sqlite3
-import subprocess
 import sys
 import textwrap
 import threading
@@ -40,7 +39,7 @@ from trio_supervisor import (
 from trio_supervisor.abc import Store
 from trio_supervisor.testing import FakeExecution
 
-from ..harness import KEY, opened, supervise
+from ..support import KEY, launched, opened, supervise
 
 DONE = Termination(kind="exited", exit=ExitStatus(code=0))
 
@@ -104,21 +103,11 @@ def test_acknowledged_records_survive_a_kill_without_close(tmp_path: Path) -> No
         trio.run(main)
         """
     )
-    child = subprocess.Popen(
-        [sys.executable, "-c", writer],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).parents[2],
-    )
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline() == "saved\n"  # the readiness handshake
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-        if child.stdout is not None:
-            child.stdout.close()
-    assert child.returncode == -signal.SIGKILL
+    # The readiness handshake: its "saved" line; then it is killed, mid-run.
+    command = [sys.executable, "-c", writer]
+    with launched(command, ready=lambda line: line == "saved\n", stop=signal.SIGKILL) as child:
+        assert child.lines == ["saved\n"]
+    assert child.process.returncode == -signal.SIGKILL
 
     async def read() -> tuple[list[SessionRecord], dict[Key, int]]:
         async with SqliteStore(path) as store:

@@ -30,7 +30,7 @@ from trio_supervisor import (
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.executions._standby import ForkedProcess
 
-from ..harness import opened, process_state, report_in, running, until_logged
+from ..support import opened, process_state, report_in, running, until, until_logged
 
 PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"
 BOUND = 20.0
@@ -61,16 +61,18 @@ async def standby_other_than(execution: SubprocessExecution, *taken: int) -> int
     Once the execution offers one, it is the only such bootstrap: the process that made
     it (and its namespace) is gone and reaped, and it is our child.
     """
-    with trio.fail_after(BOUND):
-        while True:
-            ready = execution._standby.ready  # white-box: only when to look
-            if ready is not None and ready.process.pid not in taken:
-                waiting = bootstraps() - set(taken)
-                assert waiting == {ready.process.pid}, (
-                    f"the standby offered is {ready.process.pid}; our bootstraps: {waiting}"
-                )
-                return ready.process.pid
-            await trio.sleep(0.01)
+
+    def offered() -> int | None:
+        ready = execution._standby.ready  # white-box: only when to look
+        if ready is None or ready.process.pid in taken:
+            return None
+        waiting = bootstraps() - set(taken)
+        assert waiting == {ready.process.pid}, (
+            f"the standby offered is {ready.process.pid}; our bootstraps: {waiting}"
+        )
+        return ready.process.pid
+
+    return await until(offered, "a standby interpreter is offered", bound=BOUND)
 
 
 @pytest.fixture
@@ -159,9 +161,7 @@ async def test_a_standby_that_died_is_replaced_by_a_fresh_child(
     ahead = await standby_other_than(execution)
     os.kill(ahead, signal.SIGKILL)
     if reaped_first:
-        with trio.fail_after(BOUND):
-            while process_state(ahead) != "Z":  # noqa: ASYNC110
-                await trio.sleep(0.01)
+        await until(lambda: process_state(ahead) == "Z", "the killed standby", bound=BOUND)
     handle = await opened(sup)
     await sup.load(handle, Load(specifier="inspector:main"))
     record = await sup.status(handle)

@@ -38,7 +38,7 @@ from trio_supervisor.executions._bootstrap import LEASE_SLACK
 from trio_supervisor.executions._groups import boot_id, start_time
 from trio_supervisor.executions._unit import ProcessUnit
 
-from ..harness import opened, report_in, running, until_logged
+from ..support import opened, report_in, running, until_logged, until_stopped
 from .test_containment import MECHANISMS
 
 PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"
@@ -93,16 +93,6 @@ def outer_pids(tracked: int, pids: list[int]) -> list[int]:
         [line] = [line for line in status.splitlines() if line.startswith("NSpid:")]
         ours[int(line.split()[-1])] = int(entry.name)
     return [ours[pid] for pid in pids]
-
-
-async def until_stopped(sup: Supervisor, handle: Handle) -> StoppedRecord:
-    """Poll a session until its child ended it; bounded."""
-    with trio.fail_after(BOUND):
-        while True:
-            record = await sup.status(handle)
-            if isinstance(record, StoppedRecord):
-                return record
-            await trio.sleep(0.02)
 
 
 async def loaded_child(

@@ -3,13 +3,10 @@ harnesses' word on the exit statuses the model predicts."""
 
 from __future__ import annotations
 
-import atexit
-import shutil
 import subprocess
 import sys
-import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,8 +23,16 @@ from trio_supervisor.testing import (
 )
 from trio_supervisor.testing.model import Ending
 
-DIRECTORY = Path(tempfile.mkdtemp(prefix="trio-supervisor-conformance-"))
-atexit.register(shutil.rmtree, DIRECTORY, ignore_errors=True)
+# Where the SQLite machine's stores go: the machine calls ``sqlite`` for each, no fixture
+# reaches it, so this module's directory is set before its tests run.
+DIRECTORY: list[Path] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stores_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    DIRECTORY.append(tmp_path_factory.mktemp("conformance-stores"))
+    yield
+    DIRECTORY.clear()
 
 
 def memory(previous: Store | None, retention: Retention) -> Store:
@@ -36,7 +41,9 @@ def memory(previous: Store | None, retention: Retention) -> Store:
 
 def sqlite(previous: Store | None, retention: Retention) -> Store:
     path = (
-        previous.path if isinstance(previous, SqliteStore) else DIRECTORY / f"{uuid.uuid4().hex}.db"
+        previous.path
+        if isinstance(previous, SqliteStore)
+        else DIRECTORY[0] / f"{uuid.uuid4().hex}.db"
     )
     return SqliteStore(path, retention=retention)
 

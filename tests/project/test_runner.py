@@ -13,64 +13,17 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from ..harness import running
+from ..support import descendants, launched, reap_orphans, running, settled, survivors
 
 ROOT = Path(__file__).parents[2]
 RUNNER = ROOT / "examples" / "runner.py"
 CYCLE = Path(__file__).parent / "crash_cycle.py"
 LEASE = 2.0
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below ``pid``, and every member of their process groups."""
-    found: set[int] = set()
-    frontier = [pid]
-    table: dict[int, tuple[int, int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_bytes()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(b")") + 2 :].split()
-            table[int(entry.name)] = (int(fields[1]), int(fields[2]))
-    while frontier:
-        parent = frontier.pop()
-        for child, (ppid, _) in table.items():
-            if ppid == parent and child not in found:
-                found.add(child)
-                frontier.append(child)
-    groups = {table[pid][1] for pid in found if pid in table}
-    found |= {member for member, (_, pgid) in table.items() if pgid in groups}
-    return found
-
-
-def gone_within(pids: set[int], seconds: float) -> set[int]:
-    """Wait until none of ``pids`` runs; return those still running after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        alive = {pid for pid in pids if running(pid)}
-        if not alive:
-            return set()
-        time.sleep(0.05)
-    return {pid for pid in pids if running(pid)}
-
-
-def reap_orphans() -> None:
-    """Reap the zombies the killed runners left to us (we are their subreaper)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
 
 
 def run(*arguments: str, timeout: float = 60, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
@@ -84,29 +37,26 @@ def rows(output: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def held(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], set[int]]]:
+def held(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], set[int]]]:
     """A runner holding its children, with the pids of everything it started."""
-    runner = subprocess.Popen(
-        [sys.executable, str(RUNNER), "--state", str(tmp_path), "--lease", str(LEASE), "--hold"],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+    command: list[str | Path] = [
+        sys.executable,
+        RUNNER,
+        "--state",
+        tmp_path,
+        "--lease",
+        str(LEASE),
+        "--hold",
+    ]
     try:
-        assert runner.stdout is not None
-        # The readiness handshake: the line saying it holds its children (after the
-        # lines saying where its state lives and where its generations start).
-        lines = [runner.stdout.readline() for _ in range(3)]
-        assert "holds 7 children" in lines[-1], lines
-        pids = descendants(runner.pid)
-        yield runner, pids
+        # The readiness handshake: the line saying it holds its children (after the lines
+        # saying where its state lives and where its generations start).
+        with launched(command, ready=lambda line: " holds " in line, stop=signal.SIGKILL) as runner:
+            assert len(runner.lines) == 3, runner.lines
+            assert "holds 7 children" in runner.lines[-1], runner.lines
+            yield runner.process, runner.descendants()
     finally:
-        if runner.poll() is None:
-            runner.kill()
-        runner.wait()
-        if runner.stdout is not None:
-            runner.stdout.close()
-        gone_within(descendants(os.getpid()) - {os.getpid()}, LEASE + 2)
+        survivors(descendants(os.getpid()) - {os.getpid()}, LEASE + 2)
         reap_orphans()
 
 
@@ -129,10 +79,10 @@ def test_the_runner_shows_every_plugin_s_lifecycle(tmp_path: Path) -> None:
     assert all(" 1 " in line for line in table.values())
 
 
-def standby_of(runner: subprocess.Popen[str]) -> int:
+def standby_of(runner: subprocess.Popen[bytes]) -> int:
     """The runner's standby interpreter: a bootstrap whose output goes nowhere yet."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+
+    def standby() -> int | None:
         for pid in descendants(runner.pid):
             try:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -141,12 +91,15 @@ def standby_of(runner: subprocess.Popen[str]) -> int:
                 continue
             if b"bootstrap" in command and output == "/dev/null":
                 return pid
-        time.sleep(0.02)
-    raise AssertionError("the runner has no standby interpreter")
+        return None
+
+    found = settled(standby, 20)
+    assert found is not None, "the runner has no standby interpreter"
+    return found
 
 
 def test_a_killed_runner_leaves_no_child_or_grandchild_behind(
-    held: tuple[subprocess.Popen[str], set[int]],
+    held: tuple[subprocess.Popen[bytes], set[int]],
 ) -> None:
     runner, pids = held
     assert len(pids) >= 7 + 2, "seven children and the spawner's two grandchildren"
@@ -154,12 +107,12 @@ def test_a_killed_runner_leaves_no_child_or_grandchild_behind(
     pids = pids | {standby_of(runner)}  # it runs with standby=True: that one goes too
     runner.send_signal(signal.SIGKILL)
     runner.wait()
-    survivors = gone_within(pids, LEASE + 2)
-    assert not survivors, f"outlived their runner: {sorted(survivors)}"
+    left = survivors(pids, LEASE + 2)
+    assert not left, f"outlived their runner: {sorted(left)}"
 
 
 def test_a_restarted_runner_recovers_and_generations_continue(
-    tmp_path: Path, held: tuple[subprocess.Popen[str], set[int]]
+    tmp_path: Path, held: tuple[subprocess.Popen[bytes], set[int]]
 ) -> None:
     runner, pids = held
     runner.send_signal(signal.SIGKILL)
@@ -179,7 +132,7 @@ def test_a_restarted_runner_recovers_and_generations_continue(
         assert line.endswith("exited (already gone; exit status unknown)"), line
     assert "generations continue from the stored high-water: heartbeat 1->2" in report
     assert all(" 2 " in line for line in rows(report).values()), report
-    assert not gone_within(pids, LEASE + 2)
+    assert not survivors(pids, LEASE + 2)
 
 
 SAVES = ["Open", "Loading", "Loading with its child", "Loaded", "Stopping", "Stopped"]
@@ -196,7 +149,7 @@ def test_a_crash_at_any_write_leaves_no_orphan_and_no_lost_generation(
         int(line.split()[1]) for line in crashed.stdout.splitlines() if line.startswith("child ")
     }
     # The dead-man switch: a child outlives its runner by no more than a moment.
-    assert not gone_within(children, LEASE + 2)
+    assert not survivors(children, LEASE + 2)
     recovered = run(str(CYCLE), str(tmp_path), "recover")
     assert recovered.returncode == 0, recovered.stderr
     report = json.loads(recovered.stdout)

@@ -35,7 +35,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution
 
-from ..harness import KEY, supervise
+from ..support import KEY, supervise
 
 TRIGGERS = ("dispose", "expiry", "exit", "supersede", "shutdown")
 REASONS = {

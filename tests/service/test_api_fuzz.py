@@ -1,6 +1,6 @@
 """The runner's API, fuzzed from its own OpenAPI document (schemathesis).
 
-A real ``trio-supervisor serve`` process (``fuzzing.py``) serves the document at
+A real ``trio-supervisor serve`` process (``tests/support.py``'s ``serving``) serves the document at
 ``GET /openapi.json``; schemathesis reads it from there and, for every operation in
 it, generates requests that fit the document (positive) and requests that do not
 (negative). Each answer must hold to the document: no 5xx, a documented status code, a
@@ -30,10 +30,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import hypothesis
 import pytest
@@ -51,7 +52,22 @@ from schemathesis.specs.openapi.checks import (
 from trio_supervisor.model import MAX_LEASE, MIN_LEASE
 from trio_supervisor.service.openapi import document
 
-from .fuzzing import EXAMPLES_VARIABLE, LiveRunner, examples_per_operation, live_runner
+from ..support import Runner, serving
+
+EXAMPLES_VARIABLE: Final = "TRIO_SUPERVISOR_API_EXAMPLES"
+DEFAULT_EXAMPLES: Final = 25  # per operation: the short pass of plain pytest (and CI)
+
+
+def examples_per_operation() -> int:
+    """The number of generated examples per operation: the variable's, or the default."""
+    raw = os.environ.get(EXAMPLES_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_EXAMPLES
+    number = int(raw)
+    if number < 1:
+        raise ValueError(f"{EXAMPLES_VARIABLE} must be >= 1, got {raw!r}")
+    return number
+
 
 Case = schemathesis.Case[Any]
 
@@ -92,7 +108,7 @@ class Pool:
     fuzzed ``open`` calls opened; later examples renew, load, dispose or supersede them.
     """
 
-    runner: LiveRunner
+    runner: Runner
     http: requests.Session
     records: list[dict[str, Any]] = field(default_factory=list)
     opened: Iterator[int] = field(default_factory=itertools.count)
@@ -137,7 +153,7 @@ class Pool:
 class Fuzz:
     """What the tests share: the runner, its document, a pool, and the counts."""
 
-    runner: LiveRunner
+    runner: Runner
     schema: Any
     pool: Pool
     http: requests.Session
@@ -148,12 +164,14 @@ class Fuzz:
 @pytest.fixture(scope="module")
 def fuzz(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Iterator[Fuzz]:
     with (
-        live_runner(tmp_path_factory.mktemp("fuzz") / "state") as runner,
+        serving(tmp_path_factory.mktemp("fuzz") / "state") as runner,
         requests.Session() as http,
     ):
         schema = schemathesis.openapi.from_url(f"{runner.url}/openapi.json", timeout=TIMEOUT)
         shared = Fuzz(runner=runner, schema=schema, pool=Pool(runner, http), http=http)
         yield shared
+        status = runner.stop()  # every child reaped
+        assert status == 0, f"the runner exited {status} on SIGTERM; its log:\n{runner.stderr(60)}"
     _report(pytestconfig, shared)
 
 
@@ -258,7 +276,7 @@ def test_every_answer_holds_to_the_document(fuzz: Fuzz, method: str, path: str) 
         try:
             response = case.call(session=fuzz.http, headers=headers, timeout=TIMEOUT)
         except BaseException:
-            print(f"{label} got no answer; the runner's log:\n{fuzz.runner.log()}")
+            print(f"{label} got no answer; the runner's log:\n{fuzz.runner.stderr(last=60)}")
             raise
         fuzz.statuses[(label, response.status_code)] += 1
         if path == "/v1/open" and response.status_code == 200:
@@ -267,7 +285,7 @@ def test_every_answer_holds_to_the_document(fuzz: Fuzz, method: str, path: str) 
             case.validate_response(response, checks=CHECKS, headers=headers)
         except BaseException:
             print(f"{label} answered {response.status_code}: {response.text[:2000]}")
-            print(f"the runner's log:\n{fuzz.runner.log()}")
+            print(f"the runner's log:\n{fuzz.runner.stderr(last=60)}")
             raise
 
     run()

@@ -17,7 +17,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
@@ -29,7 +28,7 @@ import trio
 from trio_supervisor.cli import DEFAULT_URL
 from trio_supervisor.client import connect
 
-from .test_operators import NotListening, Runner, open_sessions, serving
+from ..support import NotReady, Runner, open_sessions, serving, settled
 
 DEFAULT_LISTEN: Final = "127.0.0.1:8470"
 COMMAND_TIMEOUT: Final = 60.0  # seconds one command may take
@@ -95,7 +94,7 @@ def operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     with contextlib.ExitStack() as stack:
         runner: Runner | None = None
         if port_free(DEFAULT_LISTEN):
-            with contextlib.suppress(NotListening):  # taken meanwhile: any port will do
+            with contextlib.suppress(NotReady):  # taken meanwhile: any port will do
                 runner = stack.enter_context(
                     serving(None, listen=DEFAULT_LISTEN, cwd=directory, log=log)
                 )
@@ -185,14 +184,15 @@ def test_show_prints_a_sessions_record(operator: Operator) -> None:
 
 
 def test_logs_prints_what_the_child_wrote(operator: Operator) -> None:
-    deadline = time.monotonic() + 20
-    while True:
-        result = operator.run("logs", "acme", "eu-1", "1")
-        assert result.status == 0, result.err
-        if "beat 2 of acme/eu-1 #1\n" in result.out or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert result.out.startswith("beat 1 of acme/eu-1 #1\nbeat 2 of acme/eu-1 #1\n")
+    printed: list[Result] = []
+
+    def two_beats() -> bool:
+        printed.append(operator.run("logs", "acme", "eu-1", "1"))
+        assert printed[-1].status == 0, printed[-1].err
+        return "beat 2 of acme/eu-1 #1\n" in printed[-1].out
+
+    settled(two_beats, 20, every=0.2)
+    assert printed[-1].out.startswith("beat 1 of acme/eu-1 #1\nbeat 2 of acme/eu-1 #1\n")
 
     tail = operator.run("logs", "acme", "eu-1", "1", "--tail", "30")
     assert tail.status == 0, tail.err

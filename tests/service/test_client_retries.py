@@ -18,7 +18,7 @@ from trio_supervisor import Load, MemoryStore, StoppedRecord
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.testing import FakeExecution
 
-from ..harness import HOSTS_TOKEN, KEY, served, supervise_embedded
+from ..support import HOSTS_TOKEN, KEY, served, supervise_embedded
 
 
 class Flaky(httpx.AsyncBaseTransport):

@@ -27,7 +27,7 @@ from playwright.sync_api import (
     sync_playwright,
 )
 
-from .test_operators import Runner, open_sessions, serving
+from ..support import Runner, open_sessions, serving
 
 CHROMIUM_ARGS: Final = (
     "--headless",

@@ -6,23 +6,19 @@ from its state directory, and stops it with SIGTERM on the way out (killed if it
 not exit in time). Hosts reach it with the hosts' token through the client; operators
 with the operators' token. What a runner logs goes to a file, read when a test asks.
 
-:func:`serving` and :class:`Runner` are shared with ``test_cli.py`` and
-``test_dashboard.py``: they are plain (not async) so that a sync test can use them.
+The runner is ``tests/support.py``'s :func:`serving`: plain (not async), so that the
+sync tests of ``test_cli.py`` and ``test_dashboard.py`` use it too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import selectors
 import signal
 import socket
-import subprocess
-import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -32,173 +28,11 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from trio_supervisor import Key, Load, PackageError, StaleSessionError
-from trio_supervisor.client import RemoteSupervisor, connect
+from trio_supervisor.client import RemoteSupervisor
 from trio_supervisor.model import Handle
 from trio_supervisor.service.operators import EVENT_BUFFER
 
-ROOT: Final = Path(__file__).parents[2]
-PLUGINS: Final = ROOT / "examples" / "plugins"
-STARTUP: Final = 30.0  # seconds a runner may take to listen (a loaded machine is slow)
-SHUTDOWN: Final = 30.0  # seconds a runner may take to exit on SIGTERM
-LEASE: Final = 120.0  # seconds: no session of these tests expires while it runs
-
-
-# -- a runner, as the tests hold it ---------------------------------------------------------
-
-
-class NotListening(AssertionError):
-    """The runner exited, or said something else, before ``listening on URL``."""
-
-
-class Runner:
-    """A ``serve`` process that said it listens.
-
-    Attributes:
-        process: The process.
-        url: The URL its first line names.
-        state: Its state directory.
-        log: The file its stderr goes to.
-    """
-
-    def __init__(self, process: subprocess.Popen[bytes], url: str, state: Path, log: Path) -> None:
-        self.process = process
-        self.url = url
-        self.state = state
-        self.log = log
-
-    @property
-    def hosts_token(self) -> str:
-        return (self.state / "token").read_text().strip()
-
-    @property
-    def operator_token(self) -> str:
-        return (self.state / "operator-token").read_text().strip()
-
-    def stderr(self) -> str:
-        """What it logged so far."""
-        return self.log.read_text(errors="replace")
-
-    def host(self) -> contextlib.AbstractAsyncContextManager[RemoteSupervisor]:
-        """A host's client: the URL and the hosts' token."""
-        return connect(self.url, token=self.hosts_token)
-
-    def operator(self) -> contextlib.AbstractAsyncContextManager[RemoteSupervisor]:
-        """An operator's client: the URL and the operators' token."""
-        return connect(self.url, token=self.operator_token)
-
-    def http(self, token: str | None = None) -> httpx.AsyncClient:
-        """A bare HTTP client with ``token`` (the operators' by default) as its bearer."""
-        bearer = {"Authorization": f"Bearer {token or self.operator_token}"}
-        return httpx.AsyncClient(base_url=self.url, headers=bearer, timeout=30.0)
-
-    def stop(self) -> int:
-        """SIGTERM, then its exit status within SHUTDOWN seconds (killed after that)."""
-        if self.process.returncode is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(SHUTDOWN)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-                raise AssertionError(f"the runner ignored SIGTERM for {SHUTDOWN:g} s") from None
-        return self.process.returncode
-
-
-def _first_line(process: subprocess.Popen[bytes], bound: float) -> str:
-    """Its first line on stdout, or what it printed before it exited or ``bound`` passed."""
-    assert process.stdout is not None
-    data = b""
-    deadline = time.monotonic() + bound
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        while b"\n" not in data:
-            left = deadline - time.monotonic()
-            if left <= 0 or not selector.select(left):
-                break
-            chunk = os.read(process.stdout.fileno(), 4096)
-            if not chunk:
-                break
-            data += chunk
-    return data.partition(b"\n")[0].decode(errors="replace")
-
-
-@contextlib.contextmanager
-def serving(
-    state: Path | None,
-    *flags: str,
-    listen: str = "127.0.0.1:0",
-    cwd: Path | None = None,
-    log: Path | None = None,
-) -> Iterator[Runner]:
-    """Run ``serve`` until it listens; on the way out, stop it if it still runs.
-
-    Args:
-        state: Its ``--state``; None leaves the flag out (``./runner-state`` in ``cwd``).
-        flags: More flags; ``--plugins examples/plugins`` is always given.
-        listen: Its ``--listen``.
-        cwd: Its working directory.
-        log: Where its stderr goes (beside the state directory by default).
-
-    Raises:
-        NotListening: It did not print ``listening on URL`` first, within STARTUP seconds.
-    """
-    directory = cwd or ROOT
-    state_path = directory / "runner-state" if state is None else state
-    log = log or state_path.with_name(state_path.name + ".stderr")
-    command = [sys.executable, "-m", "trio_supervisor", "serve", "--listen", listen]
-    command += ["--plugins", str(PLUGINS)]
-    if state is not None:
-        command += ["--state", str(state)]
-    command += flags
-    with log.open("ab") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, cwd=directory)
-    runner: Runner | None = None
-    try:
-        line = _first_line(process, STARTUP)
-        if not line.startswith("listening on http"):
-            raise NotListening(
-                f"serve printed {line!r} first; its stderr:\n{log.read_text(errors='replace')}"
-            )
-        runner = Runner(process, line.removeprefix("listening on "), state_path, log)
-        yield runner
-    finally:
-        # The runner must not outlive the test: SIGTERM, then SIGKILL after SHUTDOWN.
-        try:
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(SHUTDOWN)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        finally:
-            assert process.stdout is not None
-            process.stdout.close()
-
-
-async def open_sessions(
-    runner: Runner, count: int, *, loaded: int = 0, first: int = 1
-) -> list[Handle]:
-    """Open ``count`` sessions of the identity ``acme`` (instances ``eu-FIRST``, ...); load
-    ``heartbeat:main`` in the first ``loaded`` of them. Their lease is LEASE seconds."""
-    handles = []
-    async with runner.host() as host:
-        for number in range(count):
-            key = Key(identity="acme", instance=f"eu-{first + number}")
-            record = await host.open(key, f"open-{uuid.uuid4()}", lease=LEASE)
-            if number < loaded:
-                await host.load(record.handle, Load(specifier="heartbeat:main"))
-            handles.append(record.handle)
-    return handles
-
-
-async def until(condition: Callable[[], Any], what: str, *, bound: float = 20.0) -> Any:
-    """Await ``condition()`` until it is truthy; fail naming ``what`` after ``bound`` s."""
-    with trio.move_on_after(bound):
-        while not (value := await condition()):  # noqa: ASYNC110  # a runner over HTTP
-            await trio.sleep(0.05)
-        return value
-    raise AssertionError(f"{what}: not within {bound:g} s")
+from ..support import LEASE, SHUTDOWN, Runner, open_sessions, serving, until
 
 
 @pytest.fixture

@@ -19,10 +19,8 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -40,45 +38,26 @@ from trio_supervisor import (
     StoppedRecord,
 )
 from trio_supervisor.client import RemoteSupervisor, RunnerAccessError, connect
-from trio_supervisor.executions._groups import read_stat
 
-ROOT: Final = Path(__file__).parents[2]
-PLUGINS: Final = ROOT / "examples" / "plugins"
-STARTUP: Final = 30.0  # seconds a runner may take to listen (a loaded machine is slow)
-SHUTDOWN: Final = 30.0  # seconds a runner may take to exit on SIGTERM
-ORPHANS: Final = 10.0  # seconds what a test leaves may take to die by itself
-LISTENING: Final = re.compile(
-    r"listening on (?P<scheme>https?)://(?P<host>[^\s:/]+):(?P<port>\d+)\n"
+from ..support import (
+    LISTENING,
+    PLUGINS,
+    ROOT,
+    STARTUP,
+    Runner,
+    descendants,
+    reap,
+    running,
+    serving,
+    settled,
+    until,
 )
+
+ORPHANS: Final = 10.0  # seconds what a test leaves may take to die by itself
 SIGTERM_BIT: Final = 1 << (signal.SIGTERM - 1)  # in /proc/PID/status SigIgn
 
 
 # -- processes, through /proc ---------------------------------------------------------------
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
-    stat = read_stat(pid)
-    return stat is not None and stat.state != "Z"
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below ``pid``, and every member of their process groups."""
-    table: dict[int, tuple[int, int]] = {}
-    for entry in Path("/proc").iterdir():
-        stat = read_stat(int(entry.name)) if entry.name.isdigit() else None
-        if stat is not None:
-            table[int(entry.name)] = (stat.ppid, stat.pgid)
-    found: set[int] = set()
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, (ppid, _) in table.items():
-            if ppid == parent and child not in found:
-                found.add(child)
-                frontier.append(child)
-    groups = {table[member][1] for member in found} - {table.get(pid, (0, 0))[1]}
-    return found | {member for member, (_, pgid) in table.items() if pgid in groups}
 
 
 def ignores_sigterm(tracked: int) -> bool:
@@ -93,23 +72,6 @@ def ignores_sigterm(tracked: int) -> bool:
     return False
 
 
-async def until(condition: Any, what: str, *, bound: float = 20.0) -> None:
-    """Poll ``condition()`` until it holds; fail naming ``what`` after ``bound`` seconds."""
-    try:
-        with trio.fail_after(bound):
-            while not condition():  # noqa: ASYNC110  # /proc has nothing to wait on
-                await trio.sleep(0.02)
-    except trio.TooSlowError:
-        raise AssertionError(f"{what}: not within {bound:g} s") from None
-
-
-def reap(pids: Sequence[int] | set[int]) -> None:
-    """Reap those of ``pids`` that are our dead children (orphans re-parented to us)."""
-    for pid in pids:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-
-
 @pytest.fixture(autouse=True)
 def leaves_no_process() -> Iterator[None]:
     """Fail a test that leaves a process of its own running; kill and reap what it left.
@@ -120,12 +82,12 @@ def leaves_no_process() -> Iterator[None]:
     """
     before = descendants(os.getpid())
     yield
-    deadline = time.monotonic() + ORPHANS
-    while True:
-        left = {pid for pid in descendants(os.getpid()) - before if running(pid)}
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+
+    def leftovers() -> set[int]:
+        return {pid for pid in descendants(os.getpid()) - before if running(pid)}
+
+    settled(lambda: not leftovers(), ORPHANS)
+    left = leftovers()
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -134,141 +96,6 @@ def leaves_no_process() -> Iterator[None]:
             os.waitpid(pid, 0)  # killed: this returns at once
     reap(descendants(os.getpid()) - before)
     assert not left, f"processes outlived the test by {ORPHANS:g} s: {sorted(left)}"
-
-
-# -- a runner, as the tests hold it -------------------------------------------------------------
-
-
-class Runner:
-    """A ``serve`` process that said it listens.
-
-    Attributes:
-        process: The process.
-        line: Its first line on stdout, as it printed it.
-        url: The URL the line names.
-        state: Its state directory.
-    """
-
-    def __init__(self, process: trio.Process, line: str, state: Path, stderr: bytearray) -> None:
-        self.process = process
-        self.line = line
-        self.url = line.removeprefix("listening on ").strip()
-        self.state = state
-        self._stderr = stderr
-
-    @property
-    def stderr(self) -> str:
-        """What it logged so far."""
-        return self._stderr.decode(errors="replace")
-
-    def token(self, name: str = "token") -> str:
-        """A token from its state directory: ``token`` (hosts) or ``operator-token``."""
-        return (self.state / name).read_text().strip()
-
-    def host(
-        self, token: str | None = None
-    ) -> contextlib.AbstractAsyncContextManager[RemoteSupervisor]:
-        """A host's client: the URL and the hosts' token, nothing else."""
-        return connect(self.url, token=token or self.token())
-
-    def operator(self) -> httpx.AsyncClient:
-        """An operator's bare HTTP client."""
-        bearer = {"Authorization": f"Bearer {self.token('operator-token')}"}
-        return httpx.AsyncClient(base_url=self.url, headers=bearer, timeout=30.0)
-
-    async def sessions(self) -> list[dict[str, Any]]:
-        """Every record the runner holds, as ``GET /v1/sessions`` lists it."""
-        async with self.operator() as operator:
-            answer = await operator.get("/v1/sessions", params={"limit": 1000})
-        assert answer.status_code == 200, answer.text
-        sessions: list[dict[str, Any]] = answer.json()["sessions"]
-        return sessions
-
-    async def record(self, key: Key, generation: int) -> dict[str, Any] | None:
-        """The runner's record of one session, as an operator lists it (no token)."""
-        wanted = {"key": {"identity": key.identity, "instance": key.instance}}
-        for record in await self.sessions():
-            if record["handle"] == {**wanted, "generation": generation}:
-                return record
-        return None
-
-    def descendants(self) -> set[int]:
-        """Every process below the runner, and every member of their process groups."""
-        return descendants(self.process.pid)
-
-    async def terminate(
-        self, number: signal.Signals = signal.SIGTERM, bound: float = SHUTDOWN
-    ) -> int:
-        """Signal it (SIGTERM), then its exit status within ``bound`` seconds."""
-        self.process.send_signal(number)
-        with trio.fail_after(bound):
-            return await self.process.wait()
-
-
-async def _first_line(stream: trio.abc.ReceiveStream) -> str:
-    data = bytearray()
-    while b"\n" not in data:
-        chunk = await stream.receive_some()
-        if not chunk:
-            break  # it exited without a line: the caller reports its stderr
-        data += chunk
-    return data[: data.find(b"\n") + 1 or len(data)].decode(errors="replace")
-
-
-async def _drain(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
-    # A runner whose stderr pipe is full blocks: it is read for as long as it runs.
-    async for chunk in stream:
-        into += chunk
-
-
-@contextlib.asynccontextmanager
-async def serving(
-    state: Path, *flags: str | Path, listen: str | None = "127.0.0.1:0"
-) -> AsyncIterator[Runner]:
-    """Run ``serve`` until it listens; on the way out, stop it if it still runs.
-
-    Args:
-        state: Its ``--state``.
-        flags: More flags.
-        listen: Its ``--listen``; None leaves the flag out (a config file gives it).
-    """
-    command = [sys.executable, "-m", "trio_supervisor", "serve", "--state", str(state)]
-    if listen is not None:
-        command += ["--listen", listen]
-    command += [str(flag) for flag in flags]
-    process = await trio.lowlevel.open_process(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT
-    )
-    stderr = bytearray()
-    try:
-        assert process.stdout is not None
-        assert process.stderr is not None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_drain, process.stderr, stderr)
-            try:
-                with trio.fail_after(STARTUP):
-                    line = await _first_line(process.stdout)
-            except trio.TooSlowError:
-                line = ""
-            if not LISTENING.fullmatch(line):
-                raise AssertionError(
-                    f"serve printed {line!r} as its first line; its stderr:\n"
-                    + stderr.decode(errors="replace")
-                )
-            nursery.start_soon(_drain, process.stdout, bytearray())
-            yield Runner(process, line, state, stderr)
-            nursery.cancel_scope.cancel()
-    finally:
-        # Shielded: the runner must not outlive the test, even a cancelled one; bounded
-        # by SHUTDOWN, then killed (what it leaves is leaves_no_process's to judge).
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-                with trio.move_on_after(SHUTDOWN):
-                    await process.wait()
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
 
 
 async def child_of(host: RemoteSupervisor, handle: Any) -> int:
@@ -286,12 +113,12 @@ async def test_serve_prints_its_url_first_and_keeps_private_tokens_across_restar
     tmp_path: Path,
 ) -> None:
     state = tmp_path / "state"
-    async with serving(state) as runner:
+    with serving(state, plugins=()) as runner:
         match = LISTENING.fullmatch(runner.line)
         assert match is not None
         assert runner.line == f"listening on http://127.0.0.1:{match['port']}\n"
         assert int(match["port"]) > 0  # the real port, not the 0 it was given
-        async with runner.operator() as operator:
+        async with runner.http() as operator:
             assert (await operator.get("/healthz")).json() == {"status": "ok"}
         assert state.stat().st_mode & 0o777 == 0o700
         tokens: dict[str, str] = {}
@@ -306,7 +133,7 @@ async def test_serve_prints_its_url_first_and_keeps_private_tokens_across_restar
         assert await runner.terminate() == 0
 
     state.chmod(0o755)  # a directory someone loosened is made private again
-    async with serving(state) as again:
+    with serving(state, plugins=()) as again:
         assert state.stat().st_mode & 0o777 == 0o700
         for name, token in tokens.items():
             assert again.token(name) == token, f"{name} was not reused"
@@ -319,7 +146,7 @@ async def test_a_given_token_file_is_the_hosts_token(tmp_path: Path) -> None:
     state = tmp_path / "state"
     given = tmp_path / "hosts-token"
     given.write_text("a-token-the-operator-chose-for-the-hosts\n")
-    async with serving(state, "--token-file", given) as runner:
+    with serving(state, "--token-file", given, plugins=()) as runner:
         key = Key(identity="given", instance="a")
         async with runner.host("a-token-the-operator-chose-for-the-hosts") as host:
             assert await host.high_water(key) is None
@@ -335,7 +162,7 @@ async def test_a_second_runner_on_a_state_directory_in_use_exits_1_saying_why(
     tmp_path: Path,
 ) -> None:
     state = tmp_path / "state"
-    async with serving(state) as runner:
+    with serving(state, plugins=()) as runner:
         command = [sys.executable, "-m", "trio_supervisor", "serve", "--state", str(state)]
         with trio.fail_after(STARTUP + 10):  # SQLite waits 10 s for the store's lock
             second = await trio.run_process(
@@ -364,7 +191,7 @@ async def test_an_example_on_a_serving_runners_state_directory_says_to_give_it_i
     tmp_path: Path,
 ) -> None:
     state = tmp_path / "state"
-    async with serving(state) as runner:
+    with serving(state, plugins=()) as runner:
         with trio.fail_after(STARTUP + 10):  # SQLite waits 10 s for the store's lock
             example = await trio.run_process(
                 [sys.executable, str(ROOT / "examples" / "runner.py"), "--state", str(state)],
@@ -390,7 +217,7 @@ async def test_an_example_on_a_serving_runners_state_directory_says_to_give_it_i
 async def test_a_host_with_the_url_and_token_opens_loads_renews_and_disposes(
     tmp_path: Path,
 ) -> None:
-    async with serving(tmp_path / "state", "--plugins", PLUGINS) as runner:
+    with serving(tmp_path / "state") as runner:
         key = Key(identity="billing", instance="eu-1")
         async with runner.host() as host:
             record = await host.open(key, "req-1", expected_generation=None)
@@ -421,7 +248,7 @@ async def test_a_host_with_the_url_and_token_opens_loads_renews_and_disposes(
 async def test_a_session_block_keeps_a_2_s_lease_alive_for_10_s_then_disposes(
     tmp_path: Path,
 ) -> None:
-    async with serving(tmp_path / "state", "--plugins", PLUGINS) as runner:
+    with serving(tmp_path / "state") as runner:
         key = Key(identity="billing", instance="eu-2")
         async with runner.host() as host:
             with trio.fail_after(40):
@@ -450,7 +277,7 @@ async def test_a_session_block_keeps_a_2_s_lease_alive_for_10_s_then_disposes(
 async def test_a_signal_stops_every_child_reaps_it_and_exits_0(
     tmp_path: Path, signal_name: str
 ) -> None:
-    async with serving(tmp_path / "state", "--plugins", PLUGINS, "--grace", "1") as runner:
+    with serving(tmp_path / "state", "--grace", "1") as runner:
         async with runner.host() as host:
             pids = {}
             for identity, specifier in (("beat", "heartbeat:main"), ("spawn", "spawner:main")):
@@ -462,13 +289,13 @@ async def test_a_signal_stops_every_child_reaps_it_and_exits_0(
         await until(lambda: len(descendants(spawner)) >= 2, "the spawner started its grandchildren")
         everything = runner.descendants()
         assert set(pids.values()) | descendants(spawner) <= everything
-        assert await runner.terminate(signal.Signals[signal_name]) == 0, runner.stderr
+        assert await runner.terminate(signal.Signals[signal_name]) == 0, runner.stderr()
         assert not {pid for pid in everything if running(pid)}
         reap(everything)
 
 
 async def test_a_second_sigterm_skips_the_grace_and_exits_1(tmp_path: Path) -> None:
-    async with serving(tmp_path / "state", "--plugins", PLUGINS, "--grace", "30") as runner:
+    with serving(tmp_path / "state", "--grace", "30") as runner:
         async with runner.host() as host:
             stubborn = await host.open(Key(identity="stubborn", instance="a"), "req-stubborn")
             await host.load(stubborn.handle, Load(specifier="stubborn:main"))
@@ -484,12 +311,12 @@ async def test_a_second_sigterm_skips_the_grace_and_exits_1(tmp_path: Path) -> N
         # one stays, and the shutdown waits out its 30-s grace.
         await until(lambda: not running(beat_pid), "the shutdown stopped the heartbeat")
         assert running(stubborn_pid)
-        assert runner.process.returncode is None
+        assert runner.process.poll() is None
         runner.process.send_signal(signal.SIGTERM)
         with trio.fail_after(15):
-            status = await runner.process.wait()
+            status = await runner.wait()
         took = trio.current_time() - started
-        assert status == 1, runner.stderr
+        assert status == 1, runner.stderr()
         assert took < 15, f"exited {took:.1f} s after the first SIGTERM: the grace is 30 s"
         assert not {pid for pid in everything if running(pid)}
         reap(everything)
@@ -518,43 +345,48 @@ async def test_a_runner_killed_mid_load_recovers_on_restart_before_it_listens(
     slow = tmp_path / "slow-plugins"
     slow.mkdir()
     (slow / "slow.py").write_text(SLOW_PLUGIN)
-    flags = ("--plugins", PLUGINS, "--plugins", slow, "--lease", "5")
+    flags = ("--lease", "5")
+    plugins = (PLUGINS, slow)
     loading = Key(identity="crash", instance="loading")
     loaded = Key(identity="crash", instance="loaded")
-    async with serving(state, *flags) as first, first.host() as host:
-        one = await host.open(loading, "req-1")
-        await host.dispose(one.handle)
-        two = await host.open(loading, "req-2", expected_generation=1)
-        assert two.handle.generation == 2
-        spawner = await host.open(loaded, "req-3")
-        await host.load(spawner.handle, Load(specifier="spawner:main"))
-        spawner_pid = await child_of(host, spawner.handle)
-        await until(lambda: len(descendants(spawner_pid)) >= 2, "the grandchildren started")
-        grandchildren = descendants(spawner_pid)
+    with serving(state, *flags, plugins=plugins) as first:
+        async with first.host() as host:
+            one = await host.open(loading, "req-1")
+            await host.dispose(one.handle)
+            two = await host.open(loading, "req-2", expected_generation=1)
+            assert two.handle.generation == 2
+            spawner = await host.open(loaded, "req-3")
+            await host.load(spawner.handle, Load(specifier="spawner:main"))
+            spawner_pid = await child_of(host, spawner.handle)
+            await until(lambda: len(descendants(spawner_pid)) >= 2, "the grandchildren started")
+            grandchildren = descendants(spawner_pid)
 
-        failures: list[BaseException] = []
+            failures: list[BaseException] = []
 
-        async def load_slowly() -> None:
-            try:
-                await host.load(two.handle, Load(specifier="slow:main"))
-            except httpx.TransportError as error:
-                failures.append(error)
+            async def load_slowly() -> None:
+                try:
+                    await host.load(two.handle, Load(specifier="slow:main"))
+                except httpx.TransportError as error:
+                    failures.append(error)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(load_slowly)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(load_slowly)
 
-            with trio.fail_after(20):
-                while True:  # the listing is polled: nothing announces a spawn
+                async def spawned() -> bool:  # the listing is polled: nothing announces a spawn
                     record = await first.record(loading, 2)
-                    if record is not None and record["phase"] == "Loading" and record["child"]:
-                        break
-                    await trio.sleep(0.02)
-            everything = first.descendants()
-            first.process.kill()
-            await first.process.wait()
-        assert len(failures) == 1, "the load in flight got no answer from a killed runner"
+                    return (
+                        record is not None
+                        and record["phase"] == "Loading"
+                        and bool(record["child"])
+                    )
 
-    async with serving(state, *flags) as second:
+                await until(spawned, "the slow load spawned its child")
+                everything = first.descendants()
+                first.process.kill()
+                await first.wait()
+            assert len(failures) == 1, "the load in flight got no answer from a killed runner"
+
+    with serving(state, *flags, plugins=plugins) as second:
         # The first thing anyone can ask it shows recovery done: it ran before listening.
         recorded = set()
         for key, generation in ((loading, 2), (loaded, 1)):
@@ -599,7 +431,7 @@ async def test_plain_http_off_loopback_is_refused_unless_insecure_http(tmp_path:
     assert b"--insecure-http" in refused.stderr, refused.stderr
     assert b"listening" not in refused.stdout
 
-    async with serving(tmp_path / "s", "--insecure-http", listen="0.0.0.0:0") as runner:
+    with serving(tmp_path / "s", "--insecure-http", plugins=(), listen="0.0.0.0:0") as runner:
         match = LISTENING.fullmatch(runner.line)
         assert match is not None
         assert match["host"] == "0.0.0.0"
@@ -626,7 +458,7 @@ async def test_a_config_file_is_honoured_and_a_flag_wins_over_it(tmp_path: Path)
         f'listen = "127.0.0.1:0"\nplugins = ["{PLUGINS}"]\nlease = 3\n'
         "standby = false\nfork_server = false\n"
     )
-    async with serving(tmp_path / "state", "--config", config, listen=None) as runner:
+    with serving(tmp_path / "state", "--config", config, plugins=(), listen=None) as runner:
         assert runner.url.startswith("http://127.0.0.1:")
         assert await lease_and_load(runner) == 3.0
         assert await runner.terminate() == 0
@@ -634,7 +466,7 @@ async def test_a_config_file_is_honoured_and_a_flag_wins_over_it(tmp_path: Path)
     # Alone, this listen would be refused (plain HTTP off loopback): the flags win.
     config.write_text(f'listen = "0.0.0.0:0"\nplugins = ["{PLUGINS}"]\nlease = 3\n')
     flags = ("--config", config, "--lease", "4")
-    async with serving(tmp_path / "state", *flags, listen="127.0.0.1:0") as runner:
+    with serving(tmp_path / "state", *flags, plugins=(), listen="127.0.0.1:0") as runner:
         assert runner.url.startswith("http://127.0.0.1:")
         assert await lease_and_load(runner) == 4.0
         assert await runner.terminate() == 0
@@ -660,8 +492,8 @@ async def test_tls_serves_https_to_a_client_that_verifies_the_certificate(
             capture_stdout=True,
             capture_stderr=True,
         )  # fmt: skip
-    flags = ("--plugins", PLUGINS, "--certfile", cert, "--keyfile", key_file)
-    async with serving(tmp_path / "state", *flags) as runner:
+    flags = ("--certfile", cert, "--keyfile", key_file)
+    with serving(tmp_path / "state", *flags) as runner:
         assert re.fullmatch(r"listening on https://127\.0\.0\.1:\d+\n", runner.line)
         key = Key(identity="tls", instance="a")
         async with connect(runner.url, token=runner.token(), verify=str(cert)) as host:
@@ -681,7 +513,7 @@ HOSTS: Final = 200
 
 
 async def test_200_concurrent_sessions_all_stop_and_every_child_is_reaped(tmp_path: Path) -> None:
-    async with serving(tmp_path / "state", "--command", "sleeper=sleep 60") as runner:
+    with serving(tmp_path / "state", "--command", "sleeper=sleep 60", plugins=()) as runner:
         pids: dict[int, int] = {}
         terminations: list[str] = []
         all_loaded = trio.Event()
@@ -714,6 +546,6 @@ async def test_200_concurrent_sessions_all_stop_and_every_child_is_reaped(tmp_pa
         assert len(sessions) == HOSTS
         assert {record["phase"] for record in sessions} == {Phase.STOPPED.value}
         assert {record["reason"]["kind"] for record in sessions} == {"Disposed"}
-        assert await runner.terminate() == 0, runner.stderr
-        problems = [line for line in runner.stderr.splitlines() if " INFO " not in line]
-        assert not problems, runner.stderr
+        assert await runner.terminate() == 0, runner.stderr()
+        problems = [line for line in runner.stderr().splitlines() if " INFO " not in line]
+        assert not problems, runner.stderr()

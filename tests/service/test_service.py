@@ -20,7 +20,7 @@ from trio_supervisor import Handle, Key, Load, MemoryStore, StaleSessionError, S
 from trio_supervisor.client import RunnerAccessError, SessionLostError, connect
 from trio_supervisor.testing import FakeExecution
 
-from ..harness import (
+from ..support import (
     HOSTS_TOKEN,
     KEY,
     OPERATOR_TOKEN,

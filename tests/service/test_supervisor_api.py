@@ -27,7 +27,7 @@ from trio_supervisor import (
 from trio_supervisor.client import RemoteSupervisor
 from trio_supervisor.testing import FakeExecution
 
-from ..harness import served, supervise_embedded
+from ..support import served, supervise_embedded
 
 EMBEDDED: Final[type[SupervisorAPI]] = Supervisor
 REMOTE: Final[type[SupervisorAPI]] = RemoteSupervisor
