@@ -39,7 +39,7 @@ from starlette.routing import Route
 from .._core.supervisor import Supervisor
 from ..codec import converter
 from ..errors import RunnerClosingError, StaleSessionError, SupervisorError
-from ..model import Handle, Key, Phase, SessionRecord
+from ..model import Handle, Key, Phase, SessionRecord, log_fields
 from .calls import CALLS, Call, by_name
 from .metrics import Metrics
 from .openapi import document
@@ -234,11 +234,7 @@ def create_app(
             body.key.identity,
             body.key.instance,
             body.generation,
-            extra={
-                "identity": body.key.identity,
-                "instance": body.key.instance,
-                "generation": body.generation,
-            },
+            extra=log_fields(body.key, body.generation),
         )
         termination = await supervisor.dispose(record.handle)
         return JSONResponse({"termination": converter.unstructure(termination)})
