@@ -10,6 +10,7 @@ so the document and the check cannot disagree. Nothing here does I/O or knows ab
 from __future__ import annotations
 
 import math
+import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeAlias
@@ -57,7 +58,12 @@ class Check:
         self._refuse(name, value)
 
     def __call__(self, instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        self._refuse(where(instance, attribute), value)
+        # Every record built checks its fields: the field's name is only spelled out for
+        # a value that fails (a try costs nothing when nothing is raised).
+        try:
+            self._refuse("", value)
+        except (TypeError, ValueError):
+            self._refuse(where(instance, attribute), value)
 
 
 def _text(name: str, value: object) -> None:
@@ -89,7 +95,8 @@ def optional_text(instance: object, attribute: attrs.Attribute[Any], value: obje
 
 
 def integer(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    _integer(where(instance, attribute), value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        _integer(where(instance, attribute), value)
 
 
 def optional_integer(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -166,7 +173,7 @@ class Seconds(Check):
         maximum: The largest duration accepted, if any.
     """
 
-    __slots__ = ("inclusive", "maximum", "minimum")
+    __slots__ = ("_ceiling", "inclusive", "maximum", "minimum")
 
     def __init__(
         self, *, minimum: float = 0.0, inclusive: bool = False, maximum: float | None = None
@@ -174,6 +181,8 @@ class Seconds(Check):
         self.minimum = minimum
         self.inclusive = inclusive
         self.maximum = maximum
+        # The largest float accepted: a float no larger is finite (inf and nan fail).
+        self._ceiling = sys.float_info.max if maximum is None else maximum
         low = "minimum" if inclusive else "exclusiveMinimum"
         high = {} if maximum is None else {"maximum": maximum}
         super().__init__(self._refuse_seconds, **{low: minimum}, **high)
@@ -196,6 +205,13 @@ class Seconds(Check):
         return float(value)  # finite and bounded: it converts
 
     def _refuse_seconds(self, name: str, value: object) -> None:
+        # The common case first, in a few comparisons: every record built checks a lease.
+        if (
+            type(value) is float
+            and value <= self._ceiling
+            and (value > self.minimum or (self.inclusive and value == self.minimum))
+        ):
+            return
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
         try:
