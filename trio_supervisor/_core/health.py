@@ -16,7 +16,8 @@ from ..errors import SupervisorError
 
 __all__ = ["Health"]
 
-logger = logging.getLogger("trio_supervisor.health")  # the public name, not the private module's
+# The public name, not the private module's.
+logger = logging.getLogger("trio_supervisor.health")
 
 
 class Health:

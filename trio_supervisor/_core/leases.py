@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Leases"]
 
-logger = logging.getLogger("trio_supervisor.leases")  # the public name, not the private module's
+# The public name, not the private module's.
+logger = logging.getLogger("trio_supervisor.leases")
 
 # Below this many entries the heap is never rebuilt: stale entries cost little there.
 _REBUILD_FLOOR = 1024

@@ -27,7 +27,8 @@ from .health import Health
 
 __all__ = ["Records", "storage_call"]
 
-logger = logging.getLogger("trio_supervisor.records")  # the public name, not the private module's
+# The public name, not the private module's.
+logger = logging.getLogger("trio_supervisor.records")
 
 _T = TypeVar("_T")
 

@@ -44,7 +44,8 @@ from .termination import NO_CHILD
 
 __all__ = ["recover"]
 
-logger = logging.getLogger("trio_supervisor.recovery")  # the public name, not the private module's
+# The public name, not the private module's.
+logger = logging.getLogger("trio_supervisor.recovery")
 
 # How many orphans recovery confirms at once.
 CONCURRENCY = 64

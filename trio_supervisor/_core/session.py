@@ -77,7 +77,8 @@ from .termination import NO_CHILD, faults, release, terminate
 
 __all__ = ["Reply", "Services", "Session", "adapter_call", "adapter_error", "task_name"]
 
-logger = logging.getLogger("trio_supervisor.session")  # the public name, not the private module's
+# The public name, not the private module's.
+logger = logging.getLogger("trio_supervisor.session")
 
 _T = TypeVar("_T")
 

@@ -69,9 +69,8 @@ from .session import SAVE_BOUND, Services, Session
 
 __all__ = ["Supervisor"]
 
-logger = logging.getLogger(
-    "trio_supervisor.supervisor"
-)  # the public name, not the private module's
+# The public name, not the private module's.
+logger = logging.getLogger("trio_supervisor.supervisor")
 
 
 class Supervisor:
