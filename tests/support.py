@@ -42,6 +42,7 @@ from trio_supervisor import (
     Supervisor,
     SupervisorError,
     open_supervisor,
+    realtime,
 )
 from trio_supervisor._background import open_background_nursery
 from trio_supervisor.abc import Store, SupervisorAPI
@@ -272,16 +273,17 @@ async def until(
     """Poll ``condition()`` (awaited if it is async) until it is truthy; return that value.
 
     For what has nothing to wait on (/proc, a file, a runner over HTTP), asked every
-    ``every`` seconds. Fails naming ``what`` after ``bound`` seconds.
+    ``every`` seconds. Fails naming ``what`` after ``bound`` seconds. What it polls is
+    outside the run, so the pauses and the bound are real time, also on a virtual clock.
     """
-    with trio.move_on_after(bound):
+    with realtime.bounded(bound):
         while True:
             value = condition()
             if inspect.isawaitable(value):
                 value = await value
             if value:
                 return value
-            await trio.sleep(every)
+            await realtime.sleep(every)
     raise AssertionError(f"{what}: not within {bound:g} s")
 
 

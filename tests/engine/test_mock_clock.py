@@ -17,7 +17,6 @@ import trio
 
 from trio_supervisor import (
     Expired,
-    Handle,
     InProcessExecution,
     Key,
     LeaseExpiredError,
@@ -31,10 +30,11 @@ from trio_supervisor import (
     StoppedRecord,
     SubprocessExecution,
     open_supervisor,
-    realtime,
 )
 from trio_supervisor._core import session
-from trio_supervisor.realtime import bounded, outside_the_run
+from trio_supervisor.realtime import outside_the_run
+
+from ..support import until_logged
 
 KEY = Key(identity="app", instance="virtual")
 OTHER = Key(identity="app", instance="other")
@@ -144,7 +144,7 @@ async def test_real_children_load_expire_and_stop_under_autojump(
         # A stubborn one: killed after the grace, and its exit confirmed.
         stubborn = await supervisor.open(OTHER, "stubborn")
         await supervisor.load(stubborn.handle, Load(specifier="stubborn:main"))
-        await until_in_log(execution, stubborn.handle, "ignoring SIGTERM")
+        await until_logged(execution, stubborn.handle, "ignoring SIGTERM")
         termination = await supervisor.dispose(stubborn.handle)
         assert termination.kind == "killed", termination.describe()
         # A child whose lease runs out on the virtual clock.
@@ -155,11 +155,3 @@ async def test_real_children_load_expire_and_stop_under_autojump(
         assert isinstance(record, StoppedRecord)
         assert isinstance(record.reason, Expired)
         assert supervisor.poisoned is None
-
-
-async def until_in_log(execution: SubprocessExecution, handle: Handle, text: str) -> None:
-    """Poll the child's log file in real time (the child writes it outside the run)."""
-    with bounded(20.0) as scope:
-        while text not in execution.logs(handle):
-            await realtime.sleep(0.02)
-    assert not scope.cancelled_caught, f"{text!r} never reached the log"
