@@ -14,16 +14,26 @@ from .model import (
     ChildIdentity,
     CodeIdentity,
     ExitStatus,
+    FleetRecord,
     Handle,
     Key,
     Limits,
     Load,
+    RunnerInfo,
     SessionRecord,
     Termination,
 )
 from .retention import Retention
 
-__all__ = ["BatchStore", "Execution", "Store", "SupervisorAPI", "Unit"]
+__all__ = [
+    "BatchStore",
+    "Execution",
+    "FleetMember",
+    "FleetStore",
+    "Store",
+    "SupervisorAPI",
+    "Unit",
+]
 
 
 @runtime_checkable
@@ -73,6 +83,95 @@ class BatchStore(Store, Protocol):
 
     async def save_many(self, records: Sequence[SessionRecord]) -> None:
         """Make every record durable, as one atomic write where the store can."""
+        ...
+
+
+class FleetMember(Protocol):
+    """What a supervisor tells the fleet's store about itself (:meth:`FleetStore.run_member`)."""
+
+    @property
+    def stop_bound(self) -> float:
+        """Seconds a child may take to end once its lease ran out: grace plus confirmation.
+
+        Another runner takes this one's records over only once its row expired more
+        than a record's lease plus this ago (docs/service.md section C, "Takeover").
+        """
+        ...
+
+    def live(self) -> Mapping[Key, int]:
+        """The lowest generation of every key with an unfinished session here."""
+        ...
+
+    def superseded(self, key: Key, high_water: int) -> None:
+        """Stop, with reason Superseded, every session here of ``key`` below ``high_water``.
+
+        Called from the supervisor's run (never from another thread); returns at once.
+        """
+        ...
+
+
+@runtime_checkable
+class FleetStore(BatchStore, Protocol):
+    """A store several supervisors share, each a *member* under its own id: a fleet.
+
+    Beyond a store's promises (docs/service.md section C):
+
+    * **Global fencing.** Saving an Open record claims its generation for the whole
+      fleet: unless the key's high-water in the store is the generation just before,
+      the save writes nothing and raises ``StaleSessionError`` (which does not poison).
+    * **Fenced writes.** Every write is checked, in its own transaction, against this
+      member's epoch; once another member took this one's records over, every write
+      raises ``StateStorageError`` and nothing lands.
+    * ``list()`` gives this member's records (those of its earlier epochs included,
+      for recovery); ``high_water()`` the marks of the whole fleet.
+    """
+
+    @property
+    def member(self) -> str:
+        """This member's id in the fleet (a runner's ``--runner-id``)."""
+        ...
+
+    async def lookup(self, key: Key, request_id: str | None) -> tuple[int, SessionRecord | None]:
+        """The key's high-water in the store now, and its retained record opened with
+        ``request_id`` (whichever member holds it), if any."""
+        ...
+
+    async def wait_older_stopped(self, handle: Handle) -> None:
+        """Return once no record of ``handle.key`` below its generation is unstopped on
+        another member (O5 across the fleet).
+
+        A record whose member is dead past its takeover margin is taken over on the
+        way. Bounded while that member lives by its ``stop_bound`` plus a check period.
+
+        Raises:
+            TerminationUnconfirmedError: A live member did not stop its older
+                generation within that bound.
+        """
+        ...
+
+    async def run_member(self, member: FleetMember) -> None:
+        """Keep this member in the fleet until cancelled.
+
+        Renews its row, hears of opens that supersede its sessions (a notification as
+        the wake-up, a periodic check of ``member.live()`` as the guarantee) and tells
+        ``member.superseded``, and takes over the records of dead members.
+
+        Raises:
+            StateStorageError: The member lost its row (it could not renew it in time,
+                or another member took its records over); the supervisor is poisoned.
+        """
+        ...
+
+    async def runners(self) -> Sequence[RunnerInfo]:
+        """Every runner of the fleet, by id."""
+        ...
+
+    async def fleet_records(self) -> Sequence[FleetRecord]:
+        """Every retained record of the fleet, in save order, each with its runner."""
+        ...
+
+    async def owner(self, token: str) -> RunnerInfo | None:
+        """The runner that holds the session of ``token``, if a record of it is retained."""
         ...
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "Exited",
     "Expired",
     "Fault",
+    "FleetRecord",
     "Handle",
     "Key",
     "Limits",
@@ -44,6 +45,7 @@ __all__ = [
     "OpenRecord",
     "Phase",
     "Recovery",
+    "RunnerInfo",
     "SessionRecord",
     "Shutdown",
     "StopReason",
@@ -469,3 +471,47 @@ class StoppedRecord(_Record):
 SessionRecord: TypeAlias = (
     OpenRecord | LoadingRecord | LoadedRecord | StoppingRecord | StoppedRecord
 )
+
+
+# -- the fleet ------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class RunnerInfo:
+    """One runner of a fleet, as the shared store sees it (docs/service.md section C).
+
+    Attributes:
+        runner_id: Its name in the fleet, stable across its restarts.
+        epoch: Its incarnation: every start (and every takeover of its records) moves
+            it on, and a write made under an older epoch is refused.
+        advertise: Where hosts and other runners reach it (an URL), or "" if unknown.
+        started_at: When this incarnation registered, seconds since the Unix epoch
+            (the database's clock).
+        lease_until: Until when its row is valid without a renewal, seconds since the
+            Unix epoch (the database's clock).
+        alive: Whether ``lease_until`` was still ahead when the row was read.
+        sessions: How many of the fleet's unstopped records it holds.
+    """
+
+    runner_id: str
+    epoch: int
+    advertise: str
+    started_at: float
+    lease_until: float
+    alive: bool
+    sessions: int
+
+
+@attrs.frozen(kw_only=True)
+class FleetRecord:
+    """A record of the fleet's store, with the runner that wrote it.
+
+    Attributes:
+        record: The record.
+        runner_id: The runner that holds the session (wrote its last record).
+        epoch: The incarnation of that runner that wrote it.
+    """
+
+    record: SessionRecord
+    runner_id: str
+    epoch: int
