@@ -30,6 +30,7 @@ from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, overrid
 from .errors import RecordFormatError
 from .model import (
     ActiveRecord,
+    ExitStatus,
     Load,
     Phase,
     SessionRecord,
@@ -166,6 +167,11 @@ def _configure(target: cattrs.Converter) -> cattrs.Converter:
     target.register_structure_hook_factory(_is_array, _strict_array)
     target.register_unstructure_hook(
         Load, make_dict_unstructure_fn(Load, target, config=override(unstruct_hook=thaw))
+    )
+    # Written only when true: the records of a single runner read as they always did.
+    target.register_unstructure_hook(
+        ExitStatus,
+        make_dict_unstructure_fn(ExitStatus, target, runner_lost=override(omit_if_default=True)),
     )
     target.register_structure_hook(
         Load,

@@ -54,6 +54,7 @@ __all__ = [
     "Superseded",
     "Termination",
     "negotiate",
+    "recovered",
     "thaw",
 ]
 
@@ -195,9 +196,12 @@ class ExitStatus:
             exists for a task, so ``signal`` stays None.
         descendants_killed: How many processes the child left behind had to be killed
             as it ended (grandchildren that ignored the interrupt, say).
+        runner_lost: The runner that held the child died, and another runner of its
+            fleet stopped the session once the child had surely ended by its lease
+            (docs/service.md section C, "Takeover"); nothing else is known.
 
     ``code`` and ``signal`` both None, and not ``cancelled``: the status is unknown (the
-    child was already gone when recovery looked for it).
+    child was already gone when recovery looked for it, or its runner was lost).
     """
 
     code: int | None = attrs.field(default=None, validator=fields.optional_integer)
@@ -206,6 +210,7 @@ class ExitStatus:
     )
     cancelled: bool = attrs.field(default=False, validator=fields.flag)
     descendants_killed: int = attrs.field(default=0, validator=fields.count)
+    runner_lost: bool = attrs.field(default=False, validator=fields.flag)
 
     @property
     def known(self) -> bool:
@@ -274,6 +279,8 @@ class Termination:
             details = [f"code {status.code}"]
         elif status.signal is not None:
             details = [_signal_name(status.signal)]
+        elif status.runner_lost:
+            details = ["runner lost; exit status unknown"]
         else:
             details = ["already gone; exit status unknown"]
         if status.descendants_killed:
@@ -471,6 +478,22 @@ class StoppedRecord(_Record):
 SessionRecord: TypeAlias = (
     OpenRecord | LoadingRecord | LoadedRecord | StoppingRecord | StoppedRecord
 )
+
+
+def recovered(record: SessionRecord, termination: Termination) -> StoppedRecord:
+    """The Stopped record, with reason Recovery, of a record left over from a crash (V3).
+
+    Recovery writes it for the records of its own earlier run; a runner of a fleet
+    writes it for the records of a dead runner it takes over.
+
+    Args:
+        record: A record that is not Stopped.
+        termination: How its child ended, as far as is known.
+    """
+    if isinstance(record, StoppedRecord):
+        raise ValueError("a Stopped record needs no recovery")
+    previous = record.previous if isinstance(record, StoppingRecord) else record
+    return StoppedRecord.of(previous, Recovery(), termination)
 
 
 # -- the fleet ------------------------------------------------------------------------

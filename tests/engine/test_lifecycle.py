@@ -26,13 +26,14 @@ from trio_supervisor import (
     StoppingRecord,
     Termination,
 )
-from trio_supervisor._core.lifecycle import _TRANSITIONS, Event, Lifecycle, recovered
+from trio_supervisor._core.lifecycle import _TRANSITIONS, Event, Lifecycle
 from trio_supervisor.errors import (
     ExecutionError,
     LeaseExpiredError,
     SessionConflictError,
     SessionStoppedError,
 )
+from trio_supervisor.model import recovered
 
 HANDLE = Handle(key=Key(identity="p", instance="a"), token="t" * 32, generation=1)
 OPEN = OpenRecord(handle=HANDLE, request_id="r", lease=5.0, limits=Limits())

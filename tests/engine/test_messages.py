@@ -33,7 +33,8 @@ from trio_supervisor import (
     StoppedRecord,
     Supervisor,
 )
-from trio_supervisor._core.lifecycle import Lifecycle, recovered
+from trio_supervisor._core.lifecycle import Lifecycle
+from trio_supervisor.model import recovered
 from trio_supervisor.testing import FakeExecution
 from trio_supervisor.testing.fakes import FakeUnit
 

@@ -34,7 +34,7 @@ def requirements() -> dict[str | None, set[str]]:
         if requirement.marker is not None:
             extras = [
                 name
-                for name in ("client", "service", "test", "lint")
+                for name in ("client", "service", "postgres", "test", "lint")
                 if requirement.marker.evaluate({"extra": name})
             ]
             assert len(extras) == 1, line
@@ -55,8 +55,9 @@ def test_only_four_packages_are_required_unconditionally() -> None:
         "prometheus-client",
         "httpx",
     }
-    # The test and lint extras pull [service,client] (the build spells them out).
-    assert found["client"] | found["service"] <= found["test"] <= found["lint"]
+    assert found["postgres"] == {"psycopg"}
+    # The test and lint extras pull [service,client,postgres] (the build spells them out).
+    assert found["client"] | found["service"] | found["postgres"] <= found["test"] <= found["lint"]
     assert {"pytest", "pytest-trio", "pytest-timeout", "hypothesis"} <= found["test"]
 
 

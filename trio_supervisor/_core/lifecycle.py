@@ -54,8 +54,6 @@ from ..model import (
     LoadingRecord,
     OpenRecord,
     Phase,
-    Recovery,
-    SessionRecord,
     StoppedRecord,
     StoppingRecord,
     StopReason,
@@ -63,7 +61,7 @@ from ..model import (
     carried,
 )
 
-__all__ = ["Event", "Lifecycle", "recovered", "stop_error"]
+__all__ = ["Event", "Lifecycle", "stop_error"]
 
 
 class Event(enum.Enum):
@@ -97,19 +95,6 @@ def stop_error(reason: StopReason) -> SupervisorError:
     if isinstance(reason, Expired):
         return LeaseExpiredError("the session's lease has expired")
     return SessionStoppedError(f"the session is stopping or stopped ({reason.kind})")
-
-
-def recovered(record: SessionRecord, termination: Termination) -> StoppedRecord:
-    """The Stopped record recovery writes for a record left over from a crash (V3).
-
-    Args:
-        record: A record that is not Stopped.
-        termination: What recovering its child gave.
-    """
-    if isinstance(record, StoppedRecord):
-        raise ValueError("a Stopped record needs no recovery")
-    previous = record.previous if isinstance(record, StoppingRecord) else record
-    return StoppedRecord.of(previous, Recovery(), termination)
 
 
 class Lifecycle:

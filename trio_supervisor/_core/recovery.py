@@ -36,9 +36,9 @@ from ..model import (
     StoppingRecord,
     Termination,
     log_fields,
+    recovered,
 )
 from ..realtime import bounded
-from .lifecycle import recovered
 from .records import Records
 from .termination import NO_CHILD
 
