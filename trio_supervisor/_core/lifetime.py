@@ -89,7 +89,7 @@ async def open_supervisor(
     await lifetime.recover()
 
     async with open_background_nursery() as nursery:
-        leases = await lifetime.start(nursery)
+        await lifetime.start(nursery)
         try:
             yield supervisor
         except BaseException as error:
@@ -103,7 +103,6 @@ async def open_supervisor(
                 raise ExceptionGroup(_PROBLEMS, problems)
         finally:
             # Every session has stopped: no lease is left to watch.
-            leases.cancel()
             lifetime.detach()
 
 

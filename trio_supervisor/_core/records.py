@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from ..abc import BatchStore, Store
-from ..errors import StateStorageError
-from ..model import Key, SessionRecord, log_fields
+from ..errors import StaleSessionError, StateStorageError
+from ..model import Key, OpenRecord, SessionRecord, log_fields
 from ..retention import RecordIndex, Retention
 from .events import Watchers
 from .health import Health
@@ -77,11 +77,21 @@ class Records:
         Raises:
             StateStorageError: The store did not acknowledge it; the supervisor is
                 poisoned.
+            StaleSessionError: A fleet's store refused an Open record because another
+                runner took its generation first (global fencing, docs/service.md
+                section C): nothing was written, and nothing is poisoned.
         """
         # Not through storage_call: this is the busiest await of the supervisor, and
         # one coroutine less is measurable. The failure is handled the same way.
         try:
             await self._store.save(record)
+        except StaleSessionError as stale:
+            if isinstance(record, OpenRecord):
+                raise
+            # Only an Open record claims a generation; any other record refused as
+            # stale is a store out of step with this supervisor.
+            error = self._failed((record,), StateStorageError(f"the store refused it: {stale}"))
+            raise error from stale
         except Exception as failure:
             error = self._failed((record,), failure)
             raise error from error.__cause__

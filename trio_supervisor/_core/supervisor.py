@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import trio
 
 from .._fields import LEASE
-from ..abc import Execution, Store
+from ..abc import Execution, FleetStore, Store
 from ..errors import (
     RunnerClosingError,
     SessionStoppedError,
@@ -63,7 +63,7 @@ from .health import Health
 from .keylocks import KeyLocks
 from .leases import Leases
 from .lifecycle import stop_error
-from .records import Records
+from .records import Records, storage_call
 from .recovery import recover
 from .session import SAVE_BOUND, Services, Session
 
@@ -94,6 +94,9 @@ class Supervisor:
         self._limits = limits
         self._health = Health()
         self._records = Records(store, retention, self._health)
+        # A store shared by a fleet of supervisors (docs/service.md section C): opens
+        # claim generations in it, and sessions superseded elsewhere stop here.
+        self._fleet: FleetStore | None = store if isinstance(store, FleetStore) else None
         # Sessions by token, and the unfinished ones by key (usually one; more while an
         # open supersedes). A session leaves the first once its Stopped record is
         # durable, the second once its stop is over.
@@ -151,6 +154,10 @@ class Supervisor:
         await trio.lowlevel.checkpoint()
         if not isinstance(key, Key):
             raise TypeError(f"key must be a Key, not {type(key).__name__}")
+        if self._fleet is not None:
+            # Another runner of the fleet may have opened it since: the store knows.
+            high, _ = await self._fleet_lookup(key, None)
+            return high or None
         return self._records.high_water(key) or None
 
     async def wait_failed(self) -> None:
@@ -272,11 +279,16 @@ class Supervisor:
         self._check_usable()
         await self._locks.acquire(key)
         try:
-            return await self._open_locked(
+            record = await self._open_locked(
                 key, request_id, expected_generation, seconds, negotiated
             )
         finally:
             self._locks.release(key)
+        if self._fleet is not None:
+            # O5 across the fleet: an older generation held by another runner was told
+            # to stop when the Open record landed; the open returns once it has.
+            await self._fleet.wait_older_stopped(record.handle)
+        return record
 
     async def _open_locked(
         self,
@@ -292,6 +304,13 @@ class Supervisor:
         if prior is not None:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return prior
+        if self._fleet is not None:
+            # The fleet's high-water, and a retry of an open another runner answered.
+            mark, prior = await self._fleet_lookup(key, request_id)
+            if prior is not None:
+                return prior
+            self._records.index.raise_high_water(key, mark)
+            self._check_usable()
         high = self._records.high_water(key)
         if (expected_generation or 0) != high:
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -404,7 +423,15 @@ class Supervisor:
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_usable()
-        return await self._session_of(handle).renew()
+        session = self._session_of(handle)
+        if self._fleet is not None:
+            # A generation opened on another runner supersedes this one; a lost
+            # notification costs at most one renew period (docs/service.md section C).
+            high, _ = await self._fleet_lookup(handle.key, None)
+            if high > handle.generation:
+                session.stop_soon(Superseded())
+            self._check_usable()
+        return await session.renew()
 
     async def load(self, handle: Handle, load: Load) -> CodeIdentity:
         """Load code into the session's child (L1-L6).
@@ -448,6 +475,56 @@ class Supervisor:
         if session is None:
             raise SessionStoppedError("the session was retired by recovery or eviction")
         return await session.stop(Disposed())
+
+    # -- the fleet --------------------------------------------------------------------
+
+    async def _fleet_lookup(
+        self, key: Key, request_id: str | None
+    ) -> tuple[int, SessionRecord | None]:
+        """The key's high-water in the fleet's store, and the record of ``request_id``."""
+        assert self._fleet is not None
+        return await storage_call(
+            self._fleet.lookup(key, request_id), "the fleet's store could not be read"
+        )
+
+    def _live(self) -> dict[Key, int]:
+        """The lowest generation of every key with an unfinished session."""
+        return {
+            key: min(session.handle.generation for session in of_key)
+            for key, of_key in self._by_key.items()
+        }
+
+    def _superseded(self, key: Key, high_water: int) -> None:
+        """Stop every session of ``key`` below ``high_water``: another runner of the fleet
+        opened a later generation (O5)."""
+        self._records.index.raise_high_water(key, high_water)
+        for session in self._by_key.get(key, ()):
+            if session.handle.generation < high_water:
+                logger.info(
+                    "generation %d of %s/%s is superseded by generation %d, opened on "
+                    "another runner of the fleet",
+                    session.handle.generation,
+                    key.identity,
+                    key.instance,
+                    high_water,
+                    extra=log_fields(key, session.handle.generation),
+                )
+                session.stop_soon(Superseded())
+
+    async def _run_member(self, *, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        """Be a member of the fleet until the supervisor is done (docs/service.md C)."""
+        assert self._fleet is not None
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            try:
+                await self._fleet.run_member(_Member(self))
+            except trio.Cancelled:
+                return  # as _run_leases: the block's own Cancelled carries it out
+            except Exception as error:
+                # Its row is lost or taken: no write of this runner may land any more
+                # (H1); its children end by their leases (H2).
+                logger.error("this runner left the fleet: %s", error)
+                self._health.poison(error)
 
     # -- what the sessions tell the supervisor ------------------------------------------
 
@@ -535,6 +612,26 @@ class Supervisor:
         return problems
 
 
+class _Member:
+    """The supervisor as its fleet's store sees it (:class:`~trio_supervisor.abc.FleetMember`)."""
+
+    __slots__ = ("_supervisor",)
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+
+    @property
+    def stop_bound(self) -> float:
+        """How long a child may take to end once its lease ran out."""
+        return self._supervisor._grace + self._supervisor._confirmation
+
+    def live(self) -> dict[Key, int]:
+        return self._supervisor._live()
+
+    def superseded(self, key: Key, high_water: int) -> None:
+        self._supervisor._superseded(key, high_water)
+
+
 class Lifetime:
     """The supervisor's side of its lifetime: all that :func:`open_supervisor` needs.
 
@@ -542,10 +639,11 @@ class Lifetime:
     users never see it, and ``lifetime.py`` reaches nothing of the supervisor but this.
     """
 
-    __slots__ = ("_supervisor",)
+    __slots__ = ("_supervisor", "_tasks")
 
     def __init__(self, supervisor: Supervisor) -> None:
         self._supervisor = supervisor
+        self._tasks: list[trio.CancelScope] = []
 
     async def recover(self) -> None:
         """Stop every session an earlier run left behind, with reason Recovery (V1-V5)."""
@@ -554,14 +652,23 @@ class Lifetime:
             supervisor._records, supervisor._execution, confirmation=supervisor._confirmation
         )
 
-    async def start(self, nursery: trio.Nursery) -> trio.CancelScope:
-        """Run the supervisor's tasks in ``nursery``; return the lease timer's scope."""
-        self._supervisor._nursery = nursery
-        leases: trio.CancelScope = await nursery.start(self._supervisor._run_leases)
-        return leases
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Run the supervisor's own tasks in ``nursery``: the lease timer, and its
+        membership of a fleet when its store is shared."""
+        supervisor = self._supervisor
+        supervisor._nursery = nursery
+        self._tasks = [await nursery.start(supervisor._run_leases)]
+        if supervisor._fleet is not None:
+            self._tasks.append(await nursery.start(supervisor._run_member))
 
     def detach(self) -> None:
-        """Forget the nursery: every session has stopped."""
+        """Every session has stopped: end the supervisor's own tasks, forget the nursery.
+
+        A fleet's member keeps its row until here, so that no other runner takes its
+        sessions over while they stop.
+        """
+        for scope in self._tasks:
+            scope.cancel()
         self._supervisor._nursery = None
 
     async def shut_down(self) -> list[Exception]:
