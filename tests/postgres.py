@@ -1,0 +1,76 @@
+"""The PostgreSQL server the fleet's tests use: a database of their own per test module.
+
+The server is ``$TRIO_SUPERVISOR_TEST_DSN``, by default the one every machine of this
+project runs (``postgresql://postgres@127.0.0.1:5432/test``, trust authentication).
+When it cannot be reached, the tests fail where they must run (``CI`` is set, or the
+variable names a server on purpose) and are skipped elsewhere, with a message naming
+the variable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import urllib.parse
+from collections.abc import Iterator
+from typing import Final
+
+import psycopg
+import pytest
+from psycopg import sql
+
+__all__ = ["DEFAULT_DSN", "database_for", "server_dsn", "with_parts"]
+
+DEFAULT_DSN: Final = "postgresql://postgres@127.0.0.1:5432/test"
+VARIABLE: Final = "TRIO_SUPERVISOR_TEST_DSN"
+
+
+def server_dsn() -> str:
+    """The server's DSN, once it answered; fails or skips as the module docs say."""
+    dsn = os.environ.get(VARIABLE, DEFAULT_DSN)
+    try:
+        with psycopg.connect(dsn, connect_timeout=5, autocommit=True) as connection:
+            connection.execute("SELECT 1")
+    except psycopg.Error as error:
+        message = (
+            f"the fleet's tests need PostgreSQL at {dsn} ({VARIABLE}), which did not "
+            f"answer: {error}".strip()
+        )
+        if os.environ.get("CI") or VARIABLE in os.environ:
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message + f"; set {VARIABLE} to a server to run them")
+    return dsn
+
+
+@contextlib.contextmanager
+def database_for(module: str) -> Iterator[str]:
+    """A fresh database named after ``module`` (and this process), dropped afterwards;
+    its DSN."""
+    dsn = server_dsn()
+    name = "ts_" + re.sub(r"[^a-z0-9]+", "_", module.lower().rsplit(".", 1)[-1]) + f"_{os.getpid()}"
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield with_parts(dsn, path=f"/{name}")
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+def with_parts(url: str, *, path: str | None = None, port: int | None = None) -> str:
+    """``url`` (a ``postgresql://`` URL, as ``serve --store`` takes) with another
+    database (``path="/name"``) or, on the same host, another port (a proxy's)."""
+    parts = urllib.parse.urlsplit(url)
+    if port is not None:
+        host = parts.hostname or "127.0.0.1"
+        user = f"{parts.username}@" if parts.username else ""
+        parts = parts._replace(netloc=f"{user}{host}:{port}")
+    if path is not None:
+        parts = parts._replace(path=path)
+    return urllib.parse.urlunsplit(parts)

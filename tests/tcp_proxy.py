@@ -1,0 +1,245 @@
+"""A TCP proxy of the tests' own, to pause and cut a runner's connections to PostgreSQL.
+
+A runner reaches the database through :class:`TcpProxy` instead of directly; the test
+then decides what the network does:
+
+* :meth:`TcpProxy.pause` holds every byte in both directions, connections stay open: to
+  the database the runner is frozen (its renewals and writes stop arriving), while the
+  runner itself keeps running and finds its calls unanswered;
+* :meth:`TcpProxy.resume` delivers what was held, in order: the runner's writes from
+  before the pause then reach the database late, which is what a runner frozen past its
+  takeover and then resumed does;
+* :meth:`TcpProxy.cut` closes every connection and refuses new ones, as a dead network
+  whose peer answers with resets; :meth:`TcpProxy.restore` accepts them again.
+
+One thread runs every socket with a selector; the methods may be called from any
+thread or Trio task (they return at once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import selectors
+import socket
+import struct
+import threading
+import urllib.parse
+from types import TracebackType
+from typing import Self
+
+__all__ = ["TcpProxy"]
+
+# SO_LINGER on, with a zero timeout: close() sends a reset instead of a FIN.
+_RESET = struct.pack("ii", 1, 0)
+
+
+class _Pipe:
+    """One proxied connection: the client's socket, the server's, and what each owes."""
+
+    __slots__ = ("client", "pending", "server")
+
+    def __init__(self, client: socket.socket, server: socket.socket) -> None:
+        self.client = client
+        self.server = server
+        # Bytes read from one side and not yet written to the other, by the writing side.
+        self.pending: dict[socket.socket, bytearray] = {client: bytearray(), server: bytearray()}
+
+    def peer(self, sock: socket.socket) -> socket.socket:
+        return self.server if sock is self.client else self.client
+
+    def close(self) -> None:
+        for sock in (self.client, self.server):
+            # A reset, not a polite FIN: a cut network does not say goodbye.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            sock.close()
+
+
+class TcpProxy:
+    """Forward ``127.0.0.1:<port>`` to ``target`` until closed.
+
+    Attributes:
+        port: The proxy's own port on 127.0.0.1.
+        connections: How many connections it accepted in all.
+    """
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self._target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.setblocking(False)
+        self.port: int = self._listener.getsockname()[1]
+        self.connections = 0
+        self._selector = selectors.DefaultSelector()
+        self._pipes: dict[socket.socket, _Pipe] = {}
+        self._paused = False
+        self._refusing = False
+        self._closed = False
+        self._cut_pending = False
+        self._lock = threading.Lock()
+        # A socket pair wakes the thread when a method changed what it must do.
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_read, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._run, name="tcp proxy", daemon=True)
+        self._thread.start()
+
+    def url(self, url: str) -> str:
+        """``url`` (a ``postgresql://`` URL of the target) pointed at the proxy."""
+        parts = urllib.parse.urlsplit(url)
+        user = f"{parts.username}@" if parts.username else ""
+        return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{self.port}"))
+
+    # -- what the test does to the network --------------------------------------------
+
+    def pause(self) -> None:
+        """Hold every byte from now on; connections stay open."""
+        self._change(paused=True)
+
+    def resume(self) -> None:
+        """Deliver what was held, and forward again."""
+        self._change(paused=False)
+
+    def cut(self) -> None:
+        """Reset every connection, and refuse new ones until :meth:`restore`."""
+        self._change(refusing=True, cut=True)
+
+    def restore(self) -> None:
+        """Accept and forward connections again."""
+        self._change(refusing=False, paused=False)
+
+    def close(self) -> None:
+        """Reset every connection and stop the thread."""
+        self._change(refusing=True, cut=True, closed=True)
+        self._thread.join(5)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _change(
+        self,
+        *,
+        paused: bool | None = None,
+        refusing: bool | None = None,
+        cut: bool = False,
+        closed: bool = False,
+    ) -> None:
+        with self._lock:
+            if paused is not None:
+                self._paused = paused
+            if refusing is not None:
+                self._refusing = refusing
+            self._cut_pending = self._cut_pending or cut
+            self._closed = self._closed or closed
+        with contextlib.suppress(OSError):
+            self._wake_write.send(b"x")
+
+    # -- the thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    closed, cut = self._closed, self._cut_pending
+                    self._cut_pending = False
+                    paused, refusing = self._paused, self._refusing
+                if cut:
+                    for pipe in {id(pipe): pipe for pipe in self._pipes.values()}.values():
+                        self._drop(pipe)
+                if closed:
+                    return
+                self._arm(paused)
+                for selected, events in self._selector.select(timeout=1.0):
+                    sock = selected.fileobj
+                    assert isinstance(sock, socket.socket)
+                    if sock is self._wake_read:
+                        with contextlib.suppress(BlockingIOError):
+                            self._wake_read.recv(4096)
+                    elif sock is self._listener:
+                        self._accept(refusing)
+                    else:
+                        pipe = self._pipes.get(sock)
+                        if pipe is not None:
+                            self._pump(pipe, sock, events, paused)
+        finally:
+            for pipe in {id(pipe): pipe for pipe in self._pipes.values()}.values():
+                self._drop(pipe)
+            self._selector.close()
+            self._listener.close()
+            self._wake_read.close()
+            self._wake_write.close()
+
+    def _accept(self, refusing: bool) -> None:
+        try:
+            client, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        if refusing:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            client.close()
+            return
+        try:
+            server = socket.create_connection(self._target, timeout=5)
+        except OSError:
+            client.close()
+            return
+        self.connections += 1
+        for sock in (client, server):
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pipe = _Pipe(client, server)
+        self._pipes[client] = self._pipes[server] = pipe
+        self._selector.register(client, selectors.EVENT_READ)
+        self._selector.register(server, selectors.EVENT_READ)
+
+    def _arm(self, paused: bool) -> None:
+        """Ask the selector for reads, and for writes where bytes are owed (unless paused)."""
+        for sock, pipe in self._pipes.items():
+            events = selectors.EVENT_READ
+            if pipe.pending[sock] and not paused:
+                events |= selectors.EVENT_WRITE
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.modify(sock, events)
+
+    def _pump(self, pipe: _Pipe, sock: socket.socket, events: int, paused: bool) -> None:
+        if events & selectors.EVENT_READ:
+            try:
+                data = sock.recv(65536)
+            except BlockingIOError:
+                data = None
+            except OSError:
+                data = b""
+            if data == b"":
+                self._drop(pipe)
+                return
+            if data:
+                pipe.pending[pipe.peer(sock)] += data
+        if paused:
+            return
+        for target in (pipe.client, pipe.server):
+            owed = pipe.pending[target]
+            if not owed:
+                continue
+            try:
+                sent = target.send(owed)
+            except BlockingIOError:
+                continue
+            except OSError:
+                self._drop(pipe)
+                return
+            del owed[:sent]
+
+    def _drop(self, pipe: _Pipe) -> None:
+        for sock in (pipe.client, pipe.server):
+            self._pipes.pop(sock, None)
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(sock)
+        pipe.close()
