@@ -302,7 +302,7 @@ def create_app(
             error.detail,
         )
 
-    extra, end_streams = operator_handlers(supervisor, metrics)
+    extra, end_streams = operator_handlers(supervisor, metrics, fleet.runner_id)
     handlers: dict[str, Endpoint] = {
         "open": open_,
         "renew": renew,
