@@ -72,6 +72,12 @@ __all__ = ["Supervisor"]
 # The public name, not the private module's.
 logger = logging.getLogger("trio_supervisor.supervisor")
 
+# Seconds past its lease a child's own dead-man switch may take to end it: the
+# subprocess execution's switch fires 1 s after the lease (executions/_bootstrap.py,
+# LEASE_SLACK), and its kill takes a moment more. Another runner of a fleet waits this
+# much longer before it takes a dead runner's sessions over (docs/design.md, F7).
+SWITCH_SLACK = 2.0
+
 
 class Supervisor:
     """Sessions for keys, their leases, their children. Made by :func:`open_supervisor`."""
@@ -622,8 +628,10 @@ class _Member:
 
     @property
     def stop_bound(self) -> float:
-        """How long a child may take to end once its lease ran out."""
-        return self._supervisor._grace + self._supervisor._confirmation
+        """How long a child may take to end once its lease ran out: a stop's grace and
+        confirmation, and the slack a child's own dead-man switch allows past its lease
+        (a runner that hangs rather than dies is not there to stop it)."""
+        return self._supervisor._grace + self._supervisor._confirmation + SWITCH_SLACK
 
     def live(self) -> dict[Key, int]:
         return self._supervisor._live()
