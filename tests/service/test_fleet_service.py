@@ -409,6 +409,11 @@ def serve_flags(*flags: str) -> tuple[int, str]:
             "--advertise must be an http:// or https:// URL, got 'r1:8470'",
         ),
         (("--runner-id", ""), "--runner-id must not be empty"),
+        (
+            ("--listen", "0.0.0.0:8470", "--insecure-http", "--store", "postgresql://db/f"),
+            "--listen 0.0.0.0:8470 is every address of this machine, which is no URL another "
+            "runner or a host can reach: give --advertise URL",
+        ),
     ],
 )
 def test_a_bad_fleet_flag_is_a_usage_error_naming_it(

@@ -354,7 +354,7 @@ class RunnerConfig:
                 not a PostgreSQL URL, or a fleet's setting is given without a fleet.
         """
         host, port = parse_listen(self.listen)
-        self._check_fleet()
+        self._check_fleet(host)
         if (self.certfile is None) != (self.keyfile is None):
             raise ConfigError("--certfile and --keyfile go together")
         if not self.tls and not self.insecure_http and not _is_loopback(host):
@@ -365,7 +365,7 @@ class RunnerConfig:
             )
         return host, port
 
-    def _check_fleet(self) -> None:
+    def _check_fleet(self, host: str) -> None:
         if self.store is not None:
             scheme = urllib.parse.urlsplit(self.store).scheme
             if scheme not in STORE_SCHEMES:
@@ -379,6 +379,11 @@ class RunnerConfig:
             raise ConfigError("--advertise is for a fleet: it needs --store postgresql://...")
         elif self.runner_lease != DEFAULT_RUNNER_LEASE:
             raise ConfigError("--runner-lease is for a fleet: it needs --store postgresql://...")
+        if self.fleet and not self.advertise and _is_wildcard(host):
+            raise ConfigError(
+                f"--listen {self.listen} is every address of this machine, which is no URL "
+                "another runner or a host can reach: give --advertise URL"
+            )
         if self.advertise:
             url = urllib.parse.urlsplit(self.advertise)
             if url.scheme not in ("http", "https") or not url.netloc:
@@ -403,6 +408,13 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if not colon or not host or not port_text.isdigit() or int(port_text) > 65535:
         raise ConfigError(f"--listen must be HOST:PORT, got {listen!r}")
     return host.strip("[]"), int(port_text)
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 def _is_loopback(host: str) -> bool:
