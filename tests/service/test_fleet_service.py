@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -459,3 +462,30 @@ def test_a_runner_serves_its_own_runners_list_under_its_runner_id(tmp_path: Path
         )
         assert as_json.exit_code == 0, as_json.output
         assert '"runner_id": "r-one"' in as_json.output
+
+
+def test_a_fleet_runner_binds_first_so_a_port_in_use_is_one_line_and_exit_status_1(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        done = subprocess.run(
+            [
+                *(sys.executable, "-m", "trio_supervisor", "serve", "--state", tmp_path / "s"),
+                *("--listen", address, "--store", "postgresql://postgres@127.0.0.1:1/never"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=support.ROOT,
+            check=False,
+        )
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error")]
+    assert errors == [
+        f"Error: cannot listen on {address}: the address is already in use (another "
+        "runner?); give --listen another HOST:PORT, or port 0 for a free one"
+    ], done.stderr

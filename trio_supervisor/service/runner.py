@@ -31,6 +31,7 @@ set: the bearer tokens would cross the network in the clear. TLS comes from
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import importlib
@@ -43,7 +44,6 @@ import socket
 import sys
 import urllib.parse
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any, Final, Literal, Protocol, TextIO
 
@@ -531,17 +531,26 @@ async def run_runner(
                 supervisor.skip_grace()
 
     advertise = config.advertise
+    listener: socket.socket | None = None
     if config.fleet:
         listener = _bind(config, host, port)
         bound = repr_socket_addr(listener.family, listener.getsockname())
         advertise = advertise or _url(f"tcp://{bound}", config.tls)
-        # Hypercorn listens on it once the supervisor recovered, and owns it from now.
-        server.bind = [f"fd://{listener.detach()}"]
+        # Hypercorn listens on it once the supervisor recovered (it is ours until then).
+        server.bind = [f"fd://{listener.fileno()}"]
 
     # Opened before anything else starts, so that a store in use is one plain error.
-    store = await _open_store(config, advertise)
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with AsyncExitStack() as closing, trio.open_nursery() as watching:
+    try:
+        store = await _open_store(config, advertise)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
+    with (
+        listener or contextlib.nullcontext(),
+        trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
+    ):
+        async with contextlib.AsyncExitStack() as closing, trio.open_nursery() as watching:
             closing.push_async_callback(store.aclose)
             watching.start_soon(watch_signals, signals)
             metrics = Metrics()
@@ -600,6 +609,8 @@ async def run_runner(
                         # Hypercorn binds in nurseries of its own: the OSError comes
                         # wrapped in their groups.
                         raise _cannot_listen(config, failed) from None
+                    if listener is not None:
+                        listener.detach()  # Hypercorn's own socket holds it, and closes it
                     url = _url(binds[0], config.tls)
                     fleet.advertise = fleet.advertise or url
                     print(f"listening on {url}", file=out, flush=True)
