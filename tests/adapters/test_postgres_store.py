@@ -23,6 +23,7 @@ from trio_supervisor import (
     Handle,
     Key,
     Limits,
+    Load,
     OpenRecord,
     PostgresStore,
     RecordFormatError,
@@ -38,10 +39,11 @@ from trio_supervisor import (
 )
 from trio_supervisor.abc import BatchStore, FleetMember, FleetStore, Store
 from trio_supervisor.stores._jobs import Job
+from trio_supervisor.testing import FakeExecution
 from trio_supervisor.testing.contracts import StoreContract, StoreFactory
 
 from ..postgres import database_for
-from ..support import until
+from ..support import KEY, supervise_embedded, until, until_stopped
 
 DONE = Termination(kind="exited", exit=ExitStatus(code=0))
 
@@ -653,3 +655,34 @@ async def test_every_failure_names_the_database(database: str) -> None:
 def test_member_protocol_fits_the_test_member() -> None:
     member: FleetMember = Member()
     assert member.live() == {}
+
+
+# -- supervisors on it -----------------------------------------------------------------
+
+
+async def test_two_supervisors_on_one_database_act_as_one(database: str, schema: str) -> None:
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema, runner_lease=3) as on_a,
+        PostgresStore(database, runner_id="b", schema=schema, runner_lease=3) as on_b,
+        supervise_embedded(on_a, FakeExecution()) as a,
+        supervise_embedded(on_b, FakeExecution()) as b,
+    ):
+        first = await a.open(KEY, "r1")
+        await a.load(first.handle, Load(specifier="x"))
+        # b's open claims generation 2, tells a, and returns once a stopped generation 1.
+        with trio.fail_after(15):
+            second = await b.open(KEY, "r2", expected_generation=1)
+        assert second.handle.generation == 2
+        stopped_on_a = await a.status(first.handle)
+        assert isinstance(stopped_on_a, StoppedRecord)
+        assert stopped_on_a.reason.kind == "Superseded"
+        # Either runner knows the key's high-water, and a's view of it is not stale.
+        assert await a.high_water(KEY) == 2
+        with pytest.raises(StaleSessionError):
+            await a.open(KEY, "r3", expected_generation=1)
+        third = await a.open(KEY, "r3", expected_generation=2)
+        assert third.handle.generation == 3
+        with trio.fail_after(15):
+            await until_stopped(b, second.handle)
+        holders = {f.record.handle.generation: f.runner_id for f in await on_a.fleet_records()}
+        assert holders == {2: "b", 3: "a"}  # 1 went by retention (one Stopped per key)

@@ -636,6 +636,8 @@ class Listener:
                         for note in connection.notifies(timeout=self.POLL):
                             self._hand(note.payload)
             except Exception as error:
+                if self.stopping.is_set():
+                    return
                 # Only a wake-up: the periodic checks cover what is missed meanwhile.
                 logger.warning("%s; listening again", self.settings.explain("listen", error))
                 self.stopping.wait(self.RETRY)

@@ -422,6 +422,10 @@ class PostgresStore:
         finally:
             listener.stopping.set()
             send.close()
+            # The thread sees the flag within its poll; nothing of run_member outlives
+            # it by more (a hung connection is left to its daemon thread).
+            with outside_the_run(), realtime.bounded(4 * Listener.POLL, shield=True):
+                await trio.to_thread.run_sync(listener.thread.join, abandon_on_cancel=True)
 
     def _heard_of(self, member: FleetMember, payload: str) -> None:
         try:
