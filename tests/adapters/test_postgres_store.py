@@ -14,6 +14,8 @@ from typing import Any
 import psycopg
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -24,6 +26,7 @@ from trio_supervisor import (
     Key,
     Limits,
     Load,
+    MemoryStore,
     OpenRecord,
     PostgresStore,
     RecordFormatError,
@@ -32,6 +35,7 @@ from trio_supervisor import (
     StaleSessionError,
     StateStorageError,
     StoppedRecord,
+    StoppingRecord,
     Superseded,
     Termination,
     TerminationUnconfirmedError,
@@ -232,6 +236,49 @@ async def test_retention_is_fleet_wide_and_keeps_the_high_water(database: str, s
         assert kept == [("a", 4, "b"), ("b", 1, "a"), ("c", 1, "b"), ("c", 2, "b")]
         assert (await a.high_water())[key("a")] == 4
         assert [r.handle.key.instance for r in await a.list()] == ["b"]
+
+
+operations = st.lists(
+    st.tuples(st.sampled_from("abc"), st.integers(min_value=1, max_value=6), st.booleans()),
+    max_size=12,
+)
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    batches=st.lists(operations, min_size=1, max_size=3),
+    per_key=st.integers(1, 3),
+    total=st.integers(1, 4),
+)
+def test_fleet_wide_retention_matches_the_memory_store(
+    database: str, batches: list[list[tuple[str, int, bool]]], per_key: int, total: int
+) -> None:
+    # Batches alternate between two runners: retention and the marks are the fleet's.
+    retention = Retention(stopped_per_key=per_key, stopped_total=total)
+    schema = fresh_schema()
+
+    def step(instance: str, generation: int, stop: bool) -> SessionRecord:
+        opened = record(instance, generation)
+        return stopped(opened) if stop else StoppingRecord.of(opened, Disposed())
+
+    async def apply() -> tuple[list[SessionRecord], list[SessionRecord]]:
+        memory = MemoryStore(retention=retention)
+        async with (
+            PostgresStore(database, runner_id="a", schema=schema, retention=retention) as a,
+            PostgresStore(database, runner_id="b", schema=schema, retention=retention) as b,
+        ):
+            for number, batch in enumerate(batches):
+                records = [step(*operation) for operation in batch]
+                await memory.save_many(records)
+                await (a if number % 2 else b).save_many(records)
+            fleet = [kept.record for kept in await a.fleet_records()]
+            assert await b.high_water() == await memory.high_water()
+            return fleet, list(await memory.list())
+
+    fleet, in_memory = trio.run(apply)
+    assert fleet == in_memory
 
 
 async def test_a_corrupt_row_is_a_record_format_error_naming_it(database: str, schema: str) -> None:

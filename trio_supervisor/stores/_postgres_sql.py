@@ -105,7 +105,8 @@ DECLARE
     marks jsonb;
     named text;
     refused boolean;
-    stops boolean := false;
+    fresh bigint;
+    kept bigint;
 BEGIN
     -- (a) Fencing: the writer's row must still hold its epoch. FOR SHARE, so a takeover
     -- (FOR UPDATE) waits for this transaction, and this one for a takeover.
@@ -190,13 +191,13 @@ BEGIN
                     ON CONFLICT (identity, instance) DO UPDATE
                     SET generation = greatest(h.generation, excluded.generation);
             END IF;
+            fresh := CASE WHEN p_kinds[j] >= 2 THEN nextval('stop_order') END;
             INSERT INTO records AS r (
                 token, identity, instance, generation, request_id, runner_id, epoch,
                 saved, stopped, lease, body
             ) VALUES (
                 p_tokens[j], p_identities[j], p_instances[j], p_generations[j],
-                p_requests[j], p_runner, p_epoch, nextval('save_order'),
-                CASE WHEN p_kinds[j] >= 2 THEN nextval('stop_order') END,
+                p_requests[j], p_runner, p_epoch, nextval('save_order'), fresh,
                 p_leases[j], p_bodies[j]
             ) ON CONFLICT (token) DO UPDATE SET
                 identity = excluded.identity, instance = excluded.instance,
@@ -205,9 +206,11 @@ BEGIN
                 saved = excluded.saved, lease = excluded.lease, body = excluded.body,
                 -- A record Stopped already keeps its place in the stop order.
                 stopped = CASE WHEN excluded.stopped IS NULL THEN NULL
-                               ELSE coalesce(r.stopped, excluded.stopped) END;
-            IF p_kinds[j] >= 2 THEN
-                stops := true;
+                               ELSE coalesce(r.stopped, excluded.stopped) END
+            RETURNING r.stopped INTO kept;
+            -- Only a new stop evicts, as retention.StopOrder has it (a record saved
+            -- Stopped again keeps its place, and evicts nothing).
+            IF kept = fresh THEN
                 IF p_kinds[j] = 3 THEN
                     -- An opener may wait for this stop (O5 across the fleet).
                     PERFORM pg_notify(current_schema(), json_build_object(
@@ -222,16 +225,14 @@ BEGIN
                     WHERE s.identity = p_identities[j] AND s.instance = p_instances[j]
                       AND s.stopped IS NOT NULL
                     ORDER BY s.stopped DESC OFFSET p_per_key);
+                -- ... then the oldest of all beyond the cap: a walk of the stop index,
+                -- as long as the cap.
+                DELETE FROM records r WHERE r.token IN (
+                    SELECT s.token FROM records s WHERE s.stopped IS NOT NULL
+                    ORDER BY s.stopped DESC OFFSET p_total);
             END IF;
         END LOOP;
     END LOOP;
-    IF stops THEN
-        -- ... then the oldest of all beyond the cap: once per batch, a walk of the
-        -- stop index that the cap bounds.
-        DELETE FROM records r WHERE r.token IN (
-            SELECT s.token FROM records s WHERE s.stopped IS NOT NULL
-            ORDER BY s.stopped DESC OFFSET p_total);
-    END IF;
 END
 $$
 """

@@ -185,7 +185,11 @@ class Worker:
                     taken.append(job)
             self._serve(taken)
         if self._open_error is None:
-            closing.error = self._attempt("close the store", self._close)
+            failure = self._attempt("mark this runner's row expired", self._close)
+            if failure is not None:
+                # Only a courtesy to the fleet (its lease runs out all the same); every
+                # save that returned is durable.
+                logger.warning("%s", failure)
         if self._connection is not None:
             with contextlib.suppress(psycopg.Error):
                 self._connection.close()
@@ -207,7 +211,8 @@ class Worker:
             if job.kind == "open":
                 continue  # the thread opened the store as it started: nothing left to do
             if job.kind != "save":
-                job.error = self._attempt(_ACTIONS[job.kind], functools.partial(self._do, job))
+                action = _ACTIONS.get(job.kind, job.kind)
+                job.error = self._attempt(action, functools.partial(self._do, job))
         deliver(jobs)
 
     def _attempt(self, action: str, work: Callable[[], None]) -> StateStorageError | None:

@@ -261,9 +261,8 @@ class PostgresStore:
     async def aclose(self) -> None:
         """Finish the writes already queued, mark this runner's row expired, and close.
 
-        Raises:
-            StateStorageError: The row could not be updated; every save that returned
-                is durable all the same.
+        The row's expiry is a courtesy to the fleet (a takeover still waits out each
+        record's margin); when the database cannot be reached it is logged, not raised.
         """
         if self._closed:
             await trio.lowlevel.checkpoint()
