@@ -107,6 +107,8 @@ DECLARE
     refused boolean;
     fresh bigint;
     kept bigint;
+    stopped_count bigint;  -- Stopped rows in all; NULL until a stop of the batch counts them
+    gone integer;
 BEGIN
     -- (a) Fencing: the writer's row must still hold its epoch. FOR SHARE, so a takeover
     -- (FOR UPDATE) waits for this transaction, and this one for a takeover.
@@ -191,6 +193,14 @@ BEGIN
                     ON CONFLICT (identity, instance) DO UPDATE
                     SET generation = greatest(h.generation, excluded.generation);
             END IF;
+            IF p_kinds[j] < 2 AND stopped_count IS NOT NULL THEN
+                -- A Stopped record saved as not Stopped (only a caller that un-stops
+                -- one): count again at the next stop.
+                PERFORM 1 FROM records r WHERE r.token = p_tokens[j] AND r.stopped IS NOT NULL;
+                IF FOUND THEN
+                    stopped_count := NULL;
+                END IF;
+            END IF;
             fresh := CASE WHEN p_kinds[j] >= 2 THEN nextval('stop_order') END;
             INSERT INTO records AS r (
                 token, identity, instance, generation, request_id, runner_id, epoch,
@@ -219,17 +229,28 @@ BEGIN
                         'generation', p_generations[j])::text);
                 END IF;
                 -- (d) Retention, fleet-wide: the oldest Stopped of the key beyond the
-                -- number kept per key go.
+                -- number kept per key go ...
                 DELETE FROM records r WHERE r.token IN (
                     SELECT s.token FROM records s
                     WHERE s.identity = p_identities[j] AND s.instance = p_instances[j]
                       AND s.stopped IS NOT NULL
                     ORDER BY s.stopped DESC OFFSET p_per_key);
-                -- ... then the oldest of all beyond the cap: a walk of the stop index,
-                -- as long as the cap.
-                DELETE FROM records r WHERE r.token IN (
-                    SELECT s.token FROM records s WHERE s.stopped IS NOT NULL
-                    ORDER BY s.stopped DESC OFFSET p_total);
+                GET DIAGNOSTICS gone = ROW_COUNT;
+                -- ... then the oldest of all beyond the cap. The count is read once a
+                -- batch (a walk of the stop index) and kept here; a concurrent batch of
+                -- another runner may overshoot the cap until the next count.
+                IF stopped_count IS NULL THEN
+                    SELECT count(*) INTO stopped_count FROM records r WHERE r.stopped IS NOT NULL;
+                ELSE
+                    stopped_count := stopped_count + 1 - gone;
+                END IF;
+                IF stopped_count > p_total THEN
+                    DELETE FROM records r WHERE r.token IN (
+                        SELECT s.token FROM records s WHERE s.stopped IS NOT NULL
+                        ORDER BY s.stopped LIMIT stopped_count - p_total);
+                    GET DIAGNOSTICS gone = ROW_COUNT;
+                    stopped_count := stopped_count - gone;
+                END IF;
             END IF;
         END LOOP;
     END LOOP;
