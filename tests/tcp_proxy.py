@@ -166,9 +166,9 @@ class TcpProxy:
                     elif sock is self._listener:
                         self._accept(refusing)
                     else:
-                        pipe = self._pipes.get(sock)
-                        if pipe is not None:
-                            self._pump(pipe, sock, events, paused)
+                        found = self._pipes.get(sock)
+                        if found is not None:
+                            self._pump(found, sock, events, paused)
         finally:
             for pipe in {id(pipe): pipe for pipe in self._pipes.values()}.values():
                 self._drop(pipe)

@@ -69,9 +69,11 @@ if TYPE_CHECKING:
     from .executions.inprocess import PluginContext as PluginContext
     from .executions.subprocess import SubprocessExecution as SubprocessExecution
     from .stores.memory import MemoryStore as MemoryStore
+    from .stores.postgres import PostgresStore as PostgresStore
     from .stores.sqlite import SqliteStore as SqliteStore
 
-# ``from trio_supervisor import *`` names the adapters too (loaded on first use).
+# ``from trio_supervisor import *`` names the adapters too (loaded on first use), but for
+# PostgresStore: it needs the [postgres] extra, and a star import must work without it.
 __all__ = [
     "JSON",
     "ActiveRecord",
@@ -137,6 +139,7 @@ _ADAPTERS = {
     "PluginContext": ".executions.inprocess",
     "SubprocessExecution": ".executions.subprocess",
     "MemoryStore": ".stores.memory",
+    "PostgresStore": ".stores.postgres",
     "SqliteStore": ".stores.sqlite",
 }
 

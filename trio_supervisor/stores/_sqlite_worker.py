@@ -13,22 +13,19 @@ so that a write needs no reads first; after a failed write it reads it again.
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import queue
 import sqlite3
-import threading
-from collections.abc import Callable, Sequence
-from typing import Any, Final
-
-import trio
+from collections.abc import Callable
+from typing import Final
 
 from ..codec import decode
 from ..errors import RecordFormatError, StateStorageError
 from ..model import Key, SessionRecord, StoppedRecord
 from ..retention import Retention, StopOrder
+from ._jobs import Job, State, deliver
 
-__all__ = ["SCHEMA_VERSION", "Job", "State", "Worker"]
+__all__ = ["SCHEMA_VERSION", "Job", "State", "Worker", "deliver"]
 
 
 SCHEMA_VERSION: Final = 1
@@ -83,48 +80,6 @@ END
 )
 # A row of the view: token, identity, instance, saved, stopped, body, generation.
 _Change = tuple[str | None, str | None, str | None, int | None, int | None, str | None, int | None]
-
-
-class State(enum.Enum):
-    QUEUED = "queued"  # the caller may still take it back
-    TAKEN = "taken"  # the worker has it; it will be reported
-    WITHDRAWN = "withdrawn"  # the caller was cancelled first; the worker skips it
-
-
-class Job:
-    """One request to the worker, and the task that waits for its answer."""
-
-    __slots__ = ("error", "kind", "result", "rows", "state", "task", "token")
-
-    def __init__(self, kind: str, rows: list[tuple[SessionRecord, str]] | None = None) -> None:
-        self.kind = kind  # "open", "save", "list", "high_water", "close"
-        self.rows = rows or []
-        self.state = State.QUEUED
-        self.task = trio.lowlevel.current_task()
-        self.token = trio.lowlevel.current_trio_token()
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def take(self) -> bool:
-        """The worker's claim on the job: False if its caller withdrew it first."""
-        with _claims:
-            if self.state is State.QUEUED:
-                self.state = State.TAKEN
-                return True
-            return False
-
-    def withdraw(self) -> bool:
-        """The caller's claim: False if the worker took the job first."""
-        with _claims:
-            if self.state is State.QUEUED:
-                self.state = State.WITHDRAWN
-                return True
-            return False
-
-
-# Guards every job's state: the caller and the worker both move it out of QUEUED, and
-# only one of them may. Held for a comparison and an assignment, so one lock serves all.
-_claims: Final = threading.Lock()
 
 
 class Mirror:
@@ -420,20 +375,3 @@ def _explain(path: str, action: str, error: Exception) -> str:
             f"that owns it ({text})"
         )
     return f"{path}: cannot {action}: {text}"
-
-
-def deliver(jobs: Sequence[Job | None]) -> None:
-    """Wake the callers of finished jobs, one callback per event loop."""
-    by_loop: dict[trio.lowlevel.TrioToken, list[trio.lowlevel.Task]] = {}
-    for job in jobs:
-        if job is not None:
-            by_loop.setdefault(job.token, []).append(job.task)
-    for token, tasks in by_loop.items():
-        # A finished event loop has nobody waiting any more.
-        with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(_wake_all, tasks)
-
-
-def _wake_all(tasks: list[trio.lowlevel.Task]) -> None:
-    for task in tasks:
-        trio.lowlevel.reschedule(task)

@@ -1,0 +1,735 @@
+"""PostgresStore on a real server: the store's promises, global fencing of generations,
+fenced writes, incarnations, takeover, membership of the fleet, and bad data."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import psycopg
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from trio_supervisor import (
+    Disposed,
+    ExitStatus,
+    Handle,
+    Key,
+    Limits,
+    Load,
+    MemoryStore,
+    OpenRecord,
+    PostgresStore,
+    RecordFormatError,
+    Retention,
+    SessionRecord,
+    StaleSessionError,
+    StateStorageError,
+    StoppedRecord,
+    StoppingRecord,
+    Superseded,
+    Termination,
+    TerminationUnconfirmedError,
+    codec,
+)
+from trio_supervisor.abc import BatchStore, FleetMember, FleetStore, Store
+from trio_supervisor.stores._jobs import Job
+from trio_supervisor.testing import FakeExecution
+from trio_supervisor.testing.contracts import StoreContract, StoreFactory
+
+from ..postgres import database_for
+from ..support import KEY, supervise_embedded, until, until_stopped
+
+DONE = Termination(kind="exited", exit=ExitStatus(code=0))
+
+
+@pytest.fixture(scope="module")
+def database() -> Iterator[str]:
+    """A database of this module's own; each test works in a schema of its own in it."""
+    with database_for(__name__) as dsn:
+        yield dsn
+
+
+def fresh_schema() -> str:
+    return f"t_{uuid.uuid4().hex[:16]}"
+
+
+@pytest.fixture
+def schema() -> str:
+    """A schema no store used yet (the stores create it)."""
+    return fresh_schema()
+
+
+def connect(dsn: str) -> psycopg.Connection[Any]:
+    """A plain connection, for a test to look at or tamper with the data."""
+    return psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+
+
+def record(instance: str, generation: int, *, token: str | None = None) -> OpenRecord:
+    handle = Handle(
+        key=Key(identity="p", instance=instance),
+        token=token or f"{instance}-{generation}".rjust(32, "0"),
+        generation=generation,
+    )
+    return OpenRecord(handle=handle, request_id=f"r{generation}", lease=5.0, limits=Limits())
+
+
+def stopped(opened: OpenRecord, reason: Any = None) -> StoppedRecord:
+    return StoppedRecord.of(opened, reason or Disposed(), DONE)
+
+
+def key(instance: str) -> Key:
+    return Key(identity="p", instance=instance)
+
+
+class Member:
+    """A supervisor as run_member sees it: live keys, and the supersedes it was told."""
+
+    def __init__(self, live: Mapping[Key, int] | None = None, stop_bound: float = 0.5) -> None:
+        self.stop_bound = stop_bound
+        self.alive = dict(live or {})
+        self.calls: list[tuple[Key, int]] = []
+
+    def live(self) -> Mapping[Key, int]:
+        return dict(self.alive)
+
+    def superseded(self, key: Key, high_water: int) -> None:
+        self.calls.append((key, high_water))
+
+
+def run(dsn: str, statement: str, *args: object) -> list[tuple[Any, ...]]:
+    with connect(dsn) as connection:
+        cursor = connection.execute(statement, args)
+        return cursor.fetchall() if cursor.description else []
+
+
+def in_schema(dsn: str, schema: str) -> str:
+    """A DSN whose connections find the store's tables unqualified."""
+    return make_conninfo(dsn, options=f"-c search_path={schema}")
+
+
+# -- the contract kit, and the protocols -----------------------------------------------
+
+
+class TestPostgresStore(StoreContract):
+    @pytest.fixture
+    def store_factory(self, database: str, schema: str) -> StoreFactory:
+        def make(previous: Store | None, retention: Retention) -> Store:
+            return PostgresStore(database, runner_id="kit", schema=schema, retention=retention)
+
+        return make
+
+
+async def test_it_is_a_store_a_batch_store_and_a_fleet_store(database: str, schema: str) -> None:
+    store = PostgresStore(database, runner_id="a", schema=schema)
+    as_fleet: FleetStore = store  # mypy checks the protocols here
+    as_batch: BatchStore = store
+    assert isinstance(as_fleet, FleetStore)
+    assert isinstance(as_batch, BatchStore)
+    assert store.member == "a"
+    assert PostgresStore(database).member == socket.gethostname()
+    await store.aclose()
+
+
+def test_without_psycopg_the_import_names_the_extra() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.modules["psycopg"] = None  # importing it fails
+        try:
+            from trio_supervisor import PostgresStore
+        except ImportError as error:
+            print(error)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'trio_supervisor[postgres]'" in done.stdout
+
+
+# -- schema ----------------------------------------------------------------------------
+
+
+async def test_stores_starting_at_once_on_an_empty_database_create_the_schema_once(
+    database: str, schema: str
+) -> None:
+    stores = [PostgresStore(database, runner_id=f"r{n}", schema=schema) for n in range(6)]
+    async with trio.open_nursery() as nursery:
+        for store in stores:
+            nursery.start_soon(store.open)
+    assert run(
+        database,
+        sql.SQL("SELECT version FROM {}.schema_version").format(sql.Identifier(schema)).as_string(),
+    ) == [(1,)]
+    for store in stores:
+        assert store.epoch == 1
+        await store.aclose()
+
+
+async def test_a_schema_of_a_newer_version_is_refused_naming_both(
+    database: str, schema: str
+) -> None:
+    async with PostgresStore(database, runner_id="a", schema=schema):
+        pass
+    run(in_schema(database, schema), "UPDATE schema_version SET version = 7")
+    with pytest.raises(StateStorageError, match=r"version 7.*version 1") as caught:
+        async with PostgresStore(database, runner_id="a", schema=schema):
+            pytest.fail("opened a schema of version 7")
+    assert schema in caught.value.detail
+
+
+# -- the store's promises --------------------------------------------------------------
+
+
+async def test_concurrent_saves_share_transactions(database: str, schema: str) -> None:
+    async with PostgresStore(database, runner_id="a", schema=schema) as store:
+        for generation in range(1, 4):
+            await store.save(record("a", generation))
+        assert store.commits == 3, "a save alone is a transaction of its own"
+        async with trio.open_nursery() as nursery:
+            for number in range(1, 101):
+                nursery.start_soon(store.save, record(f"k{number}", 1))
+        assert len(await store.list()) == 103
+        assert store.commits - 3 <= 20, "group commit batches the queue"
+
+
+async def test_a_save_cancelled_in_the_queue_writes_nothing(database: str, schema: str) -> None:
+    async with PostgresStore(database, runner_id="a", schema=schema) as store:
+        outcomes = []
+        for generation in range(1, 31):
+            saved = record("a", generation)
+            with trio.move_on_after(0) as scope:
+                await store.save(saved)
+            present = saved.handle.token in {kept.handle.token for kept in await store.list()}
+            assert present != scope.cancelled_caught, "cancelled means not written"
+            outcomes.append(scope.cancelled_caught)
+        assert any(outcomes)
+
+
+async def test_retention_is_fleet_wide_and_keeps_the_high_water(database: str, schema: str) -> None:
+    retention = Retention(stopped_per_key=2, stopped_total=3)
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema, retention=retention) as a,
+        PostgresStore(database, runner_id="b", schema=schema, retention=retention) as b,
+    ):
+        for generation in range(1, 5):
+            await (a if generation % 2 else b).save(stopped(record("a", generation)))
+        await a.save(record("b", 1))
+        await b.save(stopped(record("c", 1)))
+        await b.save(stopped(record("c", 2)))
+        kept = [
+            (kept.record.handle.key.instance, kept.record.handle.generation, kept.runner_id)
+            for kept in await a.fleet_records()
+        ]
+        # a: 3 and 4 are its newest two, but the cap of 3 Stopped evicts a3 as the oldest.
+        assert kept == [("a", 4, "b"), ("b", 1, "a"), ("c", 1, "b"), ("c", 2, "b")]
+        assert (await a.high_water())[key("a")] == 4
+        assert [r.handle.key.instance for r in await a.list()] == ["b"]
+
+
+operations = st.lists(
+    st.tuples(st.sampled_from("abc"), st.integers(min_value=1, max_value=6), st.booleans()),
+    max_size=12,
+)
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    batches=st.lists(operations, min_size=1, max_size=3),
+    per_key=st.integers(1, 3),
+    total=st.integers(1, 4),
+)
+def test_fleet_wide_retention_matches_the_memory_store(
+    database: str, batches: list[list[tuple[str, int, bool]]], per_key: int, total: int
+) -> None:
+    # Batches alternate between two runners: retention and the marks are the fleet's.
+    retention = Retention(stopped_per_key=per_key, stopped_total=total)
+    schema = fresh_schema()
+
+    def step(instance: str, generation: int, stop: bool) -> SessionRecord:
+        opened = record(instance, generation)
+        return stopped(opened) if stop else StoppingRecord.of(opened, Disposed())
+
+    async def apply() -> tuple[list[SessionRecord], list[SessionRecord]]:
+        memory = MemoryStore(retention=retention)
+        async with (
+            PostgresStore(database, runner_id="a", schema=schema, retention=retention) as a,
+            PostgresStore(database, runner_id="b", schema=schema, retention=retention) as b,
+        ):
+            for number, batch in enumerate(batches):
+                records = [step(*operation) for operation in batch]
+                await memory.save_many(records)
+                await (a if number % 2 else b).save_many(records)
+            fleet = [kept.record for kept in await a.fleet_records()]
+            assert await b.high_water() == await memory.high_water()
+            return fleet, list(await memory.list())
+
+    fleet, in_memory = trio.run(apply)
+    assert fleet == in_memory
+
+
+async def test_a_corrupt_row_is_a_record_format_error_naming_it(database: str, schema: str) -> None:
+    async with PostgresStore(database, runner_id="a", schema=schema) as store:
+        await store.save(record("a", 1))
+        await store.save(record("b", 1))
+        run(in_schema(database, schema), "UPDATE records SET body = '{no' WHERE instance = 'a'")
+        with pytest.raises(RecordFormatError, match="is unreadable") as caught:
+            await store.list()
+        assert "p/a" in caught.value.detail
+        assert "127.0.0.1" in caught.value.detail
+        body = codec.encode(record("b", 1))
+        run(in_schema(database, schema), "UPDATE records SET body = %s WHERE instance = 'a'", body)
+        with pytest.raises(RecordFormatError, match="holds the record of another session"):
+            await store.fleet_records()
+
+
+async def test_an_error_never_shows_the_dsn_s_password(database: str, schema: str) -> None:
+    params = conninfo_to_dict(database)
+    unreachable = make_conninfo(database, password="hunter2-secret", port=1)
+    with pytest.raises(StateStorageError) as caught:
+        async with PostgresStore(unreachable, runner_id="a", schema=schema, connect_timeout=2):
+            pytest.fail("reached port 1")
+    assert "hunter2-secret" not in str(caught.value)
+    assert "hunter2-secret" not in repr(caught.value.__cause__)
+    assert f"{params.get('host')}:1/" in caught.value.detail
+    # A password the server does not need (trust) still never shows, in a later error.
+    with_password = make_conninfo(database, password="hunter2-secret")
+    async with PostgresStore(with_password, runner_id="a", schema=schema) as store:
+        assert "hunter2-secret" not in store.dsn
+        await store.save(record("a", 1))
+        run(in_schema(database, schema), "UPDATE records SET body = '{' WHERE instance = 'a'")
+        with pytest.raises(RecordFormatError) as failed:
+            await store.list()
+        assert "hunter2-secret" not in str(failed.value)
+
+
+async def test_connections_have_keepalives_timeouts_and_a_user_timeout(
+    database: str, schema: str
+) -> None:
+    async with PostgresStore(database, runner_id="a", schema=schema, statement_timeout=7) as store:
+        assert store._worker is not None
+        connection = store._worker._connection
+        assert connection is not None
+        parameters = connection.info.get_parameters()
+        assert parameters["keepalives"] == "1"
+        assert parameters["tcp_user_timeout"] == "7000"
+        probe = socket.socket(fileno=socket.dup(connection.pgconn.socket))
+        try:
+            if probe.family in (socket.AF_INET, socket.AF_INET6):
+                assert probe.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert probe.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5
+                assert probe.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 2
+                assert probe.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+                assert probe.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 7000
+        finally:
+            probe.detach()
+        assert connection.execute("SHOW statement_timeout").fetchone() == ("7s",)
+        assert connection.execute("SHOW lock_timeout").fetchone() == ("7s",)
+        connection.rollback()
+
+
+async def test_a_broken_connection_is_opened_again_and_still_fenced(
+    database: str, schema: str
+) -> None:
+    async with PostgresStore(database, runner_id="a", schema=schema) as store:
+        await store.save(record("a", 1))
+        run(
+            database,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE application_name = 'trio_supervisor a' AND datname = current_database()",
+        )
+        with pytest.raises(StateStorageError, match="cannot save"):
+            await store.save(record("a", 2))
+        await store.save(record("a", 2))  # connected again
+        run(in_schema(database, schema), "UPDATE runners SET epoch = epoch + 1")
+        run(
+            database,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE application_name = 'trio_supervisor a' AND datname = current_database()",
+        )
+        with pytest.raises(StateStorageError):
+            await store.save(record("a", 3))
+        with pytest.raises(StateStorageError, match="taken over"):
+            await store.save(record("a", 3))
+        assert [r.handle.generation for r in await store.list()] == [1, 2]
+
+
+# -- global fencing of generations ----------------------------------------------------
+
+
+async def test_racing_opens_of_one_key_have_one_winner_per_generation(
+    database: str, schema: str
+) -> None:
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema) as a,
+        PostgresStore(database, runner_id="b", schema=schema) as b,
+    ):
+
+        async def race(
+            store: PostgresStore, generation: int, outcomes: dict[str, BaseException | None]
+        ) -> None:
+            try:
+                await store.save(record("k", generation, token=f"{store.member}{generation}"))
+            except StaleSessionError as error:
+                outcomes[store.member] = error
+            else:
+                outcomes[store.member] = None
+
+        for generation in range(1, 11):
+            outcomes: dict[str, BaseException | None] = {}
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(race, a, generation, outcomes)
+                nursery.start_soon(race, b, generation, outcomes)
+            winners = [runner for runner, error in outcomes.items() if error is None]
+            assert len(winners) == 1, outcomes
+            (loser,) = set(outcomes) - set(winners)
+            assert f"generation {generation} of p/k" in str(outcomes[loser])
+            assert f"high-water in the fleet is {generation}" in str(outcomes[loser])
+        tokens = [(f.runner_id, f.record.handle.token) for f in await a.fleet_records()]
+        assert len(tokens) == 10
+        assert all(token.startswith(runner) for runner, token in tokens)
+        assert (await b.high_water())[key("k")] == 10
+
+
+async def test_a_lost_open_writes_nothing_and_the_rest_of_its_batch_lands(
+    database: str, schema: str
+) -> None:
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema) as a,
+        PostgresStore(database, runner_id="b", schema=schema) as b,
+    ):
+        await a.save(record("k", 1))
+        await b.save(record("first", 1))
+        commits = b.commits
+        # b's worker waits for its row, locked here: the saves queued meanwhile make one
+        # batch when it is let go.
+        with connect(in_schema(database, schema)) as blocker:
+            blocker.execute("BEGIN")
+            blocker.execute("SELECT 1 FROM runners WHERE runner_id = 'b' FOR UPDATE")
+            outcomes: dict[str, BaseException | None] = {}
+
+            async def save(name: str, *records: SessionRecord) -> None:
+                try:
+                    await b.save_many(records)
+                except StaleSessionError as error:
+                    outcomes[name] = error
+                else:
+                    outcomes[name] = None
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(save, "blocked", record("first", 2))
+                await trio.sleep(0.3)  # taken by the worker, which waits for the lock
+                nursery.start_soon(
+                    save, "loser", record("other", 1), record("k", 1, token="b" * 32)
+                )
+                nursery.start_soon(save, "bystander", record("third", 1))
+                await trio.sleep(0.3)
+                blocker.execute("COMMIT")
+        assert outcomes["blocked"] is None
+        assert outcomes["bystander"] is None
+        assert isinstance(outcomes["loser"], StaleSessionError)
+        assert "high-water in the fleet is 1" in str(outcomes["loser"])
+        assert b.commits - commits == 2, "the loser and the bystander were one batch"
+        instances = [r.handle.key.instance for r in await b.list()]
+        assert instances == ["first", "first", "third"], "nothing of the lost save landed"
+        assert key("other") not in await b.high_water()
+
+
+# -- incarnations, fencing, takeover ---------------------------------------------------
+
+
+async def test_a_restart_is_a_new_epoch_that_lists_the_old_records(
+    database: str, schema: str
+) -> None:
+    async with PostgresStore(database, runner_id="a", schema=schema) as first:
+        await first.save(record("a", 1))
+        old = first.epoch
+    async with PostgresStore(database, runner_id="a", schema=schema) as second:
+        assert second.epoch == old + 1
+        assert [r.handle.token for r in await second.list()] == [record("a", 1).handle.token]
+        await second.save(stopped(record("a", 1)))
+        (kept,) = await second.fleet_records()
+        assert kept.epoch == second.epoch
+
+
+async def test_a_restart_while_the_old_row_lives_warns(
+    database: str, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema),
+        PostgresStore(database, runner_id="a", schema=schema) as twin,
+    ):
+        assert twin.epoch == 2
+    assert "another process may be running under this id" in caplog.text
+
+
+def expire(database: str, schema: str, runner: str, seconds: float) -> None:
+    run(
+        in_schema(database, schema),
+        "UPDATE runners SET lease_until = clock_timestamp() - make_interval(secs => %s) "
+        "WHERE runner_id = %s",
+        seconds,
+        runner,
+    )
+
+
+async def test_takeover_waits_for_the_margin_then_stops_the_records_as_runner_lost(
+    database: str, schema: str
+) -> None:
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema) as a,
+        PostgresStore(database, runner_id="b", schema=schema) as b,
+    ):
+        await a.save(record("x", 1))  # lease 5 s
+        await a.save(stopped(record("y", 1)))
+        assert await a._ask("renew", 2.0)  # its stop_bound: 2 s
+        expire(database, schema, "a", 6.0)  # past the lease, not past lease + stop_bound
+        assert await b.take_over_dead() == 0
+        assert (await b.owner(record("x", 1).handle.token)) is not None
+        expire(database, schema, "a", 7.5)
+        assert await b.take_over_dead() == 1
+        assert await b.take_over_dead() == 0, "taken over once"
+        records = {f.record.handle.key.instance: f for f in await b.fleet_records()}
+        taken = records["x"]
+        assert taken.runner_id == "a"
+        assert isinstance(taken.record, StoppedRecord)
+        assert taken.record.reason.kind == "Recovery"
+        assert taken.record.termination.describe() == "exited (runner lost; exit status unknown)"
+        (info,) = [r for r in await b.runners() if r.runner_id == "a"]
+        assert info.epoch == a.epoch + 1
+        assert not info.alive
+        assert info.sessions == 0
+        # Every write of a's old incarnation is refused now, and nothing of it lands.
+        with pytest.raises(StateStorageError, match="taken over"):
+            await a.save(record("z", 1))
+        with pytest.raises(StateStorageError, match="taken over"):
+            await a.save_many([record("z", 1), stopped(record("x", 1))])
+        after = {f.record.handle.key.instance: f.record for f in await b.fleet_records()}
+        assert "z" not in after
+        assert after["x"] == taken.record
+        assert key("z") not in await b.high_water()
+
+
+async def test_takeover_rechecks_the_epoch_it_saw(database: str, schema: str) -> None:
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema) as a,
+        PostgresStore(database, runner_id="b", schema=schema) as b,
+    ):
+        await a.save(record("x", 1))
+        expire(database, schema, "a", 60.0)
+        # a restarted (or was taken over) after b saw its epoch: b's takeover is void.
+        assert await b._submit(Job("takeover", args=("a", a.epoch - 1))) == []
+        assert await b.take_over_dead() == 1
+
+
+# -- membership ------------------------------------------------------------------------
+
+
+async def test_run_member_hears_a_supersede_by_notification(database: str, schema: str) -> None:
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema) as a,
+        PostgresStore(database, runner_id="b", schema=schema) as b,
+    ):
+        a._check_period = 3600.0  # only the notification can tell it in time
+        await a.save(record("k", 1))
+        member = Member({key("k"): 1})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_member, member)
+            await until(
+                lambda: a._listening is not None and a._listening.is_set(), "LISTEN", bound=10
+            )
+            await b.save(record("k", 2))
+            await until(lambda: member.calls, "superseded() called", bound=5)
+            assert member.calls == [(key("k"), 2)]
+            nursery.cancel_scope.cancel()
+
+
+async def test_run_member_finds_a_supersede_it_was_not_told_of(database: str, schema: str) -> None:
+    async with PostgresStore(database, runner_id="a", schema=schema, runner_lease=3) as a:
+        await a.save(record("k", 1))
+        member = Member({key("k"): 1})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_member, member)
+            # A newer generation without any notification: as if it had been lost.
+            run(in_schema(database, schema), "UPDATE high_water SET generation = 3")
+            await until(lambda: member.calls, "superseded() called", bound=5)
+            assert member.calls[0] == (key("k"), 3)
+            nursery.cancel_scope.cancel()
+
+
+async def test_run_member_fails_once_its_row_is_taken(database: str, schema: str) -> None:
+    async with PostgresStore(database, runner_id="a", schema=schema, runner_lease=1.5) as a:
+
+        async def take() -> None:
+            await trio.sleep(0.5)
+            run(in_schema(database, schema), "UPDATE runners SET epoch = epoch + 1")
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(take)
+                with pytest.raises(StateStorageError, match="lost its row"):
+                    await a.run_member(Member())
+
+
+async def test_run_member_fails_when_a_renewal_is_not_answered_in_time(
+    database: str, schema: str
+) -> None:
+    async with PostgresStore(database, runner_id="a", schema=schema, runner_lease=1.5) as a:
+        with connect(in_schema(database, schema)) as blocker:
+            blocker.execute("BEGIN")
+            blocker.execute("SELECT 1 FROM runners WHERE runner_id = 'a' FOR UPDATE")
+            with trio.fail_after(10), pytest.raises(StateStorageError, match="could not renew"):
+                await a.run_member(Member())
+            blocker.execute("ROLLBACK")
+
+
+async def test_run_member_keeps_the_row_alive_and_writes_its_stop_bound(
+    database: str, schema: str
+) -> None:
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema, runner_lease=1.0) as a,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(a.run_member, Member(stop_bound=3.25))
+        await trio.sleep(2.0)  # two leases
+        (info,) = await a.runners()
+        assert info.alive
+        assert run(in_schema(database, schema), "SELECT stop_bound FROM runners") == [(3.25,)]
+        nursery.cancel_scope.cancel()
+
+
+async def test_run_member_takes_over_dead_runners(database: str, schema: str) -> None:
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema) as a,
+        PostgresStore(database, runner_id="b", schema=schema, runner_lease=1.5) as b,
+    ):
+        await a.save(record("x", 1))
+        expire(database, schema, "a", 60.0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.run_member, Member())
+
+            async def taken() -> bool:
+                (info,) = [r for r in await b.runners() if r.runner_id == "a"]
+                return info.sessions == 0
+
+            await until(taken, "a taken over", bound=5)
+            nursery.cancel_scope.cancel()
+
+
+# -- an open waits for older generations on other runners ------------------------------
+
+
+async def test_an_open_waits_until_the_older_generation_stopped(database: str, schema: str) -> None:
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema) as a,
+        PostgresStore(database, runner_id="b", schema=schema) as b,
+    ):
+        first = record("k", 1)
+        await a.save(first)
+        second = record("k", 2)
+        await b.save(second)
+        done = trio.Event()
+
+        async def wait() -> None:
+            await b.wait_older_stopped(second.handle)
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.sleep(0.5)
+            assert not done.is_set()
+            await a.save(stopped(first, Superseded()))
+            with trio.fail_after(5):
+                await done.wait()
+
+
+async def test_an_open_takes_a_dead_holder_over_and_fails_on_a_live_one_that_never_stops(
+    database: str, schema: str
+) -> None:
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema) as a,
+        PostgresStore(database, runner_id="b", schema=schema) as b,
+    ):
+        await a.save(record("dead", 1))
+        await a.save(record("live", 1))
+        await b.save(record("live", 2))
+        with trio.fail_after(10), pytest.raises(TerminationUnconfirmedError, match="runner a"):
+            await b.wait_older_stopped(record("live", 2).handle)
+        await b.save(record("dead", 2))
+        expire(database, schema, "a", 60.0)
+        with trio.fail_after(10):
+            await b.wait_older_stopped(record("dead", 2).handle)
+        owner = await b.owner(record("dead", 1).handle.token)
+        assert owner is not None
+        assert owner.runner_id == "a"
+
+
+async def test_lookup_finds_the_mark_and_a_request_of_any_runner(
+    database: str, schema: str
+) -> None:
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema) as a,
+        PostgresStore(database, runner_id="b", schema=schema) as b,
+    ):
+        assert await b.lookup(key("k"), "r1") == (0, None)
+        await a.save(record("k", 1))
+        assert await b.lookup(key("k"), "r1") == (1, record("k", 1))
+        assert await b.lookup(key("k"), None) == (1, None)
+        assert await b.lookup(key("k"), "r9") == (1, None)
+
+
+async def test_every_failure_names_the_database(database: str) -> None:
+    store = PostgresStore(database, runner_id="a", schema=fresh_schema())
+    await store.aclose()
+    with pytest.raises(StateStorageError, match="is closed"):
+        await store.save(record("a", 1))
+
+
+def test_member_protocol_fits_the_test_member() -> None:
+    member: FleetMember = Member()
+    assert member.live() == {}
+
+
+# -- supervisors on it -----------------------------------------------------------------
+
+
+async def test_two_supervisors_on_one_database_act_as_one(database: str, schema: str) -> None:
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema, runner_lease=3) as on_a,
+        PostgresStore(database, runner_id="b", schema=schema, runner_lease=3) as on_b,
+        supervise_embedded(on_a, FakeExecution()) as a,
+        supervise_embedded(on_b, FakeExecution()) as b,
+    ):
+        first = await a.open(KEY, "r1")
+        await a.load(first.handle, Load(specifier="x"))
+        # b's open claims generation 2, tells a, and returns once a stopped generation 1.
+        with trio.fail_after(15):
+            second = await b.open(KEY, "r2", expected_generation=1)
+        assert second.handle.generation == 2
+        stopped_on_a = await a.status(first.handle)
+        assert isinstance(stopped_on_a, StoppedRecord)
+        assert stopped_on_a.reason.kind == "Superseded"
+        # Either runner knows the key's high-water, and a's view of it is not stale.
+        assert await a.high_water(KEY) == 2
+        with pytest.raises(StaleSessionError):
+            await a.open(KEY, "r3", expected_generation=1)
+        third = await a.open(KEY, "r3", expected_generation=2)
+        assert third.handle.generation == 3
+        with trio.fail_after(15):
+            await until_stopped(b, second.handle)
+        holders = {f.record.handle.generation: f.runner_id for f in await on_a.fleet_records()}
+        assert holders == {2: "b", 3: "a"}  # 1 went by retention (one Stopped per key)

@@ -1,0 +1,267 @@
+"""The PostgreSQL store's schema, its write function, and the statements it runs.
+
+Everything lives in one schema (``trio_supervisor`` unless the store is told another),
+which each connection puts first on its ``search_path``: the statements here name
+tables unqualified. The schema is versioned in ``schema_version``; :data:`MIGRATIONS`
+takes an empty schema to :data:`SCHEMA_VERSION`, inside the one transaction that holds
+:data:`MIGRATION_LOCK`.
+
+A batch of saves is one call of ``save_batch`` (so one round trip, as SQLite's trigger
+makes it one statement): the function fences the writer, claims the generations of its
+Open records, writes the rows, raises the marks, applies retention and notifies, in the
+transaction of its caller.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "FENCED",
+    "MIGRATIONS",
+    "MIGRATION_LOCK",
+    "SCHEMA_VERSION",
+    "Kind",
+]
+
+SCHEMA_VERSION: Final = 1
+
+# pg_advisory_xact_lock's key for creating or migrating the schema: "trio_sup" in ASCII.
+MIGRATION_LOCK: Final = 0x7472696F5F737570
+
+# The SQLSTATE save_batch raises when the writer's epoch was taken over ("TS" is no
+# class of PostgreSQL's own).
+FENCED: Final = "TS001"
+
+
+class Kind:
+    """What save_batch is told of each row (a smallint; Python builds them, SQL reads)."""
+
+    OTHER: Final = 0  # Loading, Loaded, Stopping
+    OPEN: Final = 1  # claims its generation: compare-and-set on the key's high-water
+    STOPPED: Final = 2  # gets a stop order; retention applies
+    SUPERSEDED: Final = 3  # Stopped with reason Superseded: an opener may wait for it
+
+
+_TABLES = """
+CREATE TABLE runners (
+    runner_id   text PRIMARY KEY,
+    epoch       bigint NOT NULL,            -- the incarnation whose writes are accepted
+    advertise   text NOT NULL,
+    started_at  timestamptz NOT NULL,
+    lease_until timestamptz NOT NULL,       -- by the database's clock
+    stop_bound  double precision NOT NULL   -- grace + confirmation of its supervisor
+);
+CREATE SEQUENCE save_order;
+CREATE SEQUENCE stop_order;
+CREATE TABLE records (
+    token      text PRIMARY KEY,
+    identity   text NOT NULL,
+    instance   text NOT NULL,
+    generation bigint NOT NULL,
+    request_id text NOT NULL,
+    runner_id  text NOT NULL,               -- the runner that holds the session
+    epoch      bigint NOT NULL,             -- its incarnation that wrote this row
+    saved      bigint NOT NULL,             -- save order (list)
+    stopped    bigint,                      -- stop order, NULL while not Stopped (retention)
+    lease      double precision NOT NULL,   -- the session's lease: the takeover margin
+    body       text NOT NULL                -- the versioned JSON record (codec.encode)
+);
+-- By key: an open's look for older live generations, lookup by request id, per-key
+-- retention. By runner: list() and takeover. By stop: retention's cap on all.
+CREATE INDEX records_by_key ON records (identity, instance, generation);
+CREATE INDEX records_by_runner ON records (runner_id, saved);
+CREATE INDEX records_by_stop ON records (stopped) WHERE stopped IS NOT NULL;
+-- Never evicted. A row of generation 0 is a key an open locked and then lost: no mark.
+CREATE TABLE high_water (
+    identity   text NOT NULL,
+    instance   text NOT NULL,
+    generation bigint NOT NULL,
+    PRIMARY KEY (identity, instance)
+);
+"""
+
+# The write path. The rows of a batch come as parallel arrays (psycopg sends them in
+# binary: no JSON to build or parse), grouped by job: a job is one caller's save or
+# save_many, and is written whole or, when one of its Opens loses, not at all. Other
+# jobs of the batch land either way: they are other callers' saves.
+_SAVE_BATCH = """
+CREATE FUNCTION save_batch(
+    p_runner text, p_epoch bigint, p_per_key integer, p_total integer,
+    p_jobs integer[], p_tokens text[], p_identities text[], p_instances text[],
+    p_generations bigint[], p_requests text[], p_leases double precision[],
+    p_kinds smallint[], p_bodies text[]
+) RETURNS TABLE (
+    refused_job integer, refused_identity text, refused_instance text,
+    refused_generation bigint, refused_mark bigint
+)
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    n_rows integer := coalesce(array_length(p_tokens, 1), 0);
+    held bigint;
+    job_first integer;
+    job_last integer := 0;
+    mark bigint;
+    marks jsonb;
+    named text;
+    refused boolean;
+    fresh bigint;
+    kept bigint;
+    stopped_count bigint;  -- Stopped rows in all; NULL until a stop of the batch counts them
+    gone integer;
+BEGIN
+    -- (a) Fencing: the writer's row must still hold its epoch. FOR SHARE, so a takeover
+    -- (FOR UPDATE) waits for this transaction, and this one for a takeover.
+    SELECT r.epoch INTO held FROM runners r WHERE r.runner_id = p_runner FOR SHARE;
+    IF held IS DISTINCT FROM p_epoch THEN
+        RAISE EXCEPTION USING ERRCODE = 'TS001', MESSAGE = format(
+            'runner %s: its epoch %s was taken over (the row holds %s)',
+            p_runner, p_epoch, coalesce(held::text, 'no epoch'));
+    END IF;
+    -- The high-water rows of every key an Open claims exist and are locked, in one
+    -- order for every writer (no deadlock between two runners' batches).
+    IF 1 = ANY (p_kinds) THEN
+        INSERT INTO high_water (identity, instance, generation)
+            SELECT DISTINCT u.i, u.n, 0
+            FROM unnest(p_identities, p_instances, p_kinds) AS u (i, n, k)
+            WHERE u.k = 1 ORDER BY 1, 2
+            ON CONFLICT DO NOTHING;
+        PERFORM 1 FROM high_water h
+            WHERE (h.identity, h.instance) IN (
+                SELECT u.i, u.n FROM unnest(p_identities, p_instances, p_kinds) AS u (i, n, k)
+                WHERE u.k = 1)
+            ORDER BY h.identity, h.instance FOR UPDATE;
+    END IF;
+    WHILE job_last < n_rows LOOP
+        job_first := job_last + 1;
+        job_last := job_first;
+        WHILE job_last < n_rows AND p_jobs[job_last + 1] = p_jobs[job_first] LOOP
+            job_last := job_last + 1;
+        END LOOP;
+        -- (b) Global fencing of generations: each Open must be its key's mark + 1, the
+        -- job's own earlier rows counted. A job that loses is refused whole.
+        refused := false;
+        IF 1 = ANY (p_kinds[job_first:job_last]) THEN
+            marks := '{}';
+            FOR j IN job_first .. job_last LOOP
+                named := p_identities[j] || chr(31) || p_instances[j];
+                IF marks ? named THEN
+                    mark := (marks ->> named)::bigint;
+                ELSE
+                    SELECT h.generation INTO mark FROM high_water h
+                        WHERE h.identity = p_identities[j] AND h.instance = p_instances[j];
+                    mark := coalesce(mark, 0);
+                END IF;
+                IF p_kinds[j] = 1 AND p_generations[j] <> mark + 1 THEN
+                    refused_job := p_jobs[j];
+                    refused_identity := p_identities[j];
+                    refused_instance := p_instances[j];
+                    refused_generation := p_generations[j];
+                    refused_mark := mark;
+                    RETURN NEXT;
+                    refused := true;
+                    EXIT;
+                END IF;
+                marks := marks || jsonb_build_object(named, greatest(mark, p_generations[j]));
+            END LOOP;
+        END IF;
+        CONTINUE WHEN refused;
+        FOR j IN job_first .. job_last LOOP
+            IF p_kinds[j] = 1 THEN
+                -- (e) Another runner's live older generation: tell its runner. Only
+                -- here, not on the common path: NOTIFY serializes commits.
+                PERFORM pg_notify(current_schema(), json_build_object(
+                        'kind', 'superseded', 'runner', o.runner_id,
+                        'identity', p_identities[j], 'instance', p_instances[j],
+                        'generation', p_generations[j])::text)
+                    FROM (SELECT DISTINCT r.runner_id FROM records r
+                          WHERE r.identity = p_identities[j] AND r.instance = p_instances[j]
+                            AND r.generation < p_generations[j] AND r.stopped IS NULL
+                            AND r.runner_id <> p_runner) AS o;
+                UPDATE high_water h SET generation = p_generations[j]
+                    WHERE h.identity = p_identities[j] AND h.instance = p_instances[j];
+            ELSIF NOT EXISTS (
+                SELECT 1 FROM high_water h
+                WHERE h.identity = p_identities[j] AND h.instance = p_instances[j]
+                  AND h.generation >= p_generations[j]
+            ) THEN
+                -- (c) A record above its key's mark that is no Open (recovery writes
+                -- them): the mark rises too. Rare, so this read spares the common path
+                -- a write.
+                INSERT INTO high_water AS h (identity, instance, generation)
+                    VALUES (p_identities[j], p_instances[j], p_generations[j])
+                    ON CONFLICT (identity, instance) DO UPDATE
+                    SET generation = greatest(h.generation, excluded.generation);
+            END IF;
+            IF p_kinds[j] < 2 AND stopped_count IS NOT NULL THEN
+                -- A Stopped record saved as not Stopped (only a caller that un-stops
+                -- one): count again at the next stop.
+                PERFORM 1 FROM records r WHERE r.token = p_tokens[j] AND r.stopped IS NOT NULL;
+                IF FOUND THEN
+                    stopped_count := NULL;
+                END IF;
+            END IF;
+            fresh := CASE WHEN p_kinds[j] >= 2 THEN nextval('stop_order') END;
+            INSERT INTO records AS r (
+                token, identity, instance, generation, request_id, runner_id, epoch,
+                saved, stopped, lease, body
+            ) VALUES (
+                p_tokens[j], p_identities[j], p_instances[j], p_generations[j],
+                p_requests[j], p_runner, p_epoch, nextval('save_order'), fresh,
+                p_leases[j], p_bodies[j]
+            ) ON CONFLICT (token) DO UPDATE SET
+                identity = excluded.identity, instance = excluded.instance,
+                generation = excluded.generation, request_id = excluded.request_id,
+                runner_id = excluded.runner_id, epoch = excluded.epoch,
+                saved = excluded.saved, lease = excluded.lease, body = excluded.body,
+                -- A record Stopped already keeps its place in the stop order.
+                stopped = CASE WHEN excluded.stopped IS NULL THEN NULL
+                               ELSE coalesce(r.stopped, excluded.stopped) END
+            RETURNING r.stopped INTO kept;
+            -- Only a new stop evicts, as retention.StopOrder has it (a record saved
+            -- Stopped again keeps its place, and evicts nothing).
+            IF kept = fresh THEN
+                IF p_kinds[j] = 3 THEN
+                    -- An opener may wait for this stop (O5 across the fleet).
+                    PERFORM pg_notify(current_schema(), json_build_object(
+                        'kind', 'stopped', 'runner', p_runner,
+                        'identity', p_identities[j], 'instance', p_instances[j],
+                        'generation', p_generations[j])::text);
+                END IF;
+                -- (d) Retention, fleet-wide: the oldest Stopped of the key beyond the
+                -- number kept per key go ...
+                DELETE FROM records r WHERE r.token IN (
+                    SELECT s.token FROM records s
+                    WHERE s.identity = p_identities[j] AND s.instance = p_instances[j]
+                      AND s.stopped IS NOT NULL
+                    ORDER BY s.stopped DESC OFFSET p_per_key);
+                GET DIAGNOSTICS gone = ROW_COUNT;
+                -- ... then the oldest of all beyond the cap. The count is read once a
+                -- batch (a walk of the stop index) and kept here; a concurrent batch of
+                -- another runner may overshoot the cap until the next count.
+                IF stopped_count IS NULL THEN
+                    SELECT count(*) INTO stopped_count FROM records r WHERE r.stopped IS NOT NULL;
+                ELSE
+                    stopped_count := stopped_count + 1 - gone;
+                END IF;
+                IF stopped_count > p_total THEN
+                    DELETE FROM records r WHERE r.token IN (
+                        SELECT s.token FROM records s WHERE s.stopped IS NOT NULL
+                        ORDER BY s.stopped LIMIT stopped_count - p_total);
+                    GET DIAGNOSTICS gone = ROW_COUNT;
+                    stopped_count := stopped_count - gone;
+                END IF;
+            END IF;
+        END LOOP;
+    END LOOP;
+END
+$$
+"""
+
+MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
+    # From version N - 1 to N: the statements, run in order.
+    1: (
+        *(statement for statement in _TABLES.split(";") if statement.strip()),
+        _SAVE_BATCH,
+    ),
+}

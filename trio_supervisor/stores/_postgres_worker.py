@@ -1,0 +1,648 @@
+"""The PostgreSQL store's threads: the worker that owns the store's connection, and the
+listener that owns its LISTEN connection.
+
+Theory of operation
+-------------------
+Callers (``PostgresStore``, in the Trio run) put :class:`~._jobs.Job` s on a queue and
+park; the worker takes everything queued, writes the saves of that batch in one
+transaction through one call of ``save_batch`` (group commit), then serves the other
+jobs one transaction each, and wakes each caller through its run's token. Every
+statement runs under ``statement_timeout`` and ``lock_timeout``, on a socket with TCP
+keepalives and ``tcp_user_timeout``: no job waits on a dead network for more than
+seconds. A connection that broke is dropped, and the next job connects again (its
+writes are still fenced by the epoch, which is what a reconnect cannot bypass).
+
+The listener is a thread of its own with a connection of its own in autocommit, which
+``LISTEN`` s on the schema's channel and hands each notification to the run. It is only
+a wake-up: when it dies it connects again, and whatever it missed the periodic checks of
+``run_member`` find.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Final
+
+from .._extras import needs_extra
+from ..codec import decode, encode
+from ..errors import RecordFormatError, StaleSessionError, StateStorageError
+from ..model import (
+    ExitStatus,
+    FleetRecord,
+    Key,
+    OpenRecord,
+    RunnerInfo,
+    SessionRecord,
+    StoppedRecord,
+    Superseded,
+    Termination,
+    recovered,
+)
+from ..retention import Retention
+from ._jobs import Job, deliver
+from ._postgres_sql import FENCED, MIGRATION_LOCK, MIGRATIONS, SCHEMA_VERSION, Kind
+
+with needs_extra("postgres", "trio_supervisor.stores.postgres", "psycopg"):
+    import psycopg
+    from psycopg import sql
+    from psycopg.conninfo import conninfo_to_dict
+
+__all__ = ["Listener", "Settings", "Worker", "describe"]
+
+logger = logging.getLogger("trio_supervisor.stores.postgres")
+
+# What a dead runner's sessions are stopped with when another runner takes them over.
+RUNNER_LOST: Final = Termination(kind="exited", exit=ExitStatus(runner_lost=True))
+
+# TCP keepalive on every connection: an idle socket is probed after KEEPALIVE_IDLE s, then
+# every KEEPALIVE_INTERVAL s, and given up after KEEPALIVE_COUNT unanswered probes.
+KEEPALIVE_IDLE: Final = 5
+KEEPALIVE_INTERVAL: Final = 2
+KEEPALIVE_COUNT: Final = 3
+
+
+def describe(dsn: str) -> tuple[str, str | None]:
+    """The DSN as errors name it (never with its password), and the password if any."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.Error:
+        return "PostgreSQL (a DSN that does not parse)", None
+    password = params.get("password")
+    user = params.get("user")
+    host = params.get("host") or params.get("hostaddr") or "localhost"
+    port = params.get("port")
+    shown = f"postgresql://{f'{user}@' if user else ''}{host}{f':{port}' if port else ''}"
+    return f"{shown}/{params.get('dbname') or ''}", str(password) if password else None
+
+
+class Settings:
+    """How the store connects, and who it is in the fleet."""
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        schema: str,
+        runner_id: str,
+        advertise: str,
+        runner_lease: float,
+        retention: Retention,
+        connect_timeout: float,
+        statement_timeout: float,
+    ) -> None:
+        self.dsn = dsn
+        self.shown, self.password = describe(dsn)
+        self.schema = schema
+        self.runner_id = runner_id
+        self.advertise = advertise
+        self.runner_lease = runner_lease
+        self.retention = retention
+        self.connect_timeout = connect_timeout
+        self.statement_timeout = statement_timeout
+
+    def connect(self, *, autocommit: bool = False) -> psycopg.Connection[Any]:
+        """A new connection with the store's timeouts, keepalives and search path."""
+        connection = psycopg.connect(
+            self.dsn,
+            autocommit=autocommit,
+            # libpq takes whole seconds, and treats 1 as 2.
+            connect_timeout=max(2, math.ceil(self.connect_timeout)),
+            keepalives=1,
+            keepalives_idle=KEEPALIVE_IDLE,
+            keepalives_interval=KEEPALIVE_INTERVAL,
+            keepalives_count=KEEPALIVE_COUNT,
+            # Unacknowledged data for this long fails the socket, keepalives or not.
+            tcp_user_timeout=max(1000, round(self.statement_timeout * 1000)),
+            application_name=f"trio_supervisor {self.runner_id}"[:63],
+        )
+        try:
+            timeout = sql.Literal(f"{max(1, round(self.statement_timeout * 1000))}ms")
+            connection.execute(
+                sql.SQL(
+                    "SET statement_timeout = {timeout}; SET lock_timeout = {timeout}; "
+                    "SET search_path = {schema}"
+                ).format(timeout=timeout, schema=sql.Identifier(self.schema))
+            )
+            if not autocommit:
+                connection.commit()
+        except BaseException:
+            connection.close()
+            raise
+        return connection
+
+    def explain(self, action: str, error: BaseException) -> str:
+        """The message of the StateStorageError a caller gets for ``error``."""
+        if isinstance(error, psycopg.Error):
+            text = str(error).strip() or type(error).__name__
+        else:
+            text = repr(error)
+        if self.password:
+            text = text.replace(self.password, "***")
+        return f"{self.shown}: cannot {action}: {text}"
+
+
+class Worker:
+    """The thread that owns the store's connection.
+
+    Everything it does runs inside :meth:`_attempt`, which turns a ``psycopg.Error`` (or
+    anything but a :class:`StateStorageError`) into the :class:`StateStorageError` its
+    callers get; no failure ends the thread, which would leave its callers waiting.
+    """
+
+    def __init__(self, settings: Settings, jobs: queue.SimpleQueue[Job]) -> None:
+        self.settings = settings
+        self._jobs = jobs
+        # Written by this thread only, read by anyone.
+        self.commits = 0
+        self.epoch = 0
+        self._connection: psycopg.Connection[Any] | None = None
+        self._open_error: StateStorageError | None = None
+
+    def run(self) -> None:
+        jobs = self._jobs
+        self._open_error = self._attempt("open the store", self._open)
+        closing: Job | None = None
+        while closing is None:
+            batch = [jobs.get()]
+            # Group commit: everything queued while the last transaction ran goes into
+            # the next one.
+            while True:
+                try:
+                    batch.append(jobs.get_nowait())
+                except queue.Empty:
+                    break
+            taken = []
+            for job in batch:
+                if job.kind == "close":
+                    closing = job
+                elif job.take():
+                    taken.append(job)
+            self._serve(taken)
+        if self._open_error is None:
+            failure = self._attempt("mark this runner's row expired", self._close)
+            if failure is not None:
+                # Only a courtesy to the fleet (its lease runs out all the same); every
+                # save that returned is durable.
+                logger.warning("%s", failure)
+        if self._connection is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._connection.close()
+        deliver([closing])
+
+    def _serve(self, jobs: list[Job]) -> None:
+        if self._open_error is not None:
+            for job in jobs:
+                job.error = self._open_error
+            deliver(jobs)
+            return
+        # Writes first, so a read queued after a save sees it.
+        saves = [job for job in jobs if job.kind == "save"]
+        if saves:
+            failure = self._attempt("save", functools.partial(self._save, saves))
+            for job in saves:
+                job.error = job.error or failure
+        for job in jobs:
+            if job.kind == "open":
+                continue  # the thread opened the store as it started: nothing left to do
+            if job.kind != "save":
+                action = _ACTIONS.get(job.kind, job.kind)
+                job.error = self._attempt(action, functools.partial(self._do, job))
+        deliver(jobs)
+
+    def _attempt(self, action: str, work: Callable[[], None]) -> StateStorageError | None:
+        """Run ``work`` in a transaction; return the error its callers are to get, if any."""
+        try:
+            work()
+        except StateStorageError as error:  # RecordFormatError too: worded already
+            self._end_transaction()
+            return error
+        except Exception as error:
+            self._end_transaction()
+            failure = StateStorageError(self.settings.explain(action, error))
+            failure.__cause__ = error
+            return failure
+        return None
+
+    def _end_transaction(self) -> None:
+        connection = self._connection
+        if connection is None:
+            return
+        if connection.broken or connection.closed:
+            # Dropped: the next job connects again.
+            logger.warning(
+                "%s: the connection broke; the next call reconnects", self.settings.shown
+            )
+            with contextlib.suppress(psycopg.Error):
+                connection.close()
+            self._connection = None
+            return
+        try:
+            connection.rollback()
+        except psycopg.Error:
+            with contextlib.suppress(psycopg.Error):
+                connection.close()
+            self._connection = None
+
+    def _connected(self) -> psycopg.Connection[Any]:
+        if self._connection is None:
+            self._connection = self.settings.connect()
+        return self._connection
+
+    # -- opening: the schema, then this runner's row ------------------------------------
+
+    def _open(self) -> None:
+        connection = self._connected()
+        migrate(connection, self.settings)
+        settings = self.settings
+        runner = settings.runner_id
+        previous = connection.execute(
+            "SELECT epoch, lease_until > clock_timestamp() FROM runners "
+            "WHERE runner_id = %s FOR UPDATE",
+            (runner,),
+        ).fetchone()
+        row = connection.execute(
+            "INSERT INTO runners AS u "
+            "(runner_id, epoch, advertise, started_at, lease_until, stop_bound) "
+            "VALUES (%(runner)s, 1, %(advertise)s, clock_timestamp(), "
+            "        clock_timestamp() + make_interval(secs => %(lease)s), 0) "
+            "ON CONFLICT (runner_id) DO UPDATE SET epoch = u.epoch + 1, "
+            "    advertise = excluded.advertise, started_at = excluded.started_at, "
+            "    lease_until = excluded.lease_until "
+            "RETURNING epoch",
+            {"runner": runner, "advertise": settings.advertise, "lease": settings.runner_lease},
+        ).fetchone()
+        connection.commit()
+        assert row is not None
+        self.epoch = row[0]
+        if previous is not None and previous[1]:
+            logger.warning(
+                "%s: runner %s registered as epoch %d while the row of its epoch %d was "
+                "still within its lease: another process may be running under this id",
+                settings.shown,
+                runner,
+                self.epoch,
+                previous[0],
+            )
+        else:
+            logger.info("%s: runner %s registered as epoch %d", settings.shown, runner, self.epoch)
+
+    def _close(self) -> None:
+        # Its row stops counting as alive now, so that the fleet need not wait out its
+        # lease (a takeover still waits out each record's margin from here).
+        if self._connection is None or self._connection.closed:
+            return
+        self._connection.execute(
+            "UPDATE runners SET lease_until = least(lease_until, clock_timestamp()) "
+            "WHERE runner_id = %s AND epoch = %s",
+            (self.settings.runner_id, self.epoch),
+        )
+        self._connection.commit()
+
+    # -- saving ------------------------------------------------------------------------
+
+    def _save(self, jobs: list[Job]) -> None:
+        refused = self._write(self.settings.runner_id, self.epoch, [job.rows for job in jobs])
+        for index, (identity, instance, generation, mark) in refused.items():
+            jobs[index].error = StaleSessionError(
+                f"generation {generation} of {identity}/{instance} was not opened: the key's "
+                f"high-water in the fleet is {mark}, so the next open is generation "
+                f"{mark + 1} (another open claimed it first); nothing of this save was written"
+            )
+
+    def _write(
+        self, runner: str, epoch: int, jobs: list[list[tuple[SessionRecord, str]]]
+    ) -> dict[int, tuple[str, str, int, int]]:
+        """One call of save_batch and its commit; the jobs (each its rows) refused, by index."""
+        connection = self._connected()
+        columns: tuple[list[Any], ...] = ([], [], [], [], [], [], [], [], [])
+        numbers, tokens, identities, instances, generations, requests, leases, kinds, bodies = (
+            columns
+        )
+        for number, rows in enumerate(jobs):
+            for record, body in rows:
+                handle = record.handle
+                numbers.append(number)
+                tokens.append(handle.token)
+                identities.append(handle.key.identity)
+                instances.append(handle.key.instance)
+                generations.append(handle.generation)
+                requests.append(record.request_id)
+                leases.append(record.lease)
+                kinds.append(_kind(record))
+                bodies.append(body)
+        retention = self.settings.retention
+        try:
+            refused = connection.execute(
+                "SELECT * FROM save_batch(%s, %s, %s, %s, %s::integer[], %s::text[], "
+                "%s::text[], %s::text[], %s::bigint[], %s::text[], "
+                "%s::double precision[], %s::smallint[], %s::text[])",
+                (runner, epoch, retention.stopped_per_key, retention.stopped_total, *columns),
+            ).fetchall()
+            connection.commit()
+        except psycopg.Error as error:
+            if error.sqlstate == FENCED:
+                raise StateStorageError(
+                    f"{self.settings.shown}: cannot save: the epoch {epoch} of runner "
+                    f"{runner} was taken over by another runner of the fleet; nothing "
+                    "of this write landed"
+                ) from error
+            raise
+        self.commits += 1
+        return {row[0]: (row[1], row[2], row[3], row[4]) for row in refused}
+
+    # -- everything else ---------------------------------------------------------------
+
+    def _do(self, job: Job) -> None:
+        connection = self._connected()
+        job.result = getattr(self, f"_{job.kind}")(connection, *(job.args or ()))
+        connection.commit()  # a read's too: no snapshot is held between jobs
+
+    def _list(self, connection: psycopg.Connection[Any]) -> list[SessionRecord]:
+        rows = connection.execute(
+            "SELECT token, identity, instance, body FROM records "
+            "WHERE runner_id = %s ORDER BY saved",
+            (self.settings.runner_id,),
+        ).fetchall()
+        return [self._decode(*row) for row in rows]
+
+    def _high_water(self, connection: psycopg.Connection[Any]) -> dict[Key, int]:
+        rows = connection.execute(
+            "SELECT identity, instance, generation FROM high_water WHERE generation > 0"
+        ).fetchall()
+        return {
+            self._key(identity, instance): generation for identity, instance, generation in rows
+        }
+
+    def _lookup(
+        self, connection: psycopg.Connection[Any], key: Key, request_id: str | None
+    ) -> tuple[int, SessionRecord | None]:
+        row = connection.execute(
+            "SELECT (SELECT generation FROM high_water "
+            "        WHERE identity = %(i)s AND instance = %(n)s), r.token, r.body "
+            "FROM (SELECT 1) AS one LEFT JOIN LATERAL ("
+            "    SELECT token, body FROM records WHERE identity = %(i)s "
+            "    AND instance = %(n)s AND request_id = %(r)s ORDER BY saved DESC LIMIT 1"
+            ") AS r ON true",
+            {"i": key.identity, "n": key.instance, "r": request_id},
+        ).fetchone()
+        assert row is not None
+        mark, token, body = row
+        record = None if token is None else self._decode(token, key.identity, key.instance, body)
+        return mark or 0, record
+
+    def _runners(
+        self, connection: psycopg.Connection[Any], only: str | None = None
+    ) -> list[RunnerInfo]:
+        rows = connection.execute(
+            "SELECT u.runner_id, u.epoch, u.advertise, extract(epoch FROM u.started_at), "
+            "    extract(epoch FROM u.lease_until), u.lease_until > clock_timestamp(), "
+            "    (SELECT count(*) FROM records r "
+            "     WHERE r.runner_id = u.runner_id AND r.stopped IS NULL) "
+            "FROM runners u WHERE %(only)s::text IS NULL OR u.runner_id = %(only)s "
+            "ORDER BY u.runner_id",
+            {"only": only},
+        ).fetchall()
+        return [
+            RunnerInfo(
+                runner_id=runner,
+                epoch=epoch,
+                advertise=advertise,
+                started_at=float(started),
+                lease_until=float(until),
+                alive=alive,
+                sessions=sessions,
+            )
+            for runner, epoch, advertise, started, until, alive, sessions in rows
+        ]
+
+    def _owner(self, connection: psycopg.Connection[Any], token: str) -> RunnerInfo | None:
+        row = connection.execute(
+            "SELECT runner_id FROM records WHERE token = %s", (token,)
+        ).fetchone()
+        if row is None:
+            return None
+        found = self._runners(connection, row[0])
+        return found[0] if found else None
+
+    def _fleet_records(self, connection: psycopg.Connection[Any]) -> list[FleetRecord]:
+        rows = connection.execute(
+            "SELECT token, identity, instance, body, runner_id, epoch FROM records ORDER BY saved"
+        ).fetchall()
+        return [
+            FleetRecord(
+                record=self._decode(token, identity, instance, body), runner_id=runner, epoch=epoch
+            )
+            for token, identity, instance, body, runner, epoch in rows
+        ]
+
+    def _renew(self, connection: psycopg.Connection[Any], stop_bound: float) -> bool:
+        settings = self.settings
+        done = connection.execute(
+            "UPDATE runners SET lease_until = clock_timestamp() + make_interval(secs => %s), "
+            "    stop_bound = %s WHERE runner_id = %s AND epoch = %s",
+            (settings.runner_lease, stop_bound, settings.runner_id, self.epoch),
+        )
+        return done.rowcount == 1
+
+    def _marks(self, connection: psycopg.Connection[Any], keys: list[Key]) -> dict[Key, int]:
+        rows = connection.execute(
+            "SELECT h.identity, h.instance, h.generation FROM high_water h "
+            "JOIN unnest(%s::text[], %s::text[]) AS w (i, n) "
+            "ON h.identity = w.i AND h.instance = w.n",
+            ([key.identity for key in keys], [key.instance for key in keys]),
+        ).fetchall()
+        return {
+            self._key(identity, instance): generation for identity, instance, generation in rows
+        }
+
+    def _older(
+        self, connection: psycopg.Connection[Any], key: Key, generation: int
+    ) -> list[tuple[str, int, int, float, float, float]]:
+        """Unstopped records of ``key`` below ``generation`` on other runners: each
+        one's runner, its epoch, the record's generation and lease, the runner's
+        stop_bound, and for how long its row has been expired (negative: alive)."""
+        rows = connection.execute(
+            "SELECT r.runner_id, u.epoch, r.generation, r.lease, u.stop_bound, "
+            "    extract(epoch FROM clock_timestamp() - u.lease_until)::double precision "
+            "FROM records r JOIN runners u ON u.runner_id = r.runner_id "
+            "WHERE r.identity = %s AND r.instance = %s AND r.generation < %s "
+            "AND r.stopped IS NULL AND r.runner_id <> %s",
+            (key.identity, key.instance, generation, self.settings.runner_id),
+        ).fetchall()
+        return [tuple(row) for row in rows]
+
+    def _dead(self, connection: psycopg.Connection[Any]) -> list[tuple[str, int]]:
+        """Other runners whose row expired with a record whose margin passed too."""
+        rows = connection.execute(
+            "SELECT u.runner_id, u.epoch FROM runners u "
+            "WHERE u.runner_id <> %s AND u.lease_until < clock_timestamp() AND EXISTS ("
+            "    SELECT 1 FROM records r WHERE r.runner_id = u.runner_id "
+            "    AND r.stopped IS NULL AND u.lease_until "
+            "        + make_interval(secs => r.lease + u.stop_bound) < clock_timestamp())",
+            (self.settings.runner_id,),
+        ).fetchall()
+        return [(runner, epoch) for runner, epoch in rows]
+
+    def _takeover(
+        self, connection: psycopg.Connection[Any], runner: str, seen: int
+    ) -> list[StoppedRecord]:
+        """Take a dead runner's records over, if its row still is as it was seen."""
+        row = connection.execute(
+            "SELECT epoch, lease_until < clock_timestamp() FROM runners "
+            "WHERE runner_id = %s FOR UPDATE",
+            (runner,),
+        ).fetchone()
+        if row is None or row[0] != seen or not row[1]:
+            return []  # it renewed, restarted, or another runner took it over first
+        rows = connection.execute(
+            "SELECT r.token, r.identity, r.instance, r.body "
+            "FROM records r JOIN runners u ON u.runner_id = r.runner_id "
+            "WHERE r.runner_id = %s AND r.stopped IS NULL AND u.lease_until "
+            "    + make_interval(secs => r.lease + u.stop_bound) < clock_timestamp() "
+            "ORDER BY r.saved",
+            (runner,),
+        ).fetchall()
+        # Its epoch moves on first: whatever its old incarnation still tries is refused.
+        connection.execute("UPDATE runners SET epoch = epoch + 1 WHERE runner_id = %s", (runner,))
+        stopped = [recovered(self._decode(*row), RUNNER_LOST) for row in rows]
+        self._write(runner, seen + 1, [[(record, encode(record)) for record in stopped]])
+        logger.warning(
+            "%s: runner %s (epoch %d) is dead past its takeover margin; took over %d of its "
+            "sessions: %s",
+            self.settings.shown,
+            runner,
+            seen,
+            len(stopped),
+            ", ".join(
+                f"{r.handle.key.identity}/{r.handle.key.instance}#{r.handle.generation}"
+                for r in stopped
+            )
+            or "none",
+        )
+        return stopped
+
+    # -- rows --------------------------------------------------------------------------
+
+    def _key(self, identity: str, instance: str) -> Key:
+        try:
+            return Key(identity=identity, instance=instance)
+        except (TypeError, ValueError) as error:
+            raise RecordFormatError(
+                f"{self.settings.shown}: a high-water row is malformed: {error}"
+            ) from error
+
+    def _decode(self, token: str, identity: str, instance: str, body: str) -> SessionRecord:
+        row = f"{self.settings.shown}: the record of {identity}/{instance} (token {token[:8]}...)"
+        try:
+            record = decode(body)
+        except RecordFormatError as error:
+            raise RecordFormatError(f"{row} is unreadable: {error.detail}") from error
+        handle = record.handle
+        if (
+            handle.token != token
+            or handle.key.identity != identity
+            or handle.key.instance != instance
+        ):
+            raise RecordFormatError(
+                f"{row} holds the record of another session "
+                f"({handle.key.identity}/{handle.key.instance}, token {handle.token[:8]}...)"
+            )
+        return record
+
+
+_ACTIONS: Final = {
+    "list": "list records",
+    "high_water": "read the high-water marks",
+    "lookup": "look a key up",
+    "runners": "list the runners",
+    "owner": "find a session's runner",
+    "fleet_records": "list the fleet's records",
+    "renew": "renew this runner's row",
+    "marks": "check the high-water of live keys",
+    "older": "look for older generations",
+    "dead": "look for dead runners",
+    "takeover": "take a dead runner's records over",
+}
+
+
+def _kind(record: SessionRecord) -> int:
+    if isinstance(record, OpenRecord):
+        return Kind.OPEN
+    if isinstance(record, StoppedRecord):
+        return Kind.SUPERSEDED if isinstance(record.reason, Superseded) else Kind.STOPPED
+    return Kind.OTHER
+
+
+def migrate(connection: psycopg.Connection[Any], settings: Settings) -> None:
+    """Create or migrate the schema, in one transaction under the advisory lock."""
+    schema = sql.Identifier(settings.schema)
+    connection.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+    connection.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
+    connection.execute("CREATE TABLE IF NOT EXISTS schema_version (version integer NOT NULL)")
+    versions = [row[0] for row in connection.execute("SELECT version FROM schema_version")]
+    version = max(versions, default=0)
+    if version > SCHEMA_VERSION:
+        raise StateStorageError(
+            f"{settings.shown}: the schema {settings.schema} has version {version}; this "
+            f"library knows version {SCHEMA_VERSION} at most (a newer trio_supervisor "
+            "wrote it)"
+        )
+    for step in range(version + 1, SCHEMA_VERSION + 1):
+        for statement in MIGRATIONS[step]:
+            connection.execute(statement)
+    if version < SCHEMA_VERSION:
+        connection.execute("DELETE FROM schema_version")
+        connection.execute("INSERT INTO schema_version VALUES (%s)", (SCHEMA_VERSION,))
+        logger.info(
+            "%s: schema %s migrated from version %d to %d",
+            settings.shown,
+            settings.schema,
+            version,
+            SCHEMA_VERSION,
+        )
+    connection.commit()
+
+
+class Listener:
+    """The thread that LISTENs, and hands each notification's payload to ``hand``.
+
+    ``hand`` is called from this thread; it must only pass the payload on to the run.
+    """
+
+    POLL: Final = 0.25  # seconds between looks at the stop flag
+    RETRY: Final = 0.5  # seconds between attempts to connect again
+
+    def __init__(
+        self, settings: Settings, hand: Callable[[str], None], listening: Callable[[], None]
+    ) -> None:
+        self.settings = settings
+        self._hand = hand
+        self._listening = listening
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(
+            target=self.run, name=f"trio_supervisor listen {settings.shown}", daemon=True
+        )
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                with self.settings.connect(autocommit=True) as connection:
+                    connection.execute(
+                        sql.SQL("LISTEN {}").format(sql.Identifier(self.settings.schema))
+                    )
+                    self._listening()
+                    while not self.stopping.is_set():
+                        for note in connection.notifies(timeout=self.POLL):
+                            self._hand(note.payload)
+            except Exception as error:
+                if self.stopping.is_set():
+                    return
+                # Only a wake-up: the periodic checks cover what is missed meanwhile.
+                logger.warning("%s; listening again", self.settings.explain("listen", error))
+                self.stopping.wait(self.RETRY)

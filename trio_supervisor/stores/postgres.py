@@ -1,0 +1,475 @@
+"""A store on PostgreSQL, shared by the runners of a fleet (docs/service.md section C).
+
+Theory of operation
+-------------------
+* **One worker thread per store** owns its connection and runs psycopg's sync API (its
+  async API is asyncio's); callers in the Trio run queue jobs and park, as with
+  :class:`~trio_supervisor.SqliteStore`. Saves that queue while a transaction runs are
+  written together in the next (group commit), each batch one call of the schema's
+  ``save_batch`` function: one round trip. A save returns once its batch committed; a
+  save cancelled while still queued is taken back and writes nothing.
+* **The schema** (``trio_supervisor``) is versioned, and created or migrated on first
+  use in one transaction holding an advisory lock, so runners that start together on
+  an empty database do not race.
+* **Incarnations.** Opening the store registers this runner: its row gets a new
+  *epoch*, and a lease judged by the database's clock. Every write checks, in its own
+  transaction, that the row still holds this epoch (``FOR SHARE``); another runner
+  that takes this one's records over bumps it (``FOR UPDATE``), so nothing a stalled
+  runner writes afterwards lands: its writes fail, and its supervisor is poisoned.
+* **Global fencing.** An Open record lands only if its generation is its key's
+  high-water + 1 in the database, in the transaction that writes it; a save whose
+  Open lost raises ``StaleSessionError`` and writes nothing, while the other saves of
+  its batch land.
+* **Membership** (:meth:`PostgresStore.run_member`): the row is renewed every third of
+  ``runner_lease``, and trusted locally only for ``runner_lease`` minus a margin from
+  when its last renewal was *sent*; an open that supersedes a session of this runner
+  arrives as a notification (LISTEN, on a thread of its own) and, should that be lost,
+  by a periodic check of the live keys' high-water; dead runners are taken over once
+  their row expired by more than a record's lease plus their ``stop_bound``.
+* Every failure reaches the caller as a :class:`StateStorageError` naming the database
+  (never its password) and what failed; a row no record can be read from is a
+  :class:`RecordFormatError` naming the row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import queue
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Final, Self
+
+import trio
+
+from .. import realtime
+from ..abc import FleetMember
+from ..codec import encode
+from ..errors import StateStorageError, TerminationUnconfirmedError
+from ..model import FleetRecord, Handle, Key, RunnerInfo, SessionRecord
+from ..realtime import outside_the_run
+from ..retention import Retention
+from ._jobs import Job
+from ._postgres_worker import Listener, Settings, Worker
+
+__all__ = ["PostgresStore"]
+
+logger = logging.getLogger("trio_supervisor.stores.postgres")
+
+# Seconds between two looks at the older generations an open waits for (a notification
+# of their stop wakes it sooner).
+POLL: Final = 0.2
+# The longest a runner takes to hear of a supersede it missed the notification of: its
+# periodic check of live keys runs at least this often.
+MOST_CHECK: Final = 1.0
+
+
+class PostgresStore:
+    """Records in a PostgreSQL database, shared by the runners of a fleet.
+
+    Use it as ``async with PostgresStore(dsn) as store:`` or call :meth:`open` and
+    :meth:`aclose`. A supervisor that is a member of a fleet also runs
+    :meth:`run_member` for as long as it serves.
+
+    Args:
+        dsn: A libpq connection string or ``postgresql://`` URL.
+        runner_id: This runner's name in the fleet, stable across its restarts; the
+            host name by default.
+        advertise: Where hosts and other runners reach this runner (an URL), or "".
+        runner_lease: Seconds this runner's row stays valid without a renewal.
+        retention: Which Stopped records to keep (fleet-wide).
+        connect_timeout: Seconds a connection attempt may take.
+        statement_timeout: Seconds a statement, or a wait for a lock, may take.
+        schema: The PostgreSQL schema that holds the store's tables: fleets that share
+            a database each use their own.
+
+    Attributes:
+        commits: How many write transactions this store has committed.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        runner_id: str | None = None,
+        advertise: str = "",
+        runner_lease: float = 10.0,
+        retention: Retention | None = None,
+        connect_timeout: float = 5.0,
+        statement_timeout: float = 10.0,
+        schema: str = "trio_supervisor",
+    ) -> None:
+        for name, value in (
+            ("runner_lease", runner_lease),
+            ("connect_timeout", connect_timeout),
+            ("statement_timeout", statement_timeout),
+        ):
+            if not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"PostgresStore {name} must be a positive number, got {value!r}")
+        runner = socket.gethostname() if runner_id is None else runner_id
+        if not isinstance(runner, str) or not runner:
+            raise ValueError(f"PostgresStore runner_id must be a non-empty string, got {runner!r}")
+        self._retention = retention or Retention()
+        self._settings = Settings(
+            dsn,
+            schema=schema,
+            runner_id=runner,
+            advertise=advertise,
+            runner_lease=float(runner_lease),
+            retention=self._retention,
+            connect_timeout=float(connect_timeout),
+            statement_timeout=float(statement_timeout),
+        )
+        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._worker: Worker | None = None
+        self._closed = False
+        # How often run_member checks the live keys' high-water (tests make it rare).
+        self._check_period = min(runner_lease / 3, MOST_CHECK)
+        self._heard: trio.Event | None = None  # set when a stop is notified
+        self._listening: trio.Event | None = None  # set once run_member LISTENs
+
+    @property
+    def dsn(self) -> str:
+        """The database, as errors name it: without its password."""
+        return self._settings.shown
+
+    @property
+    def schema(self) -> str:
+        """The PostgreSQL schema that holds the store's tables."""
+        return self._settings.schema
+
+    @property
+    def member(self) -> str:
+        """This runner's id in the fleet."""
+        return self._settings.runner_id
+
+    @property
+    def epoch(self) -> int:
+        """This incarnation's epoch (0 until the store is open)."""
+        return 0 if self._worker is None else self._worker.epoch
+
+    @property
+    def runner_lease(self) -> float:
+        """Seconds this runner's row stays valid without a renewal."""
+        return self._settings.runner_lease
+
+    @property
+    def commits(self) -> int:
+        """How many write transactions this store has committed."""
+        return 0 if self._worker is None else self._worker.commits
+
+    @property
+    def retention(self) -> Retention:
+        """The retention policy this store applies."""
+        return self._retention
+
+    # -- the face ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.open()
+        except BaseException:
+            # ``async with`` does not leave what it failed to enter.
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:
+        """Connect, create or migrate the schema, and register this runner (a new epoch).
+
+        Raises:
+            StateStorageError: The database cannot be reached, or its schema has a
+                version this library does not know.
+        """
+        await self._submit(Job("open"))
+
+    async def save(self, record: SessionRecord) -> None:
+        """Make ``record`` durable (group commit); see the module docs for cancellation.
+
+        Raises:
+            StaleSessionError: ``record`` is an Open record whose generation is not its
+                key's high-water + 1 in the fleet; nothing was written.
+            StateStorageError: The record could not be written, or this runner's epoch
+                was taken over.
+        """
+        await self._submit(Job("save", [(record, encode(record))]))
+
+    async def save_many(self, records: Sequence[SessionRecord]) -> None:
+        """Make every record durable in one transaction, or none of them."""
+        await self._submit(Job("save", [(record, encode(record)) for record in records]))
+
+    async def list(self) -> Sequence[SessionRecord]:
+        """This runner's retained records (of all its epochs), in the order they were saved.
+
+        Raises:
+            RecordFormatError: A row is malformed, of an unknown version, or holds the
+                record of another token or key; the message names the row.
+        """
+        records: list[SessionRecord] = await self._ask("list")
+        return records
+
+    async def high_water(self) -> Mapping[Key, int]:
+        """Every key's highest generation in the fleet."""
+        marks: dict[Key, int] = await self._ask("high_water")
+        return marks
+
+    async def lookup(self, key: Key, request_id: str | None) -> tuple[int, SessionRecord | None]:
+        """The key's high-water now, and its retained record opened with ``request_id``
+        (whichever runner holds it), if any: one query."""
+        found: tuple[int, SessionRecord | None] = await self._ask("lookup", key, request_id)
+        return found
+
+    async def runners(self) -> Sequence[RunnerInfo]:
+        """Every runner of the fleet, by id."""
+        found: list[RunnerInfo] = await self._ask("runners")
+        return found
+
+    async def fleet_records(self) -> Sequence[FleetRecord]:
+        """Every retained record of the fleet, in save order, each with its runner."""
+        found: list[FleetRecord] = await self._ask("fleet_records")
+        return found
+
+    async def owner(self, token: str) -> RunnerInfo | None:
+        """The runner that holds the session of ``token``, if a record of it is retained."""
+        found: RunnerInfo | None = await self._ask("owner", token)
+        return found
+
+    async def take_over_dead(self) -> int:
+        """Take over every dead runner whose margin passed; how many records that stopped.
+
+        :meth:`run_member` does this periodically; it is public for tools and tests.
+        """
+        taken = 0
+        for runner, epoch in await self._ask("dead"):
+            taken += len(await self._submit(Job("takeover", args=(runner, epoch))))
+        return taken
+
+    async def aclose(self) -> None:
+        """Finish the writes already queued, mark this runner's row expired, and close.
+
+        The row's expiry is a courtesy to the fleet (a takeover still waits out each
+        record's margin); when the database cannot be reached it is logged, not raised.
+        """
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        if self._thread is None:
+            await trio.lowlevel.checkpoint()
+            return
+        job = Job("close")
+        job.take()
+        self._jobs.put(job)
+        # Bounded by the writes already queued and the statement timeout; a cancellation
+        # waits for it too (and is seen at the caller's next checkpoint).
+        with outside_the_run():
+            await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        if job.error is not None:
+            raise job.error
+
+    # -- the fleet ---------------------------------------------------------------------
+
+    async def wait_older_stopped(self, handle: Handle) -> None:
+        """Return once no record of ``handle.key`` below its generation is unstopped on
+        another runner (O5 across the fleet).
+
+        A runner dead past its takeover margin is taken over on the way; a live one gets
+        its ``stop_bound`` plus two check periods.
+
+        Raises:
+            TerminationUnconfirmedError: A live runner did not stop its older generation
+                in time.
+        """
+        key, generation = handle.key, handle.generation
+        deadlines: dict[str, float] = {}  # each live holder's, from when it was first seen
+        while True:
+            older = await self._ask("older", key, generation)
+            if not older:
+                return
+            now = time.monotonic()
+            dead: dict[str, int] = {}
+            for runner, epoch, held, lease, stop_bound, expired_for in older:
+                if expired_for > lease + stop_bound:
+                    dead[runner] = epoch
+                elif expired_for > 0:
+                    deadlines.pop(runner, None)  # dead: its takeover margin bounds the wait
+                else:
+                    bound = stop_bound + 2 * MOST_CHECK
+                    if now > deadlines.setdefault(runner, now + bound):
+                        raise TerminationUnconfirmedError(
+                            f"runner {runner} did not stop generation {held} of "
+                            f"{key.identity}/{key.instance} within {bound:g} s of generation "
+                            f"{generation} being opened"
+                        )
+            for runner, epoch in dead.items():
+                await self._submit(Job("takeover", args=(runner, epoch)))
+            if dead:
+                continue
+            if self._heard is None:
+                self._heard = trio.Event()
+            with realtime.bounded(POLL):
+                await self._heard.wait()
+
+    async def run_member(self, member: FleetMember) -> None:
+        """Keep this runner in the fleet until cancelled (see the module docs).
+
+        Raises:
+            StateStorageError: This runner's row was not renewed within its local trust
+                (``runner_lease`` minus a fifth, from when the last renewal was sent), or
+                another runner took its records over.
+        """
+        await self.open()
+        failure: StateStorageError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._hear, member)
+            nursery.start_soon(self._check, member)
+            try:
+                await self._keep(member)
+            except StateStorageError as error:
+                failure = error
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _keep(self, member: FleetMember) -> None:
+        """Renew this runner's row every third of its lease; raise once it is not trusted."""
+        lease = self._settings.runner_lease
+        trust = lease - lease / 5
+        trusted_until: float | None = None
+        while True:
+            sent = time.monotonic()
+            # The first renewal gets a whole trust of its own: whether the row was taken
+            # over meanwhile, its epoch says.
+            bound = (sent + trust if trusted_until is None else trusted_until) - sent
+            with realtime.bounded(max(bound, 0.0)) as scope:
+                alive = await self._ask("renew", member.stop_bound)
+            if scope.cancelled_caught:
+                raise StateStorageError(
+                    f"{self.dsn}: runner {self.member} could not renew its row within "
+                    f"{trust:g} s of the last renewal sent; it may be taken over, so it "
+                    "stops serving"
+                )
+            if not alive:
+                raise StateStorageError(
+                    f"{self.dsn}: runner {self.member} lost its row: its epoch {self.epoch} "
+                    "was taken over by another runner of the fleet"
+                )
+            trusted_until = sent + trust
+            # The run's clock: under a virtual one, renewals come more often, never late.
+            await trio.sleep(max(0.0, sent + lease / 3 - time.monotonic()))
+
+    async def _check(self, member: FleetMember) -> None:
+        """The guarantee beneath the notifications, and the takeover of dead runners."""
+        takeover_every = self._settings.runner_lease / 3
+        next_takeover = 0.0
+        while True:
+            try:
+                live = dict(member.live())
+                if live:
+                    marks: dict[Key, int] = await self._ask("marks", list(live))
+                    for key, high in marks.items():
+                        if high > live[key]:
+                            member.superseded(key, high)
+                if time.monotonic() >= next_takeover:
+                    next_takeover = time.monotonic() + takeover_every
+                    await self.take_over_dead()
+            except StateStorageError as error:
+                # The renewals decide whether this runner is still a member; a check
+                # that failed is tried again.
+                logger.warning("%s", error)
+            await trio.sleep(self._check_period)
+
+    async def _hear(self, member: FleetMember) -> None:
+        """Listen for notifications, on a thread, and act on them in the run."""
+        token = trio.lowlevel.current_trio_token()
+        send, receive = trio.open_memory_channel[str](math.inf)
+        listening = self._listening = trio.Event()
+
+        def offer(payload: str) -> None:  # in the run
+            # run_member may have ended meanwhile.
+            with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+                send.send_nowait(payload)
+
+        def hand(payload: str) -> None:  # on the listener's thread
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(offer, payload)
+
+        def ready() -> None:  # on the listener's thread
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(listening.set)
+
+        listener = Listener(self._settings, hand, ready)
+        listener.thread.start()
+        try:
+            async with receive:
+                async for payload in receive:
+                    self._heard_of(member, payload)
+        finally:
+            listener.stopping.set()
+            send.close()
+            # The thread sees the flag within its poll; nothing of run_member outlives
+            # it by more (a hung connection is left to its daemon thread).
+            with outside_the_run(), realtime.bounded(4 * Listener.POLL, shield=True):
+                await trio.to_thread.run_sync(listener.thread.join, abandon_on_cancel=True)
+
+    def _heard_of(self, member: FleetMember, payload: str) -> None:
+        try:
+            note = json.loads(payload)
+            kind = note["kind"]
+            key = Key(identity=note["identity"], instance=note["instance"])
+            generation = int(note["generation"])
+        except (ValueError, KeyError, TypeError) as error:
+            logger.warning("%s: a notification no runner sent: %r (%s)", self.dsn, payload, error)
+            return
+        if kind == "superseded" and note.get("runner") == self.member:
+            member.superseded(key, generation)
+        elif kind == "stopped" and self._heard is not None:
+            self._heard.set()
+            self._heard = trio.Event()
+
+    # -- talking to the worker ---------------------------------------------------------
+
+    async def _ask(self, kind: str, *args: Any) -> Any:
+        """A job that writes nothing: its caller may stop waiting at any time."""
+        return await self._submit(Job(kind, args=args), abandonable=True)
+
+    async def _submit(self, job: Job, *, abandonable: bool = False) -> Any:
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            raise StateStorageError(f"the store {self.dsn} is closed")
+        if self._thread is None:
+            self._worker = Worker(self._settings, self._jobs)
+            self._thread = threading.Thread(
+                target=self._worker.run, name=f"trio_supervisor postgres {self.dsn}", daemon=True
+            )
+            self._thread.start()
+        self._jobs.put(job)
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            if abandonable:
+                job.abandon()
+                return trio.lowlevel.Abort.SUCCEEDED
+            # Still queued: take it back and let the cancellation through. Taken: the
+            # write may land, so wait for its answer and report it; bounded by one
+            # transaction (and the statement timeout).
+            return trio.lowlevel.Abort.SUCCEEDED if job.withdraw() else trio.lowlevel.Abort.FAILED
+
+        with outside_the_run():  # the worker's time is not the run's (realtime.py)
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        if job.error is not None:
+            raise job.error
+        return job.result
