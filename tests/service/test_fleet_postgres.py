@@ -24,13 +24,8 @@ from click.testing import CliRunner
 from trio_supervisor import Key, Load, cli
 from trio_supervisor.client import connect
 
+from ..postgres import database_for, with_parts
 from ..support import ROOT, Runner, serving
-
-pytest.importorskip(
-    "trio_supervisor.stores.postgres", reason="PostgresStore lands on main with branch pg"
-)
-
-from ..postgres import database_for, with_parts  # psycopg: with the store's extra
 
 KEY: Final = Key(identity="acme", instance="eu-1")
 TIMEOUT: Final = 60.0  # seconds a command may take

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import importlib
 import ipaddress
 import logging
 import os
@@ -97,10 +96,10 @@ def _fleet_store(config: RunnerConfig, advertise: str) -> _RunnerStore:
     """The fleet's ``PostgresStore`` (the ``postgres`` extra), not yet opened."""
     with needs_extra("postgres", "a runner with --store postgresql://...", "psycopg"):
         # Imported here: a runner of its own needs neither psycopg nor this module.
-        postgres = importlib.import_module("trio_supervisor.stores.postgres")
+        from ..stores.postgres import PostgresStore
 
     assert config.store is not None
-    store: _RunnerStore = postgres.PostgresStore(
+    store: _RunnerStore = PostgresStore(
         config.store,
         runner_id=config.runner_id,
         advertise=advertise,
