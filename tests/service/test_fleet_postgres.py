@@ -76,7 +76,13 @@ async def test_a_call_to_the_wrong_runner_is_a_421_and_the_client_follows_it(
         assert await through_second.renew(record.handle) > 0
         await through_second.load(record.handle, Load(specifier="heartbeat:main"))
         assert (await through_second.status(record.handle)).phase.value == "Loaded"
-        assert (await through_second.dispose(record.handle)).kind == "exited"
+        # An operator's dispose by key, through the second runner, is followed too.
+        async with connect(second.url, token=second.operator_token) as operator:
+            generation = record.handle.generation
+            termination = await operator.admin_dispose(KEY, generation)
+            assert "stopping after" in await operator.logs(KEY, generation)
+        assert termination.kind == "exited"
+        assert await through_second.dispose(record.handle) == termination  # D3
         # Any runner answers open and high-water.
         assert await through_second.high_water(KEY) == record.handle.generation
 
