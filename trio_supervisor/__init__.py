@@ -21,6 +21,7 @@ from .abc import SupervisorAPI as SupervisorAPI
 from .abc import Unit as Unit
 from .errors import ExecutionError as ExecutionError
 from .errors import LeaseExpiredError as LeaseExpiredError
+from .errors import MisdirectedError as MisdirectedError
 from .errors import OperatorsOnlyError as OperatorsOnlyError
 from .errors import PackageError as PackageError
 from .errors import RecordFormatError as RecordFormatError

@@ -11,6 +11,7 @@ printed), 2 a usage error.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import shlex
@@ -28,7 +29,7 @@ from ._extras import needs_extra
 from ._fields import Check
 from .codec import converter
 from .errors import SupervisorError
-from .model import Key, Phase, Termination
+from .model import Key, Phase, RunnerInfo, Termination
 
 # What the command needs beyond the engine comes with the service extra.
 with needs_extra(
@@ -275,7 +276,7 @@ def _problems(error: BaseException) -> list[str] | None:
     return None
 
 
-# -- the operator's commands: a runner's sessions, logs, dispose, health -------------------
+# -- the operator's commands: a runner's sessions, runners, logs, dispose, health ----------
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 
@@ -362,10 +363,21 @@ def _row(record: dict[str, Any]) -> list[str]:
         _child_pid(record),
         reason.get("kind", ""),
         _termination(record),
+        str(record.get("runner", "")),
     ]
 
 
-_COLUMNS = ("key", "generation", "phase", "age", "lease left", "child pid", "reason", "termination")
+_COLUMNS = (
+    "key",
+    "generation",
+    "phase",
+    "age",
+    "lease left",
+    "child pid",
+    "reason",
+    "termination",
+    "runner",
+)
 
 
 def _table(records: list[dict[str, Any]], title: str | None = None) -> Table:
@@ -414,6 +426,39 @@ def sessions(
         click.echo(json.dumps(found, indent=2))
         return
     _print_table(Console(), _table(found, title=f"{len(found)} sessions at {url}"))
+
+
+def _moment(seconds: float) -> str:
+    """A time the fleet's database gave (seconds since the Unix epoch), in ISO 8601, UTC."""
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="seconds")
+
+
+_RUNNER_COLUMNS = ("runner", "epoch", "advertise", "started", "lease until", "alive", "sessions")
+
+
+@main.command()
+@_client_options
+@click.option("--json", "as_json", is_flag=True, help="Print the runners as JSON.")
+def runners(url: str, state: Path, token_file: Path | None, as_json: bool) -> None:
+    """List the fleet's runners (this runner alone when it has no fleet)."""
+    found: list[RunnerInfo] = _run_client(url, state, token_file, lambda runner: runner.runners())
+    if as_json:
+        click.echo(json.dumps([converter.unstructure(info) for info in found], indent=2))
+        return
+    table = Table(title=f"{len(found)} runners seen from {url}", header_style="bold")
+    for column in _RUNNER_COLUMNS:
+        table.add_column(column, no_wrap=column in ("runner", "advertise"))
+    for info in found:
+        table.add_row(
+            info.runner_id,
+            str(info.epoch),
+            info.advertise or "-",
+            _moment(info.started_at),
+            _moment(info.lease_until),
+            "yes" if info.alive else "no",
+            str(info.sessions),
+        )
+    _print_table(Console(), table)
 
 
 def _key(identity: str, instance: str) -> Key:

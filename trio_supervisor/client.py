@@ -34,7 +34,7 @@ import json
 import math
 import ssl
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Final, Self, TypeVar
 
 import trio
@@ -49,6 +49,7 @@ from .codec import converter
 from .errors import (
     BY_CODE,
     LeaseExpiredError,
+    MisdirectedError,
     OperatorsOnlyError,
     RunnerAccessError,
     SessionLostError,
@@ -62,6 +63,7 @@ from .model import (
     Key,
     Limits,
     Load,
+    RunnerInfo,
     SessionRecord,
     Termination,
 )
@@ -103,6 +105,15 @@ def _error_of(response: httpx.Response) -> Exception:
         for note in notes:
             error.add_note(str(note))
     return error
+
+
+def _misdirection(response: httpx.Response) -> tuple[str, str]:
+    """The runner a 421 names, and its URL ("" when it names none)."""
+    try:
+        problem = response.json()
+        return str(problem.get("owner", "")), str(problem.get("location", ""))
+    except (ValueError, AttributeError):
+        return "", ""
 
 
 def _refused_by_tls(error: BaseException) -> bool:
@@ -151,15 +162,32 @@ class RemoteSupervisor:
     ) -> Any:
         """POST ``body``; the answer's JSON, or the error it stands for.
 
+        A 421 (another runner of the fleet holds the session) is followed once: the same
+        call, with the same body and tokens, to the runner it names.
+
         Args:
             retry_for: Seconds within which a failed connection is retried (for calls
                 that are safe to repeat); None: never retried.
         """
+        response = await self._post(path, body, retry_for)
+        if response.status_code == 421:
+            response = await self._follow(
+                response, lambda location: self._post(location + path, body, retry_for)
+            )
+        if response.status_code != 200:
+            raise _error_of(response)
+        return response.json()
+
+    async def _post(
+        self, url: str, body: Mapping[str, Any], retry_for: float | None
+    ) -> httpx.Response:
+        """POST ``body`` to ``url`` (a path of this runner's, or a whole URL), retrying a
+        failed connection within ``retry_for`` seconds."""
         deadline = None if retry_for is None else trio.current_time() + retry_for
         backoff = FIRST_BACKOFF
         while True:
             try:
-                response = await self._client.post(path, json=body)
+                return await self._client.post(url, json=body)
             except httpx.TransportError as error:
                 if (
                     deadline is None
@@ -169,10 +197,34 @@ class RemoteSupervisor:
                     raise
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
-                continue
-            if response.status_code != 200:
-                raise _error_of(response)
-            return response.json()
+
+    async def _follow(
+        self,
+        misdirected: httpx.Response,
+        again: Callable[[str], Awaitable[httpx.Response]],
+    ) -> httpx.Response:
+        """The answer of the runner a 421 names: ``again`` at its URL, once.
+
+        Raises:
+            MisdirectedError: The 421 named no URL, or the runner it named answered 421
+                too (the detail names both runners).
+        """
+        here = str(self._client.base_url).rstrip("/")
+        owner, location = _misdirection(misdirected)
+        if not location:
+            raise MisdirectedError(
+                f"the runner at {here} says the runner {owner!r} holds the session, but not "
+                "where it is reached (its --advertise URL)"
+            )
+        answer = await again(location.rstrip("/"))
+        if answer.status_code == 421:
+            other, elsewhere = _misdirection(answer)
+            raise MisdirectedError(
+                f"the runner at {here} sent the call to the runner {owner!r} at {location}, "
+                f"which sent it on to the runner {other!r} at {elsewhere or 'no URL'}: the "
+                "runners disagree on who holds the session; followed once only"
+            )
+        return answer
 
     async def open(
         self,
@@ -259,6 +311,10 @@ class RemoteSupervisor:
     async def _get(self, path: str, **params: Any) -> httpx.Response:
         query = {name: value for name, value in params.items() if value is not None}
         response = await self._client.get(path, params=query)
+        if response.status_code == 421:
+            response = await self._follow(
+                response, lambda location: self._client.get(location + path, params=query)
+            )
         if response.status_code != 200:
             raise _error_of(response)
         return response
@@ -266,10 +322,12 @@ class RemoteSupervisor:
     async def sessions(
         self, *, phase: str | None = None, identity: str | None = None
     ) -> list[dict[str, Any]]:
-        """Every retained record, tokens left out, ordered by key and generation.
+        """Every retained record of the fleet, tokens left out, ordered by key and
+        generation.
 
-        Each is the record's JSON (``handle`` without its token), with ``age`` and
-        ``lease_left`` in seconds while its session runs (else null).
+        Each is the record's JSON (``handle`` without its token), with ``runner`` (the
+        id of the runner holding it), and ``age`` and ``lease_left`` in seconds while its
+        session runs on the runner asked (else null).
         """
         found: list[dict[str, Any]] = []
         after: str | None = None
@@ -281,6 +339,12 @@ class RemoteSupervisor:
             after = page["next"]
             if after is None:
                 return found
+
+    async def runners(self) -> list[RunnerInfo]:
+        """The fleet's runners (this runner alone when it has no fleet), by id."""
+        answer = (await self._get("/v1/runners")).json()
+        found: list[RunnerInfo] = _structure(answer["runners"], list[RunnerInfo])
+        return found
 
     async def logs(self, key: Key, generation: int, *, tail: int | None = None) -> str:
         """What a session's child wrote (its last ``tail`` bytes)."""

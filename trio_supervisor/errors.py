@@ -16,6 +16,7 @@ __all__ = [
     "BY_CODE",
     "ExecutionError",
     "LeaseExpiredError",
+    "MisdirectedError",
     "OperatorsOnlyError",
     "PackageError",
     "RecordFormatError",
@@ -143,6 +144,18 @@ class OperatorsOnlyError(RunnerAccessError):
     code = "Forbidden"
 
 
+class MisdirectedError(SupervisorError):
+    """A call on a session reached a runner of a fleet that does not hold it (421), and
+    the runner it named did not hold it either, or could not be named.
+
+    The client follows a runner's 421 once, to the runner it names (docs/service.md
+    section C); this is what it raises when that is not enough. The detail names both
+    runners.
+    """
+
+    code = "Misdirected"
+
+
 class SessionLostError(SupervisorError):
     """A session's lease could not be kept: it expired, stopped or was superseded.
 
@@ -176,6 +189,7 @@ BY_CODE: dict[str, type[SupervisorError]] = {
         RunnerClosingError,
         RunnerAccessError,
         OperatorsOnlyError,
+        MisdirectedError,
         SessionLostError,
     )
 }

@@ -138,6 +138,7 @@ def test_sessions_with_no_flags_prints_a_table_of_every_session(operator: Operat
         "child pid",
         "reason",
         "termination",
+        "runner",
     ]
     printed = rows(result.out)
     assert len(printed) == len(listed) == 3
@@ -209,9 +210,10 @@ def test_dispose_by_key_and_generation_then_show_says_stopped_disposed(
     shown = operator.run("show", "acme", "eu-2", "1")
     assert shown.status == 0, shown.err
     (line,) = rows(shown.out).values()
-    _, generation, phase, age, lease_left, _, reason, termination = cells(line)
+    _, generation, phase, age, lease_left, _, reason, termination, runner = cells(line)
     assert (generation, phase, reason) == ("1", "Stopped", "Disposed")
     assert (age, lease_left, termination) == ("-", "-", "exited (code 0)")
+    assert runner == socket.gethostname()  # a runner of its own is named after its host
 
     again = operator.run("dispose", "acme", "eu-2", "1")  # D3: the same termination
     assert (again.status, again.out) == (0, result.out)

@@ -65,7 +65,7 @@ def test_an_operator_signs_in_sees_the_sessions_reads_one_and_disposes_one(
     tmp_path: Path,
 ) -> None:
     executable = chromium()
-    with serving(tmp_path / "state") as runner:
+    with serving(tmp_path / "state", "--runner-id", "dash-1") as runner:
         trio.run(functools.partial(open_sessions, runner, 3, loaded=3))
         elsewhere: list[str] = []
         errors: list[str] = []
@@ -95,6 +95,14 @@ def test_an_operator_signs_in_sees_the_sessions_reads_one_and_disposes_one(
                 for number in (1, 2, 3):
                     row = sessions.filter(has_text=f"acme/eu-{number}")
                     expect(row.get_by_text("Loaded", exact=True)).to_be_visible()
+                    expect(row.get_by_text("dash-1", exact=True)).to_be_visible()  # its runner
+                # The fleet's runners: this one alone, alive, holding the three sessions.
+                runners = page.get_by_role("table", name="Runners").get_by_role("row")
+                expect(runners).to_have_count(2)  # the header, and this runner
+                this_one = runners.filter(has_text="dash-1")
+                expect(this_one.get_by_text("alive", exact=True)).to_be_visible()
+                expect(this_one.get_by_text(runner.url, exact=True)).to_be_visible()
+                expect(this_one.get_by_role("cell").last).to_have_text("3")
                 # Live: the page follows the runner's events, and a new session shows up.
                 expect(page.get_by_role("banner").get_by_text("live", exact=True)).to_be_visible()
                 trio.run(functools.partial(open_sessions, runner, 1, first=4))
@@ -107,6 +115,7 @@ def test_an_operator_signs_in_sees_the_sessions_reads_one_and_disposes_one(
                 detail = page.get_by_role("region", name="acme/eu-1 #1")
                 expect(detail).to_be_visible()
                 expect(detail).to_contain_text("heartbeat:main")
+                expect(detail).to_contain_text("dash-1")
                 expect(detail.get_by_label("Log tail")).to_contain_text("beat 1 of acme/eu-1 #1")
                 detail.get_by_role("button", name="Close").click()
                 expect(detail).to_be_hidden()

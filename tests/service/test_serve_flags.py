@@ -27,6 +27,7 @@ from trio_supervisor.service.runner import RunnerConfig
 
 ROOT: Final = Path(__file__).parents[2]
 TIMEOUT: Final = 60.0  # seconds one command may take
+FLEET: Final = "postgresql://postgres@127.0.0.1:5432/fleet"  # never reached: serve is replaced
 
 
 @attrs.frozen
@@ -78,6 +79,18 @@ def samples(tmp: Path) -> dict[str, Sample]:
         "standby": Sample(("--no-standby",), "standby = false", False),
         "fork_server": Sample(("--no-fork-server",), "fork-server = false", False),
         "log_format": Sample(("--log-format", "json"), 'log_format = "json"', "json"),
+        "store": Sample(("--store", FLEET), f'store = "{FLEET}"', FLEET),
+        "runner_id": Sample(("--runner-id", "r1"), 'runner_id = "r1"', "r1"),
+        "advertise": Sample(
+            ("--advertise", "https://r1.example:8470", "--store", FLEET),
+            f'advertise = "https://r1.example:8470"\nstore = "{FLEET}"',
+            "https://r1.example:8470",
+        ),
+        "runner_lease": Sample(
+            ("--runner-lease", "30", "--store", FLEET),
+            f'runner-lease = 30\nstore = "{FLEET}"',
+            30.0,
+        ),
     }
 
 

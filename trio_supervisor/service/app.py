@@ -18,6 +18,10 @@ own token in the handle remains the capability for that session; the operators' 
 allows everything, including the operator calls (sessions, logs, admin dispose), which
 answer 403 to the hosts' token. Tokens are compared in constant time. ``/healthz``,
 ``/readyz`` and ``/openapi.json`` need no token.
+
+In a fleet (docs/service.md section C), a call on a session another runner holds is
+answered ``421`` naming that runner (``fleet.py``), and the operators' listings are the
+fleet's.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import binascii
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, Final, Protocol, runtime_checkable
+import socket
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -39,8 +44,9 @@ from starlette.routing import Route
 from .._core.supervisor import Supervisor
 from ..codec import converter
 from ..errors import RunnerClosingError, StaleSessionError, SupervisorError
-from ..model import Handle, Key, Phase, SessionRecord, log_fields
+from ..model import FleetRecord, Handle, Key, Phase, SessionRecord, log_fields
 from .calls import CALLS, Call, by_name
+from .fleet import Fleet
 from .metrics import Metrics
 from .openapi import document
 from .operators import operator_handlers
@@ -65,6 +71,7 @@ DRAIN: Final = 8 << 20  # bytes of an oversized body read (and dropped) before t
 RETRY_AFTER: Final = "5"  # seconds a client should wait before retrying a closing runner
 
 _HOSTS, _OPERATORS = "hosts", "operators"
+_T = TypeVar("_T")
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
@@ -82,6 +89,7 @@ def create_app(
     operator_token: str,
     logs: Logs | None = None,
     metrics: Metrics | None = None,
+    fleet: Fleet | None = None,
 ) -> Starlette:
     """The ASGI app serving ``supervisor``.
 
@@ -93,11 +101,15 @@ def create_app(
         metrics: Where calls are counted, and what ``GET /metrics`` renders; None: a
             registry of the app's own, which counts the calls only (the runner passes
             one that it also feeds from the supervisor; see ``metrics.py``).
+        fleet: The runner's fleet: where session calls it does not hold are routed,
+            and what ``/v1/runners`` and ``/v1/sessions`` list. None: a fleet of one,
+            named after the host (``fleet.py``).
     """
     if not hosts_token or not operator_token or hosts_token == operator_token:
         raise ValueError("the hosts' and the operators' tokens must be set and differ")
     # Every call of the table is served: /metrics too, with the calls' counts at least.
     metrics = metrics if metrics is not None else Metrics()
+    fleet = fleet if fleet is not None else Fleet(socket.gethostname())
     hosts_secret = hosts_token.encode()
     operators_secret = operator_token.encode()
 
@@ -136,6 +148,15 @@ def create_app(
 
         return endpoint
 
+    async def routed(handle: Handle, work: Awaitable[_T]) -> _T:
+        """``work``, a call on ``handle``'s session: if this runner does not know the
+        session and another runner of the fleet holds it, a 421 naming that runner."""
+        try:
+            return await work
+        except StaleSessionError:
+            await fleet.route(handle.token)
+            raise
+
     # -- the session calls: one each per supervisor method -------------------------------
 
     async def open_(request: Request) -> Response:
@@ -151,21 +172,23 @@ def create_app(
 
     async def renew(request: Request) -> Response:
         body = read_body(await _body(request), HandleBody)
-        return JSONResponse({"lease": await supervisor.renew(body.handle)})
+        lease = await routed(body.handle, supervisor.renew(body.handle))
+        return JSONResponse({"lease": lease})
 
     async def load(request: Request) -> Response:
         body = read_body(await _body(request), LoadBody)
-        code = await supervisor.load(body.handle, body.load)
+        code = await routed(body.handle, supervisor.load(body.handle, body.load))
         return JSONResponse({"code": converter.unstructure(code)})
 
     async def dispose(request: Request) -> Response:
         body = read_body(await _body(request), HandleBody)
-        termination = await supervisor.dispose(body.handle)
+        termination = await routed(body.handle, supervisor.dispose(body.handle))
         return JSONResponse({"termination": converter.unstructure(termination)})
 
     async def status(request: Request) -> Response:
         body = read_body(await _body(request), HandleBody)
-        return JSONResponse({"record": _record(await supervisor.status(body.handle))})
+        record = await routed(body.handle, supervisor.status(body.handle))
+        return JSONResponse({"record": _record(record)})
 
     async def high_water(request: Request) -> Response:
         body = read_body(await _body(request), KeyBody)
@@ -173,11 +196,18 @@ def create_app(
 
     # -- the operator calls -----------------------------------------------------------------
 
-    def _with_times(record: SessionRecord) -> dict[str, Any]:
-        """A record as operators see it, with its age and lease left while it runs."""
+    def _listed(held: FleetRecord) -> dict[str, Any]:
+        """A record as operators see it, with its runner, and its age and lease left
+        while it runs here (None for a session another runner holds)."""
+        record = held.record
         times = supervisor.times(record.handle)
         age, lease_left = times if times is not None else (None, None)
-        return {**public_record(record), "age": age, "lease_left": lease_left}
+        return {
+            **public_record(record),
+            "runner": held.runner_id,
+            "age": age,
+            "lease_left": lease_left,
+        }
 
     sessions_call, logs_call = by_name("sessions"), by_name("logs")
 
@@ -187,25 +217,30 @@ def create_app(
         identity = sessions_call.param("identity").read(query)
         limit = sessions_call.param("limit").read(query)
         after = _cursor(sessions_call.param("after").read(query))
+        held = await fleet.records(supervisor.records())
         chosen = sorted(
             (
-                record
-                for record in supervisor.records()
-                if (phase is None or record.phase is phase)
-                and (identity is None or record.handle.key.identity == identity)
+                one
+                for one in held
+                if (phase is None or one.record.phase is phase)
+                and (identity is None or one.record.handle.key.identity == identity)
             ),
             key=_order,
         )
         if after is not None:
-            chosen = [record for record in chosen if _order(record) > after]
+            chosen = [one for one in chosen if _order(one) > after]
         page = chosen[:limit]
         more = len(chosen) > limit
         return JSONResponse(
             {
-                "sessions": [_with_times(record) for record in page],
+                "sessions": [_listed(one) for one in page],
                 "next": _encode_cursor(_order(page[-1])) if more else None,
             }
         )
+
+    async def runners(request: Request) -> Response:
+        found = await fleet.runners(supervisor.records())
+        return JSONResponse({"runners": [converter.unstructure(info) for info in found]})
 
     async def session_logs(request: Request) -> Response:
         query = request.query_params
@@ -214,6 +249,7 @@ def create_app(
         tail = logs_call.param("tail").read(query) or None
         record = supervisor.find(key, generation)
         if record is None:
+            await fleet.route_key(key, generation)
             raise StaleSessionError(
                 f"{key.identity}/{key.instance} has no retained generation {generation}"
             )
@@ -225,6 +261,7 @@ def create_app(
         body = read_body(await _body(request), AdminDisposeBody)
         record = supervisor.find(body.key, body.generation)
         if record is None:
+            await fleet.route_key(body.key, body.generation)
             raise StaleSessionError(
                 f"{body.key.identity}/{body.key.instance} has no retained generation "
                 f"{body.generation}"
@@ -265,7 +302,7 @@ def create_app(
             error.detail,
         )
 
-    extra, end_streams = operator_handlers(supervisor, metrics)
+    extra, end_streams = operator_handlers(supervisor, metrics, fleet.runner_id)
     handlers: dict[str, Endpoint] = {
         "open": open_,
         "renew": renew,
@@ -274,6 +311,7 @@ def create_app(
         "status": status,
         "high_water": high_water,
         "sessions": sessions,
+        "runners": runners,
         "logs": session_logs,
         "admin_dispose": admin_dispose,
         "healthz": healthz,
@@ -333,9 +371,11 @@ async def _body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def _problem(status: int, code: str, detail: str, **headers: str) -> Response:
+def _problem(
+    status: int, code: str, detail: str, fields: Mapping[str, Any] | None = None, **headers: str
+) -> Response:
     return JSONResponse(
-        problem_body(status, code, detail),
+        {**problem_body(status, code, detail), **(fields or {})},
         status_code=status,
         media_type="application/problem+json",
         headers=headers or None,
@@ -348,7 +388,7 @@ def _problem_of(error: Exception, request: Request, supervisor: Supervisor, call
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
         if error.status in (401, 403):
             logger.warning("refused %s %s: %s", request.method, request.url.path, error.detail)
-        return _problem(error.status, error.code, error.detail, **headers)
+        return _problem(error.status, error.code, error.detail, error.fields, **headers)
     if isinstance(error, SupervisorError):
         status = call.status(error, poisoned=supervisor.poisoned is not None)
         headers = {"Retry-After": RETRY_AFTER} if isinstance(error, RunnerClosingError) else {}
@@ -384,9 +424,9 @@ def _phase(value: str | None) -> Phase | None:
 _Order = tuple[str, str, int]
 
 
-def _order(record: SessionRecord) -> _Order:
-    key = record.handle.key
-    return (key.identity, key.instance, record.handle.generation)
+def _order(held: FleetRecord) -> _Order:
+    handle = held.record.handle
+    return (handle.key.identity, handle.key.instance, handle.generation)
 
 
 def _encode_cursor(order: _Order) -> str:

@@ -34,7 +34,7 @@ from ..errors import (
     SupervisorError,
     TerminationUnconfirmedError,
 )
-from ..model import CodeIdentity, Phase, SessionRecord, Termination
+from ..model import CodeIdentity, Phase, RunnerInfo, SessionRecord, Termination
 from .wire import AdminDisposeBody, HandleBody, KeyBody, LoadBody, OpenBody, Problem, status_of
 
 __all__ = ["CALLS", "PAGE", "Call", "Param", "by_name"]
@@ -123,6 +123,8 @@ class Call:
         errors: The supervisor errors it may answer; their statuses are ``wire.STATUS``'s.
         overrides: An error whose status is this call's own, with what it means here.
         metered: Whether its answers are counted in the calls metric.
+        routed: Whether it names one session, which in a fleet another runner may hold:
+            then it answers 421 with that runner's id and URL (docs/service.md C).
     """
 
     name: str
@@ -137,6 +139,7 @@ class Call:
     errors: tuple[type[SupervisorError], ...] = ()
     overrides: Mapping[type[SupervisorError], tuple[int, str]] = attrs.field(factory=dict)
     metered: bool = False
+    routed: bool = False
 
     def status(self, error: SupervisorError, *, poisoned: bool) -> int:
         """The HTTP status of ``error`` answered by this call."""
@@ -188,6 +191,7 @@ CALLS: Final[tuple[Call, ...]] = (
         answer={"lease": float},
         errors=_HANDLE + _RUNNER,
         metered=True,
+        routed=True,
     ),
     Call(
         name="load",
@@ -199,6 +203,7 @@ CALLS: Final[tuple[Call, ...]] = (
         answer={"code": CodeIdentity},
         errors=(*_HANDLE, PackageError, *_RUNNER),
         metered=True,
+        routed=True,
     ),
     Call(
         name="dispose",
@@ -210,6 +215,7 @@ CALLS: Final[tuple[Call, ...]] = (
         answer={"termination": Termination},
         errors=_HANDLE + _RUNNER,
         metered=True,
+        routed=True,
     ),
     Call(
         name="status",
@@ -221,6 +227,7 @@ CALLS: Final[tuple[Call, ...]] = (
         answer={"record": SessionRecord},
         errors=(StaleSessionError, *_RUNNER),
         metered=True,
+        routed=True,
     ),
     Call(
         name="high_water",
@@ -238,7 +245,8 @@ CALLS: Final[tuple[Call, ...]] = (
         name="sessions",
         method="GET",
         path="/v1/sessions",
-        summary="Every retained record, tokens left out, in pages (operators).",
+        summary="Every retained record of the fleet, with its runner, tokens left out, in "
+        "pages (operators).",
         role="operators",
         answer={
             "sessions": {"type": "array", "items": {"$ref": "#/components/schemas/PublicRecord"}},
@@ -270,6 +278,7 @@ CALLS: Final[tuple[Call, ...]] = (
             Param(name="tail", schema={"type": "integer", "minimum": 0}, default=0),
         ),
         errors=(StaleSessionError, *_RUNNER),
+        routed=True,
     ),
     Call(
         name="events",
@@ -289,6 +298,16 @@ CALLS: Final[tuple[Call, ...]] = (
         body=AdminDisposeBody,
         answer={"termination": Termination},
         errors=(StaleSessionError, ExecutionError, TerminationUnconfirmedError, *_RUNNER),
+        routed=True,
+    ),
+    Call(
+        name="runners",
+        method="GET",
+        path="/v1/runners",
+        summary="The fleet's runners; this one alone when it has no fleet (operators).",
+        role="operators",
+        answer={"runners": tuple[RunnerInfo, ...]},
+        errors=_RUNNER,
     ),
     Call(
         name="metrics",

@@ -29,19 +29,22 @@ from prometheus_client.registry import Collector
 
 from .._core.events import Overflow
 from .._core.supervisor import Supervisor
-from ..abc import BatchStore, Store
+from ..abc import BatchStore, FleetMember, FleetStore, Store
 from ..model import (
+    FleetRecord,
+    Handle,
     Key,
     LoadedRecord,
     LoadingRecord,
     Phase,
+    RunnerInfo,
     SessionRecord,
     StoppedRecord,
     StoppingRecord,
 )
 from ..retention import Retention
 
-__all__ = ["Metrics", "TimedStore"]
+__all__ = ["Metrics", "TimedFleetStore", "TimedStore", "timed"]
 
 PREFIX: Final = "trio_supervisor"
 
@@ -183,3 +186,41 @@ class TimedStore:
 
     async def high_water(self) -> Mapping[Key, int]:
         return await self._store.high_water()
+
+
+class TimedFleetStore(TimedStore):
+    """A fleet's store, its saves timed: still a ``FleetStore`` to the supervisor, which
+    becomes a member of the fleet through it (the fleet's calls go straight through)."""
+
+    def __init__(self, store: FleetStore, histogram: Histogram) -> None:
+        super().__init__(store, histogram)
+        self._fleet = store
+
+    @property
+    def member(self) -> str:
+        return self._fleet.member
+
+    async def lookup(self, key: Key, request_id: str | None) -> tuple[int, SessionRecord | None]:
+        return await self._fleet.lookup(key, request_id)
+
+    async def wait_older_stopped(self, handle: Handle) -> None:
+        await self._fleet.wait_older_stopped(handle)
+
+    async def run_member(self, member: FleetMember) -> None:
+        await self._fleet.run_member(member)
+
+    async def runners(self) -> Sequence[RunnerInfo]:
+        return await self._fleet.runners()
+
+    async def fleet_records(self) -> Sequence[FleetRecord]:
+        return await self._fleet.fleet_records()
+
+    async def owner(self, token: str) -> RunnerInfo | None:
+        return await self._fleet.owner(token)
+
+
+def timed(store: Store, histogram: Histogram) -> TimedStore:
+    """``store`` with its saves timed into ``histogram``, a fleet's store still one."""
+    if isinstance(store, FleetStore):
+        return TimedFleetStore(store, histogram)
+    return TimedStore(store, histogram)

@@ -24,6 +24,7 @@ from ..codec import TAGGED_UNIONS
 from ..errors import SupervisorError
 from ..model import Phase
 from .calls import CALLS, Call
+from .fleet import MISDIRECTED
 from .wire import MAX_BODY, REFINEMENTS, status_for
 
 __all__ = ["document"]
@@ -127,6 +128,10 @@ _INVALID_BODY: Final = (
     "a key holding a NUL); the detail names it"
 )
 _INVALID_QUERY: Final = "a query parameter is invalid; the detail names it"
+_MISDIRECTED: Final = (
+    f"{MISDIRECTED}: another runner of the fleet holds this session; the problem's "
+    "`owner` is its id and `location` its URL, where the same call goes"
+)
 _PROBLEM: Final = {"application/problem+json": {"schema": {"$ref": _REF + "Problem"}}}
 
 
@@ -149,6 +154,8 @@ def _statuses(call: Call) -> dict[int, list[str]]:
         meanings.setdefault(422, []).append(_INVALID_BODY)
     if call.params:
         meanings.setdefault(422, []).append(_INVALID_QUERY)
+    if call.routed:
+        meanings[421] = [_MISDIRECTED]
     for kind in call.errors:
         if kind in call.overrides:
             status, meaning = call.overrides[kind]
@@ -222,6 +229,8 @@ def document() -> dict[str, Any]:
             "detail": {"type": "string"},
             "code": {"type": "string"},
             "notes": {"type": "array", "items": {"type": "string"}},
+            "owner": {"type": "string", "description": "421: the runner holding the session"},
+            "location": {"type": "string", "description": "421: that runner's URL"},
         },
         "required": ["type", "title", "status", "detail", "code"],
     }
@@ -253,6 +262,7 @@ def _public_record(schemas: _Schemas) -> dict[str, Any]:
         "type": "object",
         "properties": {
             "phase": {"enum": [phase.value for phase in Phase]},
+            "runner": {"type": "string", "description": "The runner holding the session."},
             "handle": {
                 "type": "object",
                 "properties": {name: handle["properties"][name] for name in ("key", "generation")},
@@ -260,5 +270,5 @@ def _public_record(schemas: _Schemas) -> dict[str, Any]:
                 "additionalProperties": False,
             },
         },
-        "required": ["phase", "handle"],
+        "required": ["phase", "handle", "runner"],
     }

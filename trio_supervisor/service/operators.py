@@ -2,9 +2,10 @@
 
 * ``GET /v1/events`` (operators): server-sent events, one per record the supervisor
   makes durable (``event: record``, the record as ``/v1/sessions`` lists it, tokens left
-  out), and ``event: overflow`` when this reader fell behind and lost some: it should
-  list the sessions afresh. A reader that never reads does not slow the supervisor
-  (``events.py``: bounded buffers, publishing never waits).
+  out, with this runner's id as its ``runner``), and ``event: overflow`` when this reader
+  fell behind and lost some: it should list the sessions afresh. A reader that never
+  reads does not slow the supervisor (``events.py``: bounded buffers, publishing never
+  waits).
 * ``GET /metrics`` (operators): the Prometheus text format of ``metrics.py``.
 * ``GET /``: the dashboard, one page with no external assets; it asks for the
   operators' token once and keeps it in the tab's ``sessionStorage``.
@@ -38,7 +39,7 @@ def _dashboard() -> str:
 
 
 def operator_handlers(
-    supervisor: Supervisor, metrics: Metrics
+    supervisor: Supervisor, metrics: Metrics, runner_id: str
 ) -> tuple[dict[str, Endpoint], Callable[[], None]]:
     """The handlers of events, metrics and the dashboard, by their calls' names
     (``calls.py`` says where each is served, and to whom), and what ends the event
@@ -47,6 +48,7 @@ def operator_handlers(
     Args:
         supervisor: What the events come from.
         metrics: The series ``/metrics`` renders.
+        runner_id: This runner's id in its fleet: every record it publishes is its own.
     """
     page = _dashboard()
     streams: set[Watch] = set()
@@ -69,7 +71,7 @@ def operator_handlers(
                             lost = json.dumps({"lost": event.lost})
                             yield f"event: overflow\ndata: {lost}\n\n"
                         else:
-                            record = json.dumps(public_record(event))
+                            record = json.dumps({**public_record(event), "runner": runner_id})
                             yield f"event: record\ndata: {record}\n\n"
             finally:
                 streams.discard(watch)

@@ -17,6 +17,13 @@ the supervisor, and Hypercorn's Trio server with the app of ``app.py``. In order
    signal during that shutdown skips the children's grace (they are killed at once,
    still confirmed and reaped) and the process exits 1.
 
+With a ``postgresql://`` store (``store``), the runner is a member of that database's
+fleet (docs/service.md section C): ``PostgresStore`` under ``runner_id``, advertising
+``advertise`` (by default the ``listening on`` URL, known before the store opens because
+the runner binds its socket first and hands it to Hypercorn), its row held for
+``runner_lease`` seconds at a time. The token files stay in the state directory: every
+runner of a fleet is given copies of the same ones.
+
 Plain HTTP is refused on an address that is not loopback unless ``insecure_http`` is
 set: the bearer tokens would cross the network in the clear. TLS comes from
 ``certfile`` and ``keyfile``. No token is ever logged or put in a child's environment.
@@ -24,6 +31,7 @@ set: the bearer tokens would cross the network in the clear. TLS comes from
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import ipaddress
@@ -31,24 +39,30 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
+import urllib.parse
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, Literal, TextIO
+from typing import Any, Final, Literal, Protocol, TextIO
 
 import attrs
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+from hypercorn.utils import repr_socket_addr
 
 from .. import _fields as fields
 from .._core.lifetime import open_supervisor
 from .._core.supervisor import Supervisor
+from .._extras import needs_extra
+from ..abc import FleetStore, Store
 from ..errors import StateStorageError
 from ..executions.subprocess import SubprocessExecution
 from ..stores.sqlite import SqliteStore
 from .app import create_app
-from .metrics import Metrics, TimedStore
+from .fleet import Fleet
+from .metrics import Metrics, timed
 
 __all__ = ["ConfigError", "RunnerConfig", "StartupError", "run_runner"]
 
@@ -67,8 +81,47 @@ class StartupError(Exception):
     is held by another process. The message says why and what to do, in one sentence."""
 
 
-async def _open_store(config: RunnerConfig) -> SqliteStore:
-    """The runner's store, opened; a store another process holds is a :class:`StartupError`."""
+class _Closable(Protocol):
+    """A store the runner opens before anything starts and closes last."""
+
+    async def open(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _RunnerStore(Store, _Closable, Protocol): ...
+
+
+def _fleet_store(config: RunnerConfig, advertise: str) -> _RunnerStore:
+    """The fleet's ``PostgresStore`` (the ``postgres`` extra), not yet opened."""
+    with needs_extra("postgres", "a runner with --store postgresql://...", "psycopg"):
+        # Imported here: a runner of its own needs neither psycopg nor this module.
+        from ..stores.postgres import PostgresStore
+
+    assert config.store is not None
+    store: _RunnerStore = PostgresStore(
+        config.store,
+        runner_id=config.runner_id,
+        advertise=advertise,
+        runner_lease=config.runner_lease,
+    )
+    return store
+
+
+async def _open_store(config: RunnerConfig, advertise: str) -> _RunnerStore:
+    """The runner's store, opened; a store another process holds, or a database out of
+    reach, is a :class:`StartupError`."""
+    if config.fleet:
+        fleet = _fleet_store(config, advertise)
+        try:
+            await fleet.open()
+        except StateStorageError as error:
+            await fleet.aclose()
+            raise StartupError(
+                f"cannot open the fleet's store at {_without_password(config.store or '')}: "
+                f"{error.detail}"
+            ) from error
+        return fleet
     store = SqliteStore(config.state / "runner.db")
     try:
         await store.open()
@@ -109,6 +162,13 @@ def _flag(
     return {FLAG: {"help": text, "flag": flag, "metavar": metavar, "path": path, "exists": exists}}
 
 
+STORE_SCHEMES: Final = ("postgresql", "postgres")  # a --store URL's: the fleet's database
+DEFAULT_RUNNER_LEASE: Final = 10.0
+# A runner's row: renewed every third of it, so a second is a database round trip every
+# third of a second at least; an hour is past any takeover anyone wants to wait for.
+RUNNER_LEASE: Final = fields.Seconds(minimum=1.0, inclusive=True, maximum=3600.0)
+
+
 def _paths(value: Iterable[str | os.PathLike[str]]) -> tuple[Path, ...]:
     # A lone path is a sequence of characters: never read it as one path per character.
     if isinstance(value, str | os.PathLike):
@@ -136,6 +196,14 @@ class RunnerConfig:
             ``SubprocessExecution``); the standby serves loads while it restarts.
         log_format: How the runner's log lines look on stderr (``text`` or ``json``);
             the CLI sets logging up, :func:`run_runner` leaves it to its caller.
+        store: A ``postgresql://`` (or ``postgres://``) URL: the fleet's database; None:
+            SQLite in ``state/runner.db``, a runner of its own.
+        runner_id: This runner's id in its fleet, stable across its restarts (the host
+            name by default); also how a runner of its own names itself to operators.
+        advertise: Where hosts and other runners reach this runner (a fleet only); ""
+            for the ``listening on`` URL.
+        runner_lease: Seconds this runner's row in the fleet's database stays valid
+            without a renewal (a fleet only); renewed every third of it.
     """
 
     state: Path = attrs.field(
@@ -224,6 +292,40 @@ class RunnerConfig:
         validator=attrs.validators.in_(("text", "json")),
         metadata=_flag("How stderr logging looks: text, or one JSON object per line."),
     )
+    store: str | None = attrs.field(
+        default=None,
+        validator=fields.optional_text,
+        metadata=_flag(
+            "A postgresql:// URL: this runner joins the fleet on that database "
+            "[default: STATE/runner.db, SQLite: a runner of its own].",
+            metavar="URL",
+        ),
+    )
+    runner_id: str = attrs.field(
+        factory=socket.gethostname,
+        validator=fields.text,
+        metadata=_flag(
+            "This runner's id in its fleet, stable across restarts [default: the host name].",
+            metavar="ID",
+        ),
+    )
+    advertise: str = attrs.field(
+        default="",
+        metadata=_flag(
+            "Where hosts and other runners reach this runner (a fleet only) "
+            "[default: the 'listening on' URL].",
+            metavar="URL",
+        ),
+    )
+    runner_lease: float = attrs.field(
+        default=DEFAULT_RUNNER_LEASE,
+        validator=RUNNER_LEASE,
+        metadata=_flag(
+            f"Seconds this runner's row in the fleet's database stays valid unrenewed "
+            f"({RUNNER_LEASE.bounds}; a fleet only); renewed every third of it.",
+            metavar="SECONDS",
+        ),
+    )
 
     @property
     def hosts_token_path(self) -> Path:
@@ -237,14 +339,21 @@ class RunnerConfig:
     def tls(self) -> bool:
         return self.certfile is not None
 
+    @property
+    def fleet(self) -> bool:
+        """Whether this runner is a member of a fleet (its store is PostgreSQL)."""
+        return self.store is not None
+
     def check(self) -> tuple[str, int]:
         """The host and port to bind, once the configuration is known to work.
 
         Raises:
-            ConfigError: The listen address is malformed, TLS is half configured, or
-                plain HTTP would leave loopback without ``insecure_http``.
+            ConfigError: The listen address is malformed, TLS is half configured,
+                plain HTTP would leave loopback without ``insecure_http``, the store is
+                not a PostgreSQL URL, or a fleet's setting is given without a fleet.
         """
         host, port = parse_listen(self.listen)
+        self._check_fleet(host)
         if (self.certfile is None) != (self.keyfile is None):
             raise ConfigError("--certfile and --keyfile go together")
         if not self.tls and not self.insecure_http and not _is_loopback(host):
@@ -255,6 +364,42 @@ class RunnerConfig:
             )
         return host, port
 
+    def _check_fleet(self, host: str) -> None:
+        if self.store is not None:
+            scheme = urllib.parse.urlsplit(self.store).scheme
+            if scheme not in STORE_SCHEMES:
+                # The URL itself is not repeated: it may hold a password.
+                raise ConfigError(
+                    "--store must be a postgresql://... or postgres://... URL (the fleet's "
+                    "database); leave it out for SQLite in STATE/runner.db"
+                    + (f"; got a {scheme}: URL" if scheme else "; got no URL scheme")
+                )
+        elif self.advertise:
+            raise ConfigError("--advertise is for a fleet: it needs --store postgresql://...")
+        elif self.runner_lease != DEFAULT_RUNNER_LEASE:
+            raise ConfigError("--runner-lease is for a fleet: it needs --store postgresql://...")
+        if self.fleet and not self.advertise and _is_wildcard(host):
+            raise ConfigError(
+                f"--listen {self.listen} is every address of this machine, which is no URL "
+                "another runner or a host can reach: give --advertise URL"
+            )
+        if self.advertise:
+            url = urllib.parse.urlsplit(self.advertise)
+            if url.scheme not in ("http", "https") or not url.netloc:
+                raise ConfigError(
+                    f"--advertise must be an http:// or https:// URL, got {self.advertise!r}"
+                )
+
+
+def _without_password(url: str) -> str:
+    """``url`` fit for a message: its password (if any) left out."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
 
 def parse_listen(listen: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:PORT`` for IPv6) as a host and a port."""
@@ -262,6 +407,13 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if not colon or not host or not port_text.isdigit() or int(port_text) > 65535:
         raise ConfigError(f"--listen must be HOST:PORT, got {listen!r}")
     return host.strip("[]"), int(port_text)
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 def _is_loopback(host: str) -> bool:
@@ -290,8 +442,8 @@ def read_or_make_token(path: Path) -> str:
     return token
 
 
-def _cannot_listen(config: RunnerConfig, failed: BaseExceptionGroup[OSError]) -> StartupError:
-    error: BaseException = failed
+def _cannot_listen(config: RunnerConfig, failed: BaseException) -> StartupError:
+    error = failed
     while isinstance(error, BaseExceptionGroup):
         error = error.exceptions[0]
     assert isinstance(error, OSError)
@@ -301,6 +453,20 @@ def _cannot_listen(config: RunnerConfig, failed: BaseExceptionGroup[OSError]) ->
             "runner?); give --listen another HOST:PORT, or port 0 for a free one"
         )
     return StartupError(f"cannot listen on {config.listen}: {error.strerror or error}")
+
+
+def _bind(config: RunnerConfig, host: str, port: int) -> socket.socket:
+    """The runner's socket, bound now and not yet listening: a fleet's runner needs its
+    URL before its store opens (``advertise``), and recovery before it listens."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        listener.bind((host, port))
+    except OSError as error:
+        listener.close()
+        raise _cannot_listen(config, error) from None
+    return listener
 
 
 def _url(bind: str, tls: bool) -> str:
@@ -324,8 +490,9 @@ async def run_runner(
 
     Raises:
         ConfigError: The configuration cannot work.
-        StartupError: The store is held by another process (raised as it is), or the
-            address is taken (raised in the exception group of the runner's nursery).
+        StartupError: The store is held by another process or out of reach (raised as
+            it is), or the address is taken (raised as it is for a fleet's runner, which
+            binds first; else in the exception group of the runner's nursery).
     """
     host, port = config.check()
     out = stdout or sys.stdout
@@ -362,14 +529,36 @@ async def run_runner(
             for supervisor in hurry:
                 supervisor.skip_grace()
 
+    advertise = config.advertise
+    listener: socket.socket | None = None
+    if config.fleet:
+        listener = _bind(config, host, port)
+        bound = repr_socket_addr(listener.family, listener.getsockname())
+        advertise = advertise or _url(f"tcp://{bound}", config.tls)
+        # Hypercorn listens on it once the supervisor recovered (it is ours until then).
+        server.bind = [f"fd://{listener.fileno()}"]
+
     # Opened before anything else starts, so that a store in use is one plain error.
-    sqlite = await _open_store(config)
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as watching:
+    try:
+        store = await _open_store(config, advertise)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
+    with (
+        listener or contextlib.nullcontext(),
+        trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
+    ):
+        async with contextlib.AsyncExitStack() as closing, trio.open_nursery() as watching:
+            closing.push_async_callback(store.aclose)
             watching.start_soon(watch_signals, signals)
             metrics = Metrics()
+            fleet = Fleet(
+                config.runner_id,
+                store=store if isinstance(store, FleetStore) else None,
+                advertise=advertise,
+            )
             async with (
-                sqlite,
                 SubprocessExecution(
                     config.state,
                     entry_paths=list(config.plugins),
@@ -378,7 +567,7 @@ async def run_runner(
                     fork_server=config.fork_server,
                 ) as execution,
                 open_supervisor(
-                    TimedStore(sqlite, metrics.save_seconds),
+                    timed(store, metrics.save_seconds),
                     execution,
                     lease=config.lease,
                     grace=config.grace,
@@ -394,6 +583,7 @@ async def run_runner(
                     operator_token=operator_token,
                     logs=execution,
                     metrics=metrics,
+                    fleet=fleet,
                 )
                 # Counts until the supervisor shuts down (its events end then).
                 watching.start_soon(metrics.follow, supervisor)
@@ -418,7 +608,10 @@ async def run_runner(
                         # Hypercorn binds in nurseries of its own: the OSError comes
                         # wrapped in their groups.
                         raise _cannot_listen(config, failed) from None
+                    if listener is not None:
+                        listener.detach()  # Hypercorn's own socket holds it, and closes it
                     url = _url(binds[0], config.tls)
+                    fleet.advertise = fleet.advertise or url
                     print(f"listening on {url}", file=out, flush=True)
                     logger.info("listening on %s; state in %s", url, config.state)
                     task_status.started(url)

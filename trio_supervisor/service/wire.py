@@ -132,13 +132,17 @@ class Problem(Exception):
         status: The HTTP status.
         code: The problem's code (``MalformedRequest``, ``InvalidRequest``, ...).
         detail: What is wrong, for the caller.
+        fields: More members of the problem body (a 421's ``owner`` and ``location``).
     """
 
-    def __init__(self, status: int, code: str, detail: str) -> None:
+    def __init__(
+        self, status: int, code: str, detail: str, *, fields: Mapping[str, Any] | None = None
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.code = code
         self.detail = detail
+        self.fields: Mapping[str, Any] = fields or {}
 
 
 def read_body(raw: bytes, kind: type[_T]) -> _T:

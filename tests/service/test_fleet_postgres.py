@@ -1,0 +1,137 @@
+"""The service's side of a fleet on the real thing: ``serve`` processes on one PostgreSQL.
+
+Each runner is a ``trio-supervisor serve --store postgresql://...`` process with a state
+directory of its own, holding copies of the same token files (docs/service.md section
+C); the database is this module's own (``tests/postgres.py``), dropped afterwards. A
+host opens a session on one runner and reaches it through another: the raw answer is a
+421 naming the holder, and the client follows it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+import pytest
+import trio
+from click.testing import CliRunner
+
+from trio_supervisor import Key, Load, cli
+from trio_supervisor.client import connect
+
+from ..postgres import database_for, with_parts
+from ..support import ROOT, Runner, serving
+
+KEY: Final = Key(identity="acme", instance="eu-1")
+TIMEOUT: Final = 60.0  # seconds a command may take
+
+
+@pytest.fixture(scope="module")
+def dsn() -> Iterator[str]:
+    with database_for(__name__) as url:
+        yield url
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, dsn: str) -> Iterator[tuple[Runner, Runner]]:
+    """Two runners of one fleet, named uniquely (the module's database outlives a test)."""
+    hosts, operators = f"hosts-{uuid.uuid4()}", f"operators-{uuid.uuid4()}"
+    suffix = uuid.uuid4().hex[:6]
+    with contextlib.ExitStack() as stack:
+        runners = []
+        for name in ("r1", "r2"):
+            state = tmp_path / name
+            state.mkdir(mode=0o700)
+            (state / "token").write_text(hosts + "\n")
+            (state / "operator-token").write_text(operators + "\n")
+            flags = ("--store", dsn, "--runner-id", f"{name}-{suffix}", "--no-standby")
+            runners.append(stack.enter_context(serving(state, *flags, "--no-fork-server")))
+        yield runners[0], runners[1]
+
+
+async def test_a_call_to_the_wrong_runner_is_a_421_and_the_client_follows_it(
+    fleet: tuple[Runner, Runner],
+) -> None:
+    first, second = fleet
+    async with first.host() as on_first:
+        record = await on_first.open(KEY, f"req-{uuid.uuid4()}", expected_generation=None)
+    handle = {
+        "key": {"identity": KEY.identity, "instance": KEY.instance},
+        "token": record.handle.token,
+        "generation": record.handle.generation,
+    }
+    async with second.http(second.hosts_token) as bare:
+        answer = await bare.post("/v1/status", json={"handle": handle})
+    assert answer.status_code == 421, answer.text
+    problem = answer.json()
+    assert problem["location"] == first.url
+    assert problem["owner"].startswith("r1-")
+
+    async with second.host() as through_second:
+        assert await through_second.renew(record.handle) > 0
+        await through_second.load(record.handle, Load(specifier="heartbeat:main"))
+        assert (await through_second.status(record.handle)).phase.value == "Loaded"
+        # An operator's dispose by key, through the second runner, is followed too.
+        async with connect(second.url, token=second.operator_token) as operator:
+            generation = record.handle.generation
+            termination = await operator.admin_dispose(KEY, generation)
+            assert "stopping after" in await operator.logs(KEY, generation)
+        assert termination.kind == "exited"
+        assert await through_second.dispose(record.handle) == termination  # D3
+        # Any runner answers open and high-water.
+        assert await through_second.high_water(KEY) == record.handle.generation
+
+
+async def test_runners_and_sessions_list_the_fleet_on_any_runner(
+    fleet: tuple[Runner, Runner],
+) -> None:
+    first, second = fleet
+    async with first.host() as on_first:
+        record = await on_first.open(
+            Key(identity="acme", instance=f"eu-{uuid.uuid4().hex[:6]}"), "req-1"
+        )
+    async with connect(second.url, token=second.operator_token) as operator:
+        runners = {info.runner_id: info for info in await operator.runners()}
+        listed = await operator.sessions()
+    ours = {
+        name: info for name, info in runners.items() if info.advertise in (first.url, second.url)
+    }
+    assert len(ours) == 2, runners
+    assert all(info.alive for info in ours.values())
+    (holder,) = (name for name, info in ours.items() if info.advertise == first.url)
+    assert ours[holder].sessions >= 1
+    (session,) = (
+        one for one in listed if one["handle"]["key"]["instance"] == record.handle.key.instance
+    )
+    assert session["runner"] == holder
+    assert session["age"] is None  # it runs on the first runner, not the one asked
+
+    # The command runs trio.run of its own: in a thread, beside this test's run.
+    arguments = ["runners", "--url", second.url, "--state", str(second.state)]
+    result = await trio.to_thread.run_sync(CliRunner().invoke, cli.main, arguments)
+    assert result.exit_code == 0, result.output
+    assert holder in result.output
+
+
+def test_a_fleet_store_out_of_reach_exits_1_saying_so(tmp_path: Path, dsn: str) -> None:
+    unreachable = with_parts(dsn, port=1)
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "trio_supervisor", "serve", "--state", tmp_path / "s"),
+            *("--listen", "127.0.0.1:0", "--store", unreachable, "--no-standby"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "cannot open the fleet's store at" in done.stderr, done.stderr

@@ -1,0 +1,491 @@
+"""The service's side of a fleet (docs/service.md section C): routing, runners, flags.
+
+Two supervisors in the test's own Trio run, each served by a real Hypercorn server on an
+ephemeral loopback port, share a small in-memory fleet store of this module
+(:class:`Database`): enough of a ``FleetStore`` to exercise the HTTP layer (421 bodies,
+the client following one, ``/v1/runners``, ``/v1/sessions`` with each record's runner).
+The fleet's own rules (fencing, takeover) are the engine's and ``PostgresStore``'s, and
+are tested against PostgreSQL with them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+import httpx
+import pytest
+import trio
+from click.testing import CliRunner
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from trio_supervisor import Handle, Key, Load, MemoryStore, StaleSessionError, Supervisor, cli
+from trio_supervisor._background import open_background_nursery
+from trio_supervisor.abc import FleetMember, FleetStore
+from trio_supervisor.client import RemoteSupervisor, connect
+from trio_supervisor.errors import MisdirectedError
+from trio_supervisor.model import FleetRecord, OpenRecord, RunnerInfo, SessionRecord
+from trio_supervisor.service.app import create_app
+from trio_supervisor.service.fleet import Fleet
+from trio_supervisor.service.openapi import document
+from trio_supervisor.testing import FakeExecution
+
+from .. import support
+from ..support import HOSTS_TOKEN, OPERATOR_TOKEN, supervise_embedded
+
+HOSTS: Final = {"Authorization": f"Bearer {HOSTS_TOKEN}"}
+OPERATORS: Final = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+KEY: Final = Key(identity="acme", instance="eu-1")
+LOAD: Final = Load(specifier="fake:ok")
+
+
+# -- a fleet of two, in memory --------------------------------------------------------------
+
+
+@attrs.define
+class Database:
+    """What the fleet's members share: high-waters, who holds each token, the runners.
+
+    Attributes:
+        misled: A member's answer to ``owner`` for any token, true or not (to make two
+            runners send a call to each other).
+    """
+
+    high: dict[Key, int] = attrs.field(factory=dict)
+    holder: dict[str, str] = attrs.field(factory=dict)
+    saved: list[FleetRecord] = attrs.field(factory=list)
+    advertised: dict[str, str] = attrs.field(factory=dict)
+    misled: dict[str, str] = attrs.field(factory=dict)
+
+    def info(self, runner_id: str) -> RunnerInfo:
+        now = time.time()
+        held = {
+            one.record.handle.token: one.record for one in self.saved if one.runner_id == runner_id
+        }
+        return RunnerInfo(
+            runner_id=runner_id,
+            epoch=1,
+            advertise=self.advertised.get(runner_id, ""),
+            started_at=now - 60,
+            lease_until=now + 10,
+            alive=True,
+            sessions=sum(1 for record in held.values() if record.phase.value != "Stopped"),
+        )
+
+
+class Member(MemoryStore):
+    """One runner's view of the :class:`Database`: a ``FleetStore`` whose records are
+    also kept in memory, as its own."""
+
+    def __init__(self, database: Database, member: str) -> None:
+        super().__init__()
+        self._database = database
+        self._member = member
+
+    @property
+    def member(self) -> str:
+        return self._member
+
+    async def save(self, record: SessionRecord) -> None:
+        await self.save_many([record])
+
+    async def save_many(self, records: Sequence[SessionRecord]) -> None:
+        database = self._database
+        for record in records:
+            handle = record.handle
+            if isinstance(record, OpenRecord):
+                if database.high.get(handle.key, 0) != handle.generation - 1:
+                    raise StaleSessionError("another runner claimed this generation")
+                database.high[handle.key] = handle.generation
+        await super().save_many(records)
+        for record in records:
+            database.holder[record.handle.token] = self._member
+            database.saved.append(FleetRecord(record=record, runner_id=self._member, epoch=1))
+
+    async def lookup(self, key: Key, request_id: str | None) -> tuple[int, SessionRecord | None]:
+        await trio.lowlevel.checkpoint()
+        for one in self._database.saved:
+            record = one.record
+            if (
+                isinstance(record, OpenRecord)
+                and record.handle.key == key
+                and record.request_id == request_id
+            ):
+                return self._database.high.get(key, 0), record
+        return self._database.high.get(key, 0), None
+
+    async def wait_older_stopped(self, handle: Handle) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def run_member(self, member: FleetMember) -> None:
+        await trio.sleep_forever()
+
+    async def runners(self) -> Sequence[RunnerInfo]:
+        await trio.lowlevel.checkpoint()
+        return [self._database.info(name) for name in sorted(self._database.advertised)]
+
+    async def fleet_records(self) -> Sequence[FleetRecord]:
+        await trio.lowlevel.checkpoint()
+        return list(self._database.saved)
+
+    async def owner(self, token: str) -> RunnerInfo | None:
+        await trio.lowlevel.checkpoint()
+        holder = self._database.misled.get(self._member) or self._database.holder.get(token)
+        return None if holder is None else self._database.info(holder)
+
+
+@attrs.frozen
+class Served:
+    """A runner of the test's fleet: its supervisor, its URL, and a host's client."""
+
+    name: str
+    supervisor: Supervisor
+    url: str
+    host: RemoteSupervisor
+
+
+@contextlib.asynccontextmanager
+async def fleet_of_two() -> AsyncIterator[tuple[Database, Served, Served]]:
+    """Runners ``a`` and ``b`` on one :class:`Database`, each served on its own port."""
+    database = Database()
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.graceful_timeout = 1.0
+    stop = trio.Event()
+    # The servers outlive the supervisors, which the stack holds (as support.server_slot).
+    async with open_background_nursery() as nursery, contextlib.AsyncExitStack() as stack:
+
+        async def run(name: str) -> Served:
+            store = Member(database, name)
+            assert isinstance(store, FleetStore)
+            supervisor = await stack.enter_async_context(supervise_embedded(store, FakeExecution()))
+            fleet = Fleet(name, store=store)
+            app = create_app(
+                supervisor, hosts_token=HOSTS_TOKEN, operator_token=OPERATOR_TOKEN, fleet=fleet
+            )
+            binds = await nursery.start(
+                functools.partial(serve, app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+            )
+            fleet.advertise = database.advertised[name] = binds[0]
+            host = await stack.enter_async_context(connect(binds[0], token=HOSTS_TOKEN))
+            return Served(name, supervisor, binds[0], host)
+
+        try:
+            yield database, await run("a"), await run("b")
+        finally:
+            stop.set()
+
+
+def handle_json(handle: Handle) -> dict[str, Any]:
+    return {
+        "key": {"identity": handle.key.identity, "instance": handle.key.instance},
+        "token": handle.token,
+        "generation": handle.generation,
+    }
+
+
+# -- routing ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/renew", "/v1/status", "/v1/dispose", "/v1/load"])
+async def test_a_session_call_to_a_runner_not_holding_it_is_a_421_naming_its_owner(
+    path: str,
+) -> None:
+    async with fleet_of_two() as (_, a, b):
+        record = await b.host.open(KEY, "req-1")
+        body: dict[str, Any] = {"handle": handle_json(record.handle)}
+        if path == "/v1/load":
+            body["load"] = {"specifier": "fake:ok", "config": {}}
+        async with httpx.AsyncClient(base_url=a.url, headers=HOSTS) as bare:
+            answer = await bare.post(path, json=body)
+        assert answer.status_code == 421, answer.text
+        assert answer.headers["content-type"] == "application/problem+json"
+        problem = answer.json()
+        assert problem["owner"] == "b"
+        assert problem["location"] == b.url
+        assert (problem["status"], problem["code"], problem["title"]) == (
+            421,
+            "Misdirected",
+            "Misdirected Request",
+        )
+        assert "'b'" in problem["detail"]
+        # The session is untouched by the misdirected call.
+        assert (await b.host.status(record.handle)).phase.value == "Open"
+
+
+async def test_the_operators_calls_on_a_session_held_elsewhere_are_421_too() -> None:
+    async with fleet_of_two() as (_, a, b):
+        record = await b.host.open(KEY, "req-1")
+        where = {"identity": KEY.identity, "instance": KEY.instance}
+        async with httpx.AsyncClient(base_url=a.url, headers=OPERATORS) as operator:
+            logs = await operator.get("/v1/logs", params={**where, "generation": 1})
+            disposed = await operator.post(
+                "/v1/admin/dispose", json={"key": where, "generation": 1}
+            )
+        for answer in (logs, disposed):
+            assert answer.status_code == 421, answer.text
+            assert (answer.json()["owner"], answer.json()["location"]) == ("b", b.url)
+        assert (await b.host.status(record.handle)).phase.value == "Open"
+
+
+async def test_a_token_no_runner_holds_is_stale_and_open_and_high_water_need_no_routing() -> None:
+    async with fleet_of_two() as (_, a, b):
+        record = await b.host.open(KEY, "req-1")
+        forged = attrs.evolve(record.handle, token=str(uuid.uuid4()))
+        async with httpx.AsyncClient(base_url=a.url, headers=HOSTS) as bare:
+            stale = await bare.post("/v1/status", json={"handle": handle_json(forged)})
+        assert stale.status_code == 404, stale.text
+        assert "owner" not in stale.json()
+        # Any runner answers open and high-water: the fleet's high-water is one.
+        assert await a.host.high_water(KEY) == 1
+        second = await a.host.open(KEY, "req-2", expected_generation=1)
+        assert second.handle.generation == 2
+
+
+async def test_the_client_follows_a_421_once_to_the_runner_holding_the_session() -> None:
+    async with fleet_of_two() as (_, a, b):
+        record = await b.host.open(KEY, "req-1")
+        # Every call through a; b holds the session and answers.
+        assert await a.host.renew(record.handle) > 0
+        assert await a.host.load(record.handle, LOAD) is not None
+        assert (await a.host.status(record.handle)).phase.value == "Loaded"
+        termination = await a.host.dispose(record.handle)
+        assert (await b.host.status(record.handle)).phase.value == "Stopped"
+        assert termination == await b.host.dispose(record.handle)  # D3
+        async with connect(a.url, token=OPERATOR_TOKEN) as operator:
+            assert await operator.logs(KEY, 1) == ""  # followed too (FakeExecution keeps none)
+
+
+async def test_a_second_421_is_an_error_naming_both_runners() -> None:
+    async with fleet_of_two() as (database, a, b):
+        record = await b.host.open(KEY, "req-1")
+        forged = attrs.evolve(record.handle, token=str(uuid.uuid4()))
+        database.misled.update(a="b", b="a")  # each says the other holds it
+        with pytest.raises(MisdirectedError) as misdirected:
+            await a.host.status(forged)
+        detail = misdirected.value.detail
+        assert a.url in detail
+        assert f"'b' at {b.url}" in detail
+        assert f"'a' at {a.url}" in detail
+        assert "followed once" in detail
+
+
+async def test_a_421_without_a_location_is_an_error_naming_the_owner() -> None:
+    async with fleet_of_two() as (database, a, b):
+        record = await b.host.open(KEY, "req-1")
+        database.advertised["b"] = ""  # b never said where it is reached
+        with pytest.raises(MisdirectedError, match="'b' holds the session, but not where"):
+            await a.host.renew(record.handle)
+
+
+# -- what operators see ---------------------------------------------------------------------
+
+
+async def test_runners_lists_the_fleet_for_operators_only() -> None:
+    async with fleet_of_two() as (_, a, b):
+        await b.host.open(KEY, "req-1")
+        async with httpx.AsyncClient(base_url=a.url) as bare:
+            nobody = await bare.get("/v1/runners")
+            hosts = await bare.get("/v1/runners", headers=HOSTS)
+            operators = await bare.get("/v1/runners", headers=OPERATORS)
+        assert (nobody.status_code, hosts.status_code, operators.status_code) == (401, 403, 200)
+        assert nobody.headers["www-authenticate"] == "Bearer"
+        listed = {one["runner_id"]: one for one in operators.json()["runners"]}
+        assert set(listed) == {"a", "b"}
+        assert set(listed["b"]) == {
+            "runner_id",
+            "epoch",
+            "advertise",
+            "started_at",
+            "lease_until",
+            "alive",
+            "sessions",
+        }
+        assert (listed["b"]["advertise"], listed["b"]["alive"], listed["b"]["sessions"]) == (
+            b.url,
+            True,
+            1,
+        )
+        assert listed["a"]["sessions"] == 0
+        assert listed["b"]["lease_until"] > time.time()  # seconds since the Unix epoch
+        async with connect(a.url, token=OPERATOR_TOKEN) as operator:
+            infos = await operator.runners()
+        assert {info.runner_id: info.advertise for info in infos} == {"a": a.url, "b": b.url}
+
+
+async def test_sessions_on_any_runner_lists_the_fleet_s_sessions_each_with_its_runner() -> None:
+    async with fleet_of_two() as (_, a, b):
+        await a.host.open(KEY, "req-1")
+        other = Key(identity="acme", instance="eu-2")
+        record = await b.host.open(other, "req-2")
+        await b.host.load(record.handle, LOAD)
+        for runner in (a, b):
+            async with connect(runner.url, token=OPERATOR_TOKEN) as operator:
+                listed = await operator.sessions()
+            assert [
+                (one["handle"]["key"]["instance"], one["phase"], one["runner"]) for one in listed
+            ] == [("eu-1", "Open", "a"), ("eu-2", "Loaded", "b")]
+            assert all("token" not in one["handle"] for one in listed)
+            # Times are known where the session runs only.
+            mine = {one["runner"]: one["age"] is not None for one in listed}
+            assert mine == {"a": runner.name == "a", "b": runner.name == "b"}
+
+
+async def test_a_runner_of_its_own_lists_itself_and_its_sessions_as_its_own() -> None:
+    async with (
+        supervise_embedded(MemoryStore(), FakeExecution()) as supervisor,
+        support.served(supervisor) as remote,
+    ):
+        url = str(remote._client.base_url).rstrip("/")
+        await remote.open(KEY, "req-1")
+        async with connect(url, token=OPERATOR_TOKEN) as operator:
+            (info,) = await operator.runners()
+            (listed,) = await operator.sessions()
+        assert (info.alive, info.sessions, info.epoch) == (True, 1, 0)
+        assert listed["runner"] == info.runner_id
+
+
+def test_the_document_says_which_calls_may_answer_421() -> None:
+    paths = document()["paths"]
+    routed = {
+        ("post", "/v1/renew"),
+        ("post", "/v1/load"),
+        ("post", "/v1/dispose"),
+        ("post", "/v1/status"),
+        ("get", "/v1/logs"),
+        ("post", "/v1/admin/dispose"),
+    }
+    for path, operations in paths.items():
+        for method, operation in operations.items():
+            assert ("421" in operation["responses"]) == ((method, path) in routed), (method, path)
+    assert (
+        "runners"
+        in paths["/v1/runners"]["get"]["responses"]["200"]["content"]["application/json"]["schema"][
+            "properties"
+        ]
+    )
+
+
+# -- serve's fleet flags ----------------------------------------------------------------------
+
+
+def serve_flags(*flags: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli.main, ["serve", *flags])
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (
+            ("--store", "mysql://root:secret@db/runs"),
+            "--store must be a postgresql://... or postgres://... URL (the fleet's database); "
+            "leave it out for SQLite in STATE/runner.db; got a mysql: URL",
+        ),
+        (("--store", "runner.db"), "got no URL scheme"),
+        (
+            ("--runner-lease", "0.5", "--store", "postgresql://db/fleet"),
+            "--runner-lease must be a finite number of seconds >= 1 and <= 3600, got 0.5",
+        ),
+        (
+            ("--runner-lease", "7200", "--store", "postgresql://db/fleet"),
+            "--runner-lease must be a finite number of seconds >= 1 and <= 3600, got 7200.0",
+        ),
+        (("--runner-lease", "20"), "--runner-lease is for a fleet: it needs --store postgresql://"),
+        (
+            ("--advertise", "http://r1:8470"),
+            "--advertise is for a fleet: it needs --store postgresql://",
+        ),
+        (
+            ("--advertise", "r1:8470", "--store", "postgres://db/fleet"),
+            "--advertise must be an http:// or https:// URL, got 'r1:8470'",
+        ),
+        (("--runner-id", ""), "--runner-id must not be empty"),
+        (
+            ("--listen", "0.0.0.0:8470", "--insecure-http", "--store", "postgresql://db/f"),
+            "--listen 0.0.0.0:8470 is every address of this machine, which is no URL another "
+            "runner or a host can reach: give --advertise URL",
+        ),
+    ],
+)
+def test_a_bad_fleet_flag_is_a_usage_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch, flags: tuple[str, ...], words: str
+) -> None:
+    async def never(config: Any) -> int:  # pragma: no cover - a usage error comes first
+        raise AssertionError(config)
+
+    monkeypatch.setattr(cli, "run_runner", never)
+    status, output = serve_flags(*flags)
+    assert status == 2, output
+    assert words in " ".join(output.split()), output
+    assert "secret" not in output  # a --store URL's password is never repeated
+
+
+def test_a_runner_serves_its_own_runners_list_under_its_runner_id(tmp_path: Path) -> None:
+    with support.serving(
+        tmp_path / "state", "--runner-id", "r-one", "--no-standby", "--no-fork-server"
+    ) as runner:
+
+        async def check() -> None:
+            async with runner.http() as operator:
+                answer = await operator.get("/v1/runners")
+            assert answer.status_code == 200, answer.text
+            (info,) = answer.json()["runners"]
+            assert (info["runner_id"], info["advertise"], info["alive"]) == (
+                "r-one",
+                runner.url,
+                True,
+            )
+
+        trio.run(check)
+        result = CliRunner().invoke(
+            cli.main,
+            ["runners", "--url", runner.url, "--state", str(runner.state)],
+        )
+        assert result.exit_code == 0, result.output
+        assert "r-one" in result.output
+        assert "1 runners seen from" in result.output
+        as_json = CliRunner().invoke(
+            cli.main,
+            ["runners", "--url", runner.url, "--state", str(runner.state), "--json"],
+        )
+        assert as_json.exit_code == 0, as_json.output
+        assert '"runner_id": "r-one"' in as_json.output
+
+
+def test_a_fleet_runner_binds_first_so_a_port_in_use_is_one_line_and_exit_status_1(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        done = subprocess.run(
+            [
+                *(sys.executable, "-m", "trio_supervisor", "serve", "--state", tmp_path / "s"),
+                *("--listen", address, "--store", "postgresql://postgres@127.0.0.1:1/never"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=support.ROOT,
+            check=False,
+        )
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error")]
+    assert errors == [
+        f"Error: cannot listen on {address}: the address is already in use (another "
+        "runner?); give --listen another HOST:PORT, or port 0 for a free one"
+    ], done.stderr
