@@ -150,7 +150,7 @@ class TcpProxy:
                 with self._lock:
                     closed, cut = self._closed, self._cut_pending
                     self._cut_pending = False
-                    paused, refusing = self._paused, self._refusing
+                    paused = self._paused
                 if cut:
                     for pipe in {id(pipe): pipe for pipe in self._pipes.values()}.values():
                         self._drop(pipe)
@@ -164,11 +164,11 @@ class TcpProxy:
                         with contextlib.suppress(BlockingIOError):
                             self._wake_read.recv(4096)
                     elif sock is self._listener:
-                        self._accept(refusing)
+                        self._accept()
                     else:
                         found = self._pipes.get(sock)
                         if found is not None:
-                            self._pump(found, sock, events, paused)
+                            self._pump(found, sock, events)
         finally:
             for pipe in {id(pipe): pipe for pipe in self._pipes.values()}.values():
                 self._drop(pipe)
@@ -177,7 +177,9 @@ class TcpProxy:
             self._wake_read.close()
             self._wake_write.close()
 
-    def _accept(self, refusing: bool) -> None:
+    def _accept(self) -> None:
+        with self._lock:  # now, not as the loop began: restore() may have come since
+            refusing = self._refusing
         try:
             client, _ = self._listener.accept()
         except BlockingIOError:
@@ -209,7 +211,9 @@ class TcpProxy:
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.modify(sock, events)
 
-    def _pump(self, pipe: _Pipe, sock: socket.socket, events: int, paused: bool) -> None:
+    def _pump(self, pipe: _Pipe, sock: socket.socket, events: int) -> None:
+        with self._lock:
+            paused = self._paused
         if events & selectors.EVENT_READ:
             try:
                 data = sock.recv(65536)
