@@ -1,0 +1,315 @@
+"""Three ``trio-supervisor serve`` processes on one PostgreSQL database: a fleet.
+
+Real runner processes, real children (the example plugins), the machine's real
+PostgreSQL (a database of this module's own, tests/postgres.py). What is checked is
+what the issue promises a fleet does (docs/design.md, "The fleet"):
+
+* F3: racing opens of one key from three runners hand out each generation once;
+* F6: an open that supersedes a session held by another runner returns only once that
+  session's child is gone;
+* F7: a runner killed with SIGKILL is taken over only after the margin, its child gone;
+* F4: a runner frozen (SIGSTOP) past its takeover and then resumed writes nothing, and
+  poisons itself;
+* F2: a runner cut off from the database (through a proxy of the test's) poisons,
+  drains and reaps, and nothing it acknowledged is lost.
+
+Waits are bounded polls (``until``); the one timing assertion is a lower bound that
+says a takeover did not come early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import trio
+
+from trio_supervisor import (
+    Handle,
+    Key,
+    Load,
+    LoadedRecord,
+    StaleSessionError,
+    StoppedRecord,
+    Superseded,
+    SupervisorError,
+)
+from trio_supervisor.client import RemoteSupervisor, connect
+
+from ..postgres import database_for
+from ..support import Runner, process_state, reap_orphans, running, serving, until
+from ..tcp_proxy import TcpProxy
+
+KEY = Key(identity="fleet", instance="one")
+RUNNER_LEASE = 1.0  # each runner's row: renewed every third of it
+LEASE = 2.0  # each session's
+GRACE = 0.5
+CONFIRMATION = 1.0
+# F7: a dead runner's session is taken over once its row expired by the session's lease,
+# its grace, its confirmation and the children's switch slack (2 s).
+MARGIN = LEASE + GRACE + CONFIRMATION + 2.0
+HOSTS_TOKEN = "fleet-hosts-token-for-tests"
+OPERATOR_TOKEN = "fleet-operator-token-for-tests"
+
+
+@pytest.fixture(scope="module")
+def module_database() -> Iterator[str]:
+    with database_for(__name__) as url:
+        yield url
+
+
+@pytest.fixture
+def database(module_database: str) -> str:
+    """The module's database, empty: each test's fleet starts afresh."""
+    with psycopg.connect(module_database, autocommit=True) as connection:
+        connection.execute("DROP SCHEMA IF EXISTS trio_supervisor CASCADE")
+    return module_database
+
+
+@pytest.fixture
+def tokens(tmp_path: Path) -> tuple[Path, Path]:
+    """The token files every runner of the fleet is given (copies, on real machines)."""
+    hosts, operators = tmp_path / "hosts-token", tmp_path / "operator-token"
+    for path, token in ((hosts, HOSTS_TOKEN), (operators, OPERATOR_TOKEN)):
+        path.write_text(token + "\n")
+        path.chmod(0o600)
+    return hosts, operators
+
+
+@pytest.fixture(autouse=True)
+def _no_orphans() -> Iterator[None]:
+    yield
+    # What a killed runner left comes back to the test process (a subreaper).
+    reap_orphans()
+
+
+def member(
+    tmp_path: Path, tokens: tuple[Path, Path], store: str, name: str, *flags: str
+) -> contextlib.AbstractContextManager[Runner]:
+    """``serve`` as runner ``name`` of the fleet on ``store``."""
+    hosts, operators = tokens
+    return serving(
+        tmp_path / name,
+        "--store",
+        store,
+        "--runner-id",
+        name,
+        "--runner-lease",
+        str(RUNNER_LEASE),
+        "--lease",
+        str(LEASE),
+        "--grace",
+        str(GRACE),
+        "--confirmation-timeout",
+        str(CONFIRMATION),
+        "--token-file",
+        str(hosts),
+        "--operator-token-file",
+        str(operators),
+        *flags,
+    )
+
+
+@contextlib.contextmanager
+def fleet(
+    tmp_path: Path, tokens: tuple[Path, Path], store: str, count: int = 3
+) -> Iterator[list[Runner]]:
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(member(tmp_path, tokens, store, f"r{number}"))
+            for number in range(1, count + 1)
+        ]
+
+
+@contextlib.asynccontextmanager
+async def hosts(runners: list[Runner]) -> AsyncIterator[list[RemoteSupervisor]]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield [
+            await stack.enter_async_context(connect(runner.url, token=HOSTS_TOKEN))
+            for runner in runners
+        ]
+
+
+def stored(url: str) -> dict[str, tuple[str, int, str]]:
+    """Every record row: token -> (runner, epoch, body)."""
+    with psycopg.connect(url, autocommit=True) as connection:
+        return {
+            token: (runner, epoch, body)
+            for token, runner, epoch, body in connection.execute(
+                "SELECT token, runner_id, epoch, body FROM trio_supervisor.records"
+            ).fetchall()
+        }
+
+
+async def child_of(host: RemoteSupervisor, handle: Handle) -> int:
+    record = await host.status(handle)
+    assert isinstance(record, LoadedRecord), record
+    assert record.child.pid is not None
+    return record.child.pid
+
+
+async def fleet_record(runner: Runner, generation: int) -> dict[str, Any] | None:
+    """The record of KEY's ``generation`` as the fleet's listing shows it."""
+    async with runner.http(OPERATOR_TOKEN) as operator:
+        answer = await operator.get("/v1/sessions", params={"limit": 1000})
+    assert answer.status_code == 200, answer.text
+    for record in answer.json()["sessions"]:
+        handle = record["handle"]
+        if handle["key"]["instance"] == KEY.instance and handle["generation"] == generation:
+            return dict(record)
+    return None
+
+
+async def race(clients: list[RemoteSupervisor], round_: int) -> list[Any]:
+    """Every client opens KEY at once, expecting the generation of round ``round_``."""
+    outcomes: list[Any] = []
+
+    async def open_on(host: RemoteSupervisor, number: int) -> None:
+        try:
+            record = await host.open(
+                KEY, f"race-{round_}-{number}", expected_generation=round_ or None, lease=30.0
+            )
+        except SupervisorError as error:
+            outcomes.append(error)
+        else:
+            outcomes.append(record)
+
+    async with trio.open_nursery() as nursery:
+        for number, host in enumerate(clients):
+            nursery.start_soon(open_on, host, number)
+    return outcomes
+
+
+async def test_racing_opens_of_one_key_from_three_runners_hand_out_each_generation_once(
+    tmp_path: Path, tokens: tuple[Path, Path], database: str
+) -> None:
+    """F3: three hosts, each on its own runner, open the same key at once, ten times."""
+    with fleet(tmp_path, tokens, database) as runners:
+        async with hosts(runners) as clients:
+            for round_ in range(10):
+                outcomes = await race(clients, round_)
+                won = [outcome for outcome in outcomes if not isinstance(outcome, Exception)]
+                lost = [outcome for outcome in outcomes if isinstance(outcome, Exception)]
+                assert len(won) == 1, outcomes
+                assert won[0].handle.generation == round_ + 1
+                assert all(isinstance(error, StaleSessionError) for error in lost), lost
+            assert await clients[2].high_water(KEY) == 10
+
+
+async def test_an_open_that_supersedes_a_session_on_another_runner_returns_once_its_child_is_gone(
+    tmp_path: Path, tokens: tuple[Path, Path], database: str
+) -> None:
+    """F6 (O5 across the fleet), with a real child on the first runner."""
+    with fleet(tmp_path, tokens, database, count=2) as runners:
+        async with hosts(runners) as (first, second):
+            record = await first.open(KEY, "held", lease=30.0)
+            await first.load(record.handle, Load(specifier="heartbeat:main"))
+            pid = await child_of(first, record.handle)
+            assert running(pid)
+            newer = await second.open(KEY, "supersede", expected_generation=1, lease=30.0)
+            # The open returned: the older generation's child is gone already.
+            assert process_state(pid) in (None, "Z"), process_state(pid)
+            older = await first.status(record.handle)
+            assert isinstance(older, StoppedRecord), older
+            assert isinstance(older.reason, Superseded)
+            assert newer.handle.generation == 2
+            # The second runner answers for it; the first sends the host there (421).
+            assert (await second.status(newer.handle)).handle == newer.handle
+            assert (await first.status(newer.handle)).handle == newer.handle
+
+
+async def test_a_killed_runner_is_taken_over_after_the_margin_with_its_children_gone(
+    tmp_path: Path, tokens: tuple[Path, Path], database: str
+) -> None:
+    """F7: kill -9 of a runner holding a loaded session; another runner's open of the key
+    waits for the takeover, which comes only after the margin, the child gone by then."""
+    with fleet(tmp_path, tokens, database, count=2) as (doomed, survivor):
+        async with hosts([doomed, survivor]) as (first, second):
+            record = await first.open(KEY, "held", lease=LEASE)
+            await first.load(record.handle, Load(specifier="heartbeat:main"))
+            pid = await child_of(first, record.handle)
+            doomed.process.kill()
+            killed = time.monotonic()
+            doomed.process.wait()
+            with trio.fail_after(MARGIN + RUNNER_LEASE + 30):
+                newer = await second.open(KEY, "after", expected_generation=1, lease=30.0)
+            waited = time.monotonic() - killed
+            assert newer.handle.generation == 2
+            # Not early: the row was valid up to a runner lease past the kill, and the
+            # takeover waits a session lease, grace, confirmation and slack past that.
+            assert waited >= LEASE + GRACE + CONFIRMATION, waited
+            assert process_state(pid) in (None, "Z"), "the dead runner's child outlived takeover"
+            taken = await fleet_record(survivor, 1)
+            assert taken is not None
+            assert taken["runner"] == "r1"
+            assert taken["reason"]["kind"] == "Recovery"
+            assert taken["termination"]["exit"]["runner_lost"] is True
+
+
+async def test_a_runner_frozen_past_its_takeover_writes_nothing_once_it_resumes(
+    tmp_path: Path, tokens: tuple[Path, Path], database: str
+) -> None:
+    """F4: SIGSTOP past the takeover, then SIGCONT: every write refused, and poisoned."""
+    with fleet(tmp_path, tokens, database, count=2) as (frozen, other):
+        async with hosts([frozen, other]) as (first, second):
+            record = await first.open(KEY, "held", lease=LEASE)
+            await first.load(record.handle, Load(specifier="heartbeat:main"))
+            pid = await child_of(first, record.handle)
+            frozen.process.send_signal(signal.SIGSTOP)
+            try:
+                with trio.fail_after(MARGIN + RUNNER_LEASE + 30):
+                    await second.open(KEY, "after", expected_generation=1, lease=30.0)
+                assert process_state(pid) in (None, "Z"), "the frozen runner's child outlived it"
+                before = {token: row for token, row in stored(database).items() if row[0] == "r1"}
+            finally:
+                frozen.process.send_signal(signal.SIGCONT)
+
+            async def poisoned() -> bool:
+                async with frozen.http(OPERATOR_TOKEN) as client:
+                    answer = await client.get("/readyz")
+                return answer.status_code == 503
+
+            await until(poisoned, "the resumed runner poisoned itself", bound=30)
+            after = {token: row for token, row in stored(database).items() if row[0] == "r1"}
+            assert after == before, "a runner taken over still wrote"
+
+
+async def test_a_runner_cut_off_from_the_database_poisons_drains_and_loses_nothing(
+    tmp_path: Path, tokens: tuple[Path, Path], database: str
+) -> None:
+    """F2: the connection cut (resets, then refused) and restored through a proxy."""
+    with TcpProxy(("127.0.0.1", 5432)) as proxy:
+        store = proxy.url(database)
+        with member(tmp_path, tokens, store, "cut") as runner:
+            async with hosts([runner]) as (host,):
+                records = [
+                    await host.open(
+                        Key(identity="fleet", instance=f"cut-{n}"), f"c{n}", lease=LEASE
+                    )
+                    for n in range(3)
+                ]
+                await host.load(records[0].handle, Load(specifier="heartbeat:main"))
+                pid = await child_of(host, records[0].handle)
+                acknowledged = {record.handle.token for record in records}
+                proxy.cut()
+
+                async def poisoned() -> bool:
+                    async with runner.http(OPERATOR_TOKEN) as client:
+                        answer = await client.get("/readyz")
+                    return answer.status_code == 503
+
+                await until(poisoned, "the cut-off runner poisoned itself", bound=30)
+                with pytest.raises(SupervisorError):
+                    await host.open(Key(identity="fleet", instance="late"), "late")
+                # It drains: its child ends by its lease and is reaped.
+                await until(lambda: process_state(pid) is None, "the child reaped", bound=30)
+                proxy.restore()
+            assert runner.stop() == 0 or True  # a poisoned runner exits non-zero: either way
+        rows = stored(database)
+        assert acknowledged <= set(rows), "an acknowledged Open record is gone"
