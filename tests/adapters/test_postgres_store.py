@@ -48,6 +48,7 @@ from trio_supervisor.testing.contracts import StoreContract, StoreFactory
 
 from ..postgres import database_for
 from ..support import KEY, supervise_embedded, until, until_stopped
+from ..tcp_proxy import TcpProxy
 
 DONE = Termination(kind="exited", exit=ExitStatus(code=0))
 
@@ -365,6 +366,46 @@ async def test_a_broken_connection_is_opened_again_and_still_fenced(
         with pytest.raises(StateStorageError, match="taken over"):
             await store.save(record("a", 3))
         assert [r.handle.generation for r in await store.list()] == [1, 2]
+
+
+async def saved_once_back(store: PostgresStore, saved: SessionRecord) -> None:
+    """Save, again until it works: the proxy applies restore() on its own thread, so
+    the first connection may still meet the cut."""
+
+    async def save() -> bool:
+        try:
+            await store.save(saved)
+        except StateStorageError:
+            return False
+        return True
+
+    await until(save, "a save once the network is back", bound=15)
+
+
+async def test_a_network_that_stops_delivering_fails_a_call_in_seconds(
+    database: str, schema: str
+) -> None:
+    params = conninfo_to_dict(database)
+    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    with TcpProxy(target) as proxy:
+        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+        async with PostgresStore(
+            through, runner_id="a", schema=schema, statement_timeout=1, connect_timeout=2
+        ) as store:
+            await store.save(record("n1", 1))
+            # Held bytes: no reset, no keepalive failure (the proxy acknowledges them).
+            proxy.pause()
+            with trio.fail_after(15), pytest.raises(StateStorageError, match="no answer"):
+                await store.save(record("n2", 1))
+            proxy.restore()
+            await saved_once_back(store, record("n3", 1))  # connected again
+            # A cut network: connections reset, new ones refused.
+            proxy.cut()
+            with trio.fail_after(15), pytest.raises(StateStorageError, match="cannot save"):
+                await store.save(record("n4", 1))
+            proxy.restore()
+            await saved_once_back(store, record("n5", 1))
+            assert [r.handle.key.instance for r in await store.list()] == ["n1", "n3", "n5"]
 
 
 # -- global fencing of generations ----------------------------------------------------

@@ -24,8 +24,11 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import queue
+import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -163,9 +166,13 @@ class Worker:
         self.epoch = 0
         self._connection: psycopg.Connection[Any] | None = None
         self._open_error: StateStorageError | None = None
+        self._watchdog = Watchdog(
+            2 * settings.statement_timeout + settings.connect_timeout, lambda: self._connection
+        )
 
     def run(self) -> None:
         jobs = self._jobs
+        self._watchdog.start()
         self._open_error = self._attempt("open the store", self._open)
         closing: Job | None = None
         while closing is None:
@@ -193,6 +200,7 @@ class Worker:
         if self._connection is not None:
             with contextlib.suppress(psycopg.Error):
                 self._connection.close()
+        self._watchdog.stop()
         deliver([closing])
 
     def _serve(self, jobs: list[Job]) -> None:
@@ -218,13 +226,22 @@ class Worker:
     def _attempt(self, action: str, work: Callable[[], None]) -> StateStorageError | None:
         """Run ``work`` in a transaction; return the error its callers are to get, if any."""
         try:
-            work()
+            with self._watchdog:
+                work()
         except StateStorageError as error:  # RecordFormatError too: worded already
             self._end_transaction()
             return error
         except Exception as error:
             self._end_transaction()
-            failure = StateStorageError(self.settings.explain(action, error))
+            if self._watchdog.fired:
+                text = (
+                    f"{self.settings.shown}: cannot {action}: no answer within "
+                    f"{self._watchdog.bound:g} s (the network or the server is stuck); "
+                    "the connection was dropped"
+                )
+            else:
+                text = self.settings.explain(action, error)
+            failure = StateStorageError(text)
             failure.__cause__ = error
             return failure
         return None
@@ -607,6 +624,67 @@ def migrate(connection: psycopg.Connection[Any], settings: Settings) -> None:
             SCHEMA_VERSION,
         )
     connection.commit()
+
+
+class Watchdog:
+    """Drops the connection when a job gets no answer in time.
+
+    The server's ``statement_timeout`` bounds what it does, TCP keepalives and
+    ``tcp_user_timeout`` a peer that vanished; neither bounds a network that takes the
+    bytes and never delivers them (a stalled middlebox, a paused proxy), and psycopg's
+    sync calls wait without end. Past ``bound`` this thread shuts the socket down under
+    the waiting worker, whose call then fails; the next job connects again.
+    """
+
+    def __init__(
+        self, bound: float, connection: Callable[[], psycopg.Connection[Any] | None]
+    ) -> None:
+        self.bound = bound
+        self.fired = False
+        self._connection = connection
+        self._deadline: float | None = None
+        self._stopped = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(
+            target=self._run, name="trio_supervisor watchdog", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+
+    def __enter__(self) -> None:
+        with self._changed:
+            self.fired = False
+            self._deadline = time.monotonic() + self.bound
+            self._changed.notify()
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._changed:
+            self._deadline = None
+
+    def _run(self) -> None:
+        with self._changed:
+            while not self._stopped:
+                if self._deadline is None:
+                    self._changed.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._changed.wait(left)
+                    continue
+                self._deadline = None
+                self.fired = True
+                connection = self._connection()
+                if connection is not None:
+                    with contextlib.suppress(OSError, psycopg.Error):
+                        descriptor = os.dup(connection.pgconn.socket)
+                        with socket.socket(fileno=descriptor) as sock:
+                            sock.shutdown(socket.SHUT_RDWR)
 
 
 class Listener:
