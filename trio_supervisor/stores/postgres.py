@@ -55,7 +55,8 @@ from ..model import FleetRecord, Handle, Key, RunnerInfo, SessionRecord
 from ..realtime import outside_the_run
 from ..retention import Retention
 from ._jobs import Job
-from ._postgres_worker import Listener, Settings, Worker
+from ._postgres_connection import Listener, Settings
+from ._postgres_worker import Worker
 
 __all__ = ["PostgresStore"]
 
