@@ -565,6 +565,44 @@ async def test_takeover_waits_for_the_margin_then_stops_the_records_as_runner_lo
         assert key("z") not in await b.high_water()
 
 
+async def test_a_runner_frozen_past_its_takeover_writes_nothing_once_it_resumes(
+    database: str, schema: str
+) -> None:
+    params = conninfo_to_dict(database)
+    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    with TcpProxy(target) as proxy:
+        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+        async with (
+            PostgresStore(through, runner_id="a", schema=schema, statement_timeout=5) as a,
+            PostgresStore(database, runner_id="b", schema=schema) as b,
+        ):
+            await a.save(record("x", 1))
+            proxy.pause()  # a is frozen, to the database
+            outcome: list[BaseException | None] = []
+
+            async def write() -> None:
+                try:
+                    await a.save_many([stopped(record("x", 1)), record("y", 1)])
+                except StateStorageError as error:
+                    outcome.append(error)
+                else:
+                    outcome.append(None)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(write)
+                expire(database, schema, "a", 60.0)
+                assert await b.take_over_dead() == 1
+                proxy.resume()  # a's write, held all along, reaches the database now
+            (error,) = outcome
+            assert error is not None
+            assert "taken over" in str(error)
+            kept = {f.record.handle.key.instance: f.record for f in await b.fleet_records()}
+            assert list(kept) == ["x"]
+            assert isinstance(kept["x"], StoppedRecord)
+            assert kept["x"].reason.kind == "Recovery"
+            assert key("y") not in await b.high_water()
+
+
 async def test_takeover_rechecks_the_epoch_it_saw(database: str, schema: str) -> None:
     async with (
         PostgresStore(database, runner_id="a", schema=schema) as a,
