@@ -316,10 +316,11 @@ class PostgresStore:
                             f"{key.identity}/{key.instance} within {bound:g} s of generation "
                             f"{generation} being opened"
                         )
+            taken = 0
             for runner, epoch in dead.items():
-                await self._submit(Job("takeover", args=(runner, epoch)))
-            if dead:
-                continue
+                taken += len(await self._submit(Job("takeover", args=(runner, epoch))))
+            if taken:
+                continue  # look again at once: those records are Stopped now
             if self._heard is None:
                 self._heard = trio.Event()
             with realtime.bounded(POLL):
