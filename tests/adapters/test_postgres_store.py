@@ -48,6 +48,7 @@ from trio_supervisor.testing.contracts import StoreContract, StoreFactory
 
 from ..postgres import database_for
 from ..support import KEY, supervise_embedded, until, until_stopped
+from ..tcp_proxy import TcpProxy
 
 DONE = Termination(kind="exited", exit=ExitStatus(code=0))
 
@@ -367,6 +368,46 @@ async def test_a_broken_connection_is_opened_again_and_still_fenced(
         assert [r.handle.generation for r in await store.list()] == [1, 2]
 
 
+async def saved_once_back(store: PostgresStore, saved: SessionRecord) -> None:
+    """Save, again until it works: the proxy applies restore() on its own thread, so
+    the first connection may still meet the cut."""
+
+    async def save() -> bool:
+        try:
+            await store.save(saved)
+        except StateStorageError:
+            return False
+        return True
+
+    await until(save, "a save once the network is back", bound=15)
+
+
+async def test_a_network_that_stops_delivering_fails_a_call_in_seconds(
+    database: str, schema: str
+) -> None:
+    params = conninfo_to_dict(database)
+    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    with TcpProxy(target) as proxy:
+        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+        async with PostgresStore(
+            through, runner_id="a", schema=schema, statement_timeout=1, connect_timeout=2
+        ) as store:
+            await store.save(record("n1", 1))
+            # Held bytes: no reset, no keepalive failure (the proxy acknowledges them).
+            proxy.pause()
+            with trio.fail_after(15), pytest.raises(StateStorageError, match="no answer"):
+                await store.save(record("n2", 1))
+            proxy.restore()
+            await saved_once_back(store, record("n3", 1))  # connected again
+            # A cut network: connections reset, new ones refused.
+            proxy.cut()
+            with trio.fail_after(15), pytest.raises(StateStorageError, match="cannot save"):
+                await store.save(record("n4", 1))
+            proxy.restore()
+            await saved_once_back(store, record("n5", 1))
+            assert [r.handle.key.instance for r in await store.list()] == ["n1", "n3", "n5"]
+
+
 # -- global fencing of generations ----------------------------------------------------
 
 
@@ -522,6 +563,44 @@ async def test_takeover_waits_for_the_margin_then_stops_the_records_as_runner_lo
         assert "z" not in after
         assert after["x"] == taken.record
         assert key("z") not in await b.high_water()
+
+
+async def test_a_runner_frozen_past_its_takeover_writes_nothing_once_it_resumes(
+    database: str, schema: str
+) -> None:
+    params = conninfo_to_dict(database)
+    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    with TcpProxy(target) as proxy:
+        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+        async with (
+            PostgresStore(through, runner_id="a", schema=schema, statement_timeout=5) as a,
+            PostgresStore(database, runner_id="b", schema=schema) as b,
+        ):
+            await a.save(record("x", 1))
+            proxy.pause()  # a is frozen, to the database
+            outcome: list[BaseException | None] = []
+
+            async def write() -> None:
+                try:
+                    await a.save_many([stopped(record("x", 1)), record("y", 1)])
+                except StateStorageError as error:
+                    outcome.append(error)
+                else:
+                    outcome.append(None)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(write)
+                expire(database, schema, "a", 60.0)
+                assert await b.take_over_dead() == 1
+                proxy.resume()  # a's write, held all along, reaches the database now
+            (error,) = outcome
+            assert error is not None
+            assert "taken over" in str(error)
+            kept = {f.record.handle.key.instance: f.record for f in await b.fleet_records()}
+            assert list(kept) == ["x"]
+            assert isinstance(kept["x"], StoppedRecord)
+            assert kept["x"].reason.kind == "Recovery"
+            assert key("y") not in await b.high_water()
 
 
 async def test_takeover_rechecks_the_epoch_it_saw(database: str, schema: str) -> None:

@@ -38,5 +38,7 @@ def postgres(previous: Store | None, retention: Retention) -> Store:
 
 Machine = conformance_machine(postgres)
 # Every example creates a schema and talks to a server: fewer of them than on SQLite.
-Machine.TestCase.settings = settings(Machine.TestCase.settings, max_examples=40)
+Machine.TestCase.settings = settings(
+    Machine.TestCase.settings, max_examples=min(40, Machine.TestCase.settings.max_examples)
+)
 TestPostgresStoreWithFakeExecution = Machine.TestCase

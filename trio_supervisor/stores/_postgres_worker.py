@@ -1,5 +1,5 @@
-"""The PostgreSQL store's threads: the worker that owns the store's connection, and the
-listener that owns its LISTEN connection.
+"""The PostgreSQL store's worker: the thread that owns the store's connection, and the
+jobs it serves.
 
 Theory of operation
 -------------------
@@ -8,14 +8,14 @@ park; the worker takes everything queued, writes the saves of that batch in one
 transaction through one call of ``save_batch`` (group commit), then serves the other
 jobs one transaction each, and wakes each caller through its run's token. Every
 statement runs under ``statement_timeout`` and ``lock_timeout``, on a socket with TCP
-keepalives and ``tcp_user_timeout``: no job waits on a dead network for more than
-seconds. A connection that broke is dropped, and the next job connects again (its
-writes are still fenced by the epoch, which is what a reconnect cannot bypass).
+keepalives and ``tcp_user_timeout``, and every job under a watchdog
+(:mod:`._postgres_connection`): no job waits on a dead network for more than seconds.
+A connection that broke is dropped, and the next job connects again (its writes are
+still fenced by the epoch, which is what a reconnect cannot bypass).
 
-The listener is a thread of its own with a connection of its own in autocommit, which
-``LISTEN`` s on the schema's channel and hands each notification to the run. It is only
-a wake-up: when it dies it connects again, and whatever it missed the periodic checks of
-``run_member`` find.
+A read is a job like a save, served after the saves of its batch (so it sees them);
+its caller may stop waiting for it at any time (``Job.abandon``). A takeover is a write:
+its caller waits for its answer, as a save's does.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import queue
-import threading
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -44,107 +42,20 @@ from ..model import (
     Termination,
     recovered,
 )
-from ..retention import Retention
 from ._jobs import Job, deliver
+from ._postgres_connection import Settings, Watchdog
 from ._postgres_sql import FENCED, MIGRATION_LOCK, MIGRATIONS, SCHEMA_VERSION, Kind
 
 with needs_extra("postgres", "trio_supervisor.stores.postgres", "psycopg"):
     import psycopg
     from psycopg import sql
-    from psycopg.conninfo import conninfo_to_dict
 
-__all__ = ["Listener", "Settings", "Worker", "describe"]
+__all__ = ["Worker", "migrate"]
 
 logger = logging.getLogger("trio_supervisor.stores.postgres")
 
 # What a dead runner's sessions are stopped with when another runner takes them over.
 RUNNER_LOST: Final = Termination(kind="exited", exit=ExitStatus(runner_lost=True))
-
-# TCP keepalive on every connection: an idle socket is probed after KEEPALIVE_IDLE s, then
-# every KEEPALIVE_INTERVAL s, and given up after KEEPALIVE_COUNT unanswered probes.
-KEEPALIVE_IDLE: Final = 5
-KEEPALIVE_INTERVAL: Final = 2
-KEEPALIVE_COUNT: Final = 3
-
-
-def describe(dsn: str) -> tuple[str, str | None]:
-    """The DSN as errors name it (never with its password), and the password if any."""
-    try:
-        params = conninfo_to_dict(dsn)
-    except psycopg.Error:
-        return "PostgreSQL (a DSN that does not parse)", None
-    password = params.get("password")
-    user = params.get("user")
-    host = params.get("host") or params.get("hostaddr") or "localhost"
-    port = params.get("port")
-    shown = f"postgresql://{f'{user}@' if user else ''}{host}{f':{port}' if port else ''}"
-    return f"{shown}/{params.get('dbname') or ''}", str(password) if password else None
-
-
-class Settings:
-    """How the store connects, and who it is in the fleet."""
-
-    def __init__(
-        self,
-        dsn: str,
-        *,
-        schema: str,
-        runner_id: str,
-        advertise: str,
-        runner_lease: float,
-        retention: Retention,
-        connect_timeout: float,
-        statement_timeout: float,
-    ) -> None:
-        self.dsn = dsn
-        self.shown, self.password = describe(dsn)
-        self.schema = schema
-        self.runner_id = runner_id
-        self.advertise = advertise
-        self.runner_lease = runner_lease
-        self.retention = retention
-        self.connect_timeout = connect_timeout
-        self.statement_timeout = statement_timeout
-
-    def connect(self, *, autocommit: bool = False) -> psycopg.Connection[Any]:
-        """A new connection with the store's timeouts, keepalives and search path."""
-        connection = psycopg.connect(
-            self.dsn,
-            autocommit=autocommit,
-            # libpq takes whole seconds, and treats 1 as 2.
-            connect_timeout=max(2, math.ceil(self.connect_timeout)),
-            keepalives=1,
-            keepalives_idle=KEEPALIVE_IDLE,
-            keepalives_interval=KEEPALIVE_INTERVAL,
-            keepalives_count=KEEPALIVE_COUNT,
-            # Unacknowledged data for this long fails the socket, keepalives or not.
-            tcp_user_timeout=max(1000, round(self.statement_timeout * 1000)),
-            application_name=f"trio_supervisor {self.runner_id}"[:63],
-        )
-        try:
-            timeout = sql.Literal(f"{max(1, round(self.statement_timeout * 1000))}ms")
-            connection.execute(
-                sql.SQL(
-                    "SET statement_timeout = {timeout}; SET lock_timeout = {timeout}; "
-                    "SET search_path = {schema}"
-                ).format(timeout=timeout, schema=sql.Identifier(self.schema))
-            )
-            if not autocommit:
-                connection.commit()
-        except BaseException:
-            connection.close()
-            raise
-        return connection
-
-    def explain(self, action: str, error: BaseException) -> str:
-        """The message of the StateStorageError a caller gets for ``error``."""
-        if isinstance(error, psycopg.Error):
-            text = str(error).strip() or type(error).__name__
-        else:
-            text = repr(error)
-        if self.password:
-            text = text.replace(self.password, "***")
-        return f"{self.shown}: cannot {action}: {text}"
 
 
 class Worker:
@@ -163,9 +74,13 @@ class Worker:
         self.epoch = 0
         self._connection: psycopg.Connection[Any] | None = None
         self._open_error: StateStorageError | None = None
+        self._watchdog = Watchdog(
+            2 * settings.statement_timeout + settings.connect_timeout, lambda: self._connection
+        )
 
     def run(self) -> None:
         jobs = self._jobs
+        self._watchdog.start()
         self._open_error = self._attempt("open the store", self._open)
         closing: Job | None = None
         while closing is None:
@@ -193,6 +108,7 @@ class Worker:
         if self._connection is not None:
             with contextlib.suppress(psycopg.Error):
                 self._connection.close()
+        self._watchdog.stop()
         deliver([closing])
 
     def _serve(self, jobs: list[Job]) -> None:
@@ -218,13 +134,22 @@ class Worker:
     def _attempt(self, action: str, work: Callable[[], None]) -> StateStorageError | None:
         """Run ``work`` in a transaction; return the error its callers are to get, if any."""
         try:
-            work()
+            with self._watchdog:
+                work()
         except StateStorageError as error:  # RecordFormatError too: worded already
             self._end_transaction()
             return error
         except Exception as error:
             self._end_transaction()
-            failure = StateStorageError(self.settings.explain(action, error))
+            if self._watchdog.fired:
+                text = (
+                    f"{self.settings.shown}: cannot {action}: no answer within "
+                    f"{self._watchdog.bound:g} s (the network or the server is stuck); "
+                    "the connection was dropped"
+                )
+            else:
+                text = self.settings.explain(action, error)
+            failure = StateStorageError(text)
             failure.__cause__ = error
             return failure
         return None
@@ -607,42 +532,3 @@ def migrate(connection: psycopg.Connection[Any], settings: Settings) -> None:
             SCHEMA_VERSION,
         )
     connection.commit()
-
-
-class Listener:
-    """The thread that LISTENs, and hands each notification's payload to ``hand``.
-
-    ``hand`` is called from this thread; it must only pass the payload on to the run.
-    """
-
-    POLL: Final = 0.25  # seconds between looks at the stop flag
-    RETRY: Final = 0.5  # seconds between attempts to connect again
-
-    def __init__(
-        self, settings: Settings, hand: Callable[[str], None], listening: Callable[[], None]
-    ) -> None:
-        self.settings = settings
-        self._hand = hand
-        self._listening = listening
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(
-            target=self.run, name=f"trio_supervisor listen {settings.shown}", daemon=True
-        )
-
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                with self.settings.connect(autocommit=True) as connection:
-                    connection.execute(
-                        sql.SQL("LISTEN {}").format(sql.Identifier(self.settings.schema))
-                    )
-                    self._listening()
-                    while not self.stopping.is_set():
-                        for note in connection.notifies(timeout=self.POLL):
-                            self._hand(note.payload)
-            except Exception as error:
-                if self.stopping.is_set():
-                    return
-                # Only a wake-up: the periodic checks cover what is missed meanwhile.
-                logger.warning("%s; listening again", self.settings.explain("listen", error))
-                self.stopping.wait(self.RETRY)

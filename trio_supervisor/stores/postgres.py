@@ -55,7 +55,8 @@ from ..model import FleetRecord, Handle, Key, RunnerInfo, SessionRecord
 from ..realtime import outside_the_run
 from ..retention import Retention
 from ._jobs import Job
-from ._postgres_worker import Listener, Settings, Worker
+from ._postgres_connection import Listener, Settings
+from ._postgres_worker import Worker
 
 __all__ = ["PostgresStore"]
 
@@ -315,10 +316,11 @@ class PostgresStore:
                             f"{key.identity}/{key.instance} within {bound:g} s of generation "
                             f"{generation} being opened"
                         )
+            taken = 0
             for runner, epoch in dead.items():
-                await self._submit(Job("takeover", args=(runner, epoch)))
-            if dead:
-                continue
+                taken += len(await self._submit(Job("takeover", args=(runner, epoch))))
+            if taken:
+                continue  # look again at once: those records are Stopped now
             if self._heard is None:
                 self._heard = trio.Event()
             with realtime.bounded(POLL):

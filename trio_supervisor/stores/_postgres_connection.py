@@ -1,0 +1,223 @@
+"""How the PostgreSQL store reaches its server: connections, and the threads that watch
+over them.
+
+* :class:`Settings` makes every connection the same way: libpq TCP keepalives and
+  ``tcp_user_timeout`` (a peer that vanished fails a call in seconds, not hours),
+  ``statement_timeout`` and ``lock_timeout``, the store's schema first on the
+  ``search_path``; and words every error, never with the DSN's password.
+* :class:`Watchdog` drops a connection whose call gets no answer in time.
+* :class:`Listener` is the thread that LISTENs for the fleet's notifications.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+from .._extras import needs_extra
+from ..retention import Retention
+
+with needs_extra("postgres", "trio_supervisor.stores.postgres", "psycopg"):
+    import psycopg
+    from psycopg import sql
+    from psycopg.conninfo import conninfo_to_dict
+
+__all__ = ["Listener", "Settings", "Watchdog", "describe"]
+
+logger = logging.getLogger("trio_supervisor.stores.postgres")
+
+# TCP keepalive on every connection: an idle socket is probed after KEEPALIVE_IDLE s, then
+# every KEEPALIVE_INTERVAL s, and given up after KEEPALIVE_COUNT unanswered probes.
+KEEPALIVE_IDLE: Final = 5
+KEEPALIVE_INTERVAL: Final = 2
+KEEPALIVE_COUNT: Final = 3
+
+
+def describe(dsn: str) -> tuple[str, str | None]:
+    """The DSN as errors name it (never with its password), and the password if any."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.Error:
+        return "PostgreSQL (a DSN that does not parse)", None
+    password = params.get("password")
+    user = params.get("user")
+    host = params.get("host") or params.get("hostaddr") or "localhost"
+    port = params.get("port")
+    shown = f"postgresql://{f'{user}@' if user else ''}{host}{f':{port}' if port else ''}"
+    return f"{shown}/{params.get('dbname') or ''}", str(password) if password else None
+
+
+class Settings:
+    """How the store connects, and who it is in the fleet."""
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        schema: str,
+        runner_id: str,
+        advertise: str,
+        runner_lease: float,
+        retention: Retention,
+        connect_timeout: float,
+        statement_timeout: float,
+    ) -> None:
+        self.dsn = dsn
+        self.shown, self.password = describe(dsn)
+        self.schema = schema
+        self.runner_id = runner_id
+        self.advertise = advertise
+        self.runner_lease = runner_lease
+        self.retention = retention
+        self.connect_timeout = connect_timeout
+        self.statement_timeout = statement_timeout
+
+    def connect(self, *, autocommit: bool = False) -> psycopg.Connection[Any]:
+        """A new connection with the store's timeouts, keepalives and search path."""
+        connection = psycopg.connect(
+            self.dsn,
+            autocommit=autocommit,
+            # libpq takes whole seconds, and treats 1 as 2.
+            connect_timeout=max(2, math.ceil(self.connect_timeout)),
+            keepalives=1,
+            keepalives_idle=KEEPALIVE_IDLE,
+            keepalives_interval=KEEPALIVE_INTERVAL,
+            keepalives_count=KEEPALIVE_COUNT,
+            # Unacknowledged data for this long fails the socket, keepalives or not.
+            tcp_user_timeout=max(1000, round(self.statement_timeout * 1000)),
+            application_name=f"trio_supervisor {self.runner_id}"[:63],
+        )
+        try:
+            timeout = sql.Literal(f"{max(1, round(self.statement_timeout * 1000))}ms")
+            connection.execute(
+                sql.SQL(
+                    "SET statement_timeout = {timeout}; SET lock_timeout = {timeout}; "
+                    "SET search_path = {schema}"
+                ).format(timeout=timeout, schema=sql.Identifier(self.schema))
+            )
+            if not autocommit:
+                connection.commit()
+        except BaseException:
+            connection.close()
+            raise
+        return connection
+
+    def explain(self, action: str, error: BaseException) -> str:
+        """The message of the StateStorageError a caller gets for ``error``."""
+        if isinstance(error, psycopg.Error):
+            text = str(error).strip() or type(error).__name__
+        else:
+            text = repr(error)
+        if self.password:
+            text = text.replace(self.password, "***")
+        return f"{self.shown}: cannot {action}: {text}"
+
+
+class Watchdog:
+    """Drops the connection when a job gets no answer in time.
+
+    The server's ``statement_timeout`` bounds what it does, TCP keepalives and
+    ``tcp_user_timeout`` a peer that vanished; neither bounds a network that takes the
+    bytes and never delivers them (a stalled middlebox, a paused proxy), and psycopg's
+    sync calls wait without end. Past ``bound`` this thread shuts the socket down under
+    the waiting worker, whose call then fails; the next job connects again.
+    """
+
+    def __init__(
+        self, bound: float, connection: Callable[[], psycopg.Connection[Any] | None]
+    ) -> None:
+        self.bound = bound
+        self.fired = False
+        self._connection = connection
+        self._deadline: float | None = None
+        self._stopped = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(
+            target=self._run, name="trio_supervisor watchdog", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+
+    def __enter__(self) -> None:
+        with self._changed:
+            self.fired = False
+            self._deadline = time.monotonic() + self.bound
+            self._changed.notify()
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._changed:
+            self._deadline = None
+
+    def _run(self) -> None:
+        with self._changed:
+            while not self._stopped:
+                if self._deadline is None:
+                    self._changed.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._changed.wait(left)
+                    continue
+                self._deadline = None
+                self.fired = True
+                connection = self._connection()
+                if connection is not None:
+                    with contextlib.suppress(OSError, psycopg.Error):
+                        descriptor = os.dup(connection.pgconn.socket)
+                        with socket.socket(fileno=descriptor) as sock:
+                            sock.shutdown(socket.SHUT_RDWR)
+
+
+class Listener:
+    """The thread that LISTENs, and hands each notification's payload to ``hand``.
+
+    Its connection is its own, in autocommit. It is only a wake-up: when the connection
+    dies it connects again, and whatever it missed meanwhile the periodic checks of
+    ``run_member`` find. ``hand`` is called from this thread; it must only pass the
+    payload on to the run.
+    """
+
+    POLL: Final = 0.25  # seconds between looks at the stop flag
+    RETRY: Final = 0.5  # seconds between attempts to connect again
+
+    def __init__(
+        self, settings: Settings, hand: Callable[[str], None], listening: Callable[[], None]
+    ) -> None:
+        self.settings = settings
+        self._hand = hand
+        self._listening = listening
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(
+            target=self.run, name=f"trio_supervisor listen {settings.shown}", daemon=True
+        )
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                with self.settings.connect(autocommit=True) as connection:
+                    connection.execute(
+                        sql.SQL("LISTEN {}").format(sql.Identifier(self.settings.schema))
+                    )
+                    self._listening()
+                    while not self.stopping.is_set():
+                        for note in connection.notifies(timeout=self.POLL):
+                            self._hand(note.payload)
+            except Exception as error:
+                if self.stopping.is_set():
+                    return
+                # Only a wake-up: the periodic checks cover what is missed meanwhile.
+                logger.warning("%s; listening again", self.settings.explain("listen", error))
+                self.stopping.wait(self.RETRY)
