@@ -170,6 +170,10 @@ class FleetStore(BatchStore, Protocol):
         """Every retained record of the fleet, in save order, each with its runner."""
         ...
 
+    async def held(self, token: str) -> FleetRecord | None:
+        """The retained record of ``token``, whichever member holds it."""
+        ...
+
     async def owner(self, token: str) -> RunnerInfo | None:
         """The runner that holds the session of ``token``, if a record of it is retained."""
         ...

@@ -138,6 +138,11 @@ class Member(MemoryStore):
         await trio.lowlevel.checkpoint()
         return list(self._database.saved)
 
+    async def held(self, token: str) -> FleetRecord | None:
+        await trio.lowlevel.checkpoint()
+        found = [one for one in self._database.saved if one.record.handle.token == token]
+        return found[-1] if found else None
+
     async def owner(self, token: str) -> RunnerInfo | None:
         await trio.lowlevel.checkpoint()
         holder = self._database.misled.get(self._member) or self._database.holder.get(token)

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 from .._background import open_background_nursery
 from .._fields import GRACE, LEASE, TIMEOUT
-from ..abc import Execution, Store
+from ..abc import Execution, FleetStore, Store
 from ..model import Limits
 from ..retention import Retention
 from .supervisor import Lifetime, Supervisor
@@ -66,6 +66,18 @@ async def open_supervisor(
             raise TypeError(
                 f"{name} does not implement the {protocol.__name__} protocol: {adapter!r}"
             )
+    if hasattr(store, "run_member") and not isinstance(store, FleetStore):
+        # Half a fleet's store would run as a store of its own, fencing nothing across
+        # the fleet: refuse it rather than let a missing method change the semantics.
+        missing = sorted(
+            name
+            for name in dir(FleetStore)
+            if not name.startswith("_") and not hasattr(store, name)
+        )
+        raise TypeError(
+            f"store has run_member but does not implement the FleetStore protocol "
+            f"(missing: {', '.join(missing)}): {store!r}"
+        )
     stores_policy: Retention | None = getattr(store, "retention", None)
     if retention is None:
         retention = stores_policy or Retention()
@@ -86,9 +98,15 @@ async def open_supervisor(
         retention=retention,
     )
     lifetime = Lifetime(supervisor)
-    await lifetime.recover()
-
     async with open_background_nursery() as nursery:
+        # A member of a fleet renews its row from here on, while it recovers too: a
+        # recovery longer than its runner lease must not get it taken over (F1, F2).
+        await lifetime.join(nursery)
+        try:
+            await lifetime.recover()
+        except BaseException:
+            lifetime.detach()
+            raise
         await lifetime.start(nursery)
         try:
             yield supervisor

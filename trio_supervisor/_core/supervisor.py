@@ -153,7 +153,10 @@ class Supervisor:
             StaleSessionError: No retained record has this token, key and generation.
         """
         await trio.lowlevel.checkpoint()
-        return self._record_of(handle)
+        try:
+            return self._record_of(handle)
+        except StaleSessionError:
+            return await self._stopped_elsewhere(handle)
 
     async def high_water(self, key: Key) -> int | None:
         """Return the highest generation ever opened for ``key``, or None (S2)."""
@@ -429,7 +432,7 @@ class Supervisor:
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_usable()
-        session = self._session_of(handle)
+        session = await self._fleet_session_of(handle)
         if self._fleet is not None:
             # A generation opened on another runner supersedes this one; a lost
             # notification costs at most one renew period (docs/service.md section C).
@@ -459,7 +462,7 @@ class Supervisor:
             raise TypeError(f"load must be a Load, not {type(load).__name__}")
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_usable()
-        return await self._session_of(handle).load(load)
+        return await (await self._fleet_session_of(handle)).load(load)
 
     async def dispose(self, handle: Handle) -> Termination:
         """Stop the session and return how its child ended (D1-D5).
@@ -473,7 +476,10 @@ class Supervisor:
             TerminationUnconfirmedError, StateStorageError: The stop failed.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        record = self._record_of(handle)
+        try:
+            record = self._record_of(handle)
+        except StaleSessionError:
+            record = await self._stopped_elsewhere(handle)
         if isinstance(record, StoppedRecord):
             await trio.lowlevel.cancel_shielded_checkpoint()
             return record.termination
@@ -516,6 +522,36 @@ class Supervisor:
                     extra=log_fields(key, session.handle.generation),
                 )
                 session.stop_soon(Superseded())
+
+    async def _stopped_elsewhere(self, handle: Handle) -> StoppedRecord:
+        """The Stopped record of a session this supervisor does not hold, from the fleet.
+
+        A Stopped record never changes, so any member may answer for it: a session
+        another member stopped, or took over from a dead one (F7), is reported as the
+        host's own runner would. A live session held elsewhere stays unknown here (the
+        runner service sends the host to its holder: F8).
+
+        Raises:
+            StaleSessionError: No member holds a Stopped record of this handle.
+        """
+        if self._fleet is not None:
+            held = await storage_call(
+                self._fleet.held(handle.token), "the fleet's store could not be read"
+            )
+            record = None if held is None else held.record
+            if isinstance(record, StoppedRecord) and record.handle == handle:
+                return record
+        raise StaleSessionError("no retained session has this token, key and generation")
+
+    async def _fleet_session_of(self, handle: Handle) -> Session:
+        """:meth:`_session_of`, and in a fleet, a session stopped elsewhere says why (R3)."""
+        try:
+            return self._session_of(handle)
+        except StaleSessionError:
+            if self._fleet is None:
+                raise
+            record = await self._stopped_elsewhere(handle)
+            raise stop_error(record.reason) from None
 
     async def _run_member(self, *, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
         """Be a member of the fleet until the supervisor is done (docs/service.md C)."""
@@ -660,14 +696,16 @@ class Lifetime:
             supervisor._records, supervisor._execution, confirmation=supervisor._confirmation
         )
 
-    async def start(self, nursery: trio.Nursery) -> None:
-        """Run the supervisor's own tasks in ``nursery``: the lease timer, and its
-        membership of a fleet when its store is shared."""
+    async def join(self, nursery: trio.Nursery) -> None:
+        """Be a member of the fleet from now on, when the store is shared (F1, F2)."""
         supervisor = self._supervisor
         supervisor._nursery = nursery
-        self._tasks = [await nursery.start(supervisor._run_leases)]
         if supervisor._fleet is not None:
             self._tasks.append(await nursery.start(supervisor._run_member))
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Run the lease timer in ``nursery``: the supervisor is about to be used."""
+        self._tasks.append(await nursery.start(self._supervisor._run_leases))
 
     def detach(self) -> None:
         """Every session has stopped: end the supervisor's own tasks, forget the nursery.

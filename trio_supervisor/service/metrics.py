@@ -215,6 +215,9 @@ class TimedFleetStore(TimedStore):
     async def fleet_records(self) -> Sequence[FleetRecord]:
         return await self._fleet.fleet_records()
 
+    async def held(self, token: str) -> FleetRecord | None:
+        return await self._fleet.held(token)
+
     async def owner(self, token: str) -> RunnerInfo | None:
         return await self._fleet.owner(token)
 

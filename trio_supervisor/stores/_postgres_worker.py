@@ -355,6 +355,19 @@ class Worker:
         found = self._runners(connection, row[0])
         return found[0] if found else None
 
+    def _held(self, connection: psycopg.Connection[Any], token: str) -> FleetRecord | None:
+        row = connection.execute(
+            "SELECT token, identity, instance, body, runner_id, epoch FROM records "
+            "WHERE token = %s",
+            (token,),
+        ).fetchone()
+        if row is None:
+            return None
+        token, identity, instance, body, runner, epoch = row
+        return FleetRecord(
+            record=self._decode(token, identity, instance, body), runner_id=runner, epoch=epoch
+        )
+
     def _fleet_records(self, connection: psycopg.Connection[Any]) -> list[FleetRecord]:
         rows = connection.execute(
             "SELECT token, identity, instance, body, runner_id, epoch FROM records ORDER BY saved"
@@ -488,6 +501,7 @@ _ACTIONS: Final = {
     "runners": "list the runners",
     "owner": "find a session's runner",
     "fleet_records": "list the fleet's records",
+    "held": "read a session's record",
     "renew": "renew this runner's row",
     "marks": "check the high-water of live keys",
     "older": "look for older generations",

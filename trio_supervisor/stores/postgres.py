@@ -244,6 +244,11 @@ class PostgresStore:
         found: list[FleetRecord] = await self._ask("fleet_records")
         return found
 
+    async def held(self, token: str) -> FleetRecord | None:
+        """The retained record of ``token``, whichever runner holds it."""
+        found: FleetRecord | None = await self._ask("held", token)
+        return found
+
     async def owner(self, token: str) -> RunnerInfo | None:
         """The runner that holds the session of ``token``, if a record of it is retained."""
         found: RunnerInfo | None = await self._ask("owner", token)

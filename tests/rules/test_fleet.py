@@ -1,0 +1,112 @@
+"""The fleet's rules (docs/design.md, F1-F8) as the engine keeps them: supervisors on one
+PostgreSQL database, in one Trio run. The store's own side (fencing, takeover, the
+member's row) is tested in tests/adapters/test_postgres_store.py; runner processes in
+tests/service/test_fleet_processes.py."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import psycopg
+import pytest
+import trio
+
+from trio_supervisor import (
+    Disposed,
+    Load,
+    MemoryStore,
+    PostgresStore,
+    SessionStoppedError,
+    StaleSessionError,
+    StoppedRecord,
+    Superseded,
+    Supervisor,
+    open_supervisor,
+)
+from trio_supervisor.abc import FleetMember
+from trio_supervisor.testing import FakeExecution
+
+from ..postgres import database_for
+from ..support import KEY, OTHER, supervise_embedded
+
+
+@pytest.fixture(scope="module")
+def database() -> Iterator[str]:
+    with database_for(__name__) as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def two_members(database: str) -> AsyncIterator[tuple[Supervisor, Supervisor]]:
+    """Supervisors ``a`` and ``b`` of one fleet, in a schema of the test's own."""
+    schema = f"t_{uuid.uuid4().hex[:16]}"
+    try:
+        async with (
+            PostgresStore(database, runner_id="a", schema=schema, runner_lease=3) as on_a,
+            PostgresStore(database, runner_id="b", schema=schema, runner_lease=3) as on_b,
+            supervise_embedded(on_a, FakeExecution()) as a,
+            supervise_embedded(on_b, FakeExecution()) as b,
+        ):
+            yield a, b
+    finally:
+        with psycopg.connect(database, autocommit=True) as connection:
+            connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+async def test_f3_a_retried_request_is_answered_by_any_member(database: str) -> None:
+    async with two_members(database) as (a, b):
+        first = await a.open(KEY, "once")
+        # The host's retry reaches b: the same record, no second generation (O3).
+        assert await b.open(KEY, "once") == first
+        assert await b.high_water(KEY) == 1
+        # And b's expectation of the key is the fleet's, not its own (O4).
+        with pytest.raises(StaleSessionError, match="high-water generation is 1"):
+            await b.open(KEY, "fresh")
+
+
+async def test_f5_a_renew_of_a_session_superseded_elsewhere_stops_it(database: str) -> None:
+    async with two_members(database) as (a, b):
+        first = await a.open(KEY, "first")
+        await a.load(first.handle, Load(specifier="x"))
+        with trio.fail_after(15):
+            await b.open(KEY, "second", expected_generation=1)
+        # Stopped already (notified, or the open's wait); a renew says why either way.
+        with pytest.raises(SessionStoppedError, match=r"[Ss]uperseded"):
+            await a.renew(first.handle)
+        record = await a.status(first.handle)
+        assert isinstance(record, StoppedRecord)
+        assert isinstance(record.reason, Superseded)
+
+
+async def test_f8_a_session_stopped_elsewhere_is_answered_by_any_member(database: str) -> None:
+    async with two_members(database) as (a, b):
+        opened = await a.open(OTHER, "held")
+        termination = await a.dispose(opened.handle)
+        # b never held it: its Stopped record never changes, so b answers from it.
+        record = await b.status(opened.handle)
+        assert isinstance(record, StoppedRecord)
+        assert isinstance(record.reason, Disposed)
+        assert await b.dispose(opened.handle) == termination
+        with pytest.raises(SessionStoppedError):
+            await b.renew(opened.handle)
+        with pytest.raises(SessionStoppedError):
+            await b.load(opened.handle, Load(specifier="x"))
+        # A live session held elsewhere stays unknown to b (the service routes it: F8).
+        live = await a.open(KEY, "live")
+        with pytest.raises(StaleSessionError):
+            await b.status(live.handle)
+
+
+class HalfAFleetStore(MemoryStore):
+    """A store that looks like a fleet's (it has run_member) but is not one."""
+
+    async def run_member(self, member: FleetMember) -> None:
+        await trio.sleep_forever()
+
+
+async def test_half_a_fleet_store_is_refused_naming_what_it_lacks() -> None:
+    with pytest.raises(TypeError, match=r"missing: .*lookup.*wait_older_stopped"):
+        async with open_supervisor(HalfAFleetStore(), FakeExecution()):
+            pass
