@@ -20,6 +20,7 @@ from trio_supervisor import (
     PostgresStore,
     SessionStoppedError,
     StaleSessionError,
+    StateStorageError,
     StoppedRecord,
     Superseded,
     Supervisor,
@@ -29,7 +30,8 @@ from trio_supervisor.abc import FleetMember
 from trio_supervisor.testing import FakeExecution
 
 from ..postgres import database_for
-from ..support import KEY, OTHER, supervise_embedded
+from ..support import KEY, OTHER, supervise_embedded, until
+from ..tcp_proxy import TcpProxy
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +40,21 @@ def database() -> Iterator[str]:
         yield url
 
 
+@contextlib.contextmanager
+def own_schema(database: str) -> Iterator[str]:
+    """A schema name no store used yet; dropped afterwards."""
+    schema = f"t_{uuid.uuid4().hex[:16]}"
+    try:
+        yield schema
+    finally:
+        with psycopg.connect(database, autocommit=True) as connection:
+            connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
 @contextlib.asynccontextmanager
 async def two_members(database: str) -> AsyncIterator[tuple[Supervisor, Supervisor]]:
     """Supervisors ``a`` and ``b`` of one fleet, in a schema of the test's own."""
-    schema = f"t_{uuid.uuid4().hex[:16]}"
-    try:
+    with own_schema(database) as schema:
         async with (
             PostgresStore(database, runner_id="a", schema=schema, runner_lease=3) as on_a,
             PostgresStore(database, runner_id="b", schema=schema, runner_lease=3) as on_b,
@@ -50,9 +62,6 @@ async def two_members(database: str) -> AsyncIterator[tuple[Supervisor, Supervis
             supervise_embedded(on_b, FakeExecution()) as b,
         ):
             yield a, b
-    finally:
-        with psycopg.connect(database, autocommit=True) as connection:
-            connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 async def test_f3_a_retried_request_is_answered_by_any_member(database: str) -> None:
@@ -110,3 +119,40 @@ async def test_half_a_fleet_store_is_refused_naming_what_it_lacks() -> None:
     with pytest.raises(TypeError, match=r"missing: .*lookup.*wait_older_stopped"):
         async with open_supervisor(HalfAFleetStore(), FakeExecution()):
             pass
+
+
+async def test_f6_o9_an_open_that_waited_for_a_takeover_starts_its_lease_as_it_returns(
+    database: str,
+) -> None:
+    """The holder of generation 1 is cut off from the database (a proxy holds its bytes):
+    b's open waits for the takeover, far longer than b's own lease, and the session it
+    returns is live, its lease counted from the return."""
+    with TcpProxy(("127.0.0.1", 5432)) as proxy, own_schema(database) as schema:
+        cut_off = proxy.url(database)
+        async with (
+            PostgresStore(cut_off, runner_id="a", schema=schema, runner_lease=1) as on_a,
+            PostgresStore(database, runner_id="b", schema=schema, runner_lease=1) as on_b,
+            supervise_embedded(on_b, FakeExecution()) as b,
+        ):
+
+            async def held_by_a_then_taken_over() -> None:
+                async with supervise_embedded(on_a, FakeExecution()) as a:
+                    held = await a.open(KEY, "held", lease=1.0)
+                    await a.load(held.handle, Load(specifier="x"))
+                    proxy.pause()
+                    started = trio.current_time()
+                    with trio.fail_after(60):
+                        newer = await b.open(KEY, "newer", expected_generation=1, lease=0.5)
+                    assert trio.current_time() - started > 1.0 + 0.5  # a's lease, and more
+                    assert await b.renew(newer.handle) == 0.5  # live: its lease began now
+                    taken = await b.status(held.handle)
+                    assert isinstance(taken, StoppedRecord)
+                    lost = "exited (runner lost; exit status unknown)"
+                    assert taken.termination.describe() == lost
+                    proxy.resume()
+                    await until(lambda: a.poisoned, "a, fenced, poisoned itself")
+
+            # a shuts down poisoned: its writes were refused once it was taken over.
+            with pytest.raises(ExceptionGroup) as raised:
+                await held_by_a_then_taken_over()
+            assert raised.group_contains(StateStorageError, match="taken over")

@@ -288,16 +288,11 @@ class Supervisor:
         self._check_usable()
         await self._locks.acquire(key)
         try:
-            record = await self._open_locked(
+            return await self._open_locked(
                 key, request_id, expected_generation, seconds, negotiated
             )
         finally:
             self._locks.release(key)
-        if self._fleet is not None:
-            # O5 across the fleet: an older generation held by another runner was told
-            # to stop when the Open record landed; the open returns once it has.
-            await self._fleet.wait_older_stopped(record.handle)
-        return record
 
     async def _open_locked(
         self,
@@ -345,8 +340,12 @@ class Supervisor:
         try:
             await self._persist(record)
             # The record is durable: from here on nothing may stop the session from
-            # coming to exist (O11), and no checkpoint stands between here and its
-            # existence. Its lease starts now (O9).
+            # coming to exist (O11). In a fleet, an older generation held by another
+            # runner was told to stop when the record landed, and the open waits for it
+            # (F6; deviation (m)); whatever ends that wait, the session then exists.
+            # No other checkpoint stands between here and its existence. Its lease starts
+            # then, not during the wait, which may be long (O9).
+            failure = None if self._fleet is None else await self._wait_older(record.handle)
             session = Session(record, trio.current_time() + seconds, self._services)
             self._sessions[record.handle.token] = session
             of_key = self._by_key.get(key)
@@ -362,7 +361,20 @@ class Supervisor:
             self._opening -= 1
             if self._opened:
                 self._opened.unpark_all()
+        if failure is not None:
+            raise failure
         return record
+
+    async def _wait_older(self, handle: Handle) -> BaseException | None:
+        """Wait until no older generation of the key runs on another runner (F6); what
+        ended the wait otherwise (a cancellation included), to raise once the session
+        exists."""
+        assert self._fleet is not None
+        try:
+            await self._fleet.wait_older_stopped(handle)
+        except BaseException as error:
+            return error
+        return None
 
     async def _supersede(self, key: Key) -> None:
         """Stop every unfinished session of ``key`` and wait for their ends (O5)."""
