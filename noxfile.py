@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, typecheck, examples, conformance (deep profile), api, mutants, bench."""
+"""Sessions: tests, lint, typecheck, examples, conformance, fleet, api, mutants, bench."""
 
 from __future__ import annotations
 
@@ -90,6 +90,25 @@ def conformance(session: nox.Session) -> None:
     session.env["TRIO_SUPERVISOR_CONFORMANCE"] = "deep"
     session.env["PYTEST_TIMEOUT"] = "0"  # pytest-timeout off: each machine runs for minutes
     session.run("python", "-m", "pytest", "tests/conformance/test_conformance.py", *session.posargs)
+
+
+@nox.session
+def fleet(session: nox.Session) -> None:
+    """The fleet machine at length (200 examples on PostgreSQL: about half an hour), and
+    the conformance machine on PostgresStore (2,000 examples)."""
+    session.install("-e", ".[test]")
+    session.env["TRIO_SUPERVISOR_FLEET_EXAMPLES"] = "200"
+    session.env["TRIO_SUPERVISOR_CONFORMANCE"] = "deep"
+    session.env["TRIO_SUPERVISOR_POSTGRES_EXAMPLES"] = "2000"
+    session.env["PYTEST_TIMEOUT"] = "0"  # each machine runs for many minutes
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/conformance/test_fleet_machine.py",
+        "tests/conformance/test_conformance_postgres.py",
+        *session.posargs,
+    )
 
 
 @nox.session

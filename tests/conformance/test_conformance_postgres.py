@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -37,8 +38,10 @@ def postgres(previous: Store | None, retention: Retention) -> Store:
 
 
 Machine = conformance_machine(postgres)
-# Every example creates a schema and talks to a server: fewer of them than on SQLite.
+# Every example creates a schema and talks to a server: fewer of them than on SQLite,
+# unless TRIO_SUPERVISOR_POSTGRES_EXAMPLES says how many (``nox -s fleet``).
+CAP = int(os.environ.get("TRIO_SUPERVISOR_POSTGRES_EXAMPLES", "40"))
 Machine.TestCase.settings = settings(
-    Machine.TestCase.settings, max_examples=min(40, Machine.TestCase.settings.max_examples)
+    Machine.TestCase.settings, max_examples=min(CAP, Machine.TestCase.settings.max_examples)
 )
 TestPostgresStoreWithFakeExecution = Machine.TestCase
