@@ -18,6 +18,7 @@ from trio_supervisor import (
     Load,
     MemoryStore,
     PostgresStore,
+    RunnerClosingError,
     SessionStoppedError,
     StaleSessionError,
     StateStorageError,
@@ -156,3 +157,42 @@ async def test_f6_o9_an_open_that_waited_for_a_takeover_starts_its_lease_as_it_r
             with pytest.raises(ExceptionGroup) as raised:
                 await held_by_a_then_taken_over()
             assert raised.group_contains(StateStorageError, match="taken over")
+
+
+async def test_z1_a_shutdown_ends_an_open_waiting_for_an_older_generation_elsewhere(
+    database: str,
+) -> None:
+    """b's open waits for a's generation 1 (a is cut off from the database); b shuts down
+    meanwhile: the open ends with RunnerClosingError, and the shutdown does not wait for
+    a's takeover (a's runner lease is 30 s: none happens during the test)."""
+    with TcpProxy(("127.0.0.1", 5432)) as proxy, own_schema(database) as schema:
+        cut_off = proxy.url(database)
+        async with (
+            PostgresStore(database, runner_id="b", schema=schema, runner_lease=30) as on_b,
+            PostgresStore(cut_off, runner_id="a", schema=schema, runner_lease=30) as on_a,
+            supervise_embedded(on_a, FakeExecution()) as a,
+        ):
+            held = await a.open(KEY, "held", lease=60.0)
+            proxy.pause()
+            outcome: list[BaseException] = []
+
+            async def open_on(b: Supervisor) -> None:
+                try:
+                    await b.open(KEY, "newer", expected_generation=1)
+                except RunnerClosingError as error:
+                    outcome.append(error)
+
+            # Leaving b's block shuts b down, the waiting open included; the nursery then
+            # waits for that open's end.
+            async with (
+                trio.open_nursery() as nursery,
+                supervise_embedded(on_b, FakeExecution()) as b,
+            ):
+                nursery.start_soon(open_on, b)
+                # Its Open record landed: the open now waits for a's generation 1.
+                await until(lambda: any(r.handle.generation == 2 for r in b.records()), "b waits")
+            assert len(outcome) == 1, outcome
+            still = await on_b.held(held.handle.token)
+            assert still is not None
+            assert not isinstance(still.record, StoppedRecord)  # no takeover was waited for
+            proxy.resume()

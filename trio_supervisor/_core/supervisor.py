@@ -103,6 +103,7 @@ class Supervisor:
         # A store shared by a fleet of supervisors (docs/service.md section C): opens
         # claim generations in it, and sessions superseded elsewhere stop here.
         self._fleet: FleetStore | None = store if isinstance(store, FleetStore) else None
+        self._fleet_waits: set[trio.CancelScope] = set()  # opens waiting on older generations
         # Sessions by token, and the unfinished ones by key (usually one; more while an
         # open supersedes). A session leaves the first once its Stopped record is
         # durable, the second once its stop is over.
@@ -370,10 +371,22 @@ class Supervisor:
         ended the wait otherwise (a cancellation included), to raise once the session
         exists."""
         assert self._fleet is not None
-        try:
-            await self._fleet.wait_older_stopped(handle)
-        except BaseException as error:
-            return error
+        # A shutdown does not wait for this wait (it may last a takeover margin): it
+        # cancels it, and the session, once it exists, stops with the others (Z2).
+        with trio.CancelScope() as scope:
+            self._fleet_waits.add(scope)
+            if self._closing:
+                scope.cancel()
+            try:
+                await self._fleet.wait_older_stopped(handle)
+            except trio.Cancelled as cancelled:
+                if scope.cancel_called:
+                    return RunnerClosingError("the supervisor is shutting down")
+                return cancelled  # the caller's: raised again in the caller's scope
+            except BaseException as error:
+                return error
+            finally:
+                self._fleet_waits.discard(scope)
         return None
 
     async def _supersede(self, key: Key) -> None:
@@ -643,6 +656,8 @@ class Supervisor:
             problems behind any termination's cause.
         """
         self._closing = True
+        for scope in self._fleet_waits:
+            scope.cancel()
         reported: list[Exception] = []
         # Every session stops once; each is reported once, on the round it ended in.
         while self._by_key or self._opening:
