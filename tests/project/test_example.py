@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..postgres import server_dsn, with_parts
+
 EXAMPLE = Path(__file__).parents[2] / "examples" / "embedded.py"
+FLEET = Path(__file__).parents[2] / "examples" / "fleet.py"
 
 
 def run(state: Path) -> str:
@@ -68,3 +71,22 @@ def test_the_remote_host_example_runs_against_a_runner_of_its_own_twice() -> Non
         assert any(line.startswith("a load of nowhere:main: PackageError: ") for line in lines)
         assert any(line.startswith("a guessed token: StaleSessionError: ") for line in lines)
         assert lines[-1] == "the runner stopped (exit status 0), every child reaped"
+
+
+def test_the_fleet_example_runs_twice_on_the_machine_s_postgresql() -> None:
+    """examples/fleet.py (README, "Run a fleet"): two runners, one killed, a takeover."""
+    url = with_parts(server_dsn(), path="/postgres")  # the example makes its own database
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, str(FLEET), url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert "renewed through r2 (sent on to r1, the holder): lease 3 s" in lines
+        assert "r1 killed with SIGKILL" in lines
+        assert any(line.startswith("opened generation 2 on r2 after ") for line in lines), lines
+        assert "generation 1, on r1: Recovery, exited (runner lost; exit status unknown)" in lines
+        assert lines[-1] == "r2 stopped, every child reaped; the example's database is dropped"
