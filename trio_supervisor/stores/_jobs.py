@@ -7,21 +7,29 @@ still queued can be withdrawn by a caller that was cancelled; once taken, it is
 answered, so that a write either happened and is reported, or never happened. A job
 that writes nothing may be *abandoned* even once taken: its caller stops waiting, and
 the thread drops the answer.
+
+Both sides are here once, for every store with a thread: :class:`Desk` is the caller's
+(it starts the thread on first use, submits jobs, and closes it), :func:`next_batch` the
+thread's (everything queued while the last transaction ran goes into the next one: group
+commit).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import trio
 
+from ..errors import StateStorageError
 from ..model import SessionRecord
+from ..realtime import outside_the_run
 
-__all__ = ["Job", "State", "deliver"]
+__all__ = ["Desk", "Job", "State", "deliver", "next_batch"]
 
 
 class State(enum.Enum):
@@ -103,3 +111,99 @@ def _wake_all(jobs: list[Job]) -> None:
     for job in jobs:
         if job.answered():
             trio.lowlevel.reschedule(job.task)
+
+
+def next_batch(jobs: queue.SimpleQueue[Job]) -> tuple[list[Job], Job | None]:
+    """The thread's next batch: it waits for a job, then takes every job queued since.
+
+    Returns:
+        The jobs to serve (those their callers did not withdraw first), and the close
+        job if one came: the thread serves the batch, then closes.
+    """
+    batch = [jobs.get()]
+    while True:
+        try:
+            batch.append(jobs.get_nowait())
+        except queue.Empty:
+            break
+    taken: list[Job] = []
+    closing: Job | None = None
+    for job in batch:
+        if job.kind == "close":
+            closing = job
+        elif job.take():
+            taken.append(job)
+    return taken, closing
+
+
+class Desk:
+    """The caller's side of a store's thread: where the store's methods hand in jobs.
+
+    Args:
+        name: The thread's name (shown by debuggers and ``py-spy``).
+        where: What the store is, for the error of a call after :meth:`close`.
+        start: Makes the thread's work from the job queue, when the first job comes:
+            returns the function the thread runs (a worker's ``run``).
+    """
+
+    def __init__(
+        self, name: str, where: str, start: Callable[[queue.SimpleQueue[Job]], Callable[[], None]]
+    ) -> None:
+        self._name = name
+        self._where = where
+        self._start = start
+        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    async def submit(self, job: Job, *, abandonable: bool = False) -> Any:
+        """Hand ``job`` to the thread and wait for its answer.
+
+        Cancelling is safe: a job still queued is taken back and ``Cancelled`` goes
+        through; a taken one is waited for and reported (the write may land), unless
+        it is ``abandonable`` (it writes nothing), when the caller just stops waiting.
+
+        Raises:
+            StateStorageError: The store is closed, or the job failed.
+        """
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            raise StateStorageError(f"the store {self._where} is closed")
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._start(self._jobs), name=self._name, daemon=True
+            )
+            self._thread.start()
+        self._jobs.put(job)
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            if abandonable:
+                job.abandon()
+                return trio.lowlevel.Abort.SUCCEEDED
+            # Bounded when not withdrawn: one transaction, and the store's own timeouts.
+            return trio.lowlevel.Abort.SUCCEEDED if job.withdraw() else trio.lowlevel.Abort.FAILED
+
+        with outside_the_run():  # the thread's time is not the run's (realtime.py)
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    async def close(self) -> BaseException | None:
+        """Let the thread finish the jobs already queued, then close and end; what
+        closing failed with, if anything. Later calls do nothing.
+
+        Bounded by the jobs already queued; a cancellation waits for it too (and is seen
+        at the caller's next checkpoint).
+        """
+        if self._closed or self._thread is None:
+            self._closed = True
+            await trio.lowlevel.checkpoint()
+            return None
+        self._closed = True
+        job = Job("close")
+        job.take()
+        self._jobs.put(job)
+        with outside_the_run():
+            await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        return job.error

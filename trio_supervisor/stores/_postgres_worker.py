@@ -42,7 +42,7 @@ from ..model import (
     Termination,
     recovered,
 )
-from ._jobs import Job, deliver
+from ._jobs import Job, deliver, next_batch
 from ._postgres_connection import Settings, Watchdog
 from ._postgres_sql import FENCED, MIGRATION_LOCK, MIGRATIONS, SCHEMA_VERSION, Kind
 
@@ -84,20 +84,7 @@ class Worker:
         self._open_error = self._attempt("open the store", self._open)
         closing: Job | None = None
         while closing is None:
-            batch = [jobs.get()]
-            # Group commit: everything queued while the last transaction ran goes into
-            # the next one.
-            while True:
-                try:
-                    batch.append(jobs.get_nowait())
-                except queue.Empty:
-                    break
-            taken = []
-            for job in batch:
-                if job.kind == "close":
-                    closing = job
-                elif job.take():
-                    taken.append(job)
+            taken, closing = next_batch(jobs)  # group commit
             self._serve(taken)
         if self._open_error is None:
             failure = self._attempt("mark this runner's row expired", self._close)

@@ -23,9 +23,9 @@ from ..codec import decode
 from ..errors import RecordFormatError, StateStorageError
 from ..model import Key, SessionRecord, StoppedRecord
 from ..retention import Retention, StopOrder
-from ._jobs import Job, State, deliver
+from ._jobs import Job, deliver, next_batch
 
-__all__ = ["SCHEMA_VERSION", "Job", "State", "Worker", "deliver"]
+__all__ = ["SCHEMA_VERSION", "Worker"]
 
 
 SCHEMA_VERSION: Final = 1
@@ -162,20 +162,7 @@ class Worker:
         self._open_error = self._attempt("open", self._open)
         closing: Job | None = None
         while closing is None:
-            batch = [jobs.get()]
-            # Group commit: everything queued while the last transaction was written
-            # goes into the next one.
-            while True:
-                try:
-                    batch.append(jobs.get_nowait())
-                except queue.Empty:
-                    break
-            taken = []
-            for job in batch:
-                if job.kind == "close":
-                    closing = job
-                elif job.take():
-                    taken.append(job)
+            taken, closing = next_batch(jobs)  # group commit
             self._serve(taken)
         if self._connection is not None:
             closing.error = self._attempt("close", self._connection.close)

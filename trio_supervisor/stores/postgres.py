@@ -39,9 +39,8 @@ import logging
 import math
 import queue
 import socket
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Self
 
@@ -54,7 +53,7 @@ from ..errors import StateStorageError, TerminationUnconfirmedError
 from ..model import FleetRecord, Handle, Key, RunnerInfo, SessionRecord
 from ..realtime import outside_the_run
 from ..retention import Retention
-from ._jobs import Job
+from ._jobs import Desk, Job
 from ._postgres_connection import Listener, Settings
 from ._postgres_worker import Worker
 
@@ -126,10 +125,8 @@ class PostgresStore:
             connect_timeout=float(connect_timeout),
             statement_timeout=float(statement_timeout),
         )
-        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
         self._worker: Worker | None = None
-        self._closed = False
+        self._desk = Desk(f"trio_supervisor postgres {self.dsn}", self.dsn, self._start)
         # How often run_member checks the live keys' high-water (tests make it rare).
         self._check_period = min(runner_lease / 3, MOST_CHECK)
         self._heard: trio.Event | None = None  # set when a stop is notified
@@ -270,22 +267,9 @@ class PostgresStore:
         The row's expiry is a courtesy to the fleet (a takeover still waits out each
         record's margin); when the database cannot be reached it is logged, not raised.
         """
-        if self._closed:
-            await trio.lowlevel.checkpoint()
-            return
-        self._closed = True
-        if self._thread is None:
-            await trio.lowlevel.checkpoint()
-            return
-        job = Job("close")
-        job.take()
-        self._jobs.put(job)
-        # Bounded by the writes already queued and the statement timeout; a cancellation
-        # waits for it too (and is seen at the caller's next checkpoint).
-        with outside_the_run():
-            await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
-        if job.error is not None:
-            raise job.error
+        failure = await self._desk.close()
+        if failure is not None:
+            raise failure
 
     # -- the fleet ---------------------------------------------------------------------
 
@@ -454,29 +438,9 @@ class PostgresStore:
         """A job that writes nothing: its caller may stop waiting at any time."""
         return await self._submit(Job(kind, args=args), abandonable=True)
 
+    def _start(self, jobs: queue.SimpleQueue[Job]) -> Callable[[], None]:
+        self._worker = Worker(self._settings, jobs)
+        return self._worker.run
+
     async def _submit(self, job: Job, *, abandonable: bool = False) -> Any:
-        if self._closed:
-            await trio.lowlevel.checkpoint()
-            raise StateStorageError(f"the store {self.dsn} is closed")
-        if self._thread is None:
-            self._worker = Worker(self._settings, self._jobs)
-            self._thread = threading.Thread(
-                target=self._worker.run, name=f"trio_supervisor postgres {self.dsn}", daemon=True
-            )
-            self._thread.start()
-        self._jobs.put(job)
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            if abandonable:
-                job.abandon()
-                return trio.lowlevel.Abort.SUCCEEDED
-            # Still queued: take it back and let the cancellation through. Taken: the
-            # write may land, so wait for its answer and report it; bounded by one
-            # transaction (and the statement timeout).
-            return trio.lowlevel.Abort.SUCCEEDED if job.withdraw() else trio.lowlevel.Abort.FAILED
-
-        with outside_the_run():  # the worker's time is not the run's (realtime.py)
-            await trio.lowlevel.wait_task_rescheduled(abort)
-        if job.error is not None:
-            raise job.error
-        return job.result
+        return await self._desk.submit(job, abandonable=abandonable)

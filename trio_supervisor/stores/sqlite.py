@@ -26,19 +26,15 @@ from __future__ import annotations
 
 import os
 import queue
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
-import trio
-
 from ..codec import encode
-from ..errors import StateStorageError
 from ..model import Key, SessionRecord
-from ..realtime import outside_the_run
 from ..retention import Retention
-from ._sqlite_worker import Job, State, Worker
+from ._jobs import Desk, Job
+from ._sqlite_worker import Worker
 
 __all__ = ["SqliteStore"]
 
@@ -72,10 +68,8 @@ class SqliteStore:
         self.path = os.fspath(path)
         self._retention = retention or Retention()
         self._timeout = timeout
-        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
         self._worker: Worker | None = None
-        self._closed = False
+        self._desk = Desk(f"trio_supervisor sqlite {self.path}", self.path, self._start)
 
     @property
     def commits(self) -> int:
@@ -146,47 +140,17 @@ class SqliteStore:
             StateStorageError: SQLite failed to close the file; every save that
                 returned is durable all the same.
         """
-        if self._closed:
-            await trio.lowlevel.checkpoint()
-            return
-        self._closed = True
-        if self._thread is None:
-            await trio.lowlevel.checkpoint()
-            return
-        job = Job("close")
-        job.state = State.TAKEN
-        self._jobs.put(job)
-        # Bounded by the writes already queued; the thread exits right after. A
-        # cancellation waits for it too (and is seen at the caller's next checkpoint).
-        with outside_the_run():
-            await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
-        if job.error is not None:
-            raise job.error
+        failure = await self._desk.close()
+        if failure is not None:
+            raise failure
 
     # -- talking to the worker ---------------------------------------------------------
 
+    def _start(self, jobs: queue.SimpleQueue[Job]) -> Callable[[], None]:
+        self._worker = Worker(
+            self.path, retention=self._retention, timeout=self._timeout, jobs=jobs
+        )
+        return self._worker.run
+
     async def _submit(self, job: Job) -> Any:
-        if self._closed:
-            await trio.lowlevel.checkpoint()
-            raise StateStorageError(f"the store {self.path} is closed")
-        if self._thread is None:
-            self._worker = Worker(
-                self.path, retention=self._retention, timeout=self._timeout, jobs=self._jobs
-            )
-            self._thread = threading.Thread(
-                target=self._worker.run, name=f"trio_supervisor sqlite {self.path}", daemon=True
-            )
-            self._thread.start()
-        self._jobs.put(job)
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            # Still queued: take it back and let the cancellation through. Taken: the
-            # write may land, so wait for its answer and report it; bounded by one
-            # transaction (and SQLite's lock timeout).
-            return trio.lowlevel.Abort.SUCCEEDED if job.withdraw() else trio.lowlevel.Abort.FAILED
-
-        with outside_the_run():  # the worker's time is not the run's (realtime.py)
-            await trio.lowlevel.wait_task_rescheduled(abort)
-        if job.error is not None:
-            raise job.error
-        return job.result
+        return await self._desk.submit(job)
