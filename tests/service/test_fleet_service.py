@@ -1,11 +1,13 @@
 """The service's side of a fleet (docs/service.md section C): routing, runners, flags.
 
-Two supervisors in the test's own Trio run, each served by a real Hypercorn server on an
-ephemeral loopback port, share a small in-memory fleet store of this module
-(:class:`Database`): enough of a ``FleetStore`` to exercise the HTTP layer (421 bodies,
-the client following one, ``/v1/runners``, ``/v1/sessions`` with each record's runner).
-The fleet's own rules (fencing, takeover) are the engine's and ``PostgresStore``'s, and
-are tested against PostgreSQL with them.
+Two supervisors in the test's own Trio run, each on a ``PostgresStore`` of one fleet (a
+schema of the test's own in this module's database) and served by a real Hypercorn
+server on an ephemeral loopback port: the HTTP layer of a fleet (421 bodies, the client
+following one, ``/v1/runners``, ``/v1/sessions`` with each record's runner). As a fleet's
+runner does (service/runner.py), each binds its socket before its store opens, so that
+the store's row advertises the URL it is served at; a misconfigured fleet advertises
+another. The fleet's own rules (fencing, takeover) are tested in tests/rules/test_fleet.py
+and tests/adapters/test_postgres_store.py.
 """
 
 from __future__ import annotations
@@ -17,30 +19,31 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import attrs
 import httpx
+import psycopg
 import pytest
 import trio
 from click.testing import CliRunner
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from trio_supervisor import Handle, Key, Load, MemoryStore, StaleSessionError, Supervisor, cli
+from trio_supervisor import Handle, Key, Load, MemoryStore, PostgresStore, Supervisor, cli
 from trio_supervisor._background import open_background_nursery
-from trio_supervisor.abc import FleetMember, FleetStore
+from trio_supervisor.abc import FleetStore
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.errors import MisdirectedError
-from trio_supervisor.model import FleetRecord, OpenRecord, RunnerInfo, SessionRecord
 from trio_supervisor.service.app import create_app
 from trio_supervisor.service.fleet import Fleet
 from trio_supervisor.service.openapi import document
 from trio_supervisor.testing import FakeExecution
 
 from .. import support
+from ..postgres import database_for
 from ..support import HOSTS_TOKEN, OPERATOR_TOKEN, supervise_embedded
 
 HOSTS: Final = {"Authorization": f"Bearer {HOSTS_TOKEN}"}
@@ -49,104 +52,24 @@ KEY: Final = Key(identity="acme", instance="eu-1")
 LOAD: Final = Load(specifier="fake:ok")
 
 
-# -- a fleet of two, in memory --------------------------------------------------------------
+# -- a fleet of two, on PostgreSQL ----------------------------------------------------------
 
 
-@attrs.define
-class Database:
-    """What the fleet's members share: high-waters, who holds each token, the runners.
-
-    Attributes:
-        misled: A member's answer to ``owner`` for any token, true or not (to make two
-            runners send a call to each other).
-    """
-
-    high: dict[Key, int] = attrs.field(factory=dict)
-    holder: dict[str, str] = attrs.field(factory=dict)
-    saved: list[FleetRecord] = attrs.field(factory=list)
-    advertised: dict[str, str] = attrs.field(factory=dict)
-    misled: dict[str, str] = attrs.field(factory=dict)
-
-    def info(self, runner_id: str) -> RunnerInfo:
-        now = time.time()
-        held = {
-            one.record.handle.token: one.record for one in self.saved if one.runner_id == runner_id
-        }
-        return RunnerInfo(
-            runner_id=runner_id,
-            epoch=1,
-            advertise=self.advertised.get(runner_id, ""),
-            started_at=now - 60,
-            lease_until=now + 10,
-            alive=True,
-            sessions=sum(1 for record in held.values() if record.phase.value != "Stopped"),
-        )
+@pytest.fixture(scope="module")
+def database() -> Iterator[str]:
+    with database_for(__name__) as url:
+        yield url
 
 
-class Member(MemoryStore):
-    """One runner's view of the :class:`Database`: a ``FleetStore`` whose records are
-    also kept in memory, as its own."""
-
-    def __init__(self, database: Database, member: str) -> None:
-        super().__init__()
-        self._database = database
-        self._member = member
-
-    @property
-    def member(self) -> str:
-        return self._member
-
-    async def save(self, record: SessionRecord) -> None:
-        await self.save_many([record])
-
-    async def save_many(self, records: Sequence[SessionRecord]) -> None:
-        database = self._database
-        for record in records:
-            handle = record.handle
-            if isinstance(record, OpenRecord):
-                if database.high.get(handle.key, 0) != handle.generation - 1:
-                    raise StaleSessionError("another runner claimed this generation")
-                database.high[handle.key] = handle.generation
-        await super().save_many(records)
-        for record in records:
-            database.holder[record.handle.token] = self._member
-            database.saved.append(FleetRecord(record=record, runner_id=self._member, epoch=1))
-
-    async def lookup(self, key: Key, request_id: str | None) -> tuple[int, SessionRecord | None]:
-        await trio.lowlevel.checkpoint()
-        for one in self._database.saved:
-            record = one.record
-            if (
-                isinstance(record, OpenRecord)
-                and record.handle.key == key
-                and record.request_id == request_id
-            ):
-                return self._database.high.get(key, 0), record
-        return self._database.high.get(key, 0), None
-
-    async def wait_older_stopped(self, handle: Handle) -> None:
-        await trio.lowlevel.checkpoint()
-
-    async def run_member(self, member: FleetMember) -> None:
-        await trio.sleep_forever()
-
-    async def runners(self) -> Sequence[RunnerInfo]:
-        await trio.lowlevel.checkpoint()
-        return [self._database.info(name) for name in sorted(self._database.advertised)]
-
-    async def fleet_records(self) -> Sequence[FleetRecord]:
-        await trio.lowlevel.checkpoint()
-        return list(self._database.saved)
-
-    async def held(self, token: str) -> FleetRecord | None:
-        await trio.lowlevel.checkpoint()
-        found = [one for one in self._database.saved if one.record.handle.token == token]
-        return found[-1] if found else None
-
-    async def owner(self, token: str) -> RunnerInfo | None:
-        await trio.lowlevel.checkpoint()
-        holder = self._database.misled.get(self._member) or self._database.holder.get(token)
-        return None if holder is None else self._database.info(holder)
+@pytest.fixture
+def schema(database: str) -> Iterator[str]:
+    """A schema no store used yet, for this test's fleet; dropped afterwards."""
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    try:
+        yield name
+    finally:
+        with psycopg.connect(database, autocommit=True) as connection:
+            connection.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
 @attrs.frozen
@@ -159,35 +82,66 @@ class Served:
     host: RemoteSupervisor
 
 
+def bound() -> tuple[socket.socket, str]:
+    """A loopback socket on a free port, bound and not yet listening, and its URL."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+    except OSError:  # pragma: no cover - a loopback port 0 is always there
+        listener.close()
+        raise
+    host, port = listener.getsockname()
+    return listener, f"http://{host}:{port}"
+
+
 @contextlib.asynccontextmanager
-async def fleet_of_two() -> AsyncIterator[tuple[Database, Served, Served]]:
-    """Runners ``a`` and ``b`` on one :class:`Database`, each served on its own port."""
-    database = Database()
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = None
-    config.graceful_timeout = 1.0
+async def fleet_of_two(
+    database: str, schema: str, *, advertised: Mapping[str, str] | None = None
+) -> AsyncIterator[tuple[Served, Served]]:
+    """Runners ``a`` and ``b`` of one fleet, each on its own ``PostgresStore`` in
+    ``schema`` and served on its own port.
+
+    Args:
+        advertised: Whose URL a runner's store advertises, by runner ("" for none; its
+            own by default): a misconfigured fleet.
+    """
+    names = ("a", "b")
+    sockets: dict[str, socket.socket] = {}
+    urls: dict[str, str] = {}
     stop = trio.Event()
-    # The servers outlive the supervisors, which the stack holds (as support.server_slot).
+    # The servers outlive the supervisors, which the stack holds (as support.server_slot);
+    # a socket is closed by its server once served, else here.
     async with open_background_nursery() as nursery, contextlib.AsyncExitStack() as stack:
+        for name in names:
+            listener, urls[name] = bound()
+            sockets[name] = stack.enter_context(listener)
 
         async def run(name: str) -> Served:
-            store = Member(database, name)
+            whose = (advertised or {}).get(name, name)
+            advertise = urls[whose] if whose else ""
+            store = await stack.enter_async_context(
+                PostgresStore(database, runner_id=name, schema=schema, advertise=advertise)
+            )
             assert isinstance(store, FleetStore)
             supervisor = await stack.enter_async_context(supervise_embedded(store, FakeExecution()))
-            fleet = Fleet(name, store=store)
+            fleet = Fleet(name, store=store, advertise=advertise)
             app = create_app(
                 supervisor, hosts_token=HOSTS_TOKEN, operator_token=OPERATOR_TOKEN, fleet=fleet
             )
+            config = Config()
+            config.bind = [f"fd://{sockets[name].fileno()}"]
+            config.accesslog = None
+            config.graceful_timeout = 1.0
             binds = await nursery.start(
                 functools.partial(serve, app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
             )
-            fleet.advertise = database.advertised[name] = binds[0]
-            host = await stack.enter_async_context(connect(binds[0], token=HOSTS_TOKEN))
-            return Served(name, supervisor, binds[0], host)
+            sockets[name].detach()  # the server's socket holds it now, and closes it
+            assert binds == [urls[name]]
+            host = await stack.enter_async_context(connect(urls[name], token=HOSTS_TOKEN))
+            return Served(name, supervisor, urls[name], host)
 
         try:
-            yield database, await run("a"), await run("b")
+            yield await run("a"), await run("b")
         finally:
             stop.set()
 
@@ -205,9 +159,9 @@ def handle_json(handle: Handle) -> dict[str, Any]:
 
 @pytest.mark.parametrize("path", ["/v1/renew", "/v1/status", "/v1/dispose", "/v1/load"])
 async def test_a_session_call_to_a_runner_not_holding_it_is_a_421_naming_its_owner(
-    path: str,
+    database: str, schema: str, path: str
 ) -> None:
-    async with fleet_of_two() as (_, a, b):
+    async with fleet_of_two(database, schema) as (a, b):
         record = await b.host.open(KEY, "req-1")
         body: dict[str, Any] = {"handle": handle_json(record.handle)}
         if path == "/v1/load":
@@ -229,8 +183,10 @@ async def test_a_session_call_to_a_runner_not_holding_it_is_a_421_naming_its_own
         assert (await b.host.status(record.handle)).phase.value == "Open"
 
 
-async def test_the_operators_calls_on_a_session_held_elsewhere_are_421_too() -> None:
-    async with fleet_of_two() as (_, a, b):
+async def test_the_operators_calls_on_a_session_held_elsewhere_are_421_too(
+    database: str, schema: str
+) -> None:
+    async with fleet_of_two(database, schema) as (a, b):
         record = await b.host.open(KEY, "req-1")
         where = {"identity": KEY.identity, "instance": KEY.instance}
         async with httpx.AsyncClient(base_url=a.url, headers=OPERATORS) as operator:
@@ -244,8 +200,10 @@ async def test_the_operators_calls_on_a_session_held_elsewhere_are_421_too() -> 
         assert (await b.host.status(record.handle)).phase.value == "Open"
 
 
-async def test_a_token_no_runner_holds_is_stale_and_open_and_high_water_need_no_routing() -> None:
-    async with fleet_of_two() as (_, a, b):
+async def test_a_token_no_runner_holds_is_stale_and_open_and_high_water_need_no_routing(
+    database: str, schema: str
+) -> None:
+    async with fleet_of_two(database, schema) as (a, b):
         record = await b.host.open(KEY, "req-1")
         forged = attrs.evolve(record.handle, token=str(uuid.uuid4()))
         async with httpx.AsyncClient(base_url=a.url, headers=HOSTS) as bare:
@@ -258,8 +216,10 @@ async def test_a_token_no_runner_holds_is_stale_and_open_and_high_water_need_no_
         assert second.handle.generation == 2
 
 
-async def test_the_client_follows_a_421_once_to_the_runner_holding_the_session() -> None:
-    async with fleet_of_two() as (_, a, b):
+async def test_the_client_follows_a_421_once_to_the_runner_holding_the_session(
+    database: str, schema: str
+) -> None:
+    async with fleet_of_two(database, schema) as (a, b):
         record = await b.host.open(KEY, "req-1")
         # Every call through a; b holds the session and answers.
         assert await a.host.renew(record.handle) > 0
@@ -272,33 +232,47 @@ async def test_the_client_follows_a_421_once_to_the_runner_holding_the_session()
             assert await operator.logs(KEY, 1) == ""  # followed too (FakeExecution keeps none)
 
 
-async def test_a_second_421_is_an_error_naming_both_runners() -> None:
-    async with fleet_of_two() as (database, a, b):
-        record = await b.host.open(KEY, "req-1")
-        forged = attrs.evolve(record.handle, token=str(uuid.uuid4()))
-        database.misled.update(a="b", b="a")  # each says the other holds it
+async def test_a_second_421_is_an_error_naming_both_runners(database: str, schema: str) -> None:
+    # Misconfigured: a advertises b's URL, so b sends a call for a's session back to b.
+    async with fleet_of_two(database, schema, advertised={"a": "b"}) as (a, b):
+        record = await a.host.open(KEY, "req-1")
+        async with httpx.AsyncClient(base_url=b.url, headers=HOSTS) as bare:
+            answer = await bare.post("/v1/status", json={"handle": handle_json(record.handle)})
+        assert answer.status_code == 421, answer.text
+        assert (answer.json()["owner"], answer.json()["location"]) == ("a", b.url)
         with pytest.raises(MisdirectedError) as misdirected:
-            await a.host.status(forged)
+            await b.host.status(record.handle)
         detail = misdirected.value.detail
-        assert a.url in detail
-        assert f"'b' at {b.url}" in detail
-        assert f"'a' at {a.url}" in detail
-        assert "followed once" in detail
+        assert detail == (
+            f"the runner at {b.url} sent the call to the runner 'a' at {b.url}, which sent it "
+            f"on to the runner 'a' at {b.url}: the runners disagree on who holds the session; "
+            "followed once only"
+        )
+        # a, asked at its own URL, holds the session and answers it.
+        assert (await a.host.status(record.handle)).phase.value == "Open"
 
 
-async def test_a_421_without_a_location_is_an_error_naming_the_owner() -> None:
-    async with fleet_of_two() as (database, a, b):
+async def test_a_421_without_a_location_is_an_error_naming_the_owner(
+    database: str, schema: str
+) -> None:
+    # b never said where it is reached: its store advertises no URL.
+    async with fleet_of_two(database, schema, advertised={"b": ""}) as (a, b):
         record = await b.host.open(KEY, "req-1")
-        database.advertised["b"] = ""  # b never said where it is reached
+        async with httpx.AsyncClient(base_url=a.url, headers=HOSTS) as bare:
+            answer = await bare.post("/v1/renew", json={"handle": handle_json(record.handle)})
+        assert answer.status_code == 421, answer.text
+        assert (answer.json()["owner"], answer.json()["location"]) == ("b", "")
+        assert "an address it did not advertise" in answer.json()["detail"]
         with pytest.raises(MisdirectedError, match="'b' holds the session, but not where"):
             await a.host.renew(record.handle)
+        assert (await b.host.status(record.handle)).phase.value == "Open"
 
 
 # -- what operators see ---------------------------------------------------------------------
 
 
-async def test_runners_lists_the_fleet_for_operators_only() -> None:
-    async with fleet_of_two() as (_, a, b):
+async def test_runners_lists_the_fleet_for_operators_only(database: str, schema: str) -> None:
+    async with fleet_of_two(database, schema) as (a, b):
         await b.host.open(KEY, "req-1")
         async with httpx.AsyncClient(base_url=a.url) as bare:
             nobody = await bare.get("/v1/runners")
@@ -329,8 +303,10 @@ async def test_runners_lists_the_fleet_for_operators_only() -> None:
         assert {info.runner_id: info.advertise for info in infos} == {"a": a.url, "b": b.url}
 
 
-async def test_sessions_on_any_runner_lists_the_fleet_s_sessions_each_with_its_runner() -> None:
-    async with fleet_of_two() as (_, a, b):
+async def test_sessions_on_any_runner_lists_the_fleet_s_sessions_each_with_its_runner(
+    database: str, schema: str
+) -> None:
+    async with fleet_of_two(database, schema) as (a, b):
         await a.host.open(KEY, "req-1")
         other = Key(identity="acme", instance="eu-2")
         record = await b.host.open(other, "req-2")
