@@ -219,6 +219,12 @@ class RemoteSupervisor:
         answer = await again(location.rstrip("/"))
         if answer.status_code == 421:
             other, elsewhere = _misdirection(answer)
+            if other == owner:
+                raise MisdirectedError(
+                    f"the runner at {here} and the one at {location} both say the runner "
+                    f"{owner!r} holds the session and is reached at {elsewhere or 'no URL'}, "
+                    f"which is not where {owner!r} answers: its --advertise URL is wrong"
+                )
             raise MisdirectedError(
                 f"the runner at {here} sent the call to the runner {owner!r} at {location}, "
                 f"which sent it on to the runner {other!r} at {elsewhere or 'no URL'}: the "

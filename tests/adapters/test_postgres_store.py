@@ -518,6 +518,24 @@ async def test_a_restart_while_the_old_row_lives_warns(
     assert "another process may be running under this id" in caplog.text
 
 
+async def test_runners_advertising_one_url_are_warned_of_and_the_fleet_is_logged(
+    database: str, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="trio_supervisor.stores.postgres")
+    async with PostgresStore(database, runner_id="a", schema=schema, advertise="http://h:1"):
+        assert "runner a registered as epoch 1; no other runner alive" in caplog.text
+        async with PostgresStore(database, runner_id="b", schema=schema, advertise="http://h:1"):
+            pass
+    assert "runner b advertises http://h:1, as a already does" in caplog.text
+    assert "give each runner its own --advertise URL" in caplog.text
+    async with (
+        PostgresStore(database, runner_id="c", schema=schema, advertise="http://h:2"),
+        PostgresStore(database, runner_id="d", schema=schema, advertise="http://h:3"),
+    ):
+        pass
+    assert "runner d registered as epoch 1; 1 other runner alive (c)" in caplog.text
+
+
 def expire(database: str, schema: str, runner: str, seconds: float) -> None:
     run(
         in_schema(database, schema),

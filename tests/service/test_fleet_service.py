@@ -232,7 +232,9 @@ async def test_the_client_follows_a_421_once_to_the_runner_holding_the_session(
             assert await operator.logs(KEY, 1) == ""  # followed too (FakeExecution keeps none)
 
 
-async def test_a_second_421_is_an_error_naming_both_runners(database: str, schema: str) -> None:
+async def test_a_second_421_naming_the_same_runner_says_its_advertised_url_is_wrong(
+    database: str, schema: str
+) -> None:
     # Misconfigured: a advertises b's URL, so b sends a call for a's session back to b.
     async with fleet_of_two(database, schema, advertised={"a": "b"}) as (a, b):
         record = await a.host.open(KEY, "req-1")
@@ -244,9 +246,9 @@ async def test_a_second_421_is_an_error_naming_both_runners(database: str, schem
             await b.host.status(record.handle)
         detail = misdirected.value.detail
         assert detail == (
-            f"the runner at {b.url} sent the call to the runner 'a' at {b.url}, which sent it "
-            f"on to the runner 'a' at {b.url}: the runners disagree on who holds the session; "
-            "followed once only"
+            f"the runner at {b.url} and the one at {b.url} both say the runner 'a' holds the "
+            f"session and is reached at {b.url}, which is not where 'a' answers: its "
+            "--advertise URL is wrong"
         )
         # a, asked at its own URL, holds the session and answers it.
         assert (await a.host.status(record.handle)).phase.value == "Open"

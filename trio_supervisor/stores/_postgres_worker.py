@@ -189,9 +189,25 @@ class Worker:
             "RETURNING epoch",
             {"runner": runner, "advertise": settings.advertise, "lease": settings.runner_lease},
         ).fetchone()
+        others = connection.execute(
+            "SELECT runner_id, advertise FROM runners "
+            "WHERE runner_id <> %s AND lease_until > clock_timestamp() ORDER BY runner_id",
+            (runner,),
+        ).fetchall()
         connection.commit()
         assert row is not None
         self.epoch = row[0]
+        twins = [other for other, where in others if where and where == settings.advertise]
+        if twins:
+            logger.warning(
+                "%s: runner %s advertises %s, as %s already does%s: hosts sent there reach "
+                "only one of them; give each runner its own --advertise URL",
+                settings.shown,
+                runner,
+                settings.advertise,
+                ", ".join(twins),
+                "" if len(twins) == 1 else " each",
+            )
         if previous is not None and previous[1]:
             logger.warning(
                 "%s: runner %s registered as epoch %d while the row of its epoch %d was "
@@ -202,7 +218,16 @@ class Worker:
                 previous[0],
             )
         else:
-            logger.info("%s: runner %s registered as epoch %d", settings.shown, runner, self.epoch)
+            logger.info(
+                "%s: runner %s registered as epoch %d; %s",
+                settings.shown,
+                runner,
+                self.epoch,
+                f"{len(others)} other runner{'s' if len(others) != 1 else ''} alive "
+                f"({', '.join(other for other, _ in others)})"
+                if others
+                else "no other runner alive",
+            )
 
     def _close(self) -> None:
         # Its row stops counting as alive now, so that the fleet need not wait out its
