@@ -112,8 +112,8 @@ class Tally:
 
     @property
     def slow(self) -> int:
-        """Wins that took as long as the store's poll for older generations (0.2 s): a
-        wait that missed the notification of their stop."""
+        """Wins that took ``SLOW`` or more: near the store's poll for older generations
+        (0.2 s), so most likely a wait that missed the notification of their stop."""
         return sum(1 for seconds in self.times if seconds >= SLOW)
 
 
