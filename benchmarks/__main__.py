@@ -9,14 +9,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import child, control, durable, loop, memory, recovery, service
-from .measure import Result, machine, render
+from . import child, control, durable, fleet, loop, memory, recovery, service
+from .measure import Result, Skipped, machine, render
 
 # Each group runs its scenarios; the order puts the cheap ones first.
 GROUPS: dict[str, Callable[[bool, int], list[Result]]] = {
     "control": control.run,
     "memory": memory.run,
     "durable": durable.run,
+    "fleet": fleet.run,  # durable.postgres and fleet.*: a PostgreSQL server
     "loop": loop.run,
     "recovery": recovery.run,
     "service": service.run,
@@ -36,14 +37,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.rounds < 1:
         parser.error("--rounds must be at least 1")
     results: list[Result] = []
+    skipped: dict[str, str] = {}
     started = time.perf_counter()
     for name, run in GROUPS.items():
         if options.only and name not in options.only:
             continue
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        results.extend(run(options.quick, options.rounds))
+        try:
+            results.extend(run(options.quick, options.rounds))
+        except Skipped as skip:
+            skipped[name] = str(skip)
+            print(f"skipped {name}: {skip}", file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - started
     print(render(results))
+    for name, reason in skipped.items():
+        print(f"\nskipped {name}: {reason}")
     counted = [result for result in results if not result.informational]
     missed = [result.name for result in counted if not result.met]
     print(f"\n{len(counted) - len(missed)} of {len(counted)} targets met in {elapsed:.0f} s")
@@ -52,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "machine": machine(),
             "quick": options.quick,
             "results": [result.as_json() for result in results],
+            "skipped": skipped,
         }
         options.json.write_text(json.dumps(document, indent=2) + "\n")
     return 0

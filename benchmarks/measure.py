@@ -5,7 +5,8 @@ on even rounds, the baseline first on odd ones, so neither always runs on a warm
 cold machine), at least five rounds, and reports medians with their ranges. ``ratio`` is
 always ours / baseline in the scenario's unit; ``better`` says which way is good. Every
 row names its baseline (``baseline_name``); an ``informational`` row is shown and kept in
-the JSON but not counted among the targets.
+the JSON but not counted among the targets. A group that cannot run here (its server is
+unreachable) raises :class:`Skipped`, and the suite reports it and goes on.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import attrs
 
 Better = Literal["higher", "lower"]
+
+
+class Skipped(Exception):
+    """A group cannot run on this machine; the message says why and what to set."""
 
 
 @attrs.frozen(kw_only=True)
@@ -104,6 +109,22 @@ def interleaved(
         else:
             seconds.append(second())
             firsts.append(first())
+    return firsts, seconds
+
+
+async def interleaved_async(
+    first: Callable[[], Awaitable[float]], second: Callable[[], Awaitable[float]], rounds: int
+) -> tuple[list[float], list[float]]:
+    """:func:`interleaved` inside one Trio run, for scenarios whose setup outlives a round."""
+    firsts: list[float] = []
+    seconds: list[float] = []
+    for round_ in range(rounds):
+        if round_ % 2 == 0:
+            firsts.append(await first())
+            seconds.append(await second())
+        else:
+            seconds.append(await second())
+            firsts.append(await first())
     return firsts, seconds
 
 
