@@ -3,6 +3,7 @@ fenced writes, incarnations, takeover, membership of the fleet, and bad data."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -817,8 +818,8 @@ async def test_two_supervisors_on_one_database_act_as_one(database: str, schema:
         with trio.fail_after(15):
             second = await b.open(KEY, "r2", expected_generation=1)
         assert second.handle.generation == 2
-        stopped_on_a = await a.status(first.handle)
-        assert isinstance(stopped_on_a, StoppedRecord)
+        # Durable before b's open returned; a's own view takes a step more to catch up.
+        stopped_on_a = await until_stopped(a, first.handle, bound=5)
         assert stopped_on_a.reason.kind == "Superseded"
         # Either runner knows the key's high-water, and a's view of it is not stale.
         assert await a.high_water(KEY) == 2
@@ -830,3 +831,27 @@ async def test_two_supervisors_on_one_database_act_as_one(database: str, schema:
             await until_stopped(b, second.handle)
         holders = {f.record.handle.generation: f.runner_id for f in await on_a.fleet_records()}
         assert holders == {2: "b", 3: "a"}  # 1 went by retention (one Stopped per key)
+
+
+async def test_a_stop_notifies_only_when_a_newer_generation_is_held_by_another_runner(
+    database: str, schema: str
+) -> None:
+    """NOTIFY takes a global lock at commit: a superseded stop notifies only when an
+    opener on another runner may be waiting for it (F6), never within one runner."""
+    with connect(database) as listener:
+        listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(schema)))
+        async with (
+            PostgresStore(database, runner_id="a", schema=schema) as a,
+            PostgresStore(database, runner_id="b", schema=schema) as b,
+        ):
+            first, second, third = record("n", 1), record("n", 2), record("n", 3)
+            await a.save(first)
+            await a.save(second)  # a supersedes its own generation: nobody else waits
+            await a.save(stopped(first, Superseded()))
+            await b.save(third)  # b supersedes a's generation 2, and waits for its stop
+            await a.save(stopped(second, Superseded()))
+        heard = [json.loads(note.payload) for note in listener.notifies(timeout=1, stop_after=10)]
+    assert [(note["kind"], note["generation"]) for note in heard] == [
+        ("superseded", 3),  # b's open told a
+        ("stopped", 2),  # a's stop told b
+    ], heard

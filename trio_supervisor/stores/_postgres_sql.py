@@ -222,11 +222,16 @@ BEGIN
             -- Stopped again keeps its place, and evicts nothing).
             IF kept = fresh THEN
                 IF p_kinds[j] = 3 THEN
-                    -- An opener may wait for this stop (O5 across the fleet).
+                    -- An opener on another runner may wait for this stop (O5 across
+                    -- the fleet): tell it, and only it (NOTIFY serializes commits).
                     PERFORM pg_notify(current_schema(), json_build_object(
                         'kind', 'stopped', 'runner', p_runner,
                         'identity', p_identities[j], 'instance', p_instances[j],
-                        'generation', p_generations[j])::text);
+                        'generation', p_generations[j])::text)
+                    WHERE EXISTS (
+                        SELECT 1 FROM records r
+                        WHERE r.identity = p_identities[j] AND r.instance = p_instances[j]
+                          AND r.generation > p_generations[j] AND r.runner_id <> p_runner);
                 END IF;
                 -- (d) Retention, fleet-wide: the oldest Stopped of the key beyond the
                 -- number kept per key go ...

@@ -287,6 +287,11 @@ class PostgresStore:
         key, generation = handle.key, handle.generation
         deadlines: dict[str, float] = {}  # each live holder's, from when it was first seen
         while True:
+            # The event of the next notified stop is taken before the look, so a stop
+            # notified while the look runs wakes this wait at once.
+            if self._heard is None:
+                self._heard = trio.Event()
+            heard = self._heard
             older = await self._ask("older", key, generation)
             if not older:
                 return
@@ -310,10 +315,8 @@ class PostgresStore:
                 taken += len(await self._submit(Job("takeover", args=(runner, epoch))))
             if taken:
                 continue  # look again at once: those records are Stopped now
-            if self._heard is None:
-                self._heard = trio.Event()
             with realtime.bounded(POLL):
-                await self._heard.wait()
+                await heard.wait()
 
     async def run_member(self, member: FleetMember) -> None:
         """Keep this runner in the fleet until cancelled (see the module docs).
