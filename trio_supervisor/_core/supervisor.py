@@ -358,6 +358,10 @@ class Supervisor:
             if self._closing:
                 # Opened while the shutdown began: it stops like every other (Z2).
                 session.stop_soon(Shutdown())
+            elif self._records.high_water(key) > record.handle.generation:
+                # Superseded by another runner while this open waited for the older
+                # generations (the notification came before the session existed: F5).
+                session.stop_soon(Superseded())
         finally:
             self._opening -= 1
             if self._opened:
