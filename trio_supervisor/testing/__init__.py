@@ -1,8 +1,8 @@
 """Tools for testing code built on trio_supervisor, and adapters for it.
 
 The fakes (``FakeExecution``, ``FaultyStore``) need nothing beyond the package. The
-conformance machine needs Hypothesis, and the contract kits pytest and pytest-trio:
-test-only dependencies, so those names are imported on first use, and
+conformance machine and the fleet machine need Hypothesis, and the contract kits pytest
+and pytest-trio: test-only dependencies, so those names are imported on first use, and
 ``import trio_supervisor.testing`` works without them.
 """
 
@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from .conformance import conformance_machine as conformance_machine
     from .contracts import ExecutionContract as ExecutionContract
     from .contracts import StoreContract as StoreContract
+    from .fleet import FleetBackend as FleetBackend
+    from .fleet import FleetMachine as FleetMachine
+    from .fleet import fleet_machine as fleet_machine
     from .harnesses import FakeHarness as FakeHarness
     from .harnesses import Harness as Harness
     from .harnesses import InProcessHarness as InProcessHarness
@@ -36,11 +39,14 @@ __all__ = [
     "FakeHarness",
     "FakeUnit",
     "FaultyStore",
+    "FleetBackend",
+    "FleetMachine",
     "Harness",
     "InProcessHarness",
     "StoreContract",
     "SubprocessHarness",
     "conformance_machine",
+    "fleet_machine",
 ]
 
 # Imported on first use: the module of each name.
@@ -49,6 +55,9 @@ _LAZY = {
     "conformance_machine": ".conformance",
     "ExecutionContract": ".contracts",  # needs pytest
     "StoreContract": ".contracts",
+    "FleetBackend": ".fleet",  # needs hypothesis
+    "FleetMachine": ".fleet",
+    "fleet_machine": ".fleet",
     "FakeHarness": ".harnesses",
     "Harness": ".harnesses",
     "InProcessHarness": ".harnesses",
