@@ -10,7 +10,10 @@ then decides what the network does:
   before the pause then reach the database late, which is what a runner frozen past its
   takeover and then resumed does;
 * :meth:`TcpProxy.cut` closes every connection and refuses new ones, as a dead network
-  whose peer answers with resets; :meth:`TcpProxy.restore` accepts them again.
+  whose peer answers with resets; :meth:`TcpProxy.restore` accepts them again;
+* :meth:`TcpProxy.hold_answers` lets the runner's bytes through but holds the
+  server's: a statement runs and commits, and its answer never comes (cut it then, and
+  the outcome of a commit is lost on the way back).
 
 One thread runs every socket with a selector; the methods may be called from any
 thread or Trio task (they return at once).
@@ -72,6 +75,8 @@ class TcpProxy:
         self._selector = selectors.DefaultSelector()
         self._pipes: dict[socket.socket, _Pipe] = {}
         self._paused = False
+        self._answers_held = False
+        self._hold_after: bytes | None = None  # hold answers once a client sends this
         self._refusing = False
         self._closed = False
         self._cut_pending = False
@@ -96,6 +101,16 @@ class TcpProxy:
         """Hold every byte from now on; connections stay open."""
         self._change(paused=True)
 
+    def hold_answers(self, *, after: bytes | None = None) -> None:
+        """Forward what clients send; hold what the server answers, from now on, or
+        from when a client sends bytes holding ``after`` (a statement's text: the
+        server gets it, and its answer is held)."""
+        if after is None:
+            self._change(answers_held=True)
+        else:
+            with self._lock:
+                self._hold_after = after
+
     def resume(self) -> None:
         """Deliver what was held, and forward again."""
         self._change(paused=False)
@@ -105,8 +120,8 @@ class TcpProxy:
         self._change(refusing=True, cut=True)
 
     def restore(self) -> None:
-        """Accept and forward connections again."""
-        self._change(refusing=False, paused=False)
+        """Accept and forward connections again, both ways."""
+        self._change(refusing=False, paused=False, answers_held=False)
 
     def close(self) -> None:
         """Reset every connection and stop the thread."""
@@ -128,6 +143,7 @@ class TcpProxy:
         self,
         *,
         paused: bool | None = None,
+        answers_held: bool | None = None,
         refusing: bool | None = None,
         cut: bool = False,
         closed: bool = False,
@@ -135,6 +151,9 @@ class TcpProxy:
         with self._lock:
             if paused is not None:
                 self._paused = paused
+            if answers_held is not None:
+                self._answers_held = answers_held
+                self._hold_after = None
             if refusing is not None:
                 self._refusing = refusing
             self._cut_pending = self._cut_pending or cut
@@ -150,13 +169,13 @@ class TcpProxy:
                 with self._lock:
                     closed, cut = self._closed, self._cut_pending
                     self._cut_pending = False
-                    paused = self._paused
+                    paused, answers_held = self._paused, self._answers_held
                 if cut:
                     for pipe in {id(pipe): pipe for pipe in self._pipes.values()}.values():
                         self._drop(pipe)
                 if closed:
                     return
-                self._arm(paused)
+                self._arm(paused, answers_held)
                 for selected, events in self._selector.select(timeout=1.0):
                     sock = selected.fileobj
                     assert isinstance(sock, socket.socket)
@@ -202,18 +221,19 @@ class TcpProxy:
         self._selector.register(client, selectors.EVENT_READ)
         self._selector.register(server, selectors.EVENT_READ)
 
-    def _arm(self, paused: bool) -> None:
-        """Ask the selector for reads, and for writes where bytes are owed (unless paused)."""
+    def _arm(self, paused: bool, answers_held: bool) -> None:
+        """Ask the selector for reads, and for writes where bytes are owed and may go."""
         for sock, pipe in self._pipes.items():
             events = selectors.EVENT_READ
-            if pipe.pending[sock] and not paused:
+            held = paused or (answers_held and sock is pipe.client)
+            if pipe.pending[sock] and not held:
                 events |= selectors.EVENT_WRITE
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.modify(sock, events)
 
     def _pump(self, pipe: _Pipe, sock: socket.socket, events: int) -> None:
         with self._lock:
-            paused = self._paused
+            paused, answers_held = self._paused, self._answers_held
         if events & selectors.EVENT_READ:
             try:
                 data = sock.recv(65536)
@@ -226,11 +246,15 @@ class TcpProxy:
                 return
             if data:
                 pipe.pending[pipe.peer(sock)] += data
+                with self._lock:
+                    if sock is pipe.client and self._hold_after and self._hold_after in data:
+                        self._answers_held = answers_held = True
+                        self._hold_after = None
         if paused:
             return
         for target in (pipe.client, pipe.server):
             owed = pipe.pending[target]
-            if not owed:
+            if not owed or (answers_held and target is pipe.client):
                 continue
             try:
                 sent = target.send(owed)

@@ -409,6 +409,45 @@ async def test_a_network_that_stops_delivering_fails_a_call_in_seconds(
             assert [r.handle.key.instance for r in await store.list()] == ["n1", "n3", "n5"]
 
 
+async def test_a_save_whose_commit_answer_was_lost_is_looked_for_and_reported_landed(
+    database: str, schema: str
+) -> None:
+    """The save reaches the server and commits; its answer is held, then the connection
+    is reset. The store looks on a new connection, finds its rows, and the save returns
+    normally: what landed is never reported as failed (which would poison a runner and
+    leave an Open record without its session)."""
+    params = conninfo_to_dict(database)
+    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    with TcpProxy(target) as proxy:
+        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+        async with PostgresStore(through, runner_id="a", schema=schema) as store:
+            await store.save(record("l1", 1))
+            # Held from the COMMIT on: the statement and the commit run, their answer
+            # never comes back.
+            proxy.hold_answers(after=b"COMMIT")
+            opened = record("l2", 1)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(store.save, opened)  # raises if reported failed
+
+                def committed() -> bool:
+                    rows = run(
+                        in_schema(database, schema),
+                        "SELECT 1 FROM records WHERE token = %s",
+                        opened.handle.token,
+                    )
+                    return bool(rows)
+
+                await until(committed, "the save committed, its answer held")
+                proxy.cut()
+                proxy.restore()
+            assert [r.handle.key.instance for r in await store.list()] == ["l1", "l2"]
+            # A save that never reached the server is still reported as failed.
+            proxy.cut()
+            with trio.fail_after(15), pytest.raises(StateStorageError, match="cannot save"):
+                await store.save(record("l3", 1))
+            proxy.restore()
+
+
 # -- global fencing of generations ----------------------------------------------------
 
 

@@ -108,8 +108,25 @@ class Worker:
         saves = [job for job in jobs if job.kind == "save"]
         if saves:
             failure = self._attempt("save", functools.partial(self._save, saves))
-            for job in saves:
-                job.error = job.error or failure
+            landed: set[int] = set()
+            if failure is not None and self._connection is None:
+                # The connection broke during the save: the batch may have committed
+                # before its answer was lost. Look, on a new connection, rather than
+                # report a failure for what landed (a runner then poisons itself, and
+                # an Open that landed would be left without its session).
+                self._attempt(
+                    "look for a save whose answer was lost",
+                    functools.partial(self._landed, saves, landed),
+                )
+            for index, job in enumerate(saves):
+                if index in landed:
+                    logger.warning(
+                        "%s: the connection broke as a save committed; it had landed",
+                        self.settings.shown,
+                    )
+                    job.error = None
+                else:
+                    job.error = job.error or failure
         for job in jobs:
             if job.kind == "open":
                 continue  # the thread opened the store as it started: nothing left to do
@@ -251,6 +268,33 @@ class Worker:
                 f"high-water in the fleet is {mark}, so the next open is generation "
                 f"{mark + 1} (another open claimed it first); nothing of this save was written"
             )
+
+    def _landed(self, jobs: list[Job], landed: set[int]) -> None:
+        """Add to ``landed`` the index of every job of a batch that committed.
+
+        The batch is one transaction: it committed if any of its tokens holds what the
+        batch wrote last for it, under this runner's epoch. Then every job landed but
+        one whose Open lost its compare-and-set (its token is absent); a Stopped row
+        absent was evicted by retention in the same batch.
+        """
+        connection = self._connected()
+        last = {record.handle.token: body for job in jobs for record, body in job.rows}
+        held = {
+            token: (epoch, body)
+            for token, epoch, body in connection.execute(
+                "SELECT token, epoch, body FROM records WHERE token = ANY(%s)", (list(last),)
+            ).fetchall()
+        }
+        connection.commit()
+        if not any(held.get(token) == (self.epoch, body) for token, body in last.items()):
+            return  # it did not commit: the failure stands
+        for index, job in enumerate(jobs):
+            if not any(
+                isinstance(record, OpenRecord) and record.handle.token not in held
+                for record, _ in job.rows
+            ):
+                landed.add(index)
+        self.commits += 1
 
     def _write(
         self, runner: str, epoch: int, jobs: list[list[tuple[SessionRecord, str]]]
