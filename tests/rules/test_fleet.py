@@ -66,6 +66,7 @@ async def two_members(database: str) -> AsyncIterator[tuple[Supervisor, Supervis
 
 
 async def test_f3_a_retried_request_is_answered_by_any_member(database: str) -> None:
+    """F3 (with O3 and O4 across the fleet): the store's high-water and request ids."""
     async with two_members(database) as (a, b):
         first = await a.open(KEY, "once")
         # The host's retry reaches b: the same record, no second generation (O3).
@@ -77,6 +78,7 @@ async def test_f3_a_retried_request_is_answered_by_any_member(database: str) -> 
 
 
 async def test_f5_a_renew_of_a_session_superseded_elsewhere_stops_it(database: str) -> None:
+    """F5: a session superseded on another member stops, and its renew says why."""
     async with two_members(database) as (a, b):
         first = await a.open(KEY, "first")
         await a.load(first.handle, Load(specifier="x"))
@@ -91,6 +93,7 @@ async def test_f5_a_renew_of_a_session_superseded_elsewhere_stops_it(database: s
 
 
 async def test_f8_a_session_stopped_elsewhere_is_answered_by_any_member(database: str) -> None:
+    """F8: a Stopped record is answered by any member; a live one only by its holder."""
     async with two_members(database) as (a, b):
         opened = await a.open(OTHER, "held")
         termination = await a.dispose(opened.handle)
