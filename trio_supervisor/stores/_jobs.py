@@ -21,7 +21,8 @@ import enum
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from types import TracebackType
+from typing import Any, Final, Self
 
 import trio
 
@@ -29,7 +30,7 @@ from ..errors import StateStorageError
 from ..model import SessionRecord
 from ..realtime import outside_the_run
 
-__all__ = ["Desk", "Job", "State", "deliver", "next_batch"]
+__all__ = ["Desk", "Job", "Opening", "State", "deliver", "next_batch"]
 
 
 class State(enum.Enum):
@@ -207,3 +208,34 @@ class Desk:
         with outside_the_run():
             await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
         return job.error
+
+
+class Opening:
+    """``async with store:`` for a store with ``open()`` and ``aclose()``.
+
+    Entering opens the store; a store that failed to open is closed on the way out
+    (``async with`` does not leave what it failed to enter: its thread would live on,
+    idle, for as long as the process does). Leaving closes it.
+    """
+
+    async def open(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.open()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

@@ -41,8 +41,7 @@ import queue
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, Final
 
 import trio
 
@@ -53,7 +52,7 @@ from ..errors import StateStorageError, TerminationUnconfirmedError
 from ..model import FleetRecord, Handle, Key, RunnerInfo, SessionRecord
 from ..realtime import outside_the_run
 from ..retention import Retention
-from ._jobs import Desk, Job
+from ._jobs import Desk, Job, Opening
 from ._postgres_connection import Listener, Settings
 from ._postgres_worker import Worker
 
@@ -69,7 +68,7 @@ POLL: Final = 0.2
 MOST_CHECK: Final = 1.0
 
 
-class PostgresStore:
+class PostgresStore(Opening):
     """Records in a PostgreSQL database, shared by the runners of a fleet.
 
     Use it as ``async with PostgresStore(dsn) as store:`` or call :meth:`open` and
@@ -168,23 +167,6 @@ class PostgresStore:
         return self._retention
 
     # -- the face ----------------------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self.open()
-        except BaseException:
-            # ``async with`` does not leave what it failed to enter.
-            await self.aclose()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def open(self) -> None:
         """Connect, create or migrate the schema, and register this runner (a new epoch).

@@ -27,19 +27,18 @@ from __future__ import annotations
 import os
 import queue
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 from ..codec import encode
 from ..model import Key, SessionRecord
 from ..retention import Retention
-from ._jobs import Desk, Job
+from ._jobs import Desk, Job, Opening
 from ._sqlite_worker import Worker
 
 __all__ = ["SqliteStore"]
 
 
-class SqliteStore:
+class SqliteStore(Opening):
     """Records in one SQLite file.
 
     Use it as ``async with SqliteStore(path) as store:`` or call :meth:`aclose`; the
@@ -82,24 +81,6 @@ class SqliteStore:
         return self._retention
 
     # -- the face ----------------------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self.open()
-        except BaseException:
-            # ``async with`` does not leave what it failed to enter: stop the worker
-            # here, or it would live on, idle, for as long as the process does.
-            await self.aclose()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def open(self) -> None:
         """Open the file now rather than on first use, so a bad file fails here.
