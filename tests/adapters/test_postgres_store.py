@@ -3,13 +3,14 @@ fenced writes, incarnations, takeover, membership of the fleet, and bad data."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import psycopg
@@ -117,6 +118,18 @@ def run(dsn: str, statement: str, *args: object) -> list[tuple[Any, ...]]:
 def in_schema(dsn: str, schema: str) -> str:
     """A DSN whose connections find the store's tables unqualified."""
     return make_conninfo(dsn, options=f"-c search_path={schema}")
+
+
+@contextlib.asynccontextmanager
+async def two_runners(
+    database: str, schema: str, **options: Any
+) -> AsyncIterator[tuple[PostgresStore, PostgresStore]]:
+    """Stores of runners ``a`` and ``b`` of one fleet (the test's schema), open."""
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema, **options) as a,
+        PostgresStore(database, runner_id="b", schema=schema, **options) as b,
+    ):
+        yield a, b
 
 
 # -- the contract kit, and the protocols -----------------------------------------------
@@ -454,10 +467,7 @@ async def test_a_save_whose_commit_answer_was_lost_is_looked_for_and_reported_la
 async def test_racing_opens_of_one_key_have_one_winner_per_generation(
     database: str, schema: str
 ) -> None:
-    async with (
-        PostgresStore(database, runner_id="a", schema=schema) as a,
-        PostgresStore(database, runner_id="b", schema=schema) as b,
-    ):
+    async with two_runners(database, schema) as (a, b):
 
         async def race(
             store: PostgresStore, generation: int, outcomes: dict[str, BaseException | None]
@@ -489,10 +499,7 @@ async def test_racing_opens_of_one_key_have_one_winner_per_generation(
 async def test_a_lost_open_writes_nothing_and_the_rest_of_its_batch_lands(
     database: str, schema: str
 ) -> None:
-    async with (
-        PostgresStore(database, runner_id="a", schema=schema) as a,
-        PostgresStore(database, runner_id="b", schema=schema) as b,
-    ):
+    async with two_runners(database, schema) as (a, b):
         await a.save(record("k", 1))
         await b.save(record("first", 1))
         commits = b.commits
@@ -590,10 +597,7 @@ def expire(database: str, schema: str, runner: str, seconds: float) -> None:
 async def test_takeover_waits_for_the_margin_then_stops_the_records_as_runner_lost(
     database: str, schema: str
 ) -> None:
-    async with (
-        PostgresStore(database, runner_id="a", schema=schema) as a,
-        PostgresStore(database, runner_id="b", schema=schema) as b,
-    ):
+    async with two_runners(database, schema) as (a, b):
         await a.save(record("x", 1))  # lease 5 s
         await a.save(stopped(record("y", 1)))
         assert await a._ask("renew", 2.0)  # its stop_bound: 2 s
@@ -663,10 +667,7 @@ async def test_a_runner_frozen_past_its_takeover_writes_nothing_once_it_resumes(
 
 
 async def test_takeover_rechecks_the_epoch_it_saw(database: str, schema: str) -> None:
-    async with (
-        PostgresStore(database, runner_id="a", schema=schema) as a,
-        PostgresStore(database, runner_id="b", schema=schema) as b,
-    ):
+    async with two_runners(database, schema) as (a, b):
         await a.save(record("x", 1))
         expire(database, schema, "a", 60.0)
         # a restarted (or was taken over) after b saw its epoch: b's takeover is void.
@@ -678,10 +679,7 @@ async def test_takeover_rechecks_the_epoch_it_saw(database: str, schema: str) ->
 
 
 async def test_run_member_hears_a_supersede_by_notification(database: str, schema: str) -> None:
-    async with (
-        PostgresStore(database, runner_id="a", schema=schema) as a,
-        PostgresStore(database, runner_id="b", schema=schema) as b,
-    ):
+    async with two_runners(database, schema) as (a, b):
         a._check_period = 3600.0  # only the notification can tell it in time
         await a.save(record("k", 1))
         member = Member({key("k"): 1})
@@ -772,10 +770,7 @@ async def test_run_member_takes_over_dead_runners(database: str, schema: str) ->
 
 
 async def test_an_open_waits_until_the_older_generation_stopped(database: str, schema: str) -> None:
-    async with (
-        PostgresStore(database, runner_id="a", schema=schema) as a,
-        PostgresStore(database, runner_id="b", schema=schema) as b,
-    ):
+    async with two_runners(database, schema) as (a, b):
         first = record("k", 1)
         await a.save(first)
         second = record("k", 2)
@@ -798,10 +793,7 @@ async def test_an_open_waits_until_the_older_generation_stopped(database: str, s
 async def test_an_open_takes_a_dead_holder_over_and_fails_on_a_live_one_that_never_stops(
     database: str, schema: str
 ) -> None:
-    async with (
-        PostgresStore(database, runner_id="a", schema=schema) as a,
-        PostgresStore(database, runner_id="b", schema=schema) as b,
-    ):
+    async with two_runners(database, schema) as (a, b):
         await a.save(record("dead", 1))
         await a.save(record("live", 1))
         await b.save(record("live", 2))
@@ -819,10 +811,7 @@ async def test_an_open_takes_a_dead_holder_over_and_fails_on_a_live_one_that_nev
 async def test_lookup_finds_the_mark_and_a_request_of_any_runner(
     database: str, schema: str
 ) -> None:
-    async with (
-        PostgresStore(database, runner_id="a", schema=schema) as a,
-        PostgresStore(database, runner_id="b", schema=schema) as b,
-    ):
+    async with two_runners(database, schema) as (a, b):
         assert await b.lookup(key("k"), "r1") == (0, None)
         await a.save(record("k", 1))
         assert await b.lookup(key("k"), "r1") == (1, record("k", 1))
