@@ -9,7 +9,8 @@ process in a session and process group of its own. Messages are length-prefixed
 
     child -> supervisor   {"event": "tracked", "pid": 1234}   first: which process is T
     supervisor -> child   {"command": "spawn", ...}     what to run, limits, context
-                          (to a standby started ahead, also "log" and "environment")
+                          (to a standby started ahead, also "log" and "environment";
+                          with a cgroup, "cgroups": the cgroup.procs files T joins)
     child -> supervisor   {"event": "resolved", "code": {...}, "containment": "namespace"}
                           (or "sweep": what this child really uses)  or  {"event": "failed", ...}
     supervisor -> child   {"command": "renew", "lease": 5.0}    any number of times
@@ -22,8 +23,10 @@ process in a session and process group of its own. Messages are length-prefixed
 Theory of operation: two processes, each with one job.
 
 * **T, the tracked process**, whose pid, start time and boot id the supervisor records.
-  Before any of the caller's code runs it resolves the specifier (finding the module
-  file without importing it, or the executable of a named command), reports the code
+  Before any of the caller's code runs it joins the child's cgroup, if it was given
+  one (so the plugin's whole tree is in it from its first fork), resolves the
+  specifier (finding the module file without importing it, or the executable of a
+  named command), reports the code
   and its digest, and applies the limits with setrlimit. Then its one thread keeps the
   control protocol, the lease and the dead-man switch, and runs none of the caller's
   code. It holds the plugin's whole tree one of two ways:
@@ -757,6 +760,16 @@ def take_over(log: str, environment: dict[str, str]) -> None:
     os.environ.update(environment)
 
 
+def join_cgroups(procs: list[str]) -> None:
+    """Move this process (T) into the child's cgroup, in each hierarchy: "0" is the writer."""
+    for path in procs:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+
+
 def apply_limits(limits: dict[str, int | None]) -> None:
     if all(value is None for value in limits.values()):
         return
@@ -996,6 +1009,7 @@ def main() -> int:
     if not isinstance(spec, dict) or spec.get("command") != "spawn":
         return 2
     try:
+        join_cgroups(spec.get("cgroups", ()))
         if "log" in spec:
             # Started ahead as a standby: now it becomes the session's child.
             take_over(spec["log"], spec["environment"])
