@@ -460,6 +460,12 @@ def test_a_restarted_runner_recovers_every_tree(
         runner.send_signal(signal.SIGKILL)
         runner.wait()
         assert len(marked(nonce)) >= sum(LEAVES.values())
+        # A cgroup per child, each still holding its (stopped) tree.
+        held_cgroups = [
+            path for path in cgroups_of(tmp_path) if path.parent.name != "trio_supervisor"
+        ]
+        assert held_cgroups
+        assert all((path / "cgroup.procs").read_text() for path in held_cgroups)
         with reaping():  # what the recovery kills was the dead runner's: we reap it
             recovered = subprocess.run(
                 [sys.executable, str(RUNNER), str(tmp_path), containment, "recover"],
