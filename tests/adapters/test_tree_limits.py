@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
@@ -30,14 +33,31 @@ from trio_supervisor import (
     Supervisor,
     open_supervisor,
 )
-from trio_supervisor.executions._cgroups import ROOT
+from trio_supervisor.executions._cgroups import ROOT, detect
 
-from ..support import opened, until_logged, until_stopped
+from ..support import opened, reap_orphans, until_logged, until_stopped
 
 PLUGINS = Path(__file__).parent / "plugins_limits"
 EXAMPLES = Path(__file__).parents[2] / "examples" / "plugins"
 BOUND = 20.0
 MiB = 1024 * 1024
+# Joins the cgroup whose cgroup.procs files it is given, then leaves five daemons (each
+# in a session of its own, re-parented away from it) and says so.
+DAEMONS = """
+import os, sys, time
+for procs in sys.argv[1:]:
+    with open(procs, "w") as file:
+        file.write("0")
+for _ in range(5):
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            time.sleep(3600)
+        os._exit(0)
+    os.wait()
+print("ready", flush=True)
+time.sleep(3600)
+"""
 
 pytestmark = pytest.mark.skipif(
     not (ROOT / "pids" / "cgroup.procs").exists(), reason="needs writable cgroup hierarchies"
@@ -159,3 +179,29 @@ async def test_without_cgroups_memory_is_rlimit_as_and_other_tree_limits_are_ref
     [line] = [m for m in caplog.messages if m.startswith("subprocess children's trees")]
     assert "no cgroup (no cgroup hierarchy under" in line
     assert "memory_bytes is RLIMIT_AS per process" in line
+
+
+def test_without_cgroup_kill_every_member_is_killed_until_none_is_left(tmp_path: Path) -> None:
+    # cgroup v1 alone, as on a kernel without cgroup.kill: a SIGKILL per member, in passes.
+    found = detect(ROOT, tmp_path)
+    hierarchies = attrs.evolve(found, kill=None)
+    assert "pids" in hierarchies.limits
+    cgroup = hierarchies.child("daemons", Limits(processes=10))
+    cgroup.create()
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-c", DAEMONS, *cgroup.procs], stdout=subprocess.PIPE, text=True
+        ) as joined:
+            assert joined.stdout is not None
+            assert joined.stdout.readline() == "ready\n"
+            assert len(cgroup.members()) == 6  # setsid'd double forks included
+            assert trio.run(cgroup.emptied) == 6
+            assert cgroup.members() == set()
+            assert joined.wait(timeout=BOUND) == -signal.SIGKILL
+    finally:
+        reap_orphans()  # the daemons, re-parented to us (a child subreaper)
+        trio.run(cgroup.remove)
+        found.close()
+    assert not any(
+        directory.exists() for directory in found.child("daemons", Limits()).directories()
+    )
