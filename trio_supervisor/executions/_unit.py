@@ -357,6 +357,12 @@ class ProcessUnit:
             self._marker = None
         for tree in self._frozen:  # left by a wait that was cancelled
             tree.close()
+        cgroup = self._cgroup
+        if cgroup is not None and not cgroup.removed and not cgroup.members():
+            # Left by a wait that was cancelled; one still populated is left to the
+            # execution's exit, or to its next start on the same state directory.
+            with contextlib.suppress(OSError):
+                await cgroup.remove()
         if isinstance(self._process, ForkedProcess):
             # Its maker, if nothing waited for T (a recovery ended it): it exited as
             # soon as T existed.

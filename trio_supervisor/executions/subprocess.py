@@ -243,6 +243,8 @@ class SubprocessExecution:
         self._standby = Standby(self._start_standby)  # afresh: this run may start them
         self.cgroups = await trio.to_thread.run_sync(detect, self.cgroup_root, self.state_directory)
         stack.callback(self.cgroups.close)
+        # First, as it ends: what children ended by their dead-man switch left.
+        stack.callback(self.cgroups.remove_empty_leftovers)
         # Populated ones are left to recovery, which finds them by their records.
         await trio.to_thread.run_sync(self.cgroups.remove_empty_leftovers)
         try:
