@@ -205,3 +205,17 @@ def test_without_cgroup_kill_every_member_is_killed_until_none_is_left(tmp_path:
     assert not any(
         directory.exists() for directory in found.child("daemons", Limits()).directories()
     )
+
+
+async def test_an_execution_starts_by_removing_the_empty_cgroups_its_state_s_last_run_left(
+    tmp_path: Path,
+) -> None:
+    left = await trio.to_thread.run_sync(detect, ROOT, tmp_path)
+    for name in ("empty-1", "empty-2"):
+        left.child(name, Limits()).create()  # as a run killed between spawn and join
+    leftovers = sorted(left.leftovers())
+    assert len(leftovers) == 2 * len(left.roots())
+    async with SubprocessExecution(tmp_path, entry_paths=[EXAMPLES]) as execution:
+        assert list(execution.cgroups.leftovers()) == []
+    assert not any(path.exists() for path in leftovers)
+    assert not any((root / left.parent).exists() for root in left.roots())  # its own too

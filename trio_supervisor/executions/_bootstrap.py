@@ -448,6 +448,7 @@ class Tracked:
         self.deadline: float | None = None
         self.interrupted = False
         self.child = 0  # P, once forked
+        self.cgroups: list[str] = []  # the cgroup.procs files T joined, if any
         self.status: int | None = None  # P's wait status, once reaped
         # P waits on ``go`` (forked ahead, it runs nothing until "start"); T alone
         # holds ``going``, so EOF there also means T is gone.
@@ -480,8 +481,17 @@ class Tracked:
     def renew(self, lease: float) -> None:
         self.deadline = time.monotonic() + float(lease) + LEASE_SLACK
 
-    def switch(self) -> NoReturn:
-        """The dead-man switch: end this child's whole tree, then this process."""
+    def switch(self, *, gone: bool = False) -> NoReturn:
+        """The dead-man switch: end this child's whole tree, then this process.
+
+        With the supervisor ``gone``, nobody else removes the child's cgroup (a runner
+        of its fleet takes the session over, or none): T does, once its tree is."""
+        if gone and self.cgroups:
+            if self.containment == "namespace":
+                clear_namespace()
+            else:
+                sweep_descendants()
+            leave_cgroups(self.cgroups)
         if self.containment == "namespace":
             # The plugin is killed with the namespace as its PID 1 exits.
             self.end(SIGKILL)
@@ -520,7 +530,7 @@ class Tracked:
                     except BlockingIOError:
                         break
             if self.control.fd in ready and not self.control.fill():
-                self.switch()  # the supervisor is gone: nobody may outlive it
+                self.switch(gone=True)  # the supervisor is gone: nobody may outlive it
             expired = self.deadline is not None and time.monotonic() >= self.deadline
             if not ready and expired and not self.interrupted:
                 self.switch()  # the lease ran out and nobody renewed it
@@ -768,6 +778,19 @@ def join_cgroups(procs: list[str]) -> None:
             os.write(fd, b"0")
         finally:
             os.close(fd)
+
+
+def leave_cgroups(procs: list[str]) -> None:
+    """Move this process (T) to the root of each hierarchy, and remove the child's
+    cgroup, then the execution's parent if it was the last child (each a no-op where it
+    cannot be done: the supervisor's next start removes what is left)."""
+    for path in procs:
+        child = os.path.dirname(path)
+        parent = os.path.dirname(child)
+        root = os.path.dirname(os.path.dirname(parent))  # above trio_supervisor/EXECUTION
+        quietly(join_cgroups, [os.path.join(root, "cgroup.procs")])
+        quietly(os.rmdir, child)
+        quietly(os.rmdir, parent)
 
 
 def apply_limits(limits: dict[str, int | None]) -> None:
@@ -1028,6 +1051,7 @@ def main() -> int:
         return 1
     containment = "namespace" if os.getpid() == 1 else "sweep"
     tracked = Tracked(control, containment)
+    tracked.cgroups = spec.get("cgroups", [])
     control.send({"event": "resolved", "code": code, "containment": containment})
     # Forked while the supervisor makes the child's identity durable, before "start".
     if tracked.fork_plugin(spec) == 0:

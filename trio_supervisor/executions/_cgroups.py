@@ -308,7 +308,9 @@ class TreeCgroup:
         made: list[Path] = []
         try:
             for directory in self.directories():
-                directory.mkdir()
+                # The parent too, should the last child of a run it had lost (by a
+                # closed socket) have removed it as it left (see _bootstrap.leave_cgroups).
+                directory.mkdir(parents=True)
                 made.append(directory)
             self._configure()
             if self.member is not None:
