@@ -173,9 +173,15 @@ class ProcessUnit:
             ExecutionError: It could not prepare the child (the child is reaped).
         """
         try:
-            if self._cgroup is not None:
+            cgroup = self._cgroup
+            if cgroup is not None:
                 try:
-                    self._cgroup.create()
+                    if cgroup.member is None:
+                        cgroup.create()  # a few mkdirs and writes; T joins by itself
+                    else:
+                        # Moving another process waits for the kernel (an RCU grace
+                        # period, milliseconds): not on the event loop.
+                        await trio.to_thread.run_sync(cgroup.create)
                 except OSError as error:
                     raise ExecutionError(
                         f"cannot make the cgroup of the child for {self._specifier!r}: {error}"
