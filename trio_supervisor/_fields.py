@@ -155,6 +155,17 @@ def _cpu_limit(name: str, value: object) -> None:
 cpu_limit: Final = Check(_cpu_limit, minimum=1)
 
 
+def _tree_limit(name: str, value: object) -> None:
+    _limit(name, value)
+    if value == 0:
+        raise ValueError(
+            f"{name} must be None (no limit) or >= 1, got 0: a child allowed none cannot start"
+        )
+
+
+tree_limit: Final = Check(_tree_limit, minimum=1)
+
+
 def as_float(value: object) -> object:
     return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 

@@ -30,7 +30,9 @@ from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, overrid
 from .errors import RecordFormatError
 from .model import (
     ActiveRecord,
+    ChildIdentity,
     ExitStatus,
+    Limits,
     Load,
     Phase,
     SessionRecord,
@@ -168,10 +170,29 @@ def _configure(target: cattrs.Converter) -> cattrs.Converter:
     target.register_unstructure_hook(
         Load, make_dict_unstructure_fn(Load, target, config=override(unstruct_hook=thaw))
     )
-    # Written only when true: the records of a single runner read as they always did.
+    # Written only when set: the records of a runner alone, without tree limits, read
+    # as they always did.
     target.register_unstructure_hook(
         ExitStatus,
-        make_dict_unstructure_fn(ExitStatus, target, runner_lost=override(omit_if_default=True)),
+        make_dict_unstructure_fn(
+            ExitStatus,
+            target,
+            runner_lost=override(omit_if_default=True),
+            oom_limit=override(omit_if_default=True),
+        ),
+    )
+    target.register_unstructure_hook(
+        Limits,
+        make_dict_unstructure_fn(
+            Limits,
+            target,
+            processes=override(omit_if_default=True),
+            cpu_percent=override(omit_if_default=True),
+        ),
+    )
+    target.register_unstructure_hook(
+        ChildIdentity,
+        make_dict_unstructure_fn(ChildIdentity, target, cgroup=override(omit_if_default=True)),
     )
     target.register_structure_hook(
         Load,

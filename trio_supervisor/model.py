@@ -101,6 +101,11 @@ class Limits:
     open_files: int | None = attrs.field(default=None, validator=fields.limit)
     file_size_bytes: int | None = attrs.field(default=None, validator=fields.limit)
     output_bytes: int | None = attrs.field(default=None, validator=fields.limit)
+    # For the child's whole tree (a cgroup): how many processes and threads it may hold
+    # at once, and how much CPU it may use, 100 being one core (systemd's CPUQuota=).
+    # At least 1: a child with no process or no CPU at all cannot start.
+    processes: int | None = attrs.field(default=None, validator=fields.tree_limit)
+    cpu_percent: int | None = attrs.field(default=None, validator=fields.tree_limit)
 
 
 def _lower(ceiling: int | None, request: int | None) -> int | None:
@@ -127,6 +132,8 @@ def negotiate(supervisor: Limits, requested: Limits) -> Limits:
         open_files=_lower(supervisor.open_files, requested.open_files),
         file_size_bytes=_lower(supervisor.file_size_bytes, requested.file_size_bytes),
         output_bytes=_lower(supervisor.output_bytes, requested.output_bytes),
+        processes=_lower(supervisor.processes, requested.processes),
+        cpu_percent=_lower(supervisor.cpu_percent, requested.cpu_percent),
     )
 
 
@@ -172,6 +179,8 @@ class ChildIdentity:
         start_time: The process start time in clock ticks since boot (field 22 of
             ``/proc/PID/stat``): a pid alone may have been reused.
         boot_id: The kernel's boot id; after a reboot no recorded pid is ours.
+        cgroup: The cgroup that holds the child's whole tree, relative to the root of
+            each hierarchy (``trio_supervisor/.../NAME``), where one was made.
     """
 
     adapter: str = attrs.field(validator=fields.text)
@@ -180,6 +189,7 @@ class ChildIdentity:
     pgid: int | None = attrs.field(default=None, validator=fields.optional_integer)
     start_time: int | None = attrs.field(default=None, validator=fields.optional_integer)
     boot_id: str | None = attrs.field(default=None, validator=fields.optional_text)
+    cgroup: str | None = attrs.field(default=None, validator=fields.optional_text)
 
 
 # -- termination ----------------------------------------------------------------------
@@ -199,6 +209,8 @@ class ExitStatus:
         runner_lost: The runner that held the child died, and another runner of its
             fleet stopped the session once the child had surely ended by its lease
             (docs/service.md section C, "Takeover"); nothing else is known.
+        oom_limit: The memory limit of the child's tree, in bytes, when the kernel
+            killed a process of it for going over that limit; else None.
 
     ``code`` and ``signal`` both None, and not ``cancelled``: the status is unknown (the
     child was already gone when recovery looked for it, or its runner was lost).
@@ -211,6 +223,7 @@ class ExitStatus:
     cancelled: bool = attrs.field(default=False, validator=fields.flag)
     descendants_killed: int = attrs.field(default=0, validator=fields.count)
     runner_lost: bool = attrs.field(default=False, validator=fields.flag)
+    oom_limit: int | None = attrs.field(default=None, validator=fields.optional(fields.count))
 
     @property
     def known(self) -> bool:
@@ -277,12 +290,16 @@ class Termination:
             details = ["did not stop in time; cancelled" if self.kind == "killed" else "cancelled"]
         elif status.code is not None:
             details = [f"code {status.code}"]
+        elif status.signal == signal.SIGKILL and status.oom_limit is not None:
+            details = []  # the kernel's OOM killer: said below instead of SIGKILL
         elif status.signal is not None:
             details = [_signal_name(status.signal)]
         elif status.runner_lost:
             details = ["runner lost; exit status unknown"]
         else:
             details = ["already gone; exit status unknown"]
+        if status.oom_limit is not None:
+            details.append(f"out of memory, limit {_bytes(status.oom_limit)}")
         if status.descendants_killed:
             plural = "s" if status.descendants_killed != 1 else ""
             details.append(f"{status.descendants_killed} descendant{plural} killed")
@@ -292,6 +309,14 @@ class Termination:
         if self.kind == "none":
             return f"no child ({'; '.join(details)})" if details else "no child"
         return f"{self.kind} ({'; '.join(details)})"
+
+
+def _bytes(number: int) -> str:
+    """``256 MiB``, ``1.5 GiB``, ``1000 bytes``: binary units, as limits are set."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if number >= size:
+            return f"{number / size:g} {unit}"
+    return f"{number} bytes"
 
 
 def _signal_name(number: int) -> str:

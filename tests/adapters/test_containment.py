@@ -48,7 +48,7 @@ from trio_supervisor import (
     open_supervisor,
 )
 from trio_supervisor.errors import ExecutionError
-from trio_supervisor.executions import _containment
+from trio_supervisor.executions import _cgroups, _containment
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.executions._unit import ProcessUnit
 
@@ -396,6 +396,18 @@ def held(
         yield runner.process, children
 
 
+def cgroups_of(state: Path) -> list[Path]:
+    """The cgroups of the executions on ``state``: their parents and children, in every
+    hierarchy."""
+    parent = f"{_cgroups.PARENT}/{_cgroups.execution_name(state.absolute())}"
+    return sorted(
+        path
+        for found in _cgroups.ROOT.glob(f"*/{parent}")
+        for path in [found, *found.iterdir()]
+        if path.is_dir()
+    )
+
+
 def left_in(state: Path) -> set[int]:
     """Every pid the plugins said they left, from their logs in the runner's state."""
     return {
@@ -424,6 +436,8 @@ def test_a_killed_runner_leaves_nothing_behind(
         assert gone_within(nonce, LEASE + 2) == set()
         assert not survivors(children.values(), LEASE + 2)
     reap_orphans()
+    # Each tracked process removed its cgroup as it ended, with nobody else to do it.
+    assert cgroups_of(tmp_path) == []
 
 
 @pytest.mark.parametrize("containment", MECHANISMS)
@@ -438,6 +452,12 @@ def test_a_restarted_runner_recovers_every_tree(
         runner.send_signal(signal.SIGKILL)
         runner.wait()
         assert len(marked(nonce)) >= sum(LEAVES.values())
+        # A cgroup per child, each still holding its (stopped) tree.
+        held_cgroups = [
+            path for path in cgroups_of(tmp_path) if path.parent.name != "trio_supervisor"
+        ]
+        assert held_cgroups
+        assert all((path / "cgroup.procs").read_text() for path in held_cgroups)
         with reaping():  # what the recovery kills was the dead runner's: we reap it
             recovered = subprocess.run(
                 [sys.executable, str(RUNNER), str(tmp_path), containment, "recover"],
@@ -456,6 +476,8 @@ def test_a_restarted_runner_recovers_every_tree(
             killed = int(line.split("; ")[1].split()[0])
             assert killed >= LEAVES[name], line
         assert not any(running(pid) for pid in children.values())
+        # Recovery removed each child's cgroup, and the run its own parent as it ended.
+        assert cgroups_of(tmp_path) == []
     reap_orphans()
 
 
@@ -480,7 +502,11 @@ async def test_the_mechanism_in_use_is_logged_and_a_child_reports_its_own(
                 assert isinstance(unit, ProcessUnit)
                 assert unit.containment == execution.mechanism.kind
                 await unit.aclose()
-        [line] = [record.getMessage() for record in caplog.records]
+        [line] = [
+            record.getMessage()
+            for record in caplog.records
+            if record.getMessage().startswith("subprocess children are contained by")
+        ]
         assert words in line, line
 
 
@@ -495,7 +521,11 @@ async def test_where_no_namespace_is_allowed_auto_sweeps_and_namespace_refuses(
     with caplog.at_level(logging.INFO, "trio_supervisor.executions.subprocess"):
         async with SubprocessExecution(tmp_path / "auto", standby=True) as execution:
             assert execution.mechanism.kind == "sweep"
-    [line] = [record.getMessage() for record in caplog.records]
+    [line] = [
+        record.getMessage()
+        for record in caplog.records
+        if record.getMessage().startswith("subprocess children are contained by")
+    ]
     assert "subreaper sweep (PID namespaces are not allowed here: pid: Operation" in line
     with pytest.raises(ExecutionError, match="PID namespaces are required, but not allowed"):
         async with SubprocessExecution(tmp_path / "required", containment="namespace"):

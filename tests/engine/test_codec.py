@@ -129,6 +129,21 @@ def test_an_exit_status_round_trips_its_flag_and_count() -> None:
     assert codec.decode(text) == record
 
 
+def test_an_oom_limit_a_cgroup_and_the_tree_limits_are_written_only_when_set() -> None:
+    limits = Limits(processes=20, cpu_percent=50)
+    assert codec.converter.unstructure(limits)["processes"] == 20
+    assert "cpu_percent" not in codec.converter.unstructure(Limits(processes=20))
+    assert codec.converter.structure(codec.converter.unstructure(limits), Limits) == limits
+    status = ExitStatus(signal=9, oom_limit=256 << 20)
+    assert codec.converter.unstructure(status)["oom_limit"] == 256 << 20
+    assert "oom_limit" not in codec.converter.unstructure(ExitStatus(signal=9))
+    assert codec.converter.structure(codec.converter.unstructure(status), ExitStatus) == status
+    child = ChildIdentity(adapter="subprocess", ref="1:2", cgroup="trio_supervisor/x/1-2")
+    assert codec.converter.unstructure(child)["cgroup"] == "trio_supervisor/x/1-2"
+    assert "cgroup" not in codec.converter.unstructure(attrs.evolve(child, cgroup=None))
+    assert codec.converter.structure(codec.converter.unstructure(child), ChildIdentity) == child
+
+
 @pytest.fixture
 def converter(monkeypatch: pytest.MonkeyPatch) -> cattrs.Converter:
     """``codec.converter`` for one test: a user's hooks on it stay in that test."""
@@ -154,7 +169,7 @@ def test_hooks_registered_on_the_converter_take_effect_in_encode_and_decode(
 
     converter.register_unstructure_hook(Limits, unstructure_limits)
     text = codec.encode(record)
-    assert '"limits":[null,9,null,null,null],' in text
+    assert '"limits":[null,9,null,null,null,null,null],' in text
     with pytest.raises(RecordFormatError, match=r"@ \$.limits"):
         codec.decode(text)  # the default reader wants an object
     converter.register_structure_hook(Limits, structure_limits)
@@ -278,10 +293,13 @@ def _corruptions(data: object) -> list[object]:
 
 
 def _says(full: object, partial: object) -> bool:
-    """Whether ``full`` holds every value of ``partial`` (and may have more: defaults)."""
+    """Whether ``full`` holds every value of ``partial`` (and may have more: defaults).
+
+    A None that ``full`` leaves out is held too: fields written only when set."""
     if isinstance(partial, dict):
         return isinstance(full, dict) and all(
-            name in full and _says(full[name], item) for name, item in partial.items()
+            (name in full and _says(full[name], item)) or (item is None and name not in full)
+            for name, item in partial.items()
         )
     if isinstance(partial, list):
         return (

@@ -169,7 +169,7 @@ def test_fault_describes_an_exception() -> None:
     assert fault == Fault(type="trio_supervisor.errors.TerminationUnconfirmedError", message="lost")
 
 
-FIELDS = ("memory_bytes", "cpu_seconds", "open_files", "file_size_bytes", "output_bytes")
+FIELDS = tuple(field.name for field in attrs.fields(Limits))
 
 
 @given(supervisor=limits, requested=limits)
@@ -193,3 +193,37 @@ def test_limits_negotiate_takes_the_fieldwise_minimum_with_none_as_infinite() ->
         memory_bytes=50, cpu_seconds=7, open_files=10, output_bytes=0
     )
     assert negotiate(supervisor, Limits()) == supervisor
+
+
+def test_the_tree_limits_negotiate_and_allow_no_zero() -> None:
+    supervisor = Limits(processes=50, cpu_percent=None)
+    requested = Limits(processes=100, cpu_percent=50)
+    assert negotiate(supervisor, requested) == Limits(processes=50, cpu_percent=50)
+    for name in ("processes", "cpu_percent"):
+        with pytest.raises(ValueError, match=f"Limits.{name} must be None .* or >= 1, got 0"):
+            Limits(**{name: 0})
+
+
+@pytest.mark.parametrize(
+    ("kind", "status", "text"),
+    [
+        (
+            "killed",
+            ExitStatus(signal=9, oom_limit=256 << 20),
+            "killed (out of memory, limit 256 MiB)",
+        ),
+        (
+            "exited",
+            ExitStatus(code=0, oom_limit=3 << 29, descendants_killed=1),
+            "exited (code 0; out of memory, limit 1.5 GiB; 1 descendant killed)",
+        ),
+        (
+            "exited",
+            ExitStatus(signal=15, oom_limit=1000),
+            "exited (SIGTERM; out of memory, limit 1000 bytes)",
+        ),
+        ("killed", ExitStatus(signal=9), "killed (SIGKILL)"),
+    ],
+)
+def test_an_oom_kill_is_described_with_the_limit(kind: Any, status: ExitStatus, text: str) -> None:
+    assert Termination(kind=kind, exit=status).describe() == text

@@ -9,7 +9,8 @@ process in a session and process group of its own. Messages are length-prefixed
 
     child -> supervisor   {"event": "tracked", "pid": 1234}   first: which process is T
     supervisor -> child   {"command": "spawn", ...}     what to run, limits, context
-                          (to a standby started ahead, also "log" and "environment")
+                          (to a standby started ahead, also "log" and "environment";
+                          with a cgroup, "cgroups": the cgroup.procs files T joins)
     child -> supervisor   {"event": "resolved", "code": {...}, "containment": "namespace"}
                           (or "sweep": what this child really uses)  or  {"event": "failed", ...}
     supervisor -> child   {"command": "renew", "lease": 5.0}    any number of times
@@ -22,8 +23,10 @@ process in a session and process group of its own. Messages are length-prefixed
 Theory of operation: two processes, each with one job.
 
 * **T, the tracked process**, whose pid, start time and boot id the supervisor records.
-  Before any of the caller's code runs it resolves the specifier (finding the module
-  file without importing it, or the executable of a named command), reports the code
+  Before any of the caller's code runs it joins the child's cgroup, if it was given
+  one (so the plugin's whole tree is in it from its first fork), resolves the
+  specifier (finding the module file without importing it, or the executable of a
+  named command), reports the code
   and its digest, and applies the limits with setrlimit. Then its one thread keeps the
   control protocol, the lease and the dead-man switch, and runs none of the caller's
   code. It holds the plugin's whole tree one of two ways:
@@ -445,6 +448,7 @@ class Tracked:
         self.deadline: float | None = None
         self.interrupted = False
         self.child = 0  # P, once forked
+        self.cgroups: list[str] = []  # the cgroup.procs files T joined, if any
         self.status: int | None = None  # P's wait status, once reaped
         # P waits on ``go`` (forked ahead, it runs nothing until "start"); T alone
         # holds ``going``, so EOF there also means T is gone.
@@ -477,8 +481,17 @@ class Tracked:
     def renew(self, lease: float) -> None:
         self.deadline = time.monotonic() + float(lease) + LEASE_SLACK
 
-    def switch(self) -> NoReturn:
-        """The dead-man switch: end this child's whole tree, then this process."""
+    def switch(self, *, gone: bool = False) -> NoReturn:
+        """The dead-man switch: end this child's whole tree, then this process.
+
+        With the supervisor ``gone``, nobody else removes the child's cgroup (a runner
+        of its fleet takes the session over, or none): T does, once its tree is."""
+        if gone and self.cgroups:
+            if self.containment == "namespace":
+                clear_namespace()
+            else:
+                sweep_descendants()
+            leave_cgroups(self.cgroups)
         if self.containment == "namespace":
             # The plugin is killed with the namespace as its PID 1 exits.
             self.end(SIGKILL)
@@ -517,7 +530,7 @@ class Tracked:
                     except BlockingIOError:
                         break
             if self.control.fd in ready and not self.control.fill():
-                self.switch()  # the supervisor is gone: nobody may outlive it
+                self.switch(gone=True)  # the supervisor is gone: nobody may outlive it
             expired = self.deadline is not None and time.monotonic() >= self.deadline
             if not ready and expired and not self.interrupted:
                 self.switch()  # the lease ran out and nobody renewed it
@@ -755,6 +768,29 @@ def take_over(log: str, environment: dict[str, str]) -> None:
     os.close(fd)
     os.environ.clear()  # exactly the session's, whatever the standby started with
     os.environ.update(environment)
+
+
+def join_cgroups(procs: list[str]) -> None:
+    """Move this process (T) into the child's cgroup, in each hierarchy: "0" is the writer."""
+    for path in procs:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+
+
+def leave_cgroups(procs: list[str]) -> None:
+    """Move this process (T) to the root of each hierarchy, and remove the child's
+    cgroup, then the execution's parent if it was the last child (each a no-op where it
+    cannot be done: the supervisor's next start removes what is left)."""
+    for path in procs:
+        child = os.path.dirname(path)
+        parent = os.path.dirname(child)
+        root = os.path.dirname(os.path.dirname(parent))  # above trio_supervisor/EXECUTION
+        quietly(join_cgroups, [os.path.join(root, "cgroup.procs")])
+        quietly(os.rmdir, child)
+        quietly(os.rmdir, parent)
 
 
 def apply_limits(limits: dict[str, int | None]) -> None:
@@ -996,6 +1032,7 @@ def main() -> int:
     if not isinstance(spec, dict) or spec.get("command") != "spawn":
         return 2
     try:
+        join_cgroups(spec.get("cgroups", ()))
         if "log" in spec:
             # Started ahead as a standby: now it becomes the session's child.
             take_over(spec["log"], spec["environment"])
@@ -1014,6 +1051,7 @@ def main() -> int:
         return 1
     containment = "namespace" if os.getpid() == 1 else "sweep"
     tracked = Tracked(control, containment)
+    tracked.cgroups = spec.get("cgroups", [])
     control.send({"event": "resolved", "code": code, "containment": containment})
     # Forked while the supervisor makes the child's identity durable, before "start".
     if tracked.fork_plugin(spec) == 0:

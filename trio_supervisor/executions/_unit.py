@@ -16,8 +16,10 @@ Rules that never bend:
   and the kernel kills everything in the namespace with it. Swept, the tree below T is
   frozen and killed process by process (``_trees``), T first.
 * :meth:`ProcessUnit.wait` returns only once T exited (in a namespace, the namespace is
-  empty by then), its group is empty, and whatever the kill froze has exited too; it
-  is the only thing that confirms an exit. ``interrupt`` and ``kill`` are requests.
+  empty by then), its group is empty, and whatever the kill froze has exited too; with
+  a cgroup, once that is empty as well (what is still in it is killed), and then it is
+  removed. It is the only thing that confirms an exit. ``interrupt`` and ``kill`` are
+  requests.
 * Closing the socket is the child's dead-man switch: T ends its whole tree.
 * A unit that was never started ran none of the caller's code, so abandoning it is a
   kill and a reap.
@@ -52,6 +54,7 @@ import trio
 from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, CodeIdentity, ExitStatus, Load
 from ..realtime import bounded, outside_the_run
+from ._cgroups import TreeCgroup
 from ._groups import exit_status, group_gone, signal_group
 from ._standby import ChildProcess, ForkedProcess, frame, take_message
 from ._trees import Tree, left_behind, process_table, strays
@@ -96,6 +99,8 @@ class ProcessUnit:
             owns it from now on.
         containment: "namespace" or "sweep", as asked; the bootstrap says which it
             really uses when it resolves (:attr:`containment`).
+        limits: The rlimits it runs under, as text (see :func:`failure`).
+        cgroup: The cgroup that holds its tree, made as it resolves, or None.
     """
 
     def __init__(
@@ -108,7 +113,9 @@ class ProcessUnit:
         marker: int | None = None,
         containment: str = "sweep",
         limits: str = "",
+        cgroup: TreeCgroup | None = None,
     ) -> None:
+        self._cgroup = cgroup
         self.limits = limits  # the rlimits it runs under, as text (see failure())
         self._process = process
         self._identity = identity
@@ -166,6 +173,19 @@ class ProcessUnit:
             ExecutionError: It could not prepare the child (the child is reaped).
         """
         try:
+            cgroup = self._cgroup
+            if cgroup is not None:
+                try:
+                    if cgroup.member is None:
+                        cgroup.create()  # a few mkdirs and writes; T joins by itself
+                    else:
+                        # Moving another process waits for the kernel (an RCU grace
+                        # period, milliseconds): not on the event loop.
+                        await trio.to_thread.run_sync(cgroup.create)
+                except OSError as error:
+                    raise ExecutionError(
+                        f"cannot make the cgroup of the child for {self._specifier!r}: {error}"
+                    ) from error
             try:
                 await self._send(spec)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -242,6 +262,8 @@ class ProcessUnit:
                 self._frozen.append(tree)
         # In a namespace, the kernel ends everything else with T, its PID 1.
         signal_group(self._pgid, signal.SIGKILL)
+        if self._cgroup is not None:
+            self._cgroup.kill()
 
     async def wait(self) -> ExitStatus:
         # Once signalled, the child's exit is near and bounded in real time: a virtual
@@ -268,8 +290,19 @@ class ProcessUnit:
                     # Unreported (its socket was closed first): a PID 1 cannot die by
                     # its own signal, so T exits with 128 plus the signal's number.
                     returncode = 128 - returncode
+                oom_limit = None
+                cgroup = self._cgroup
+                if cgroup is not None and not cgroup.removed:
+                    # Whatever escaped every other hold (it left the session and closed
+                    # its marker) is still in the cgroup.
+                    self._descendants_killed += await cgroup.emptied()
+                    if cgroup.oom_kills():
+                        oom_limit = cgroup.limits.memory_bytes
+                    await cgroup.remove()
                 self._status = attrs.evolve(
-                    exit_status(returncode), descendants_killed=self._descendants_killed
+                    exit_status(returncode),
+                    descendants_killed=self._descendants_killed,
+                    oom_limit=oom_limit,
                 )
             return self._status
 
@@ -330,6 +363,12 @@ class ProcessUnit:
             self._marker = None
         for tree in self._frozen:  # left by a wait that was cancelled
             tree.close()
+        cgroup = self._cgroup
+        if cgroup is not None and not cgroup.removed and not cgroup.members():
+            # Left by a wait that was cancelled; one still populated is left to the
+            # execution's exit, or to its next start on the same state directory.
+            with contextlib.suppress(OSError):
+                await cgroup.remove()
         if isinstance(self._process, ForkedProcess):
             # Its maker, if nothing waited for T (a recovery ended it): it exited as
             # soon as T existed.

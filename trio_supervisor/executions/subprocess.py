@@ -55,9 +55,16 @@ by its session and (with ``subreaper=True``, as they then come to us) by an inhe
 marker pipe, so a process that both left the session and closed its inherited
 descriptors escapes; and a process that stays in uninterruptible sleep is killed
 without being frozen first. In a user namespace (an unprivileged runner) the plugin
-holds capabilities over that namespace only, none over the host. No cgroup is used:
-``memory_bytes`` is ``RLIMIT_AS`` (address space, not resident memory), and nothing
-limits the number of processes.
+holds capabilities over that namespace only, none over the host.
+
+Hard limits for the whole tree (``_cgroups``): where a cgroup can be written, each child
+has one, which T joins before it forks the plugin. ``memory_bytes`` is then the tree's
+memory plus swap (no ``RLIMIT_AS``), ``processes`` its ``pids.max`` and
+``cpu_percent`` its CPU quota; the kill adds ``cgroup.kill``, and ``wait`` returns only
+once the cgroup is empty, then removes it. An OOM kill is reported in the exit status.
+Where none can be written, ``memory_bytes`` is ``RLIMIT_AS`` (address space, not
+resident memory) per process, and a load asking for ``processes`` or ``cpu_percent`` is
+refused.
 """
 
 from __future__ import annotations
@@ -81,6 +88,8 @@ from ..abc import Unit
 from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination, thaw
 from ..realtime import outside_the_run
+from ._cgroups import ROOT as CGROUP_ROOT
+from ._cgroups import Hierarchies, detect
 from ._containment import CONTAINMENTS, Containment, Mechanism, choose
 from ._forkserver import Broken, ForkServer, check_preload
 from ._groups import become_subreaper, boot_id, group_gone, read_stat, reap_group, start_time
@@ -145,6 +154,10 @@ class SubprocessExecution:
             found on the interpreter's own path, never on ``entry_paths`` (the server
             runs no plugin code). Entering the execution fails if one cannot be
             imported.
+        cgroup_root: Where the cgroup hierarchies are mounted; None uses none (see
+            ``_cgroups``). Entering the execution finds which it may write, makes its
+            own parent in each, removes the empty cgroups a previous run on the same
+            state directory left, and logs what the children's trees are limited by.
 
     Raises:
         ValueError: ``containment`` is none of those, a ``preload`` entry is not a
@@ -165,6 +178,7 @@ class SubprocessExecution:
         containment: Containment = "auto",
         fork_server: bool = False,
         preload: Sequence[str] = (),
+        cgroup_root: str | os.PathLike[str] | None = CGROUP_ROOT,
     ) -> None:
         if containment not in CONTAINMENTS:
             raise ValueError(f"containment must be one of {CONTAINMENTS}, got {containment!r}")
@@ -199,6 +213,9 @@ class SubprocessExecution:
         self.standby = standby
         self.containment: Containment = containment
         self.fork_server = fork_server
+        self.cgroup_root = None if cgroup_root is None else Path(cgroup_root)
+        # Until entered: none.
+        self.cgroups = Hierarchies(parent="", reason="not entered yet")
         self._server: ForkServer | None = None
         # Until entered: the sweep, which every kernel allows.
         self.mechanism = Mechanism(kind="sweep", unshare=None, required=False, reason="")
@@ -224,6 +241,12 @@ class SubprocessExecution:
         if self.python == sys.executable:
             self._bootstrap = await trio.to_thread.run_sync(compile_bootstrap, self.state_directory)
         self._standby = Standby(self._start_standby)  # afresh: this run may start them
+        self.cgroups = await trio.to_thread.run_sync(detect, self.cgroup_root, self.state_directory)
+        stack.callback(self.cgroups.close)
+        # First, as it ends: what children ended by their dead-man switch left.
+        stack.callback(self.cgroups.remove_empty_leftovers)
+        # Populated ones are left to recovery, which finds them by their records.
+        await trio.to_thread.run_sync(self.cgroups.remove_empty_leftovers)
         try:
             if self.subreaper:
                 self.mechanism = await choose(self.containment, self.python, self._bootstrap)
@@ -256,6 +279,11 @@ class SubprocessExecution:
             "subprocess children are contained by %s",
             self.mechanism.describe(),
             extra={"containment": self.mechanism.kind},
+        )
+        logger.info(
+            "subprocess children's trees are limited by %s",
+            self.cgroups.describe(),
+            extra={"cgroups": "v2" if self.cgroups.v2 else "v1" if self.cgroups.used else "none"},
         )
         return self
 
@@ -320,6 +348,7 @@ class SubprocessExecution:
 
     def _spec(self, handle: Handle, load: Load, limits: Limits) -> dict[str, Any]:
         """The spawn message for ``load`` (see ``_bootstrap.py``)."""
+        limits = self.cgroups.rlimits(limits)  # what a cgroup holds is not setrlimit's
         return {
             "command": "spawn",
             "specifier": load.specifier,
@@ -413,6 +442,7 @@ class SubprocessExecution:
     async def _spawn(
         self, nursery: trio.Nursery, handle: Handle, load: Load, limits: Limits
     ) -> ProcessUnit:
+        self.cgroups.refuse(limits)
         spec = self._spec(handle, load, limits)
         log = self.log_path(handle)
         # Capped output is copied through a pipe made here, so only an uncapped load
@@ -467,6 +497,16 @@ class SubprocessExecution:
         """
         process = interpreter.process
         started = start_time(process.pid)
+        cgroup = None
+        if self.cgroups.used:
+            # Made by the unit as it resolves; T joins it before it forks the plugin.
+            cgroup = self.cgroups.child(f"{process.pid}-{started}", limits)
+            if self.python == sys.executable:
+                spec = {**spec, "cgroups": cgroup.procs}
+            else:
+                # Another interpreter may run as another user (a wrapper that drops
+                # privileges): we move T in ourselves, which costs the kernel more.
+                cgroup.member = process.pid
         identity = ChildIdentity(
             adapter=ADAPTER,
             ref=f"{process.pid}:{started}",
@@ -474,6 +514,7 @@ class SubprocessExecution:
             pgid=process.pid,
             start_time=started,
             boot_id=self._boot_id,
+            cgroup=None if cgroup is None else cgroup.path,
         )
         unit = ProcessUnit(
             process,
@@ -483,6 +524,7 @@ class SubprocessExecution:
             marker=interpreter.marker,
             containment=self.mechanism.kind,
             limits=_rlimits_text(limits),
+            cgroup=cgroup,
         )
         if reader is None:
             unit.output_done.set()
@@ -506,16 +548,36 @@ class SubprocessExecution:
         but left processes in its group or session has those killed too: only its
         descendants can hold its process group or session id.
 
+        Where the child had a cgroup, whatever is still in it is killed then, and it is
+        removed.
+
         Raises:
             ExecutionError: ``child`` was not made by this execution.
         """
         if child.adapter != ADAPTER or child.pid is None or child.pgid is None:
             raise ExecutionError(f"{child} was not made by the subprocess execution")
+        termination = await self._recover_tree(child, child.pid, child.pgid)
+        if child.cgroup is None or child.boot_id != self._boot_id or not self.cgroups.used:
+            return termination  # after a reboot, no cgroup of that run is left
+        try:
+            cgroup = self.cgroups.recorded(child.cgroup)
+        except ValueError as error:
+            logger.warning("recovery leaves a cgroup alone: %s", error)
+            return termination
+        # The tree is killed by now: what is still in the cgroup escaped every other hold.
+        left = await cgroup.emptied()
+        await cgroup.remove()
+        if not left:
+            return termination
+        status = termination.exit
+        killed = attrs.evolve(status, descendants_killed=status.descendants_killed + left)
+        return Termination(kind="killed", exit=killed)
+
+    async def _recover_tree(self, child: ChildIdentity, pid: int, pgid: int) -> Termination:
         gone = Termination(kind="exited", exit=ExitStatus(code=None, signal=None))
         if child.boot_id != self._boot_id:
             await trio.lowlevel.checkpoint()
             return gone
-        pid, pgid = child.pid, child.pgid
         stat = read_stat(pid)
         if stat is not None and stat.running:
             if stat.start_time == child.start_time:

@@ -65,6 +65,8 @@ limits = st.builds(
     open_files=limit_values,
     file_size_bytes=limit_values,
     output_bytes=limit_values,
+    processes=st.none() | st.integers(min_value=1, max_value=2**62),
+    cpu_percent=st.none() | st.integers(min_value=1, max_value=2**62),
 )
 json_values: st.SearchStrategy[JSON] = st.recursive(
     st.none()
@@ -91,6 +93,7 @@ children = st.builds(
     pgid=small_ints,
     start_time=st.none() | st.integers(min_value=0, max_value=2**62),
     boot_id=optional_text,
+    cgroup=optional_text,
 )
 faults = st.builds(Fault, type=text, message=st.text(max_size=30))
 stop_reasons: st.SearchStrategy[StopReason] = st.one_of(
@@ -100,7 +103,12 @@ stop_reasons: st.SearchStrategy[StopReason] = st.one_of(
 terminations = st.builds(
     Termination,
     kind=st.sampled_from(["exited", "killed"]),
-    exit=st.builds(ExitStatus, code=small_ints, signal=small_ints),
+    exit=st.builds(
+        ExitStatus,
+        code=small_ints,
+        signal=small_ints,
+        oom_limit=st.none() | st.integers(min_value=0, max_value=2**62),
+    ),
     cause=st.lists(faults, max_size=2).map(tuple),
 )
 leases = st.floats(min_value=1e-3, max_value=1e6)

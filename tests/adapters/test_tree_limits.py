@@ -1,0 +1,221 @@
+"""Hard limits for a child's whole tree: its cgroup (``executions/_cgroups.py``).
+
+Real processes and the real clock; each test runs with children started and again
+forked by the fork server. Every wait is bounded and answered by the plugin saying
+what it did (``plugins_limits/hogs.py``); the one measurement of time, the spinner's
+share of a core, is a behaviour (limited or not), with a band far wider than any timing.
+Recovery after the runner's ``kill -9`` removing the dead run's cgroups is proved in
+test_containment.py (``test_a_restarted_runner_recovers_every_tree`` and
+``test_a_killed_runner_leaves_nothing_behind``), whose runner holds plugins that escape.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+
+from trio_supervisor import (
+    Limits,
+    Load,
+    LoadedRecord,
+    MemoryStore,
+    PackageError,
+    StoppedRecord,
+    SubprocessExecution,
+    Supervisor,
+    open_supervisor,
+)
+from trio_supervisor.executions._cgroups import ROOT, detect
+
+from ..support import opened, reap_orphans, until_logged, until_stopped
+
+PLUGINS = Path(__file__).parent / "plugins_limits"
+EXAMPLES = Path(__file__).parents[2] / "examples" / "plugins"
+BOUND = 20.0
+MiB = 1024 * 1024
+# Joins the cgroup whose cgroup.procs files it is given, then leaves five daemons (each
+# in a session of its own, re-parented away from it) and says so.
+DAEMONS = """
+import os, sys, time
+for procs in sys.argv[1:]:
+    with open(procs, "w") as file:
+        file.write("0")
+for _ in range(5):
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            time.sleep(3600)
+        os._exit(0)
+    os.wait()
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+pytestmark = pytest.mark.skipif(
+    not (ROOT / "pids" / "cgroup.procs").exists(), reason="needs writable cgroup hierarchies"
+)
+
+
+@pytest.fixture(params=[False, True], ids=["started", "forked"])
+async def execution(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[SubprocessExecution]:
+    async with SubprocessExecution(
+        tmp_path, entry_paths=[PLUGINS, EXAMPLES], fork_server=request.param
+    ) as subprocess_execution:
+        if not {"memory", "pids", "cpu", "cpuacct"} <= set(subprocess_execution.cgroups.limits):
+            pytest.skip(f"cgroups here: {subprocess_execution.cgroups.describe()}")
+        yield subprocess_execution
+        assert (subprocess_execution.fork_server_forks > 0) == request.param
+
+
+@pytest.fixture
+async def sup(execution: SubprocessExecution) -> AsyncIterator[Supervisor]:
+    async with open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as supervisor:
+        yield supervisor
+
+
+async def loaded(sup: Supervisor, specifier: str, limits: Limits) -> LoadedRecord:
+    handle = await opened(sup, limits=limits)
+    await sup.load(handle, Load(specifier=specifier))
+    record = await sup.status(handle)
+    assert isinstance(record, LoadedRecord)
+    return record
+
+
+def cgroup_file(execution: SubprocessExecution, record: LoadedRecord, controller: str) -> Path:
+    assert record.child.cgroup is not None
+    return execution.cgroups.limits[controller] / record.child.cgroup
+
+
+async def test_a_fork_bomb_never_holds_more_processes_than_its_limit(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    record = await loaded(sup, "hogs:bomb", Limits(processes=20))
+    await until_logged(execution, record.handle, "held after", bound=BOUND)
+    pids = cgroup_file(execution, record, "pids")
+    # The tracked process counts too, as machinery: 20 of the plugin's, and T.
+    assert (pids / "pids.max").read_text().strip() == "21"
+    assert int((pids / "pids.peak").read_text()) == 21
+    assert int((pids / "pids.events").read_text().split()[1]) > 0  # forks refused
+    with trio.fail_after(BOUND):
+        termination = await sup.dispose(record.handle)
+    # Its processes die of the interrupt, or are killed as it ends: none is left.
+    assert termination.exit.signal == signal.SIGTERM, termination.describe()
+    assert not pids.exists()  # removed once confirmed empty
+    assert not (ROOT / "unified" / str(record.child.cgroup)).exists()
+
+
+async def test_four_children_of_100_mib_under_256_mib_are_never_all_alive(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    record = await loaded(sup, "hogs:memory", Limits(memory_bytes=256 * MiB))
+    stopped = await until_stopped(sup, record.handle, bound=BOUND)
+    log = execution.logs(record.handle)
+    # The plugin survives (the OOM killer takes the biggest: a hog), and says which ended.
+    assert log.count(" signal 9") >= 1, log
+    assert stopped.termination.exit.code == 0
+    assert stopped.termination.exit.oom_limit == 256 * MiB
+    assert stopped.termination.describe() == "exited (code 0; out of memory, limit 256 MiB)"
+    assert not cgroup_file(execution, record, "memory").exists()
+
+
+async def test_a_spinner_under_cpu_percent_50_gets_about_half_a_core(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    record = await loaded(sup, "hogs:spinner", Limits(cpu_percent=50))
+    await until_logged(execution, record.handle, "spinning", bound=BOUND)
+    usage = cgroup_file(execution, record, "cpuacct") / "cpuacct.usage"  # ns, whole tree
+    assert (cgroup_file(execution, record, "cpu") / "cpu.cfs_quota_us").read_text() == "50000\n"
+    # Not a timing target: a spinner without the quota takes a whole core of the two
+    # (about 1.0), with it about 0.5. Ten quota periods; the band only tells the two apart.
+    used, began = int(usage.read_text()), trio.current_time()
+    await trio.sleep(1.0)
+    share = (int(usage.read_text()) - used) / 1e9 / (trio.current_time() - began)
+    assert 0.3 <= share <= 0.7, share
+    with trio.fail_after(BOUND):
+        await sup.dispose(record.handle)
+
+
+async def test_without_cgroups_memory_is_rlimit_as_and_other_tree_limits_are_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An empty directory as the cgroup root: no hierarchy is found, as on a machine
+    # where none is mounted or writable.
+    nothing = tmp_path / "no-cgroups"
+    nothing.mkdir()
+    with caplog.at_level(logging.INFO, "trio_supervisor.executions.subprocess"):
+        async with (
+            SubprocessExecution(
+                tmp_path / "state", entry_paths=[EXAMPLES], cgroup_root=nothing
+            ) as execution,
+            open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as sup,
+        ):
+            assert not execution.cgroups.used
+            for limits, named in (
+                (Limits(processes=5), "processes=5"),
+                (Limits(cpu_percent=50, memory_bytes=300 * MiB), "cpu_percent=50"),
+            ):
+                handle = await opened(sup, limits=limits, request_id=named)
+                with trio.fail_after(BOUND), pytest.raises(PackageError, match=named):
+                    await sup.load(handle, Load(specifier="heartbeat:main"))
+            handle = await opened(sup, limits=Limits(memory_bytes=300 * MiB), request_id="m")
+            await sup.load(handle, Load(specifier="hungry:main"))
+            stopped = await until_stopped(sup, handle, bound=BOUND)
+            assert isinstance(stopped, StoppedRecord)
+            assert stopped.termination.exit.code == 1
+            assert stopped.termination.exit.oom_limit is None
+            assert isinstance(stopped.previous, LoadedRecord)
+            assert stopped.previous.child.cgroup is None
+            assert "MemoryError" in execution.logs(handle)
+    [line] = [m for m in caplog.messages if m.startswith("subprocess children's trees")]
+    assert "no cgroup (no cgroup hierarchy under" in line
+    assert "memory_bytes is RLIMIT_AS per process" in line
+
+
+def test_without_cgroup_kill_every_member_is_killed_until_none_is_left(tmp_path: Path) -> None:
+    # cgroup v1 alone, as on a kernel without cgroup.kill: a SIGKILL per member, in passes.
+    found = detect(ROOT, tmp_path)
+    hierarchies = attrs.evolve(found, kill=None)
+    assert "pids" in hierarchies.limits
+    cgroup = hierarchies.child("daemons", Limits(processes=10))
+    cgroup.create()
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-c", DAEMONS, *cgroup.procs], stdout=subprocess.PIPE, text=True
+        ) as joined:
+            assert joined.stdout is not None
+            assert joined.stdout.readline() == "ready\n"
+            assert len(cgroup.members()) == 6  # setsid'd double forks included
+            assert trio.run(cgroup.emptied) == 6
+            assert cgroup.members() == set()
+            assert joined.wait(timeout=BOUND) == -signal.SIGKILL
+    finally:
+        reap_orphans()  # the daemons, re-parented to us (a child subreaper)
+        trio.run(cgroup.remove)
+        found.close()
+    assert not any(
+        directory.exists() for directory in found.child("daemons", Limits()).directories()
+    )
+
+
+async def test_an_execution_starts_by_removing_the_empty_cgroups_its_state_s_last_run_left(
+    tmp_path: Path,
+) -> None:
+    left = await trio.to_thread.run_sync(detect, ROOT, tmp_path)
+    for name in ("empty-1", "empty-2"):
+        left.child(name, Limits()).create()  # as a run killed between spawn and join
+    leftovers = sorted(left.leftovers())
+    assert len(leftovers) == 2 * len(left.roots())
+    async with SubprocessExecution(tmp_path, entry_paths=[EXAMPLES]) as execution:
+        assert list(execution.cgroups.leftovers()) == []
+    assert not any(path.exists() for path in leftovers)
+    assert not any((root / left.parent).exists() for root in left.roots())  # its own too

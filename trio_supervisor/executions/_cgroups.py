@@ -1,0 +1,434 @@
+"""Hard limits for a child's whole tree: one cgroup per child (Linux).
+
+Theory of operation. When the execution starts, :func:`detect` finds which cgroup
+hierarchies this process may write, by making its own parent in each:
+``trio_supervisor/<execution>`` (``<execution>`` is a digest of the state directory, so a
+restarted runner finds what its previous run left). Two layouts are used:
+
+* **v2**, where the cgroup2 hierarchy has the memory, pids and cpu controllers and they
+  can be enabled down to our parent: every limit, and the kill, in one directory.
+* **v1**, where they are bound to v1 hierarchies (``memory``, ``pids``, ``cpu``, and
+  ``cpuacct`` for accounting): the limits there, and the kill and "is it empty" in a
+  v2 cgroup of the same name where a cgroup2 hierarchy offers ``cgroup.kill`` (a
+  process may be in a v1 and a v2 cgroup at once).
+
+Each child gets ``<parent>/<pid>-<start time>`` (its tracked process T's, which is
+unique within a boot) in every hierarchy used, made by the runner with the limits
+written before the spawn message is sent. T writes "0" (itself) into each
+``cgroup.procs`` before it forks the plugin, so the whole tree is in the cgroup before
+any of the caller's code runs; T counts toward ``pids.max`` (set to ``processes + 1``)
+and toward the memory, as machinery.
+
+Rules that never bend:
+
+* A cgroup is removed only once its ``cgroup.procs`` is empty: a zombie has left it
+  (and ``rmdir`` succeeds), but ``pids.current`` still counts it, so that is never
+  what is waited on.
+* The kill is ``cgroup.kill`` where there is one; else every pid in ``cgroup.procs`` is
+  sent SIGKILL, again and again until none is left (a fork between the read and the
+  kill is found on the next pass).
+* An OOM kill is told apart from any other SIGKILL by the cgroup's own counter
+  (``oom_kill`` in v1 ``memory.oom_control`` or v2 ``memory.events``): a kill by us or
+  by anyone else does not raise it.
+* Nothing outside ``trio_supervisor/`` is ever touched: a recorded path that leads
+  elsewhere is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+import attrs
+import trio
+
+from ..errors import PackageError
+from ..model import Limits
+
+__all__ = ["PARENT", "ROOT", "Hierarchies", "TreeCgroup", "detect"]
+
+ROOT: Final = Path("/sys/fs/cgroup")
+PARENT: Final = "trio_supervisor"
+V1_CONTROLLERS: Final = ("memory", "pids", "cpu", "cpuacct")
+V2_CONTROLLERS: Final = ("memory", "pids", "cpu")
+CFS_PERIOD_US: Final = 100_000
+# How often a cgroup is read while it empties, and how long rmdir is retried for once it
+# is empty (the kernel may take a moment to let go of the last exited task).
+POLL: Final = 0.005
+REMOVE_TRIES: Final = 200
+
+
+def _write(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+@attrs.frozen(kw_only=True)
+class Hierarchies:
+    """The cgroup hierarchies this execution writes, found once by :func:`detect`.
+
+    Attributes:
+        parent: This execution's parent cgroup, relative to each hierarchy's root.
+        v2: True when the limits are cgroup2's (``memory.max``, ``pids.max``, ...).
+        limits: Controller name -> the directory of the hierarchy that holds it, for
+            each controller a limit or accounting may use.
+        kill: A cgroup2 hierarchy with ``cgroup.kill``, or None.
+        memsw: v1 only: whether swap is accounted (``memory.memsw.limit_in_bytes``).
+        reason: Why a part is missing, for the log; empty when nothing is.
+    """
+
+    parent: str
+    v2: bool = False
+    limits: dict[str, Path] = attrs.field(factory=dict)
+    kill: Path | None = None
+    memsw: bool = False
+    reason: str = ""
+
+    @property
+    def used(self) -> bool:
+        return bool(self.limits) or self.kill is not None
+
+    def roots(self) -> list[Path]:
+        """Each hierarchy used, once."""
+        found = [*self.limits.values(), *([self.kill] if self.kill is not None else [])]
+        return list(dict.fromkeys(found))
+
+    def describe(self) -> str:
+        """One line for the log: what limits a child's tree, and what kills it."""
+        if not self.used:
+            return (
+                f"no cgroup ({self.reason}): memory_bytes is RLIMIT_AS per process, and "
+                "loads asking for processes or cpu_percent are refused"
+            )
+        enforced = [
+            name
+            for name, controller in (
+                ("memory_bytes", "memory"),
+                ("processes", "pids"),
+                ("cpu_percent", "cpu"),
+            )
+            if controller in self.limits
+        ]
+        version = "v2" if self.v2 else "v1"
+        text = f"a cgroup per child ({version}: {', '.join(enforced) or 'no limits'}"
+        if "memory" in self.limits and not self.v2:
+            text += ", memory plus swap" if self.memsw else ", memory without swap accounting"
+        text += ")"
+        if self.kill is not None:
+            text += ", killed by cgroup.kill"
+        else:
+            text += ", killed process by process"
+        if self.reason:
+            text += f"; {self.reason}"
+        return text
+
+    def refuse(self, limits: Limits) -> None:
+        """Raise PackageError for a limit asked for that no cgroup here can enforce."""
+        for name, controller in (("processes", "pids"), ("cpu_percent", "cpu")):
+            value = getattr(limits, name)
+            if value is not None and controller not in self.limits:
+                raise PackageError(
+                    f"the limit {name}={value} cannot be enforced here: no writable cgroup "
+                    f"has the {controller} controller"
+                )
+
+    def rlimits(self, limits: Limits) -> Limits:
+        """The limits left to setrlimit: memory goes to the cgroup where there is one."""
+        if "memory" in self.limits:
+            return attrs.evolve(limits, memory_bytes=None)
+        return limits
+
+    def child(self, name: str, limits: Limits) -> TreeCgroup:
+        """The cgroup of a new child, not made yet (see :meth:`TreeCgroup.create`)."""
+        return TreeCgroup(self, f"{self.parent}/{name}", limits)
+
+    def recorded(self, path: str) -> TreeCgroup:
+        """The cgroup a record names, left by an earlier run.
+
+        Raises:
+            ValueError: ``path`` is not one of ours.
+        """
+        parts = path.split("/")
+        if parts[0] != PARENT or len(parts) < 3 or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"{path!r} is not a cgroup of this project")
+        return TreeCgroup(self, path, Limits())
+
+    def leftovers(self) -> Iterator[Path]:
+        """Each child cgroup of this execution's parent, in every hierarchy."""
+        for root in self.roots():
+            base = root / self.parent
+            try:
+                entries = list(os.scandir(base))
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    yield Path(entry.path)
+
+    def remove_empty_leftovers(self) -> int:
+        """Remove what an earlier run left that holds nothing; return how many."""
+        removed = 0
+        for path in self.leftovers():
+            try:
+                os.rmdir(path)
+            except OSError:
+                continue  # populated: recovery's, by its record
+            removed += 1
+        return removed
+
+    def close(self) -> None:
+        """Remove this execution's parents, if they are empty (best effort)."""
+        for root in self.roots():
+            with contextlib.suppress(OSError):
+                os.rmdir(root / self.parent)
+
+
+def execution_name(state_directory: Path) -> str:
+    return hashlib.sha256(str(state_directory).encode()).hexdigest()[:16]
+
+
+def detect(root: Path | None, state_directory: Path) -> Hierarchies:
+    """Find and prepare what this process may write below ``root``; None: no cgroups.
+
+    Makes this execution's parent in each hierarchy it uses. Never raises: what cannot
+    be used is left out, and said in ``reason``.
+    """
+    parent = f"{PARENT}/{execution_name(state_directory)}"
+    if root is None:
+        return Hierarchies(parent=parent, reason="turned off")
+    reasons: list[str] = []
+    v2_root: Path | None = root if (root / "cgroup.controllers").exists() else root / "unified"
+    if v2_root is not None and not (v2_root / "cgroup.controllers").exists():
+        v2_root = None
+    if v2_root is not None:
+        hierarchies = _v2(v2_root, parent, reasons)
+        if hierarchies is not None:
+            return hierarchies
+    limits: dict[str, Path] = {}
+    for name in V1_CONTROLLERS:
+        hierarchy = root / name
+        if not (hierarchy / "cgroup.procs").exists() or (hierarchy / "cgroup.controllers").exists():
+            continue
+        if _made(hierarchy, parent, reasons):
+            limits[name] = hierarchy
+    kill = None
+    if v2_root is not None and _made(v2_root, parent, reasons):
+        # In every cgroup but the root, where the kernel has it.
+        if (v2_root / parent / "cgroup.kill").exists():
+            kill = v2_root
+        else:
+            reasons.append(f"cgroup2 at {v2_root} has no cgroup.kill")
+    memsw = "memory" in limits and (limits["memory"] / "memory.memsw.limit_in_bytes").exists()
+    if not limits and kill is None and not reasons:
+        reasons.append(f"no cgroup hierarchy under {root}")
+    return Hierarchies(
+        parent=parent, limits=limits, kill=kill, memsw=memsw, reason="; ".join(reasons)
+    )
+
+
+def _made(hierarchy: Path, parent: str, reasons: list[str]) -> bool:
+    try:
+        (hierarchy / parent).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        reasons.append(f"{hierarchy} is not writable ({error.strerror})")
+        return False
+    return True
+
+
+def _v2(hierarchy: Path, parent: str, reasons: list[str]) -> Hierarchies | None:
+    """cgroup2 with the controllers enabled down to ``parent``, or None."""
+    available = (hierarchy / "cgroup.controllers").read_text().split()
+    missing = [name for name in V2_CONTROLLERS if name not in available]
+    if missing:
+        reasons.append(f"cgroup2 at {hierarchy} lacks {', '.join(missing)}")
+        return None
+    if not _made(hierarchy, parent, reasons):
+        return None
+    # Each level above the children must enable the controllers for the one below it.
+    enable = " ".join(f"+{name}" for name in V2_CONTROLLERS)
+    level = hierarchy
+    try:
+        for part in ["", *parent.split("/")]:
+            level = level / part if part else level
+            enabled = (level / "cgroup.subtree_control").read_text().split()
+            if any(name not in enabled for name in V2_CONTROLLERS):
+                _write(level / "cgroup.subtree_control", enable)
+    except OSError as error:
+        reasons.append(f"cgroup2 controllers cannot be enabled in {level} ({error.strerror})")
+        return None
+    limits = dict.fromkeys(V2_CONTROLLERS, hierarchy)
+    return Hierarchies(parent=parent, v2=True, limits=limits, kill=hierarchy)
+
+
+class TreeCgroup:
+    """One child's cgroup, in every hierarchy used.
+
+    Args:
+        hierarchies: What :func:`detect` found.
+        path: The cgroup, relative to each hierarchy's root.
+        limits: What it enforces once made.
+    """
+
+    def __init__(self, hierarchies: Hierarchies, path: str, limits: Limits) -> None:
+        self.hierarchies = hierarchies
+        self.path = path
+        self.limits = limits
+        self.removed = False
+        # A process :meth:`create` moves in, for a T that cannot join by itself.
+        self.member: int | None = None
+
+    def directories(self) -> list[Path]:
+        return [root / self.path for root in self.hierarchies.roots()]
+
+    @property
+    def procs(self) -> list[str]:
+        """The files T writes itself into."""
+        return [str(directory / "cgroup.procs") for directory in self.directories()]
+
+    def _in(self, controller: str) -> Path | None:
+        root = self.hierarchies.limits.get(controller)
+        return None if root is None else root / self.path
+
+    def create(self) -> None:
+        """Make it, with its limits written.
+
+        Raises:
+            PackageError: The kernel refused a limit's value.
+            OSError: It cannot be made.
+        """
+        made: list[Path] = []
+        try:
+            for directory in self.directories():
+                # The parent too, should the last child of a run it had lost (by a
+                # closed socket) have removed it as it left (see _bootstrap.leave_cgroups).
+                directory.mkdir(parents=True)
+                made.append(directory)
+            self._configure()
+            if self.member is not None:
+                for procs in self.procs:
+                    _write(Path(procs), str(self.member))
+        except BaseException:
+            for directory in reversed(made):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+            raise
+
+    def _configure(self) -> None:
+        v2 = self.hierarchies.v2
+        writes: list[tuple[str, Path, str]] = []
+        memory, pids, cpu = (self._in(name) for name in ("memory", "pids", "cpu"))
+        value = self.limits.memory_bytes
+        if value is not None and memory is not None:
+            if v2:
+                writes += [("memory_bytes", memory / "memory.max", str(value))]
+                writes += [("memory_bytes", memory / "memory.swap.max", "0")]
+            else:
+                # memsw may never be below the memory limit: the memory limit first.
+                writes += [("memory_bytes", memory / "memory.limit_in_bytes", str(value))]
+                if self.hierarchies.memsw:
+                    writes += [("memory_bytes", memory / "memory.memsw.limit_in_bytes", str(value))]
+        value = self.limits.processes
+        if value is not None and pids is not None:
+            writes += [("processes", pids / "pids.max", str(value + 1))]  # T, machinery
+        value = self.limits.cpu_percent
+        if value is not None and cpu is not None:
+            quota = value * CFS_PERIOD_US // 100
+            if v2:
+                writes += [("cpu_percent", cpu / "cpu.max", f"{quota} {CFS_PERIOD_US}")]
+            else:
+                writes += [("cpu_percent", cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))]
+                writes += [("cpu_percent", cpu / "cpu.cfs_quota_us", str(quota))]
+        for name, path, text in writes:
+            try:
+                _write(path, text)
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+                # The host asked for a value this kernel cannot take: its request's fault.
+                raise PackageError(
+                    f"the limit {name}={getattr(self.limits, name)} cannot be applied: "
+                    f"{error.strerror}"
+                ) from error
+
+    def members(self, *, everywhere: bool = True) -> set[int]:
+        """Every process in it, in any hierarchy (zombies are in none); with
+        ``everywhere`` False, in one: T joins them all before it forks, so each holds
+        the whole tree, and one read is the cheaper."""
+        found: set[int] = set()
+        for procs in self.procs if everywhere else self.procs[-1:]:
+            try:
+                with open(procs) as file:
+                    found.update(int(line) for line in file if line.strip())
+            except FileNotFoundError:
+                continue
+        return found
+
+    def kill(self) -> None:
+        """Kill everything in it: ``cgroup.kill``, else SIGKILL to each member."""
+        if self.hierarchies.kill is not None:
+            # Not there: never made, or removed already.
+            with contextlib.suppress(FileNotFoundError):
+                _write(self.hierarchies.kill / self.path / "cgroup.kill", "1")
+            return
+        for pid in self.members():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    async def emptied(self) -> int:
+        """Kill what is still in it, until nothing is; return how many were found.
+
+        Called once the child's tracked process has exited, when nothing of its tree
+        may run any more: what is found here escaped every other way of holding it.
+        """
+        found = self.members(everywhere=False)
+        if not found:
+            await trio.lowlevel.checkpoint()
+            return 0
+        seen = set(found)
+        while found:
+            self.kill()
+            await trio.sleep(POLL)
+            found = self.members()
+            seen |= found
+        return len(seen)
+
+    def oom_kills(self) -> int:
+        """How many of its processes the kernel killed for going over its memory limit."""
+        memory = self._in("memory")
+        if memory is None:
+            return 0
+        name = "memory.events" if self.hierarchies.v2 else "memory.oom_control"
+        try:
+            text = (memory / name).read_text()
+        except OSError:
+            return 0
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    async def remove(self) -> None:
+        """Remove it in every hierarchy; it must be empty (see :meth:`emptied`)."""
+        for directory in self.directories():
+            for _ in range(REMOVE_TRIES):
+                try:
+                    directory.rmdir()
+                except FileNotFoundError:
+                    break
+                except OSError as error:
+                    if error.errno != errno.EBUSY:
+                        raise
+                    await trio.sleep(POLL)  # the last task is still leaving it
+                else:
+                    break
+        self.removed = True
