@@ -58,7 +58,9 @@ without being frozen first. In a user namespace (an unprivileged runner) the plu
 holds capabilities over that namespace only, none over the host.
 
 Hard limits for the whole tree (``_cgroups``): where a cgroup can be written, each child
-has one, which T joins before it forks the plugin. ``memory_bytes`` is then the tree's
+asking for a tree limit (``memory_bytes``, ``processes``, ``cpu_percent``) has one, which
+T joins before it forks the plugin (a child without one is contained as before, and
+pays nothing for cgroups). ``memory_bytes`` is then the tree's
 memory plus swap (no ``RLIMIT_AS``), ``processes`` its ``pids.max`` and
 ``cpu_percent`` its CPU quota; the kill adds ``cgroup.kill``, and ``wait`` returns only
 once the cgroup is empty, then removes it. An OOM kill is reported in the exit status.
@@ -498,7 +500,7 @@ class SubprocessExecution:
         process = interpreter.process
         started = start_time(process.pid)
         cgroup = None
-        if self.cgroups.used:
+        if self.cgroups.wanted(limits):
             # Made by the unit as it resolves; T joins it before it forks the plugin.
             cgroup = self.cgroups.child(f"{process.pid}-{started}", limits)
             if self.python == sys.executable:

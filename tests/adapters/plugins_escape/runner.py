@@ -20,6 +20,7 @@ import trio
 from trio_supervisor import (
     Handle,
     Key,
+    Limits,
     Load,
     LoadedRecord,
     SqliteStore,
@@ -58,7 +59,10 @@ async def hold(state: Path, containment: str, nonce: str) -> None:
             print(f"child server {execution.fork_server_pid}", flush=True)
         handles = []
         for name in NAMES:
-            record = await supervisor.open(Key(identity="escape", instance=name), "hold")
+            # A tree limit gives each child a cgroup, which recovery must free as well.
+            record = await supervisor.open(
+                Key(identity="escape", instance=name), "hold", limits=Limits(processes=1000)
+            )
             handles.append(record.handle)
             nursery.start_soon(renew, supervisor, [record.handle])
             load = Load(specifier=f"escapes:{name}", config={"nonce": nonce})
