@@ -218,6 +218,25 @@ def no_leaked_temporary_files() -> Iterator[None]:
         )
 
 
+def _our_cgroups() -> set[str]:
+    """Every cgroup under ``trio_supervisor/`` in any hierarchy (executions' parents and
+    children's cgroups)."""
+    root = Path("/sys/fs/cgroup")
+    return {str(path) for path in root.glob("*/trio_supervisor/**") if path.is_dir()}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_cgroups() -> Iterator[None]:
+    """Fail the run if it left cgroups of ours behind: every child's cgroup goes with its
+    stop, an execution's parent with its end (or, for a killed runner, with its last
+    child), and what a test kills on purpose is its to clean."""
+    before = _our_cgroups()
+    yield
+    left = sorted(_our_cgroups() - before)
+    if left:
+        pytest.fail(f"the run left {len(left)} cgroups: {', '.join(left[:10])}", pytrace=False)
+
+
 @pytest.fixture
 def fake() -> FakeExecution:
     return FakeExecution()

@@ -214,8 +214,9 @@ def execution_name(state_directory: Path) -> str:
 def detect(root: Path | None, state_directory: Path) -> Hierarchies:
     """Find and prepare what this process may write below ``root``; None: no cgroups.
 
-    Makes this execution's parent in each hierarchy it uses. Never raises: what cannot
-    be used is left out, and said in ``reason``.
+    Makes this execution's parent in each hierarchy to learn whether it may (v2 keeps
+    it, with its controllers enabled; v1 removes it again, a child's cgroup making it
+    anew). Never raises: what cannot be used is left out, and said in ``reason``.
     """
     parent = f"{PARENT}/{execution_name(state_directory)}"
     if root is None:
@@ -245,9 +246,14 @@ def detect(root: Path | None, state_directory: Path) -> Hierarchies:
     memsw = "memory" in limits and (limits["memory"] / "memory.memsw.limit_in_bytes").exists()
     if not limits and kill is None and not reasons:
         reasons.append(f"no cgroup hierarchy under {root}")
-    return Hierarchies(
+    found = Hierarchies(
         parent=parent, limits=limits, kill=kill, memsw=memsw, reason="; ".join(reasons)
     )
+    # The parents were made to find what is writable. In v1 a child's cgroup makes its
+    # parent again as it is made (TreeCgroup.create), so they go now: a runner whose
+    # children ask for no tree limit, killed before it could remove them, leaves none.
+    found.close()
+    return found
 
 
 def _made(hierarchy: Path, parent: str, reasons: list[str]) -> bool:
