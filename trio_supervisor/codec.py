@@ -192,7 +192,12 @@ def _configure(target: cattrs.Converter) -> cattrs.Converter:
     )
     target.register_unstructure_hook(
         ChildIdentity,
-        make_dict_unstructure_fn(ChildIdentity, target, cgroup=override(omit_if_default=True)),
+        make_dict_unstructure_fn(
+            ChildIdentity,
+            target,
+            cgroup=override(omit_if_default=True),
+            uid=override(omit_if_default=True),
+        ),
     )
     target.register_structure_hook(
         Load,

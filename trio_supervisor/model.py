@@ -181,6 +181,8 @@ class ChildIdentity:
         boot_id: The kernel's boot id; after a reboot no recorded pid is ours.
         cgroup: The cgroup that holds the child's whole tree, relative to the root of
             each hierarchy (``trio_supervisor/.../NAME``), where one was made.
+        uid: The user id the child ran as, where it had one of its own (the runner's
+            ``isolation_users``): recovery frees it once the child is gone.
     """
 
     adapter: str = attrs.field(validator=fields.text)
@@ -190,6 +192,7 @@ class ChildIdentity:
     start_time: int | None = attrs.field(default=None, validator=fields.optional_integer)
     boot_id: str | None = attrs.field(default=None, validator=fields.optional_text)
     cgroup: str | None = attrs.field(default=None, validator=fields.optional_text)
+    uid: int | None = attrs.field(default=None, validator=fields.optional_integer)
 
 
 # -- termination ----------------------------------------------------------------------

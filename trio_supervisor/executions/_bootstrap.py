@@ -10,7 +10,9 @@ process in a session and process group of its own. Messages are length-prefixed
     child -> supervisor   {"event": "tracked", "pid": 1234}   first: which process is T
     supervisor -> child   {"command": "spawn", ...}     what to run, limits, context
                           (to a standby started ahead, also "log" and "environment";
-                          with a cgroup, "cgroups": the cgroup.procs files T joins)
+                          with a cgroup, "cgroups": the cgroup.procs files T joins;
+                          isolated, "isolation": the uid, home, TMPDIR, network and
+                          view P takes before it runs anything, see :func:`isolate`)
     child -> supervisor   {"event": "resolved", "code": {...}, "containment": "namespace"}
                           (or "sweep": what this child really uses)  or  {"event": "failed", ...}
     supervisor -> child   {"command": "renew", "lease": 5.0}    any number of times
@@ -46,7 +48,12 @@ Theory of operation: two processes, each with one job.
     it and reaps it.
 
 * **P, the plugin**: the entry point, or the named command (by exec), T's child in a
-  process group of its own, forked ahead and let go at "start".
+  process group of its own, forked ahead and let go at "start". Where the runner
+  isolates its children, P gives up root before it waits for "start" (:func:`isolate`):
+  it enters the children's view of the file system, takes a uid and gid of its own,
+  ``PR_SET_NO_NEW_PRIVS`` and its private directory, and, without a network, a network
+  namespace of its own. T stays root, runs none of the plugin's code, and cannot be
+  signalled or traced by P.
 
 Ways out, and what holds each:
 
@@ -102,10 +109,14 @@ SIGINT = _signal.SIGINT
 SIGCHLD = _signal.SIGCHLD
 # Held while forking, so that each side installs its own handlers before it sees them.
 FORK_HELD = {SIGTERM, SIGCHLD}
+CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
 # How many walks of the tree a freeze may take before it kills what it found anyway (a
 # process in uninterruptible sleep stops only when it leaves it).
 FREEZE_PASSES = 200
@@ -648,6 +659,14 @@ def become_plugin(
         if os.getppid() != parent:
             os._exit(1)  # T died before that was armed
     release()
+    isolation = spec.get("isolation")
+    if isolation is not None:
+        # Before "start", while the supervisor makes the identity durable: nothing of
+        # the caller's has run yet, and none of it runs as root.
+        try:
+            isolate(isolation)
+        except (OSError, ValueError) as error:
+            refuse(f"cannot isolate the child: {error}", control, starter)
     # Forked ahead, so that the fork costs the load nothing: nothing of the caller's
     # runs before the supervisor's "start".
     if os.read(go, 1) != b"g":
@@ -655,6 +674,66 @@ def become_plugin(
     os.close(go)
     if spec["kind"] == "command":
         run_command(spec, control, starter)
+
+
+def refuse(message: str, control: Control, starter: int) -> NoReturn:
+    """(P, before "start") Say why this child cannot run, and end: through ``starter``
+    for a named command (T reports it), else on the control socket."""
+    if starter >= 0:
+        os.write(starter, message.encode())
+    else:
+        control.send({"event": "failed", "kind": "ExecutionError", "message": message})
+    os._exit(1)
+
+
+def isolate(isolation: dict[str, Any]) -> None:
+    """(P, still root) Become the isolated child the runner prepared.
+
+    In order: a network namespace with loopback alone (``"network": "none"``); the
+    children's view of the file system (``"view"``, a mount namespace's descriptor
+    that the runner made: the state directory and what others may not read are
+    covered there); the child's private directory as its working directory and
+    ``TMPDIR``; no supplementary groups, the child's own gid and uid (which drops every
+    capability); no new privileges (a set-user-id program gains nothing). Dumpable
+    again, as an exec would make it, so that its own ``/proc`` files are its own.
+
+    Raises:
+        OSError: A step failed: the child must not run.
+    """
+    if isolation.get("network") == "none":
+        libc("unshare", CLONE_NEWNET)
+        loopback_up()
+    view = isolation.get("view", -1)
+    if view >= 0:
+        libc("setns", view, CLONE_NEWNS)  # also sets the working directory to "/"
+        os.close(view)
+    uid = isolation["uid"]
+    os.chdir(isolation["home"])
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid):
+        raise OSError(f"the uid is {os.getresuid()} after switching to {uid}")
+    libc("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    libc("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)
+    os.environ["TMPDIR"] = isolation["tmp"]
+
+
+def loopback_up() -> None:
+    """Bring up ``lo`` in a new network namespace (it starts down), without ``ip``."""
+    import _socket
+    import fcntl
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    probe = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
+    try:
+        request = struct.pack("16sH14s", b"lo", 0, b"")
+        flags = struct.unpack("16sH14s", fcntl.ioctl(probe.fileno(), siocgifflags, request))[1]
+        request = struct.pack("16sH14s", b"lo", flags | iff_up, b"")
+        fcntl.ioctl(probe.fileno(), siocsifflags, request)
+    finally:
+        probe.close()
 
 
 def run_command(spec: dict[str, Any], control: Control, starter: int) -> NoReturn:
@@ -1016,16 +1095,86 @@ def probe() -> int:
     return 1
 
 
+# -- the children's view of the file system -------------------------------------------
+MS_RDONLY, MS_NOSUID, MS_NODEV = 0x1, 0x2, 0x4
+MS_REMOUNT, MS_BIND, MS_REC, MS_SLAVE = 0x20, 0x1000, 0x4000, 0x80000
+
+
+def make_view() -> int:
+    """``_bootstrap.py view``, run as root by the runner: make the children's view.
+
+    Reads ``{"covers": [...], "binds": [[path, writable], ...]}`` (marshal) on stdin:
+    in a new mount namespace, an empty tmpfs (mode 0711: others may pass, not list) is
+    mounted over each cover, outermost first, and each bind under a cover is mounted
+    back from the real one (read-only unless writable). Prints ``ready`` and holds the
+    namespace until stdin closes; the runner keeps a descriptor of it by then.
+    """
+    import ctypes
+
+    spec = marshal.loads(sys.stdin.buffer.read(int(sys.stdin.buffer.readline())))
+    c = ctypes.CDLL(None, use_errno=True)
+    c.mount.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_ulong,
+        ctypes.c_char_p,
+    ]
+
+    def mount(
+        source: str | None, target: str, kind: str | None, flags: int, data: str | None
+    ) -> None:
+        text = [None if part is None else part.encode() for part in (source, target, kind, data)]
+        if c.mount(text[0], text[1], text[2], flags, text[3]) != 0:
+            number = ctypes.get_errno()
+            raise OSError(number, f"mount {target}: {os.strerror(number)}")
+
+    os.umask(0)
+    if c.unshare(CLONE_NEWNS) != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, f"unshare: {os.strerror(number)}")
+    mount(None, "/", None, MS_REC | MS_SLAVE, None)  # nothing goes back to the host
+    covers = sorted(spec["covers"], key=len)
+    binds = sorted(spec["binds"], key=lambda bind: len(bind[0]))
+    pins = {path: os.open(path, os.O_PATH) for path, _ in binds}  # before covering
+
+    def under(path: str, parents: list[str]) -> bool:
+        return any(path.startswith(parent.rstrip("/") + "/") for parent in parents)
+
+    for cover in covers:
+        if under(cover, covers):
+            os.makedirs(cover, 0o711, exist_ok=True)  # in an outer cover's tmpfs
+        mount("tmpfs", cover, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711")
+    bound: list[str] = []
+    for path, writable in binds:
+        if (not under(path, covers) and path not in covers) or under(path, bound):
+            continue  # in plain view, or brought back with a bind above it
+        if os.path.isdir(f"/proc/self/fd/{pins[path]}"):
+            os.makedirs(path, 0o711, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(path), 0o711, exist_ok=True)
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+        mount(f"/proc/self/fd/{pins[path]}", path, None, MS_BIND | MS_REC, None)
+        if not writable:
+            mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID, None)
+        bound.append(path)
+    print("ready", flush=True)
+    sys.stdin.buffer.read()  # until the runner holds the namespace
+    return 0
+
+
 def main() -> int:
     if sys.argv[1:] == ["probe"]:
         return probe()
+    if sys.argv[1:] == ["view"]:
+        return make_view()
     reset_signals()
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(line_buffering=True)
     control = Control(int(sys.argv[1]))
-    bind("unshare", "prctl")  # before the spawn message: a standby's idle time
+    bind("unshare", "prctl", "setns")  # before the spawn message: a standby's idle time
     if len(sys.argv) > 2:  # started by the supervisor (a forked T has the FD alone)
         launch(control, sys.argv[2], sys.argv[3] == "strict")
     spec = control.read()
@@ -1083,7 +1232,7 @@ def serve(fd: int, how: str, strict: bool, preload: list[str]) -> None:
     import _socket  # socket's C part: no enum
 
     reset_signals()
-    bind("unshare", "prctl")
+    bind("unshare", "prctl", "setns")
     server = _socket.socket(fileno=fd)
     # No parent-death signal: it fires when the *thread* that started us ends, and Trio
     # starts processes from worker threads that end when idle. EOF on FD is the signal.

@@ -112,7 +112,9 @@ class ForkServer:
         preload: Sequence[str],
         containment: str,
         strict: bool,
+        keep: Sequence[int] = (),
     ) -> None:
+        self._keep = tuple(keep)  # inherited by the server and every T it forks
         self._command = [python, "-I", str(bootstrap), "serve"]
         # After the socket's FD: how each T is contained (see _bootstrap.make_tracked).
         self._containment = [containment, "strict" if strict else "lax"]
@@ -149,7 +151,7 @@ class ForkServer:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),),
+                pass_fds=(theirs.fileno(), *self._keep),
                 start_new_session=True,
                 env=self._environment,
                 cwd=self._directory,

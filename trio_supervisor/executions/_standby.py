@@ -34,7 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -136,6 +136,7 @@ async def start_interpreter(
     containment: str,
     strict: bool,
     creating: trio.CapacityLimiter,
+    keep: Sequence[int] = (),
 ) -> Interpreter:
     """A bootstrap process, waiting for its spawn message on the returned socket.
 
@@ -149,6 +150,7 @@ async def start_interpreter(
             "sweep" (see ``_bootstrap.make_tracked``).
         strict: A namespace is required (T refuses its spawn message without one).
         creating: Held while the process is created (not while it boots).
+        keep: More descriptors it inherits, by the same numbers (the children's view).
 
     Raises:
         OSError: The process could not be started.
@@ -171,7 +173,7 @@ async def start_interpreter(
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=output,
-                pass_fds=(theirs.fileno(), marked),
+                pass_fds=(theirs.fileno(), marked, *keep),
                 start_new_session=True,
                 env=dict(environment),
                 cwd=directory,

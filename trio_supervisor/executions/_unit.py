@@ -45,7 +45,7 @@ import math
 import os
 import signal
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -101,6 +101,8 @@ class ProcessUnit:
             really uses when it resolves (:attr:`containment`).
         limits: The rlimits it runs under, as text (see :func:`failure`).
         cgroup: The cgroup that holds its tree, made as it resolves, or None.
+        gone: Called once the child and its whole tree are gone (its uid and private
+            directory may be given to another child then), or None.
     """
 
     def __init__(
@@ -114,8 +116,10 @@ class ProcessUnit:
         containment: str = "sweep",
         limits: str = "",
         cgroup: TreeCgroup | None = None,
+        gone: Callable[[], None] | None = None,
     ) -> None:
         self._cgroup = cgroup
+        self._gone = gone
         self.limits = limits  # the rlimits it runs under, as text (see failure())
         self._process = process
         self._identity = identity
@@ -304,6 +308,8 @@ class ProcessUnit:
                     descendants_killed=self._descendants_killed,
                     oom_limit=oom_limit,
                 )
+                if self._gone is not None:
+                    self._gone()
             return self._status
 
     async def _kill_strays(self) -> None:

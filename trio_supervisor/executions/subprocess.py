@@ -72,10 +72,12 @@ refused.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -95,12 +97,23 @@ from ._cgroups import Hierarchies, detect
 from ._containment import CONTAINMENTS, Containment, Mechanism, choose
 from ._forkserver import Broken, ForkServer, check_preload
 from ._groups import become_subreaper, boot_id, group_gone, read_stat, reap_group, start_time
+from ._isolation import (
+    DEFAULT_CHILD_USERS,
+    ISOLATIONS,
+    NETWORKS,
+    Grant,
+    Isolated,
+    Isolation,
+    Network,
+    check_users,
+    prepare,
+)
 from ._output import copy_output
 from ._standby import BOOTSTRAP, Interpreter, Standby, compile_bootstrap, start_interpreter
 from ._trees import Tree, kill_recorded, process_table
 from ._unit import ProcessUnit, failure
 
-__all__ = ["SubprocessExecution"]
+__all__ = ["DEFAULT_CHILD_USERS", "SubprocessExecution"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,11 +173,25 @@ class SubprocessExecution:
             ``_cgroups``). Entering the execution finds which it may write, makes its
             own parent in each, removes the empty cgroups a previous run on the same
             state directory left, and logs what the children's trees are limited by.
+        isolation: "auto" (the default): each child runs as a user of its own (see
+            ``_isolation``: a uid from ``isolation_users``, no new privileges, a private
+            working directory and ``TMPDIR`` under ``STATE/children``, and a view of the
+            file system in which the state directory is not visible); entering the
+            execution fails where that cannot be done (a runner that is not root), or
+            where an entry path is not readable by others. "none": children run as the
+            runner's user, in its state directory, as before.
+        isolation_users: The uids children get, one per running child, returned as its
+            session stops. Nothing else may use them; runners on one machine need
+            ranges of their own.
+        network: "host" (the default), or "none": each child gets a network namespace
+            with loopback alone (it reaches nothing, the runner's port included).
+            Needs isolation.
 
     Raises:
         ValueError: ``containment`` is none of those, a ``preload`` entry is not a
-            module name, or ``fork_server`` or ``containment="namespace"`` is asked for
-            without ``subreaper``.
+            module name, ``fork_server`` or ``containment="namespace"`` is asked for
+            without ``subreaper``, ``isolation``, ``isolation_users`` or ``network`` is
+            not valid, or ``network="none"`` is asked for without isolation.
     """
 
     def __init__(
@@ -181,7 +208,19 @@ class SubprocessExecution:
         fork_server: bool = False,
         preload: Sequence[str] = (),
         cgroup_root: str | os.PathLike[str] | None = CGROUP_ROOT,
+        isolation: Isolation = "auto",
+        isolation_users: range = DEFAULT_CHILD_USERS,
+        network: Network = "host",
     ) -> None:
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
+        if network not in NETWORKS:
+            raise ValueError(f"network must be one of {NETWORKS}, got {network!r}")
+        if network == "none" and isolation == "none":
+            raise ValueError("network='none' needs isolation: the child would undo it as root")
+        self.isolation: Isolation = isolation
+        self.isolation_users = check_users(isolation_users)
+        self.network: Network = network
         if containment not in CONTAINMENTS:
             raise ValueError(f"containment must be one of {CONTAINMENTS}, got {containment!r}")
         if fork_server and not subreaper:
@@ -218,6 +257,7 @@ class SubprocessExecution:
         self.cgroup_root = None if cgroup_root is None else Path(cgroup_root)
         # Until entered: none.
         self.cgroups = Hierarchies(parent="", reason="not entered yet")
+        self.isolated = Isolated(users=None, reason="not entered yet")
         self._server: ForkServer | None = None
         # Until entered: the sweep, which every kernel allows.
         self.mechanism = Mechanism(kind="sweep", unshare=None, required=False, reason="")
@@ -250,6 +290,17 @@ class SubprocessExecution:
         # Populated ones are left to recovery, which finds them by their records.
         await trio.to_thread.run_sync(self.cgroups.remove_empty_leftovers)
         try:
+            self.isolated = await prepare(
+                self.isolation,
+                self.isolation_users,
+                self.network,
+                state=self.state_directory,
+                python=self.python,
+                bootstrap_source=BOOTSTRAP,
+                entry_paths=self.entry_paths,
+                executables=self._executables(),
+            )
+            stack.callback(self.isolated.close)
             if self.subreaper:
                 self.mechanism = await choose(self.containment, self.python, self._bootstrap)
             else:
@@ -268,6 +319,7 @@ class SubprocessExecution:
                     preload=self.preload,
                     containment=self.mechanism.spec,
                     strict=self.mechanism.required,
+                    keep=self._keep(),
                 )
                 stack.push_async_callback(self._server.aclose)
                 await self._server.start()
@@ -286,6 +338,11 @@ class SubprocessExecution:
             "subprocess children's trees are limited by %s",
             self.cgroups.describe(),
             extra={"cgroups": "v2" if self.cgroups.v2 else "v1" if self.cgroups.used else "none"},
+        )
+        logger.info(
+            "subprocess children are isolated by %s",
+            self.isolated.describe(),
+            extra={"isolation": "users" if self.isolated.used else "none"},
         )
         return self
 
@@ -369,6 +426,16 @@ class SubprocessExecution:
             **self._plan(load),
         }
 
+    def _executables(self) -> list[str]:
+        """The named commands' executables, as a child finds them (for the view)."""
+        path = self._base_environment().get("PATH", os.defpath)
+        found = (shutil.which(argv[0], path=path) for argv in self.commands.values())
+        return [os.path.realpath(executable) for executable in found if executable]
+
+    def _keep(self) -> tuple[int, ...]:
+        """Descriptors every bootstrap inherits: the children's view, if there is one."""
+        return (self.isolated.view,) if self.isolated.view >= 0 else ()
+
     def _base_environment(self) -> dict[str, str]:
         environment = {name: os.environ[name] for name in ALLOWED_ENVIRONMENT if name in os.environ}
         environment.update(self.environment)
@@ -408,6 +475,7 @@ class SubprocessExecution:
             containment=self.mechanism.spec,
             strict=self.mechanism.required,
             creating=self._creating,
+            keep=self._keep(),
         )
 
     async def _start_standby(self) -> Interpreter:
@@ -509,6 +577,14 @@ class SubprocessExecution:
                 # Another interpreter may run as another user (a wrapper that drops
                 # privileges): we move T in ourselves, which costs the kernel more.
                 cgroup.member = process.pid
+        grant = None
+        if self.isolated.used:
+            try:
+                grant = self.isolated.claim()
+            except BaseException:
+                await interpreter.discard()
+                raise
+            spec = {**spec, "isolation": self.isolated.spec(grant)}
         identity = ChildIdentity(
             adapter=ADAPTER,
             ref=f"{process.pid}:{started}",
@@ -517,6 +593,7 @@ class SubprocessExecution:
             start_time=started,
             boot_id=self._boot_id,
             cgroup=None if cgroup is None else cgroup.path,
+            uid=None if grant is None else grant.uid,
         )
         unit = ProcessUnit(
             process,
@@ -527,6 +604,7 @@ class SubprocessExecution:
             containment=self.mechanism.kind,
             limits=_rlimits_text(limits),
             cgroup=cgroup,
+            gone=None if grant is None else functools.partial(self._release, grant),
         )
         if reader is None:
             unit.output_done.set()
@@ -540,6 +618,12 @@ class SubprocessExecution:
                 name=f"output of {load.specifier}",
             )
         return unit if await unit.resolve(spec) else None
+
+    def _release(self, grant: Grant) -> None:
+        """A child is gone: its private directory goes, and its uid is free again, after
+        its termination is reported."""
+        if self._nursery is not None:
+            self._nursery.start_soon(self.isolated.release, grant, name="private directory")
 
     async def recover(self, child: ChildIdentity) -> Termination:
         """Make sure a child left by an earlier run is gone; never touch anyone else.
@@ -559,6 +643,8 @@ class SubprocessExecution:
         if child.adapter != ADAPTER or child.pid is None or child.pgid is None:
             raise ExecutionError(f"{child} was not made by the subprocess execution")
         termination = await self._recover_tree(child, child.pid, child.pgid)
+        if child.uid is not None and child.boot_id == self._boot_id:
+            await self.isolated.recovered(child.uid)
         if child.cgroup is None or child.boot_id != self._boot_id or not self.cgroups.used:
             return termination  # after a reboot, no cgroup of that run is left
         try:
