@@ -659,7 +659,7 @@ async def test_an_unprivileged_child_gets_its_namespace_in_a_user_namespace(
     python = as_nobody(nobody_may_enter)
     async with (
         SubprocessExecution(
-            nobody_may_enter, entry_paths=[PLUGINS], python=str(python)
+            nobody_may_enter, entry_paths=[PLUGINS], python=str(python), isolation="none"
         ) as execution,
         open_supervisor(MemoryStore(), execution, grace=5.0) as supervisor,
     ):

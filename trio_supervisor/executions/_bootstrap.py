@@ -700,6 +700,12 @@ def isolate(isolation: dict[str, Any]) -> None:
     Raises:
         OSError: A step failed: the child must not run.
     """
+    uid = isolation["uid"]
+    if os.geteuid() != 0:
+        raise OSError(
+            f"its interpreter runs as uid {os.geteuid()}, not root, so it cannot become "
+            f"uid {uid}; run the interpreter as root, or pass isolation='none'"
+        )
     if isolation.get("network") == "none":
         libc("unshare", CLONE_NEWNET)
         loopback_up()
@@ -707,7 +713,6 @@ def isolate(isolation: dict[str, Any]) -> None:
     if view >= 0:
         libc("setns", view, CLONE_NEWNS)  # also sets the working directory to "/"
         os.close(view)
-    uid = isolation["uid"]
     os.chdir(isolation["home"])
     os.setgroups([])
     os.setresgid(uid, uid, uid)

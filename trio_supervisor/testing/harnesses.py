@@ -239,7 +239,13 @@ class SubprocessHarness:
         return await self.subprocess.__aexit__(*exc_info)
 
     def exit(self, handle: Handle, child: ChildIdentity, code: int) -> None:
-        (self.mailbox / f"{handle.key.instance}-{handle.generation}").write_text(str(code))
+        name = f"{handle.key.instance}-{handle.generation}"
+        if child.uid is not None:  # isolated: it reads its own directory alone
+            home = self.subprocess.isolated.children
+            assert home is not None
+            (home / str(child.uid) / name).write_text(str(code))
+        else:
+            (self.mailbox / name).write_text(str(code))
 
     def ignore(self, child: ChildIdentity, *, interrupt: bool, kill: bool) -> None:
         raise NotImplementedError("use the fake execution to script ignored signals")
