@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from .inprocess import InProcessExecution as InProcessExecution
     from .inprocess import Plugin as Plugin
     from .inprocess import PluginContext as PluginContext
+    from .subprocess import DEFAULT_CHILD_USERS as DEFAULT_CHILD_USERS
     from .subprocess import SubprocessExecution as SubprocessExecution
 
 # Loaded on first use, so importing one adapter does not load the others.
@@ -20,6 +21,7 @@ _ADAPTERS = {
     "Plugin": ".inprocess",
     "PluginContext": ".inprocess",
     "SubprocessExecution": ".subprocess",
+    "DEFAULT_CHILD_USERS": ".subprocess",
 }
 
 

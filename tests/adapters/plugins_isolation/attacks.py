@@ -1,0 +1,97 @@
+"""Plugins that try what a hostile plugin would (test_isolation.py loads them).
+
+Each attack prints ``ATTACK <name> refused <error>`` or ``ATTACK <name> SUCCEEDED
+<what it got>``, so the test sees every one; ``done`` comes last.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _try(name: str, attack: Callable[[], object]) -> None:
+    try:
+        got = attack()
+    except (OSError, ValueError) as error:
+        print(f"ATTACK {name} refused {error!r}", flush=True)
+    else:
+        print(f"ATTACK {name} SUCCEEDED {got!r}"[:300], flush=True)
+
+
+def _read(path: str) -> str:
+    with open(path) as file:
+        return file.read()
+
+
+def _write(path: str) -> int:
+    with open(path, "a") as file:
+        return file.write("attack\n")
+
+
+def _raise_rlimit() -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard + 1, hard + 1))
+
+
+def everything(context: Any) -> int:
+    """Every attack on the runner's things the config names."""
+    config = context.config
+    state = config["state"]
+    _try("list the state directory", lambda: os.listdir(state))
+    _try("read hosts-token", lambda: _read(os.path.join(state, "hosts-token")))
+    _try("read operator-token", lambda: _read(os.path.join(state, "operator-token")))
+    _try("read the store", lambda: _read(os.path.join(state, "supervisor.db")))
+    _try("write the store", lambda: _write(os.path.join(state, "supervisor.db")))
+    _try("list the logs", lambda: os.listdir(os.path.join(state, "logs")))
+    _try("read another session's log", lambda: _read(config["other_log"]))
+    _try("list the children's directories", lambda: os.listdir(os.path.join(state, "children")))
+    _try("list another child's directory", lambda: os.listdir(config["other_home"]))
+    _try("read the runner's environment", lambda: _read(f"/proc/{config['runner']}/environ"))
+    _try("signal the runner", lambda: os.kill(config["runner"], signal.SIGUSR2))
+    _try("signal the tracked process", lambda: os.kill(os.getppid(), signal.SIGKILL))
+    _try("raise an rlimit", _raise_rlimit)
+    _try("setuid(0)", lambda: os.setuid(0))
+    _try("write under /etc", lambda: _write("/etc/trio-supervisor-attack"))
+    # The control: what it may do.
+    _try("write in its TMPDIR", lambda: _write(os.path.join(os.environ["TMPDIR"], "mine")))
+    print("done", flush=True)
+    return 0
+
+
+def identity(context: Any) -> int:
+    """Say who and where it is, then wait to be stopped."""
+    with open("/proc/self/status") as file:
+        status = dict(line.split(":\t", 1) for line in file.read().splitlines() if ":\t" in line)
+    print(
+        "IDENTITY",
+        os.getresuid()[0],
+        os.getresgid()[0],
+        len(os.getgroups()),
+        os.getcwd(),
+        os.environ.get("TMPDIR"),
+        status["NoNewPrivs"].strip(),
+        status["CapEff"].strip(),
+        flush=True,
+    )
+    if os.getuid() != 0:  # isolated: its TMPDIR is its own
+        _write(os.path.join(os.environ["TMPDIR"], "scratch"))
+    time.sleep(3600)
+    return 0
+
+
+def connect(context: Any) -> int:
+    """Try the port the config names on loopback."""
+
+    def attempt() -> str:
+        with socket.create_connection(("127.0.0.1", context.config["port"]), timeout=5):
+            return "connected"
+
+    _try("connect to the runner's port", attempt)
+    print("done", flush=True)
+    return 0

@@ -1,0 +1,362 @@
+"""A child reaches nothing of the runner's (``executions/_isolation.py``).
+
+Real processes, a real SqliteStore and real token files in the state directory, as
+``serve`` keeps them; each test that loads runs with children started and again forked
+by the fork server. Plugins attack (``plugins_isolation/attacks.py``) and print what each
+attack got; every wait is bounded and answered by the plugin saying it is done.
+Recovery after the runner's ``kill -9`` freeing the dead run's uids and private
+directories is proved in test_containment.py (``test_a_restarted_runner_recovers_every_tree``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from trio_supervisor import (
+    ExecutionError,
+    Key,
+    Load,
+    LoadedRecord,
+    MemoryStore,
+    SqliteStore,
+    SubprocessExecution,
+    Supervisor,
+    open_supervisor,
+)
+from trio_supervisor.executions import DEFAULT_CHILD_USERS
+
+from ..support import until, until_logged
+
+PLUGINS = Path(__file__).parent / "plugins_isolation"
+BOUND = 20.0
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")
+
+
+def attacks(log: str) -> dict[str, str]:
+    """Each attack's outcome: "refused ..." or "SUCCEEDED ..."."""
+    found = {}
+    for line in log.splitlines():
+        if line.startswith("ATTACK "):
+            rest = line.removeprefix("ATTACK ")
+            for outcome in (" refused ", " SUCCEEDED "):
+                name, said, detail = rest.partition(outcome)
+                if said:
+                    found[name] = said.strip() + " " + detail
+    return found
+
+
+@contextlib.contextmanager
+def signals_to_the_runner() -> Iterator[list[int]]:
+    """Every SIGUSR2 this process (the runner) gets meanwhile: the attack's signal."""
+    received: list[int] = []
+    previous = signal.signal(signal.SIGUSR2, lambda number, frame: received.append(number))
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.fixture(params=[False, True], ids=["started", "forked"])
+def fork_server(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
+@pytest.fixture
+async def execution(tmp_path: Path, fork_server: bool) -> AsyncIterator[SubprocessExecution]:
+    """A runner's execution, its state directory laid out as ``serve`` lays it out."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    for name in ("hosts-token", "operator-token"):
+        (state / name).write_text(f"secret {name}\n")
+        (state / name).chmod(0o600)
+    async with SubprocessExecution(
+        state, entry_paths=[PLUGINS], fork_server=fork_server
+    ) as subprocess_execution:
+        yield subprocess_execution
+        assert (subprocess_execution.fork_server_forks > 0) == fork_server
+
+
+@pytest.fixture
+async def sup(execution: SubprocessExecution) -> AsyncIterator[Supervisor]:
+    """Its supervisor, with the store in the state directory."""
+    async with (
+        SqliteStore(execution.state_directory / "supervisor.db") as store,
+        open_supervisor(store, execution, lease=30.0, grace=1.0) as supervisor,
+    ):
+        yield supervisor
+
+
+async def loaded(sup: Supervisor, instance: str, specifier: str, **config: object) -> LoadedRecord:
+    record = await sup.open(Key(identity="tenant", instance=instance), instance)
+    await sup.load(record.handle, Load(specifier=specifier, config=config))
+    loaded = await sup.status(record.handle)
+    assert isinstance(loaded, LoadedRecord)
+    return loaded
+
+
+def identity_line(execution: SubprocessExecution, record: LoadedRecord) -> list[str]:
+    [line] = [line for line in execution.logs(record.handle).splitlines() if "IDENTITY" in line]
+    return line.split()[1:]
+
+
+async def test_every_attack_on_the_runner_is_refused_and_it_keeps_serving(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    state = execution.state_directory
+    # Another tenant's session, with a log and a private directory to go after.
+    other = await loaded(sup, "victim", "attacks:identity")
+    await until_logged(execution, other.handle, "IDENTITY", bound=BOUND)
+    other_home = state / "children" / str(other.child.uid)
+    assert (other_home / "tmp" / "scratch").exists()
+    with signals_to_the_runner() as received:
+        record = await loaded(
+            sup,
+            "attacker",
+            "attacks:everything",
+            state=str(state),
+            other_log=str(execution.log_path(other.handle)),
+            other_home=str(other_home),
+            runner=os.getpid(),
+        )
+        await until_logged(execution, record.handle, "done", bound=BOUND)
+    # A signal that got through would have been handled by now: it is sent before "done".
+    assert received == []
+    outcomes = attacks(execution.logs(record.handle))
+    print("\n".join(f"{name}: {said}" for name, said in outcomes.items()))
+    assert outcomes.pop("write in its TMPDIR").startswith("SUCCEEDED"), outcomes
+    expected = {
+        "list the state directory",
+        "read hosts-token",
+        "read operator-token",
+        "read the store",
+        "write the store",
+        "list the logs",
+        "read another session's log",
+        "list the children's directories",
+        "list another child's directory",
+        "read the runner's environment",
+        "signal the runner",
+        "signal the tracked process",
+        "raise an rlimit",
+        "setuid(0)",
+        "write under /etc",
+    }
+    assert set(outcomes) == expected
+    succeeded = {name: said for name, said in outcomes.items() if not said.startswith("refused")}
+    assert succeeded == {}
+    assert "secret" not in execution.logs(record.handle)
+    assert not os.path.exists("/etc/trio-supervisor-attack")  # noqa: ASYNC240  # one stat
+    # The runner is unharmed: its store and the other session are as they were, and it
+    # loads and stops sessions as before.
+    assert (await sup.status(other.handle)) == other
+    again = await loaded(sup, "after", "attacks:identity")
+    await until_logged(execution, again.handle, "IDENTITY", bound=BOUND)
+    for handle in (record.handle, other.handle, again.handle):
+        with trio.fail_after(BOUND):
+            await sup.dispose(handle)
+
+
+async def test_a_swept_child_cannot_signal_the_runner_either(tmp_path: Path) -> None:
+    # In a PID namespace the runner's pid does not even exist for the child; swept, it
+    # does, and the child's own uid is what refuses the signal.
+    async with (
+        SubprocessExecution(tmp_path, entry_paths=[PLUGINS], containment="sweep") as execution,
+        open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
+    ):
+        with signals_to_the_runner() as received:
+            record = await loaded(
+                supervisor,
+                "swept",
+                "attacks:everything",
+                state=str(tmp_path),
+                other_log="/nonexistent",
+                other_home="/nonexistent",
+                runner=os.getpid(),
+            )
+            await until_logged(execution, record.handle, "done", bound=BOUND)
+        assert received == []
+        outcomes = attacks(execution.logs(record.handle))
+        assert outcomes["signal the runner"].startswith("refused PermissionError"), outcomes
+        assert outcomes["signal the tracked process"].startswith("refused PermissionError")
+        await supervisor.dispose(record.handle)
+
+
+async def test_each_child_runs_as_a_uid_of_its_own_which_is_free_again_once_it_stops(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    children = execution.state_directory / "children"
+    first = await loaded(sup, "first", "attacks:identity")
+    second = await loaded(sup, "second", "attacks:identity")
+    seen = {}
+    for record in (first, second):
+        await until_logged(execution, record.handle, "IDENTITY", bound=BOUND)
+        uid, gid, groups, cwd, tmp, no_new_privs, capabilities = identity_line(execution, record)
+        assert record.child.uid is not None
+        assert record.child.uid in DEFAULT_CHILD_USERS
+        assert int(uid) == int(gid) == record.child.uid
+        home = children / uid
+        assert (groups, cwd, tmp) == ("0", str(home), str(home / "tmp"))
+        assert (no_new_privs, int(capabilities, 16)) == ("1", 0)
+        assert home.stat().st_uid == record.child.uid
+        assert home.stat().st_mode & 0o777 == 0o700
+        seen[record.handle] = record.child.uid
+    assert len(set(seen.values())) == 2, seen
+    assert children.stat().st_mode & 0o777 == 0o711
+    with trio.fail_after(BOUND):
+        await sup.dispose(first.handle)
+    # Its private directory goes once its termination is reported, and its uid with it.
+    gone = children / str(first.child.uid)
+    await until(lambda: not gone.exists(), f"{gone} removed", bound=BOUND)
+    third = await loaded(sup, "third", "attacks:identity")
+    assert third.child.uid == first.child.uid  # the lowest free uid again
+    for record in (second, third):
+        with trio.fail_after(BOUND):
+            await sup.dispose(record.handle)
+    await until(lambda: not any(children.iterdir()), "every private directory removed")
+
+
+async def test_a_named_command_runs_as_its_own_uid_too(tmp_path: Path, fork_server: bool) -> None:
+    commands = {"whoami": ["sh", "-c", "id -u; pwd; echo $TMPDIR; echo done; exec sleep 3600"]}
+    async with (
+        SubprocessExecution(tmp_path, commands=commands, fork_server=fork_server) as execution,
+        open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
+    ):
+        record = await loaded(supervisor, "whoami", "whoami")
+        await until_logged(execution, record.handle, "done", bound=BOUND)
+        home = tmp_path / "children" / str(record.child.uid)
+        assert execution.logs(record.handle).split() == [
+            str(record.child.uid),
+            str(home),
+            str(home / "tmp"),
+            "done",
+        ]
+        with trio.fail_after(BOUND):
+            await supervisor.dispose(record.handle)
+
+
+async def test_without_a_network_a_child_cannot_reach_the_runners_port(
+    tmp_path: Path, fork_server: bool
+) -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    accepted: list[object] = []
+
+    async def accept(stream: trio.SocketStream) -> None:
+        accepted.append(stream)
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, accept, listeners)
+        for network, reached in (("none", 0), ("host", 1)):
+            async with (
+                SubprocessExecution(
+                    tmp_path / network,
+                    entry_paths=[PLUGINS],
+                    fork_server=fork_server,
+                    network=network,  # type: ignore[arg-type]
+                ) as execution,
+                open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
+            ):
+                record = await loaded(supervisor, network, "attacks:connect", port=port)
+                await until_logged(execution, record.handle, "done", bound=BOUND)
+                [outcome] = attacks(execution.logs(record.handle)).values()
+                assert outcome.startswith("SUCCEEDED" if reached else "refused"), outcome
+                await supervisor.dispose(record.handle)
+            # The one connection made is the one of the child on the host's network.
+            await until(
+                lambda reached=reached: len(accepted) == reached,  # type: ignore[misc]
+                "the runner's accepts",
+            )
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_isolation_in_use_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, "trio_supervisor.executions.subprocess"):
+        async with SubprocessExecution(tmp_path / "on", entry_paths=[PLUGINS]):
+            pass
+        async with SubprocessExecution(tmp_path / "off", isolation="none"):
+            pass
+    said = [record.getMessage() for record in caplog.records if "isolated by" in record.message]
+    assert len(said) == 2, said
+    first = DEFAULT_CHILD_USERS.start
+    assert f"uids {first}-{first + 1023} of their own" in said[0]
+    assert str(tmp_path / "on") in said[0]  # the view covers the state directory
+    assert "network host" in said[0]
+    assert "run as the runner's user (isolation='none' was asked for)" in said[1]
+
+
+async def test_without_isolation_a_child_runs_as_the_runner_in_the_state_directory(
+    tmp_path: Path,
+) -> None:
+    async with (
+        SubprocessExecution(tmp_path, entry_paths=[PLUGINS], isolation="none") as execution,
+        open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
+    ):
+        record = await loaded(supervisor, "plain", "attacks:identity")
+        await until_logged(execution, record.handle, "IDENTITY", bound=BOUND)
+        uid, _, _, cwd, *_ = identity_line(execution, record)
+        assert (int(uid), cwd, record.child.uid) == (0, str(tmp_path), None)
+        await supervisor.dispose(record.handle)
+
+
+async def test_a_child_the_range_has_no_uid_for_is_refused_and_nothing_changes(
+    tmp_path: Path,
+) -> None:
+    only = range(DEFAULT_CHILD_USERS.start, DEFAULT_CHILD_USERS.start + 1)
+    async with (
+        SubprocessExecution(tmp_path, entry_paths=[PLUGINS], isolation_users=only) as execution,
+        open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
+    ):
+        first = await loaded(supervisor, "first", "attacks:identity")
+        record = await supervisor.open(Key(identity="tenant", instance="second"), "second")
+        with pytest.raises(ExecutionError, match=r"every uid of .* is in use .* --child-users"):
+            await supervisor.load(record.handle, Load(specifier="attacks:identity"))
+        assert sorted(path.name for path in (tmp_path / "children").iterdir()) == [str(only.start)]
+        await supervisor.dispose(first.handle)
+        # Free again once its private directory is removed, just after the stop.
+        home = tmp_path / "children" / str(only.start)
+        await until(lambda: not home.exists(), f"{home} removed", bound=BOUND)
+        again = await supervisor.open(Key(identity="tenant", instance="third"), "third")
+        await supervisor.load(again.handle, Load(specifier="attacks:identity"))
+        await supervisor.dispose(again.handle)
+
+
+async def test_an_entry_path_children_cannot_read_is_refused_at_start(tmp_path: Path) -> None:
+    private = tmp_path / "private-plugins"
+    private.mkdir(mode=0o700)
+    with pytest.raises(ExecutionError, match=rf"cannot read {private}: .*chmod o\+rX"):
+        async with SubprocessExecution(tmp_path / "state", entry_paths=[private]):
+            pass
+    assert not (tmp_path / "state" / "children").exists() or not any(
+        (tmp_path / "state" / "children").iterdir()
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"isolation": "users"}, "isolation must be one of"),
+        ({"network": "bridge"}, "network must be one of"),
+        ({"network": "none", "isolation": "none"}, "network='none' needs isolation"),
+        ({"isolation_users": range(10)}, r"within 1-4294967294 \(0 is root\), got 0-9"),
+        ({"isolation_users": range(5, 5)}, "isolation_users is empty"),
+        ({"isolation_users": range(1, 10, 2)}, "a range of uids with step 1"),
+        ({"isolation_users": [1000]}, "a range of uids with step 1"),
+    ],
+)
+def test_bad_isolation_options_are_refused(
+    tmp_path: Path, options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        SubprocessExecution(tmp_path, **options)  # type: ignore[arg-type]
