@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import json
 import logging
+import re
 import shlex
 import sys
 import tomllib
@@ -97,6 +98,28 @@ class _Command(click.ParamType[tuple[str, tuple[str, ...]], Any]):
         if not equals or not name or not argv.strip():
             self.fail(f"expected NAME=ARGV, got {value!r}", param, ctx)
         return name, tuple(shlex.split(argv))
+
+
+class _Users(click.ParamType[range, Any]):
+    """``FIRST-LAST``, two uids, as the range from FIRST to LAST (both in it); whether
+    those are uids a child may run as is the field's own check."""
+
+    name = "FIRST-LAST"
+    PATTERN: Final = re.compile(r"\s*(-?[0-9]+)\s*-\s*(-?[0-9]+)\s*")
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> range:
+        if isinstance(value, range):
+            return value  # converted already
+        found = self.PATTERN.fullmatch(value) if isinstance(value, str) else None
+        users = None
+        if found is not None:
+            with contextlib.suppress(ValueError):  # more digits than int() reads: no uid
+                users = range(int(found[1]), int(found[2]) + 1)
+        if users is None:
+            self.fail(f"expected FIRST-LAST, two uids, got {value!r}", param, ctx)
+        return users
 
 
 _CONFIG_FILE: Final = "trio_supervisor.config_file"  # where the --config path is kept
@@ -202,6 +225,8 @@ def _option(field: attrs.Attribute[Any]) -> Callable[[Any], Any]:
         options["type"] = click.Choice(typing.get_args(kind))
     elif field.name == "commands":
         options["type"] = _Command()
+    elif field.name == "child_users":
+        options["type"] = _Users()
     if _is_repeated(field):
         options["multiple"] = True
         default = tuple(default.items() if isinstance(default, Mapping) else default)

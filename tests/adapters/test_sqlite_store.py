@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sqlite3
+import stat
 import sys
 import textwrap
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -129,6 +131,56 @@ async def test_a_copy_taken_mid_run_holds_everything_acknowledged(tmp_path: Path
     async with SqliteStore(copy / "state.db") as twin:
         assert list(await twin.list()) == list(await store.list())
     await store.aclose()
+
+
+def modes(directory: Path) -> dict[str, str]:
+    """Each file of ``directory`` and its mode, in octal."""
+    return {file.name: oct(stat.S_IMODE(file.stat().st_mode)) for file in directory.iterdir()}
+
+
+@pytest.fixture
+def no_umask() -> Iterator[None]:
+    """A umask of 0, so that a file's mode is the one it is made with: SQLite's own, 0644,
+    for a file it makes with no mode to copy."""
+    previous = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+@pytest.mark.usefixtures("no_umask")
+async def test_the_file_and_its_write_ahead_log_are_their_owners_alone(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    async with SqliteStore(path) as store:
+        await store.save(open_record("a", 1))
+        seen = modes(tmp_path)
+        assert "state.db-wal" in seen  # SQLite made it, with the file's mode
+        assert seen == dict.fromkeys(seen, "0o600")
+    seen = modes(tmp_path)
+    assert seen == dict.fromkeys(seen, "0o600")
+    assert "state.db" in seen
+
+
+@pytest.mark.usefixtures("no_umask")
+async def test_a_file_and_the_log_a_crash_left_are_made_their_owners_alone(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db"
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    store = SqliteStore(path)
+    await store.save(open_record("a", 1))
+    copy_database(path, copy / "state.db")  # a file and its log, as a crash leaves them
+    await store.aclose()
+    for file in copy.iterdir():
+        file.chmod(0o644)
+    assert modes(copy) == {"state.db": "0o644", "state.db-wal": "0o644"}
+    async with SqliteStore(copy / "state.db") as twin:
+        seen = modes(copy)
+        assert "state.db-wal" in seen
+        assert seen == dict.fromkeys(seen, "0o600")
+        assert list(await twin.list()) == [open_record("a", 1)]
 
 
 async def test_concurrent_saves_share_transactions(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ import trio
 from click.testing import CliRunner
 
 from trio_supervisor import cli
+from trio_supervisor.service import runner
 from trio_supervisor.service.runner import RunnerConfig
 
 ROOT: Final = Path(__file__).parents[2]
@@ -78,6 +79,13 @@ def samples(tmp: Path) -> dict[str, Sample]:
         "insecure_http": Sample(("--insecure-http",), "insecure_http = true", True),
         "standby": Sample(("--no-standby",), "standby = false", False),
         "fork_server": Sample(("--no-fork-server",), "fork-server = false", False),
+        "isolation": Sample(("--isolation", "none"), 'isolation = "none"', "none"),
+        "child_users": Sample(
+            ("--child-users", "100000-101023"),
+            'child-users = "100000-101023"',
+            range(100000, 101024),
+        ),
+        "child_network": Sample(("--child-network", "none"), 'child_network = "none"', "none"),
         "log_format": Sample(("--log-format", "json"), 'log_format = "json"', "json"),
         "store": Sample(("--store", FLEET), f'store = "{FLEET}"', FLEET),
         "runner_id": Sample(("--runner-id", "r1"), 'runner_id = "r1"', "r1"),
@@ -160,6 +168,84 @@ def test_standby_false_in_a_config_file_is_a_standby_turned_off(
     assert (started.configs[-1].standby, started.configs[-1].fork_server) == (True, False)
 
 
+def test_isolation_keys_in_a_config_file_and_the_flags_that_win_over_them(
+    tmp_path: Path, started: Started
+) -> None:
+    config = tmp_path / "runner.toml"
+    config.write_text('child_users = "5000-5999"\nchild-network = "none"\n')
+    status, output = serve("--config", str(config))
+    assert status == 0, output
+    chosen = started.configs[-1]
+    assert (chosen.isolation, chosen.child_users, chosen.child_network) == (
+        "auto",
+        range(5000, 6000),
+        "none",
+    )
+    status, output = serve(
+        "--config", str(config), "--child-users", "7-7", "--child-network", "host"
+    )
+    assert status == 0, output
+    assert (started.configs[-1].child_users, started.configs[-1].child_network) == (
+        range(7, 8),
+        "host",
+    )
+    # Without either, the execution's own uids, and the runner's network.
+    status, output = serve()
+    assert status == 0, output
+    chosen = started.configs[-1]
+    assert (chosen.isolation, chosen.child_users, chosen.child_network) == ("auto", None, "host")
+
+
+@pytest.mark.parametrize(
+    ("text", "users"),
+    [
+        ("1-1", range(1, 2)),  # one uid: one child at a time
+        ("100000-101023", range(100000, 101024)),
+        (" 2000000000 - 2000001023 ", range(2000000000, 2000001024)),
+        ("4294967294-4294967294", range(4294967294, 4294967295)),  # the last uid there is
+    ],
+)
+def test_child_users_are_first_to_last_both_included(
+    started: Started, text: str, users: range
+) -> None:
+    status, output = serve("--child-users", text)
+    assert status == 0, output
+    assert started.configs[-1].child_users == users
+
+
+@pytest.mark.parametrize(
+    ("flags", "passed"),
+    [
+        ((), {"isolation": "auto", "network": "host"}),  # the execution's own uids
+        (("--isolation", "none"), {"isolation": "none", "network": "host"}),
+        (
+            ("--child-users", "100-199", "--child-network", "none"),
+            {"isolation": "auto", "network": "none", "isolation_users": range(100, 200)},
+        ),
+    ],
+)
+def test_the_execution_is_made_with_the_isolation_configured(
+    tmp_path: Path,
+    started: Started,
+    monkeypatch: pytest.MonkeyPatch,
+    flags: tuple[str, ...],
+    passed: dict[str, Any],
+) -> None:
+    status, output = serve("--state", str(tmp_path), *flags)
+    assert status == 0, output
+    made: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    monkeypatch.setattr(
+        runner, "SubprocessExecution", lambda *args, **kwargs: made.append((args, kwargs))
+    )
+    runner._execution(started.configs[-1])  # no child starts: the execution is a recorder
+    assert made == [
+        (
+            (tmp_path,),
+            {"entry_paths": [], "commands": {}, "standby": True, "fork_server": True, **passed},
+        )
+    ]
+
+
 @pytest.mark.parametrize(
     ("toml", "words"),
     [
@@ -169,6 +255,9 @@ def test_standby_false_in_a_config_file_is_a_standby_turned_off(
         ("plugins = 'one'", "plugins must be an array"),
         ("commands = ['sleep']", "commands must be a table of NAME = [ARGV...]"),
         ("lease = ", "--config"),  # not TOML
+        ("child-users = '0-1023'", "child_users (in "),
+        ("child_users = 5000", "'--child-users': expected FIRST-LAST, two uids, got 5000"),
+        ("isolation = 'root'", "'root' is not one of 'auto', 'none'"),
     ],
 )
 def test_a_bad_config_file_is_a_usage_error_naming_the_key(
@@ -197,6 +286,57 @@ def test_a_bad_config_file_is_a_usage_error_naming_the_key(
         (("--command", "nap"), "expected NAME=ARGV, got 'nap'"),
         (("--log-format", "xml"), "'xml' is not one of 'text', 'json'"),
         (("--certfile", "c"), "--certfile and --keyfile go together"),
+        (("--isolation", "off"), "'off' is not one of 'auto', 'none'"),
+        (("--child-network", "bridge"), "'bridge' is not one of 'host', 'none'"),
+        (
+            ("--child-users", "5000"),
+            "Error: Invalid value for '--child-users': expected FIRST-LAST, two uids, got '5000'\n",
+        ),
+        (
+            ("--child-users", "first-last"),
+            "Error: Invalid value for '--child-users': expected FIRST-LAST, two uids, got "
+            "'first-last'\n",
+        ),
+        (
+            ("--child-users", "5000-6000-7000"),
+            "Error: Invalid value for '--child-users': expected FIRST-LAST, two uids, got "
+            "'5000-6000-7000'\n",
+        ),
+        (
+            ("--child-users", "-5-10"),
+            "Error: --child-users must be two uids FIRST-LAST, neither negative, got -5-10\n",
+        ),
+        (
+            ("--child-users", "5--10"),
+            "Error: --child-users must be two uids FIRST-LAST, neither negative, got 5--10\n",
+        ),
+        (
+            ("--child-users", "0-1023"),
+            "Error: --child-users must not start at 0, root's uid, got 0-1023\n",
+        ),
+        (
+            ("--child-users", "6000-5000"),
+            "Error: --child-users must be FIRST-LAST with FIRST <= LAST, got 6000-5000\n",
+        ),
+        (
+            ("--child-users", "1-4294967295"),
+            "Error: --child-users must end at 4294967294 at most (uids are 32 bits, and "
+            "4294967295 means 'unchanged' to setuid), got 1-4294967295\n",
+        ),
+        (
+            ("--child-users", "4294967296-4294967300"),
+            "Error: --child-users must end at 4294967294 at most (uids are 32 bits, and "
+            "4294967295 means 'unchanged' to setuid), got 4294967296-4294967300\n",
+        ),
+        (
+            ("--isolation", "none", "--child-users", "5000-5999"),
+            "Error: --child-users is for isolated children: it needs --isolation auto\n",
+        ),
+        (
+            ("--isolation", "none", "--child-network", "none"),
+            "Error: --child-network none is for isolated children: it needs --isolation auto "
+            "(with --isolation none, children use the runner's network)\n",
+        ),
     ],
 )
 def test_a_bad_flag_is_a_usage_error_naming_it(

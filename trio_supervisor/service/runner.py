@@ -3,8 +3,10 @@
 Theory of operation
 -------------------
 One ``trio.run`` holds everything (docs/service.md section A): the SQLite store in the state
-directory, a subprocess execution over the configured entry paths and named commands,
-the supervisor, and Hypercorn's Trio server with the app of ``app.py``. In order:
+directory, a subprocess execution over the configured entry paths and named commands
+(whose children run isolated unless ``isolation`` is "none": each as a uid of its own
+from ``child_users``, on the network ``child_network`` says), the supervisor, and
+Hypercorn's Trio server with the app of ``app.py``. In order:
 
 1. the state directory is made (mode 0700) and the tokens are read, or made with
    ``secrets.token_urlsafe(32)`` into files of mode 0600;
@@ -169,6 +171,35 @@ DEFAULT_RUNNER_LEASE: Final = 10.0
 RUNNER_LEASE: Final = fields.Seconds(minimum=1.0, inclusive=True, maximum=3600.0)
 
 
+UID_MAX: Final = 2**32 - 2  # uids are 32 bits, and (uid_t) -1 is "unchanged" to setuid()
+
+
+def _refuse_child_users(name: str, value: object) -> None:
+    if value is None:
+        return  # the execution's own uids
+    if not isinstance(value, range) or value.step != 1:
+        raise TypeError(f"{name} must be a range of uids (step 1) or None, not {value!r}")
+    first, last = value.start, value.stop - 1
+    given = f"{first}-{last}"
+    if first < 0 or last < 0:
+        raise ValueError(f"{name} must be two uids FIRST-LAST, neither negative, got {given}")
+    if first == 0:
+        raise ValueError(f"{name} must not start at 0, root's uid, got {given}")
+    if first > last:
+        raise ValueError(f"{name} must be FIRST-LAST with FIRST <= LAST, got {given}")
+    if last > UID_MAX:
+        raise ValueError(
+            f"{name} must end at {UID_MAX} at most (uids are 32 bits, and {UID_MAX + 1} "
+            f"means 'unchanged' to setuid), got {given}"
+        )
+
+
+# The uids isolated children run as: None for the execution's own range.
+CHILD_USERS: Final = fields.Check(_refuse_child_users)
+ISOLATIONS: Final = ("auto", "none")
+NETWORKS: Final = ("host", "none")
+
+
 def _paths(value: Iterable[str | os.PathLike[str]]) -> tuple[Path, ...]:
     # A lone path is a sequence of characters: never read it as one path per character.
     if isinstance(value, str | os.PathLike):
@@ -194,6 +225,13 @@ class RunnerConfig:
         standby: Keep one interpreter started ahead of the next load.
         fork_server: Fork each load's child from a fork server (see
             ``SubprocessExecution``); the standby serves loads while it restarts.
+        isolation: "auto": each child runs as a uid of its own, with no new privileges
+            and a private working directory and ``TMPDIR`` (the runner must be root);
+            "none": children run as the runner's user.
+        child_users: The uids isolated children run as, one per running child; None
+            for the execution's own (``DEFAULT_CHILD_USERS``).
+        child_network: "host": children share the runner's network; "none": each
+            isolated child has a network namespace with loopback alone.
         log_format: How the runner's log lines look on stderr (``text`` or ``json``);
             the CLI sets logging up, :func:`run_runner` leaves it to its caller.
         store: A ``postgresql://`` (or ``postgres://``) URL: the fleet's database; None:
@@ -287,6 +325,32 @@ class RunnerConfig:
         default=True,
         metadata=_flag("Fork each load's child from a fork server, not a fresh interpreter."),
     )
+    isolation: Literal["auto", "none"] = attrs.field(
+        default="auto",
+        validator=attrs.validators.in_(ISOLATIONS),
+        metadata=_flag(
+            "auto: each child runs as a uid of its own (--child-users), with no new "
+            "privileges and a private working directory; the runner must be root. "
+            "none: children run as the runner's user."
+        ),
+    )
+    child_users: range | None = attrs.field(
+        default=None,
+        validator=CHILD_USERS,
+        metadata=_flag(
+            "The uids isolated children run as, one each while it runs; nothing else may "
+            "use them [default: the execution's 1024 uids].",
+            metavar="FIRST-LAST",
+        ),
+    )
+    child_network: Literal["host", "none"] = attrs.field(
+        default="host",
+        validator=attrs.validators.in_(NETWORKS),
+        metadata=_flag(
+            "host: children share the runner's network; none: each isolated child has "
+            "loopback alone."
+        ),
+    )
     log_format: Literal["text", "json"] = attrs.field(
         default="text",
         validator=attrs.validators.in_(("text", "json")),
@@ -350,10 +414,12 @@ class RunnerConfig:
         Raises:
             ConfigError: The listen address is malformed, TLS is half configured,
                 plain HTTP would leave loopback without ``insecure_http``, the store is
-                not a PostgreSQL URL, or a fleet's setting is given without a fleet.
+                not a PostgreSQL URL, a fleet's setting is given without a fleet, or an
+                isolated child's setting is given with ``isolation`` "none".
         """
         host, port = parse_listen(self.listen)
         self._check_fleet(host)
+        self._check_isolation()
         if (self.certfile is None) != (self.keyfile is None):
             raise ConfigError("--certfile and --keyfile go together")
         if not self.tls and not self.insecure_http and not _is_loopback(host):
@@ -363,6 +429,19 @@ class RunnerConfig:
                 "--keyfile, or --insecure-http if something else encrypts the traffic"
             )
         return host, port
+
+    def _check_isolation(self) -> None:
+        # Children that are not isolated run as the runner's user, on its network: a
+        # setting for isolated ones would be silently ignored.
+        if self.isolation != "none":
+            return
+        if self.child_users is not None:
+            raise ConfigError("--child-users is for isolated children: it needs --isolation auto")
+        if self.child_network != "host":
+            raise ConfigError(
+                f"--child-network {self.child_network} is for isolated children: it needs "
+                "--isolation auto (with --isolation none, children use the runner's network)"
+            )
 
     def _check_fleet(self, host: str) -> None:
         if self.store is not None:
@@ -389,6 +468,24 @@ class RunnerConfig:
                 raise ConfigError(
                     f"--advertise must be an http:// or https:// URL, got {self.advertise!r}"
                 )
+
+
+def _execution(config: RunnerConfig) -> SubprocessExecution:
+    """The runner's execution, not yet started: its children's uids are its own default
+    unless ``child_users`` is given."""
+    users: dict[str, Any] = {}
+    if config.child_users is not None:
+        users["isolation_users"] = config.child_users
+    return SubprocessExecution(  # type: ignore[call-arg]
+        config.state,
+        entry_paths=list(config.plugins),
+        commands=dict(config.commands),
+        standby=config.standby,
+        fork_server=config.fork_server,
+        isolation=config.isolation,
+        network=config.child_network,
+        **users,
+    )
 
 
 def _without_password(url: str) -> str:
@@ -559,13 +656,7 @@ async def run_runner(
                 advertise=advertise,
             )
             async with (
-                SubprocessExecution(
-                    config.state,
-                    entry_paths=list(config.plugins),
-                    commands=dict(config.commands),
-                    standby=config.standby,
-                    fork_server=config.fork_server,
-                ) as execution,
+                _execution(config) as execution,
                 open_supervisor(
                     timed(store, metrics.save_seconds),
                     execution,

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import queue
 import sqlite3
+import stat
 from collections.abc import Callable
 from typing import Final
 
@@ -29,6 +31,10 @@ __all__ = ["SCHEMA_VERSION", "Worker"]
 
 
 SCHEMA_VERSION: Final = 1
+PRIVATE: Final = 0o600  # the database's mode, and so its companions' (SQLite copies it)
+# What SQLite keeps beside the database: the write-ahead log, its index (none in
+# EXCLUSIVE locking mode), and the rollback journal of the switch to WAL.
+COMPANIONS: Final = ("-wal", "-shm", "-journal")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -206,6 +212,7 @@ class Worker:
 
     def _open(self) -> None:
         path = self.path
+        _make_private(path)
         connection = sqlite3.connect(path, timeout=self._timeout, isolation_level=None)
         try:
             connection.execute("PRAGMA locking_mode = EXCLUSIVE")
@@ -335,6 +342,43 @@ class Worker:
             # an empty identity).
             what = "record" if job.kind == "list" else "high-water"
             raise RecordFormatError(f"{path}: a {what} row is malformed: {error}") from error
+
+
+def _make_private(path: str) -> None:
+    """Make the database file (made here if it does not exist), and the companions an
+    earlier run left, readable and writable by their owner alone before SQLite opens it.
+
+    SQLite makes the write-ahead log and the journals with the database's own mode, so
+    the companions it makes later are private too. A file that is private already is
+    left as it is, whoever owns it.
+
+    Raises:
+        StateStorageError: The file cannot be made, or a file cannot be made private
+            (it belongs to another user).
+    """
+    try:
+        # Read-only is enough to make the file and to change its mode; SQLite opens it
+        # for writing itself, and says so if it cannot.
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, PRIVATE)
+    except OSError as error:
+        raise StateStorageError(f"{path}: cannot open: {error.strerror or error}") from error
+    # SQLite names the companions after the file the path leads to.
+    real = os.path.realpath(path)
+    try:
+        try:
+            if stat.S_IMODE(os.fstat(fd).st_mode) & ~PRIVATE:
+                os.fchmod(fd, PRIVATE)
+        finally:
+            os.close(fd)
+        for companion in (real + suffix for suffix in COMPANIONS):
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_IMODE(os.stat(companion).st_mode) & ~PRIVATE:
+                    os.chmod(companion, PRIVATE)
+    except OSError as error:
+        raise StateStorageError(
+            f"{path}: cannot open: cannot make {error.filename or real} readable and "
+            f"writable by its owner alone (mode 0600): {error.strerror or error}"
+        ) from error
 
 
 def _decode_row(path: str, token: str, identity: str, instance: str, body: str) -> SessionRecord:

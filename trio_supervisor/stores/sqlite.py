@@ -5,6 +5,10 @@
 * ``locking_mode=EXCLUSIVE``: one store (so one supervisor) owns the file. A second
   process opening it gets a clear error instead of two supervisors fencing one key
   each their own way.
+* The file and its companions are readable and writable by their owner alone (mode
+  0600): a new file is made so, and an existing one (with any write-ahead log or
+  journal an earlier run left) is made so when the store opens. SQLite gives the
+  companions it makes the file's own mode.
 * Every SQLite call runs on one worker thread that owns the connection; the event loop
   never blocks on the disk.
 * Group commit: saves that arrive while a transaction is being written wait in the
@@ -45,7 +49,8 @@ class SqliteStore(Opening):
     worker thread and its connection start on first use.
 
     Args:
-        path: The database file; its directory must exist.
+        path: The database file; its directory must exist. Made with mode 0600 if it
+            does not exist, and given that mode when the store opens if it has another.
         retention: Which Stopped records to keep.
         timeout: Seconds SQLite waits for a lock before failing a write.
 
