@@ -476,7 +476,7 @@ def _execution(config: RunnerConfig) -> SubprocessExecution:
     users: dict[str, Any] = {}
     if config.child_users is not None:
         users["isolation_users"] = config.child_users
-    return SubprocessExecution(  # type: ignore[call-arg]
+    return SubprocessExecution(
         config.state,
         entry_paths=list(config.plugins),
         commands=dict(config.commands),
