@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Literal
 
 import trio
 import trio.testing
@@ -162,6 +163,7 @@ def ours(
     standby: bool = False,
     fork_server: bool = False,
     preload: tuple[str, ...] = (),
+    isolation: Literal["auto", "none"] = "auto",
 ) -> float:
     async def main(directory: str) -> float:
         key = Key(identity="bench", instance="child")
@@ -173,6 +175,7 @@ def ours(
                 standby=standby,
                 fork_server=fork_server,
                 preload=preload,
+                isolation=isolation,
             ) as execution,
             open_supervisor(MemoryStore(), execution, lease=60.0, grace=GRACE) as supervisor,
         ):
@@ -211,6 +214,22 @@ def run(quick: bool, rounds: int) -> list[Result]:
             "ready line, SIGTERM, reaped",
         ),
         compare(
+            "child.cycle.no_isolation",
+            ours=lambda: ours(
+                cycles, 0, fork_server=True, standby=True, preload=PRELOAD, isolation="none"
+            ),
+            baseline=lambda: raw(cycles, 0),
+            baseline_name=spawn,
+            unit="s/cycle",
+            better="lower",
+            target=0.25,
+            rounds=rounds,
+            informational=True,
+            note="as child.cycle with isolation='none': the child runs as the runner's user "
+            "(child.cycle is isolated: a uid of its own, its private directory made and "
+            "removed, the children's view entered)",
+        ),
+        compare(
             "child.cycle.no_preload",
             ours=lambda: ours(cycles, 0, fork_server=True, standby=True),
             baseline=lambda: raw(cycles, 0),
@@ -233,6 +252,18 @@ def run(quick: bool, rounds: int) -> list[Result]:
             rounds=rounds,
             note="as child.cycle, with the default standby=False: the interpreter starts "
             "during the load",
+        ),
+        compare(
+            "child.cycle.cold.no_isolation",
+            ours=lambda: ours(cycles, 0, isolation="none"),
+            baseline=lambda: raw(cycles, 0),
+            baseline_name=spawn,
+            unit="s/cycle",
+            better="lower",
+            target=1.15,
+            rounds=rounds,
+            informational=True,
+            note="as child.cycle.cold with isolation='none'",
         ),
         compare(
             "terminate.cooperative",

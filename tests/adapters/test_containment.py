@@ -48,7 +48,7 @@ from trio_supervisor import (
     open_supervisor,
 )
 from trio_supervisor.errors import ExecutionError
-from trio_supervisor.executions import _cgroups, _containment
+from trio_supervisor.executions import DEFAULT_CHILD_USERS, _cgroups, _containment
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.executions._unit import ProcessUnit
 
@@ -458,6 +458,9 @@ def test_a_restarted_runner_recovers_every_tree(
         ]
         assert held_cgroups
         assert all((path / "cgroup.procs").read_text() for path in held_cgroups)
+        # A uid and a private directory per child, still held by its stopped tree.
+        homes = sorted(path.name for path in (tmp_path / "children").iterdir())
+        assert len(homes) == len(LEAVES)
         with reaping():  # what the recovery kills was the dead runner's: we reap it
             recovered = subprocess.run(
                 [sys.executable, str(RUNNER), str(tmp_path), containment, "recover"],
@@ -469,8 +472,12 @@ def test_a_restarted_runner_recovers_every_tree(
         assert recovered.returncode == 0, recovered.stderr
         # Recovery confirms what it killed: nothing is left once it returned.
         assert marked(nonce) == set()
-        lines = {line.split()[1]: line for line in recovered.stdout.splitlines()}
+        *said, free = recovered.stdout.splitlines()
+        lines = {line.split()[1]: line for line in said}
         assert set(lines) == set(LEAVES)
+        # Each uid is free again, and its private directory gone.
+        assert free == f"free uids {len(DEFAULT_CHILD_USERS)}"
+        assert list((tmp_path / "children").iterdir()) == []
         for name, line in lines.items():
             assert " killed (SIGKILL; " in line, line
             killed = int(line.split("; ")[1].split()[0])

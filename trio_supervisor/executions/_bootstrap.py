@@ -1105,6 +1105,31 @@ MS_RDONLY, MS_NOSUID, MS_NODEV = 0x1, 0x2, 0x4
 MS_REMOUNT, MS_BIND, MS_REC, MS_SLAVE = 0x20, 0x1000, 0x4000, 0x80000
 
 
+def bind_mount() -> Any:
+    """``mount(2)`` from the C library, typed through ``_ctypes`` (see :func:`bind`)."""
+    import _ctypes
+
+    class Text(_ctypes._SimpleCData):  # type: ignore[type-arg]  # ctypes.c_char_p
+        _type_ = "z"
+
+    class Flags(_ctypes._SimpleCData):  # type: ignore[type-arg]  # ctypes.c_ulong
+        _type_ = "L"
+
+    bind("mount")
+    function = _LIBC["mount"]
+    function.argtypes = (Text, Text, Text, Flags, Text)
+
+    def mount(
+        source: str | None, target: str, kind: str | None, flags: int, data: str | None
+    ) -> None:
+        text = [None if part is None else part.encode() for part in (source, target, kind, data)]
+        if function(text[0], text[1], text[2], flags, text[3]) != 0:
+            number = _LIBC["errno"]()
+            raise OSError(number, f"mount {target}: {os.strerror(number)}")
+
+    return mount
+
+
 def make_view() -> int:
     """``_bootstrap.py view``, run as root by the runner: make the children's view.
 
@@ -1114,30 +1139,10 @@ def make_view() -> int:
     back from the real one (read-only unless writable). Prints ``ready`` and holds the
     namespace until stdin closes; the runner keeps a descriptor of it by then.
     """
-    import ctypes
-
     spec = marshal.loads(sys.stdin.buffer.read(int(sys.stdin.buffer.readline())))
-    c = ctypes.CDLL(None, use_errno=True)
-    c.mount.argtypes = [
-        ctypes.c_char_p,
-        ctypes.c_char_p,
-        ctypes.c_char_p,
-        ctypes.c_ulong,
-        ctypes.c_char_p,
-    ]
-
-    def mount(
-        source: str | None, target: str, kind: str | None, flags: int, data: str | None
-    ) -> None:
-        text = [None if part is None else part.encode() for part in (source, target, kind, data)]
-        if c.mount(text[0], text[1], text[2], flags, text[3]) != 0:
-            number = ctypes.get_errno()
-            raise OSError(number, f"mount {target}: {os.strerror(number)}")
-
+    mount = bind_mount()
     os.umask(0)
-    if c.unshare(CLONE_NEWNS) != 0:
-        number = ctypes.get_errno()
-        raise OSError(number, f"unshare: {os.strerror(number)}")
+    libc("unshare", CLONE_NEWNS)
     mount(None, "/", None, MS_REC | MS_SLAVE, None)  # nothing goes back to the host
     covers = sorted(spec["covers"], key=len)
     binds = sorted(spec["binds"], key=lambda bind: len(bind[0]))

@@ -126,6 +126,11 @@ class Isolated:
     def used(self) -> bool:
         return self.users is not None
 
+    @property
+    def free_uids(self) -> int:
+        """How many uids a child may get now."""
+        return len(self._free)
+
     def describe(self) -> str:
         """One line for the log."""
         if self.users is None:
@@ -215,7 +220,7 @@ async def prepare(
     *,
     state: Path,
     python: str,
-    bootstrap_source: Path,
+    bootstrap: Path,
     entry_paths: Sequence[str],
     executables: Iterable[str],
 ) -> Isolated:
@@ -244,7 +249,7 @@ async def prepare(
     covers = _covers([*needed, str(children)], state)
     binds = [(path, False) for path in needed] + [(str(children), True)]
     with outside_the_run():
-        view = await _make_view(bootstrap_source, covers, binds)
+        view = await _make_view(bootstrap, covers, binds)
     return Isolated(
         users=users,
         network=network,
@@ -340,7 +345,7 @@ async def _make_view(source: Path, covers: list[str], binds: list[tuple[str, boo
 
     def make() -> int:
         maker = subprocess.Popen(
-            [sys.executable, "-I", str(source), "view"],
+            [sys.executable, "-I", "-S", str(source), "view"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

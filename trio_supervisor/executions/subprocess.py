@@ -296,7 +296,8 @@ class SubprocessExecution:
                 self.network,
                 state=self.state_directory,
                 python=self.python,
-                bootstrap_source=BOOTSTRAP,
+                # The runner's own interpreter makes the view: compiled for it, or not.
+                bootstrap=self._bootstrap if self.python == sys.executable else BOOTSTRAP,
                 entry_paths=self.entry_paths,
                 executables=self._executables(),
             )

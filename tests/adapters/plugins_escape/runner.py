@@ -7,7 +7,7 @@ python runner.py STATE CONTAINMENT hold NONCE
     come from the fork server, whose pid is printed first as "child server PID"
 python runner.py STATE CONTAINMENT recover
     start on the same store (which recovers what the killed runner left) and print each
-    recovered session as "recovered NAME TERMINATION"
+    recovered session as "recovered NAME TERMINATION", then "free uids N"
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ async def recover(state: Path, containment: str) -> None:
             assert isinstance(record, StoppedRecord)
             instance, termination = record.handle.key.instance, record.termination
             print(f"recovered {instance} {termination.describe()}", flush=True)
+        print(f"free uids {execution.isolated.free_uids}", flush=True)
 
 
 if __name__ == "__main__":
