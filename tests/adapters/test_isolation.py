@@ -32,6 +32,7 @@ from trio_supervisor import (
     open_supervisor,
 )
 from trio_supervisor.executions import DEFAULT_CHILD_USERS
+from trio_supervisor.executions._isolation import CLAIMS
 
 from ..support import until, until_logged
 
@@ -144,6 +145,8 @@ async def test_every_attack_on_the_runner_is_refused_and_it_keeps_serving(
         "list the children's directories",
         "list another child's directory",
         "read the runner's environment",
+        "read a token through the runner's /proc",
+        "read a token through its parent's /proc",
         "signal the runner",
         "signal the tracked process",
         "raise an rlimit",
@@ -188,6 +191,64 @@ async def test_a_swept_child_cannot_signal_the_runner_either(tmp_path: Path) -> 
         assert outcomes["signal the runner"].startswith("refused PermissionError"), outcomes
         assert outcomes["signal the tracked process"].startswith("refused PermissionError")
         await supervisor.dispose(record.handle)
+
+
+async def test_in_namespaces_of_its_own_a_child_sees_nothing_of_the_state_directory(
+    tmp_path: Path, fork_server: bool
+) -> None:
+    # What a runner that is not root gives its children ("auto" picks it there); asked
+    # for here, as root, where the child's uid is root's and only the namespaces hold.
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "operator-token").write_text("secret operator-token\n")
+    async with (
+        SubprocessExecution(
+            state, entry_paths=[PLUGINS], fork_server=fork_server, isolation="namespace"
+        ) as execution,
+        SqliteStore(state / "supervisor.db") as store,
+        open_supervisor(store, execution, grace=1.0) as supervisor,
+    ):
+        assert execution.isolated.kind == "namespace"
+        other = await loaded(supervisor, "victim", "attacks:identity")
+        await until_logged(execution, other.handle, "IDENTITY", bound=BOUND)
+        _, _, _, cwd, tmp, no_new_privs, capabilities = identity_line(execution, other)
+        home = Path(cwd)
+        assert (home.parent, Path(tmp)) == (state / "children", home / "tmp")
+        assert (no_new_privs, int(capabilities, 16)) == ("1", 0)
+        record = await loaded(
+            supervisor,
+            "attacker",
+            "attacks:everything",
+            state=str(state),
+            other_log=str(execution.log_path(other.handle)),
+            other_home=str(home),
+            runner=os.getpid(),
+            root_may_write=True,  # it is root here, in namespaces that do not change that
+        )
+        await until_logged(execution, record.handle, "done", bound=BOUND)
+        outcomes = attacks(execution.logs(record.handle))
+        # The state directory is an empty, read-only cover, but for its own directory.
+        assert outcomes.pop("list the state directory") == "SUCCEEDED ['children']"
+        mine = Path(str(execution.log_path(record.handle))).name  # not listed: it is logs/
+        assert mine not in outcomes.pop("list the children's directories")
+        assert outcomes.pop("list another child's directory").startswith("refused")
+        hidden = {
+            "read hosts-token",
+            "read operator-token",
+            "read the store",
+            "write the store",
+            "list the logs",
+            "read another session's log",
+            "read a token through the runner's /proc",
+            "read a token through its parent's /proc",
+        }
+        assert {
+            name: outcomes[name] for name in hidden if not outcomes[name].startswith("refused")
+        } == {}
+        assert "secret" not in execution.logs(record.handle)
+        for handle in (record.handle, other.handle):
+            with trio.fail_after(BOUND):
+                await supervisor.dispose(handle)
 
 
 async def test_each_child_runs_as_a_uid_of_its_own_which_is_free_again_once_it_stops(
@@ -313,7 +374,8 @@ async def test_without_isolation_a_child_runs_as_the_runner_in_the_state_directo
 async def test_a_child_the_range_has_no_uid_for_is_refused_and_nothing_changes(
     tmp_path: Path,
 ) -> None:
-    only = range(DEFAULT_CHILD_USERS.start, DEFAULT_CHILD_USERS.start + 1)
+    # A range of one uid, which no other test (nor runner) uses.
+    only = range(DEFAULT_CHILD_USERS.stop + 100, DEFAULT_CHILD_USERS.stop + 101)
     async with (
         SubprocessExecution(tmp_path, entry_paths=[PLUGINS], isolation_users=only) as execution,
         open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
@@ -346,7 +408,7 @@ async def test_an_entry_path_children_cannot_read_is_refused_at_start(tmp_path: 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"isolation": "users"}, "isolation must be one of"),
+        ({"isolation": "uids"}, "isolation must be one of"),
         ({"network": "bridge"}, "network must be one of"),
         ({"network": "none", "isolation": "none"}, "network='none' needs isolation"),
         ({"isolation_users": range(10)}, r"within 1-4294967294 \(0 is root\), got 0-9"),
@@ -360,3 +422,49 @@ def test_bad_isolation_options_are_refused(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         SubprocessExecution(tmp_path, **options)  # type: ignore[arg-type]
+
+
+SHARED = range(DEFAULT_CHILD_USERS.stop + 200, DEFAULT_CHILD_USERS.stop + 203)
+
+
+@pytest.fixture
+def claims(tmp_path: Path) -> Iterator[Path]:
+    """The machine's claims of uids, with two a runner left in SHARED: one of a state
+    directory that is gone (stale), one of a runner whose state directory is there."""
+    claims = CLAIMS
+    claims.mkdir(mode=0o700, parents=True, exist_ok=True)
+    elsewhere = tmp_path / "elsewhere" / "children"
+    elsewhere.mkdir(parents=True)
+    (claims / str(SHARED[0])).symlink_to(tmp_path / "gone" / "children" / str(SHARED[0]))
+    (claims / str(SHARED[1])).symlink_to(elsewhere / str(SHARED[1]))
+    yield claims
+    for uid in SHARED:
+        (claims / str(uid)).unlink(missing_ok=True)
+
+
+async def test_runners_sharing_a_range_never_give_one_uid_to_two_children(
+    tmp_path: Path, claims: Path
+) -> None:
+    async with (
+        SubprocessExecution(tmp_path / "a", entry_paths=[PLUGINS], isolation_users=SHARED) as first,
+        SubprocessExecution(
+            tmp_path / "b", entry_paths=[PLUGINS], isolation_users=SHARED
+        ) as second,
+        open_supervisor(MemoryStore(), first, grace=1.0) as one,
+        open_supervisor(MemoryStore(), second, grace=1.0) as two,
+    ):
+        # The stale claim went at start; the other runner's is respected.
+        assert (first.isolated.free_uids, second.isolated.free_uids) == (2, 2)
+        a = await loaded(one, "a", "attacks:identity")
+        b = await loaded(two, "b", "attacks:identity")
+        assert {a.child.uid, b.child.uid} == {SHARED[0], SHARED[2]}
+        home = tmp_path / "a" / "children" / str(a.child.uid)
+        assert os.readlink(claims / str(a.child.uid)) == str(home)
+        # Each runner believes one uid is left; the other runner has it.
+        record = await one.open(Key(identity="tenant", instance="c"), "c")
+        with pytest.raises(ExecutionError, match="every uid of"):
+            await one.load(record.handle, Load(specifier="attacks:identity"))
+        for supervisor, handle in ((one, a.handle), (two, b.handle)):
+            await supervisor.dispose(handle)
+        left = {str(a.child.uid), str(b.child.uid)}
+        await until(lambda: not left & set(os.listdir(claims)), "their claims removed")

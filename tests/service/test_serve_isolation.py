@@ -61,7 +61,7 @@ async def test_a_hostile_plugin_gets_nothing_of_the_runners(
                 await until(lambda: _done(log), "the attacks are done", bound=BOUND)
                 said = outcomes(await log())
             assert said.pop("write in its TMPDIR").startswith("SUCCEEDED"), said
-            assert len(said) == 15
+            assert len(said) == 17
             assert {name: how for name, how in said.items() if not how.startswith("refused")} == {}
             # The runner serves on: the host's sessions are as they were, and end cleanly.
             assert runner.process.poll() is None

@@ -212,7 +212,7 @@ def bind(*names: str) -> None:
     _LIBC["errno"] = _ctypes.get_errno
 
 
-def libc(name: str, *arguments: int) -> None:
+def libc(name: str, *arguments: int | bytes) -> None:
     """Call the C library's ``name`` (``unshare``, ``prctl``); OSError when it fails."""
     if name not in _LIBC:
         bind(name)
@@ -697,9 +697,16 @@ def isolate(isolation: dict[str, Any]) -> None:
     capability); no new privileges (a set-user-id program gains nothing). Dumpable
     again, as an exec would make it, so that its own ``/proc`` files are its own.
 
+    Without a uid (``"hide"`` names the state directory instead), the child keeps the
+    runner's uid and hides the state directory in namespaces of its own:
+    :func:`hide_state`.
+
     Raises:
         OSError: A step failed: the child must not run.
     """
+    if "hide" in isolation:
+        hide_state(isolation)
+        return
     uid = isolation["uid"]
     if os.geteuid() != 0:
         raise OSError(
@@ -721,6 +728,44 @@ def isolate(isolation: dict[str, Any]) -> None:
         raise OSError(f"the uid is {os.getresuid()} after switching to {uid}")
     libc("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     libc("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)
+    os.environ["TMPDIR"] = isolation["tmp"]
+
+
+def hide_state(isolation: dict[str, Any]) -> None:
+    """(P, with the runner's uid) Make a user namespace and a mount namespace (and a
+    network namespace, without a network), cover the state directory with an empty tmpfs
+    there and mount the private directory back; then drop every capability the new
+    user namespace gave, and take no new privileges."""
+    home = isolation["home"]
+    mount = bind_mount()
+    flags = CLONE_NEWUSER | CLONE_NEWNS
+    if isolation.get("network") == "none":
+        flags |= CLONE_NEWNET
+    uid, gid = os.getuid(), os.getgid()
+    libc("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)  # T's was off: its maps are its own to write
+    libc("unshare", flags)
+    for name, text in (
+        ("setgroups", "deny"),
+        ("uid_map", f"{uid} {uid} 1"),
+        ("gid_map", f"{gid} {gid} 1"),
+    ):
+        with open(f"/proc/self/{name}", "w") as file:
+            file.write(text)
+    if flags & CLONE_NEWNET:
+        loopback_up()
+    mount(None, "/", None, MS_REC | MS_SLAVE, None)  # nothing goes back to the host
+    pin = os.open(home, os.O_PATH)  # in this namespace, before the cover hides it
+    mount("tmpfs", isolation["hide"], "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711")
+    os.makedirs(home, 0o700)
+    mount(f"/proc/self/fd/{pin}", home, None, MS_BIND, None)
+    os.close(pin)
+    # The cover read-only, its own directory still writable under it.
+    mount(None, isolation["hide"], None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+    os.chdir(home)
+    # capset(2): version 3 header for this process, and two empty sets (no capability
+    # effective, permitted or inheritable).
+    libc("capset", (0x20080522).to_bytes(4, sys.byteorder) + bytes(4), bytes(24))
+    libc("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     os.environ["TMPDIR"] = isolation["tmp"]
 
 
@@ -1190,6 +1235,11 @@ def main() -> int:
     spec = control.read()
     if not isinstance(spec, dict) or spec.get("command") != "spawn":
         return 2
+    if "isolation" in spec:
+        # T stays root (or the runner's uid): nobody but root may trace it or read its
+        # /proc files, its root directory included, through which the state directory
+        # is in view. P is made dumpable again as it isolates itself.
+        libc("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
     try:
         join_cgroups(spec.get("cgroups", ()))
         if "log" in spec:
@@ -1243,6 +1293,9 @@ def serve(fd: int, how: str, strict: bool, preload: list[str]) -> None:
 
     reset_signals()
     bind("unshare", "prctl", "setns")
+    # It runs none of the plugins' code, and a child of the runner's uid must not reach
+    # the runner's files through its /proc/PID/root.
+    libc("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
     server = _socket.socket(fileno=fd)
     # No parent-death signal: it fires when the *thread* that started us ends, and Trio
     # starts processes from worker threads that end when idle. EOF on FD is the signal.

@@ -20,15 +20,21 @@ its store and token files and every session's log stay out of sight, whatever th
 modes, and a child's output still reaches its log through the descriptor the runner
 opened.
 
-Which uids are free is this execution's to know: one whose private directory exists
-is taken. A directory left by a run that was killed is removed at the next start, or,
-while processes of its uid still run, by recovery once it has killed them (the uid is
-recorded in the child's identity). Runners that share a machine need ranges of their
-own: a uid of the range that some other process already runs as is left alone, and
-the log says so.
+Runners of one machine may share a range: a uid is claimed machine-wide, atomically,
+by a symbolic link ``/run/trio-supervisor/uids/<uid>`` to the child's private directory
+(which names the runner's state directory), and given back once its child is gone. What
+a run that was killed left (claims, private directories) is removed at the next start
+on the same state directory, or, while processes of its uid still run, by recovery
+once it has killed them (the uid is recorded in the child's identity). A uid of the
+range that some other process already runs as is left alone, and the log says so.
 
-Without root (or with ``isolation="none"``) none of this happens; "auto" then refuses
-to start, naming what to do.
+A runner that is not root cannot give uids away. Its children get the next best thing
+(``"namespace"``, which "auto" picks there): each makes a user namespace and a mount
+namespace of its own before it runs anything, in which an empty tmpfs covers the state
+directory and only its private directory is mounted back; it then drops every
+capability and takes ``PR_SET_NO_NEW_PRIVS``. It still runs as the runner's uid, so it
+may read what the runner's user may read outside the state directory; the log says so.
+Where the kernel allows no user namespace, "auto" refuses to start, naming what to do.
 """
 
 from __future__ import annotations
@@ -55,8 +61,8 @@ __all__ = ["DEFAULT_CHILD_USERS", "ISOLATIONS", "NETWORKS", "Grant", "Isolated",
 
 logger = logging.getLogger(__name__)
 
-Isolation = Literal["auto", "none"]
-ISOLATIONS: tuple[Isolation, ...] = ("auto", "none")
+Isolation = Literal["auto", "users", "namespace", "none"]
+ISOLATIONS: tuple[Isolation, ...] = ("auto", "users", "namespace", "none")
 Network = Literal["host", "none"]
 NETWORKS: tuple[Network, ...] = ("host", "none")
 # 1024 uids from 2,000,000,000: far above the ranges distributions give to people and
@@ -65,6 +71,11 @@ DEFAULT_CHILD_USERS = range(2_000_000_000, 2_000_000_000 + 1024)
 UID_MAX = 2**32 - 2  # (uid_t)-1 means "unchanged" to the kernel
 VIEW_TIMEOUT = 10.0
 CHILDREN = "children"
+# Which uid each running child of any runner of this machine holds: a symbolic link
+# named after the uid, to the child's private directory (so it names its runner's
+# state directory). Made atomically, or not at all: two runners sharing a range of uids
+# never give one to two children.
+CLAIMS = Path("/run/trio-supervisor/uids")
 
 # What each interpreter puts on a child's path, asked once per interpreter.
 _PATHS: dict[str, list[str]] = {}
@@ -91,9 +102,10 @@ def check_users(users: object) -> range:
 
 @attrs.frozen
 class Grant:
-    """What one child was given: its uid (and gid), and its private directory."""
+    """What one child was given: its uid (and gid; None in a namespace), and its
+    private directory."""
 
-    uid: int
+    uid: int | None
     home: Path
 
     @property
@@ -106,25 +118,30 @@ class Isolated:
     """An execution's isolation, found and prepared once by :func:`prepare`.
 
     Attributes:
-        users: The uids children get, or None when they are not isolated.
+        kind: "users" (a uid per child), "namespace" (a user and mount namespace per
+            child), or "none".
+        users: The uids children get, for "users".
         network: "host", or "none" (a network namespace with loopback alone).
         view: The children's view (a mount namespace's descriptor), or -1.
         children: Where the private directories are (``STATE/children``).
         covered: What the view covers, for the log.
     """
 
-    users: range | None
+    kind: Literal["users", "namespace", "none"]
+    users: range | None = None
     network: Network = "host"
     view: int = -1
     children: Path | None = None
     covered: tuple[str, ...] = ()
+    claims: Path | None = None
     reason: str = ""
     _free: list[int] = attrs.field(factory=list)
     _held: set[int] = attrs.field(factory=set)
+    _made: int = 0
 
     @property
     def used(self) -> bool:
-        return self.users is not None
+        return self.kind != "none"
 
     @property
     def free_uids(self) -> int:
@@ -133,8 +150,17 @@ class Isolated:
 
     def describe(self) -> str:
         """One line for the log."""
-        if self.users is None:
+        if self.kind == "none":
             return f"nothing: they run as the runner's user ({self.reason})"
+        if self.kind == "namespace":
+            return (
+                "a user and mount namespace each, in which the state directory is hidden "
+                f"but for its private directory under {self.children}, with no capabilities "
+                "and no new privileges; they run as the runner's uid, and may read what "
+                f"it may outside the state directory ({self.reason}; the runner is not "
+                f"dumpable, so it leaves no core dump); network {self.network}"
+            )
+        assert self.users is not None
         last = self.users.stop - 1
         view = f"a view that covers {', '.join(self.covered)}" if self.covered else "no view"
         return (
@@ -145,6 +171,14 @@ class Isolated:
 
     def spec(self, grant: Grant) -> dict[str, Any]:
         """The spawn message's ``isolation`` (see ``_bootstrap.isolate``)."""
+        if grant.uid is None:
+            assert self.children is not None
+            return {
+                "hide": str(self.children.parent),
+                "home": str(grant.home),
+                "tmp": str(grant.tmp),
+                "network": self.network,
+            }
         return {
             "uid": grant.uid,
             "home": str(grant.home),
@@ -159,14 +193,27 @@ class Isolated:
         Raises:
             ExecutionError: Every uid of the range is taken.
         """
-        assert self.users is not None
         assert self.children is not None
+        if self.kind == "namespace":
+            self._made += 1
+            home = self.children / f"n{self._made}"
+            home.mkdir(mode=0o700)
+            (home / "tmp").mkdir(mode=0o700)
+            return Grant(None, home)
+        assert self.users is not None
+        assert self.claims is not None
         while self._free:
             uid = self._free.pop()
             home = self.children / str(uid)
+            claim = self.claims / str(uid)
+            try:
+                os.symlink(home, claim)
+            except FileExistsError:
+                continue  # another runner's child has it now
             try:
                 home.mkdir(mode=0o700)
             except FileExistsError:
+                claim.unlink()
                 continue  # left by a child whose stop was cut short: not ours to give
             os.chown(home, uid, uid)
             tmp = home / "tmp"
@@ -183,8 +230,15 @@ class Isolated:
         """Remove a gone child's private directory, and make its uid free again."""
         with outside_the_run():
             removed = await trio.to_thread.run_sync(_remove_home, grant.home)
+        if grant.uid is None:
+            return
         self._held.discard(grant.uid)
         if removed:
+            assert self.claims is not None
+            claim = self.claims / str(grant.uid)
+            with contextlib.suppress(OSError):
+                if Path(os.readlink(claim)) == grant.home:
+                    claim.unlink()
             self._free.append(grant.uid)
 
     async def recovered(self, uid: int) -> None:
@@ -223,6 +277,7 @@ async def prepare(
     bootstrap: Path,
     entry_paths: Sequence[str],
     executables: Iterable[str],
+    claims: Path = CLAIMS,
 ) -> Isolated:
     """Find what this runner can do, and prepare it: the private directories' parent,
     the free uids, the view.
@@ -233,25 +288,41 @@ async def prepare(
     """
     if isolation == "none":
         await trio.lowlevel.checkpoint()
-        return Isolated(users=None, reason="isolation='none' was asked for")
+        return Isolated("none", reason="isolation='none' was asked for")
+    children = state / CHILDREN
+    if isolation == "namespace" or (isolation == "auto" and os.geteuid() != 0):
+        refused = _user_namespaces_refused()
+        if refused:
+            await trio.lowlevel.checkpoint()
+            raise ExecutionError(
+                f"children cannot be isolated: the runner is not root (uid {os.geteuid()}), "
+                f"and {refused}; run it as root, allow user namespaces, or pass "
+                "isolation='none' (serve --isolation none) to run them as the runner's user"
+            )
+        await trio.to_thread.run_sync(_prepare_children, children, range(0), None)
+        # A child of the runner's uid could otherwise read the state directory through
+        # /proc/<runner>/root: only root may look into a process that is not dumpable.
+        _not_dumpable()
+        why = "asked for" if isolation == "namespace" else f"the runner is uid {os.geteuid()}"
+        return Isolated("namespace", network=network, children=children, reason=why)
     if os.geteuid() != 0:
         await trio.lowlevel.checkpoint()
         raise ExecutionError(
             f"children cannot run as users of their own: the runner is not root (uid "
-            f"{os.geteuid()}); run it as root, or pass isolation='none' (serve --isolation "
-            "none) to run them as the runner's user"
+            f"{os.geteuid()}); run it as root, or pass isolation='auto' or 'none'"
         )
     needed = [*await _interpreter_paths(python), *entry_paths, *executables]
     for path in entry_paths:
         _check_readable(Path(path))
-    children = state / CHILDREN
-    free = await trio.to_thread.run_sync(_prepare_children, children, users)
+    free = await trio.to_thread.run_sync(_prepare_children, children, users, claims)
     covers = _covers([*needed, str(children)], state)
     binds = [(path, False) for path in needed] + [(str(children), True)]
     with outside_the_run():
         view = await _make_view(bootstrap, covers, binds)
     return Isolated(
+        "users",
         users=users,
+        claims=claims,
         network=network,
         view=view,
         children=children,
@@ -272,6 +343,28 @@ async def _interpreter_paths(python: str) -> list[str]:
         found = [path for path in dict.fromkeys(marshal.loads(done.stdout)) if path]
         _PATHS[python] = await trio.to_thread.run_sync(_existing, found)
     return _PATHS[python]
+
+
+def _not_dumpable() -> None:
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        number = ctypes.get_errno()
+        raise ExecutionError(f"cannot make the runner undumpable: {os.strerror(number)}")
+
+
+def _user_namespaces_refused() -> str:
+    """Why a child could not make a user namespace here, as far as sysctls tell ("" if
+    nothing stands in the way; a seccomp filter may still refuse it, and the child then
+    fails its load saying so)."""
+    for sysctl, refusing in (
+        ("/proc/sys/user/max_user_namespaces", "0"),
+        ("/proc/sys/kernel/unprivileged_userns_clone", "0"),
+    ):
+        with contextlib.suppress(OSError):
+            if Path(sysctl).read_text().strip() == refusing:
+                return f"{sysctl} is {refusing}"
+    return ""
 
 
 def _existing(paths: list[str]) -> list[str]:
@@ -307,10 +400,11 @@ def _covers(needed: Iterable[str], state: Path) -> list[str]:
     return sorted(covers, key=len)
 
 
-def _prepare_children(children: Path, users: range) -> list[int]:
-    """Make ``STATE/children`` (root, 0711: others may pass, not list); remove the
-    private directories earlier runs left whose uid runs nothing; return the free uids,
-    highest first (claims pop the lowest)."""
+def _prepare_children(children: Path, users: range, claims: Path | None) -> list[int]:
+    """Make ``STATE/children`` (root, 0711: others may pass, not list) and the claims'
+    directory; remove what earlier runs on this state directory left whose uid runs
+    nothing (private directories and their claims), and claims of state directories that
+    are gone; return the free uids, highest first (claims pop the lowest)."""
     children.mkdir(exist_ok=True)
     os.chmod(children, 0o711)
     running: dict[int, int] = {}
@@ -319,20 +413,32 @@ def _prepare_children(children: Path, users: range) -> list[int]:
             with contextlib.suppress(OSError):
                 running.setdefault(os.stat(f"/proc/{entry}").st_uid, int(entry))
     taken: set[int] = set()
+    if claims is not None:
+        claims.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for entry in os.listdir(claims):
+            uid, claim = int(entry), claims / entry
+            target = Path(os.readlink(claim))
+            if uid in running:
+                taken.add(uid)  # recovery frees it once it has ended what runs
+            elif target.parent == children:  # this state directory's, from a dead run
+                if _remove_home(target):
+                    claim.unlink()
+                else:
+                    taken.add(uid)
+            elif not target.parent.is_dir():  # a state directory that is gone
+                claim.unlink()
+            else:
+                taken.add(uid)  # another runner's child, about to start
     for entry in os.listdir(children):
-        if not entry.isdigit():
-            continue
-        uid = int(entry)
-        if uid in running:
-            taken.add(uid)  # recovery frees it once it has ended what runs
-        elif not _remove_home(children / entry):
-            taken.add(uid)
+        namespaced = entry.startswith("n") and entry[1:].isdigit()  # its runner is gone
+        unused = entry.isdigit() and int(entry) not in taken and int(entry) not in running
+        if namespaced or unused:
+            _remove_home(children / entry)
     strangers = sorted(uid for uid in users if uid in running and uid not in taken)
     if strangers:
         logger.warning(
-            "processes the runner did not start run as uids of its children's range "
-            "(%s, e.g. pid %d); those uids are left alone: give each runner of a machine "
-            "a range of its own (isolation_users, serve --child-users)",
+            "processes that no runner claimed run as uids of the children's range "
+            "(%s, e.g. pid %d); those uids are left alone",
             ", ".join(map(str, strangers[:5])),
             running[strangers[0]],
         )

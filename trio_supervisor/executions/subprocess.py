@@ -173,12 +173,15 @@ class SubprocessExecution:
             ``_cgroups``). Entering the execution finds which it may write, makes its
             own parent in each, removes the empty cgroups a previous run on the same
             state directory left, and logs what the children's trees are limited by.
-        isolation: "auto" (the default): each child runs as a user of its own (see
-            ``_isolation``: a uid from ``isolation_users``, no new privileges, a private
-            working directory and ``TMPDIR`` under ``STATE/children``, and a view of the
-            file system in which the state directory is not visible); entering the
-            execution fails where that cannot be done (a runner that is not root), or
-            where an entry path is not readable by others. "none": children run as the
+        isolation: "users": each child runs as a user of its own (see ``_isolation``: a
+            uid from ``isolation_users``, no new privileges, a private working
+            directory and ``TMPDIR`` under ``STATE/children``, and a view of the file
+            system in which the state directory is not visible); the runner must be
+            root, and the entry paths readable by others. "namespace": each child makes
+            a user and mount namespace in which the state directory is hidden but for
+            its private directory, and drops every capability, but keeps the runner's
+            uid. "auto" (the default): "users" as root, else "namespace"; entering the
+            execution fails where neither can be had. "none": children run as the
             runner's user, in its state directory, as before.
         isolation_users: The uids children get, one per running child, returned as its
             session stops. Nothing else may use them; runners on one machine need
@@ -257,7 +260,7 @@ class SubprocessExecution:
         self.cgroup_root = None if cgroup_root is None else Path(cgroup_root)
         # Until entered: none.
         self.cgroups = Hierarchies(parent="", reason="not entered yet")
-        self.isolated = Isolated(users=None, reason="not entered yet")
+        self.isolated = Isolated("none", reason="not entered yet")
         self._server: ForkServer | None = None
         # Until entered: the sweep, which every kernel allows.
         self.mechanism = Mechanism(kind="sweep", unshare=None, required=False, reason="")
@@ -343,7 +346,7 @@ class SubprocessExecution:
         logger.info(
             "subprocess children are isolated by %s",
             self.isolated.describe(),
-            extra={"isolation": "users" if self.isolated.used else "none"},
+            extra={"isolation": self.isolated.kind},
         )
         return self
 

@@ -39,6 +39,12 @@ def _raise_rlimit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard + 1, hard + 1))
 
 
+def _parent() -> int:
+    """The tracked process's pid as /proc (the host's) names it."""
+    with open("/proc/self/stat") as file:
+        return int(file.read().rsplit(")", 1)[1].split()[1])
+
+
 def everything(context: Any) -> int:
     """Every attack on the runner's things the config names."""
     config = context.config
@@ -53,11 +59,18 @@ def everything(context: Any) -> int:
     _try("list the children's directories", lambda: os.listdir(os.path.join(state, "children")))
     _try("list another child's directory", lambda: os.listdir(config["other_home"]))
     _try("read the runner's environment", lambda: _read(f"/proc/{config['runner']}/environ"))
+    token = f"{state}/operator-token"
+    _try(
+        "read a token through the runner's /proc",
+        lambda: _read(f"/proc/{config['runner']}/root{token}"),
+    )
+    _try("read a token through its parent's /proc", lambda: _read(f"/proc/{_parent()}/root{token}"))
     _try("signal the runner", lambda: os.kill(config["runner"], signal.SIGUSR2))
     _try("signal the tracked process", lambda: os.kill(os.getppid(), signal.SIGKILL))
     _try("raise an rlimit", _raise_rlimit)
     _try("setuid(0)", lambda: os.setuid(0))
-    _try("write under /etc", lambda: _write("/etc/trio-supervisor-attack"))
+    if not config.get("root_may_write"):  # a child that is root in a namespace may
+        _try("write under /etc", lambda: _write("/etc/trio-supervisor-attack"))
     # The control: what it may do.
     _try("write in its TMPDIR", lambda: _write(os.path.join(os.environ["TMPDIR"], "mine")))
     print("done", flush=True)
