@@ -66,13 +66,22 @@ def signals_to_the_runner() -> Iterator[list[int]]:
         signal.signal(signal.SIGUSR2, previous)
 
 
-@pytest.fixture(params=[False, True], ids=["started", "forked"])
-def fork_server(request: pytest.FixtureRequest) -> bool:
-    return bool(request.param)
+# How a child is started: its own interpreter, forked by the fork server, or taken
+# from the standby (an interpreter started ahead, before its session was known).
+STARTS = {
+    "started": {"fork_server": False, "standby": False},
+    "forked": {"fork_server": True, "standby": False},
+    "standby": {"fork_server": False, "standby": True},
+}
+
+
+@pytest.fixture(params=list(STARTS))
+def start(request: pytest.FixtureRequest) -> dict[str, bool]:
+    return STARTS[request.param]
 
 
 @pytest.fixture
-async def execution(tmp_path: Path, fork_server: bool) -> AsyncIterator[SubprocessExecution]:
+async def execution(tmp_path: Path, start: dict[str, bool]) -> AsyncIterator[SubprocessExecution]:
     """A runner's execution, its state directory laid out as ``serve`` lays it out."""
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
@@ -80,10 +89,10 @@ async def execution(tmp_path: Path, fork_server: bool) -> AsyncIterator[Subproce
         (state / name).write_text(f"secret {name}\n")
         (state / name).chmod(0o600)
     async with SubprocessExecution(
-        state, entry_paths=[PLUGINS], fork_server=fork_server
+        state, entry_paths=[PLUGINS], fork_server=start["fork_server"], standby=start["standby"]
     ) as subprocess_execution:
         yield subprocess_execution
-        assert (subprocess_execution.fork_server_forks > 0) == fork_server
+        assert (subprocess_execution.fork_server_forks > 0) == start["fork_server"]
 
 
 @pytest.fixture
@@ -194,7 +203,7 @@ async def test_a_swept_child_cannot_signal_the_runner_either(tmp_path: Path) -> 
 
 
 async def test_in_namespaces_of_its_own_a_child_sees_nothing_of_the_state_directory(
-    tmp_path: Path, fork_server: bool
+    tmp_path: Path, start: dict[str, bool]
 ) -> None:
     # What a runner that is not root gives its children ("auto" picks it there); asked
     # for here, as root, where the child's uid is root's and only the namespaces hold.
@@ -203,7 +212,11 @@ async def test_in_namespaces_of_its_own_a_child_sees_nothing_of_the_state_direct
     (state / "operator-token").write_text("secret operator-token\n")
     async with (
         SubprocessExecution(
-            state, entry_paths=[PLUGINS], fork_server=fork_server, isolation="namespace"
+            state,
+            entry_paths=[PLUGINS],
+            fork_server=start["fork_server"],
+            standby=start["standby"],
+            isolation="namespace",
         ) as execution,
         SqliteStore(state / "supervisor.db") as store,
         open_supervisor(store, execution, grace=1.0) as supervisor,
@@ -285,10 +298,14 @@ async def test_each_child_runs_as_a_uid_of_its_own_which_is_free_again_once_it_s
     await until(lambda: not any(children.iterdir()), "every private directory removed")
 
 
-async def test_a_named_command_runs_as_its_own_uid_too(tmp_path: Path, fork_server: bool) -> None:
+async def test_a_named_command_runs_as_its_own_uid_too(
+    tmp_path: Path, start: dict[str, bool]
+) -> None:
     commands = {"whoami": ["sh", "-c", "id -u; pwd; echo $TMPDIR; echo done; exec sleep 3600"]}
     async with (
-        SubprocessExecution(tmp_path, commands=commands, fork_server=fork_server) as execution,
+        SubprocessExecution(
+            tmp_path, commands=commands, fork_server=start["fork_server"], standby=start["standby"]
+        ) as execution,
         open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
     ):
         record = await loaded(supervisor, "whoami", "whoami")
@@ -305,7 +322,7 @@ async def test_a_named_command_runs_as_its_own_uid_too(tmp_path: Path, fork_serv
 
 
 async def test_without_a_network_a_child_cannot_reach_the_runners_port(
-    tmp_path: Path, fork_server: bool
+    tmp_path: Path, start: dict[str, bool]
 ) -> None:
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
@@ -322,7 +339,8 @@ async def test_without_a_network_a_child_cannot_reach_the_runners_port(
                 SubprocessExecution(
                     tmp_path / network,
                     entry_paths=[PLUGINS],
-                    fork_server=fork_server,
+                    fork_server=start["fork_server"],
+                    standby=start["standby"],
                     network=network,  # type: ignore[arg-type]
                 ) as execution,
                 open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,

@@ -33,7 +33,9 @@ SCENARIOS = {
     "fleet.open_race.notify",
     "child.cycle",
     "child.cycle.no_preload",
+    "child.cycle.no_isolation",
     "child.cycle.cold",
+    "child.cycle.cold.no_isolation",
     "recovery.10k",
     "recovery.10k.raw",
     "recovery.100k",
@@ -47,6 +49,8 @@ SCENARIOS = {
 }
 # Rows shown for information, not counted among the targets.
 INFORMATIONAL = {
+    "child.cycle.no_isolation",
+    "child.cycle.cold.no_isolation",
     "control.sequential.skeleton",
     "control.concurrent.skeleton",
     "durable.concurrent.naive",

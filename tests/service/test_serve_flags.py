@@ -257,7 +257,7 @@ def test_the_execution_is_made_with_the_isolation_configured(
         ("lease = ", "--config"),  # not TOML
         ("child-users = '0-1023'", "child_users (in "),
         ("child_users = 5000", "'--child-users': expected FIRST-LAST, two uids, got 5000"),
-        ("isolation = 'root'", "'root' is not one of 'auto', 'none'"),
+        ("isolation = 'root'", "'root' is not one of 'auto', 'users', 'namespace', 'none'"),
     ],
 )
 def test_a_bad_config_file_is_a_usage_error_naming_the_key(
@@ -286,8 +286,13 @@ def test_a_bad_config_file_is_a_usage_error_naming_the_key(
         (("--command", "nap"), "expected NAME=ARGV, got 'nap'"),
         (("--log-format", "xml"), "'xml' is not one of 'text', 'json'"),
         (("--certfile", "c"), "--certfile and --keyfile go together"),
-        (("--isolation", "off"), "'off' is not one of 'auto', 'none'"),
+        (("--isolation", "off"), "'off' is not one of 'auto', 'users', 'namespace', 'none'"),
         (("--child-network", "bridge"), "'bridge' is not one of 'host', 'none'"),
+        (
+            ("--isolation", "namespace", "--child-users", "5000-5001"),
+            "--child-users is for children with uids of their own: it needs --isolation users "
+            "or auto (namespace keeps the runner's uid)",
+        ),
         (
             ("--child-users", "5000"),
             "Error: Invalid value for '--child-users': expected FIRST-LAST, two uids, got '5000'\n",

@@ -196,7 +196,7 @@ def _refuse_child_users(name: str, value: object) -> None:
 
 # The uids isolated children run as: None for the execution's own range.
 CHILD_USERS: Final = fields.Check(_refuse_child_users)
-ISOLATIONS: Final = ("auto", "none")
+ISOLATIONS: Final = ("auto", "users", "namespace", "none")
 NETWORKS: Final = ("host", "none")
 
 
@@ -225,9 +225,12 @@ class RunnerConfig:
         standby: Keep one interpreter started ahead of the next load.
         fork_server: Fork each load's child from a fork server (see
             ``SubprocessExecution``); the standby serves loads while it restarts.
-        isolation: "auto": each child runs as a uid of its own, with no new privileges
-            and a private working directory and ``TMPDIR`` (the runner must be root);
-            "none": children run as the runner's user.
+        isolation: "users": each child runs as a uid of its own, with no new
+            privileges, a private working directory and ``TMPDIR``, in a view of the file
+            system without the state directory (the runner must be root); "namespace":
+            each child hides the state directory in user and mount namespaces of its
+            own and drops every capability, but keeps the runner's uid; "auto": "users"
+            as root, else "namespace"; "none": children run as the runner's user.
         child_users: The uids isolated children run as, one per running child; None
             for the execution's own (``DEFAULT_CHILD_USERS``).
         child_network: "host": children share the runner's network; "none": each
@@ -325,13 +328,15 @@ class RunnerConfig:
         default=True,
         metadata=_flag("Fork each load's child from a fork server, not a fresh interpreter."),
     )
-    isolation: Literal["auto", "none"] = attrs.field(
+    isolation: Literal["auto", "users", "namespace", "none"] = attrs.field(
         default="auto",
         validator=attrs.validators.in_(ISOLATIONS),
         metadata=_flag(
-            "auto: each child runs as a uid of its own (--child-users), with no new "
-            "privileges and a private working directory; the runner must be root. "
-            "none: children run as the runner's user."
+            "users: each child runs as a uid of its own (--child-users), with no new "
+            "privileges, a private working directory, and the state directory out of "
+            "sight; the runner must be root. namespace: the state directory out of sight "
+            "and no capabilities, as the runner's uid. auto: users as root, else "
+            "namespace. none: children run as the runner's user."
         ),
     )
     child_users: range | None = attrs.field(
@@ -433,6 +438,11 @@ class RunnerConfig:
     def _check_isolation(self) -> None:
         # Children that are not isolated run as the runner's user, on its network: a
         # setting for isolated ones would be silently ignored.
+        if self.isolation == "namespace" and self.child_users is not None:
+            raise ConfigError(
+                "--child-users is for children with uids of their own: it needs "
+                "--isolation users or auto (namespace keeps the runner's uid)"
+            )
         if self.isolation != "none":
             return
         if self.child_users is not None:
