@@ -50,6 +50,7 @@ from trio_supervisor import (
 from trio_supervisor.errors import ExecutionError
 from trio_supervisor.executions import DEFAULT_CHILD_USERS, _cgroups, _containment
 from trio_supervisor.executions._groups import read_stat
+from trio_supervisor.executions._isolation import claims_directory
 from trio_supervisor.executions._unit import ProcessUnit
 
 from ..support import (
@@ -408,6 +409,13 @@ def cgroups_of(state: Path) -> list[Path]:
     )
 
 
+def claimed_by(state: Path) -> list[str]:
+    """The uids the machine's claims give to children of the runner on ``state``."""
+    claims = claims_directory()
+    mine = f"{state / 'children'}/"
+    return sorted(entry.name for entry in claims.iterdir() if os.readlink(entry).startswith(mine))
+
+
 def left_in(state: Path) -> set[int]:
     """Every pid the plugins said they left, from their logs in the runner's state."""
     return {
@@ -458,9 +466,8 @@ def test_a_restarted_runner_recovers_every_tree(
         ]
         assert held_cgroups
         assert all((path / "cgroup.procs").read_text() for path in held_cgroups)
-        # A uid and a private directory per child, still held by its stopped tree.
-        homes = sorted(path.name for path in (tmp_path / "children").iterdir())
-        assert len(homes) == len(LEAVES)
+        # A uid claimed per child, still held by its stopped tree.
+        assert len(claimed_by(tmp_path)) == len(LEAVES)
         with reaping():  # what the recovery kills was the dead runner's: we reap it
             recovered = subprocess.run(
                 [sys.executable, str(RUNNER), str(tmp_path), containment, "recover"],
@@ -477,7 +484,7 @@ def test_a_restarted_runner_recovers_every_tree(
         assert set(lines) == set(LEAVES)
         # Each uid is free again, and its private directory gone.
         assert free == f"free uids {len(DEFAULT_CHILD_USERS)}"
-        assert list((tmp_path / "children").iterdir()) == []
+        assert claimed_by(tmp_path) == []
         for name, line in lines.items():
             assert " killed (SIGKILL; " in line, line
             killed = int(line.split("; ")[1].split()[0])

@@ -32,7 +32,7 @@ from trio_supervisor import (
     open_supervisor,
 )
 from trio_supervisor.executions import DEFAULT_CHILD_USERS
-from trio_supervisor.executions._isolation import CLAIMS
+from trio_supervisor.executions._isolation import claims_directory
 
 from ..support import until, until_logged
 
@@ -125,8 +125,9 @@ async def test_every_attack_on_the_runner_is_refused_and_it_keeps_serving(
     # Another tenant's session, with a log and a private directory to go after.
     other = await loaded(sup, "victim", "attacks:identity")
     await until_logged(execution, other.handle, "IDENTITY", bound=BOUND)
-    other_home = state / "children" / str(other.child.uid)
-    assert (other_home / "tmp" / "scratch").exists()
+    assert other.child.uid is not None
+    other_home = state / "children" / str(other.child.uid)  # as children see it
+    assert (execution.isolated.home_of(other.child.uid) / "scratch").exists()
     with signals_to_the_runner() as received:
         record = await loaded(
             sup,
@@ -226,7 +227,7 @@ async def test_in_namespaces_of_its_own_a_child_sees_nothing_of_the_state_direct
         await until_logged(execution, other.handle, "IDENTITY", bound=BOUND)
         _, _, _, cwd, tmp, no_new_privs, capabilities = identity_line(execution, other)
         home = Path(cwd)
-        assert (home.parent, Path(tmp)) == (state / "children", home / "tmp")
+        assert (home.parent, Path(tmp)) == (state / "children", home)
         assert (no_new_privs, int(capabilities, 16)) == ("1", 0)
         record = await loaded(
             supervisor,
@@ -267,7 +268,9 @@ async def test_in_namespaces_of_its_own_a_child_sees_nothing_of_the_state_direct
 async def test_each_child_runs_as_a_uid_of_its_own_which_is_free_again_once_it_stops(
     sup: Supervisor, execution: SubprocessExecution
 ) -> None:
-    children = execution.state_directory / "children"
+    # The private directories: a tmpfs of the children's view, which the runner reaches
+    # through its descriptor.
+    children = Path(f"/proc/self/fd/{execution.isolated.homes}")
     first = await loaded(sup, "first", "attacks:identity")
     second = await loaded(sup, "second", "attacks:identity")
     seen = {}
@@ -277,14 +280,15 @@ async def test_each_child_runs_as_a_uid_of_its_own_which_is_free_again_once_it_s
         assert record.child.uid is not None
         assert record.child.uid in DEFAULT_CHILD_USERS
         assert int(uid) == int(gid) == record.child.uid
+        home = execution.state_directory / "children" / uid  # as the child sees it
+        assert (groups, cwd, tmp) == ("0", str(home), str(home))
         home = children / uid
-        assert (groups, cwd, tmp) == ("0", str(home), str(home / "tmp"))
         assert (no_new_privs, int(capabilities, 16)) == ("1", 0)
         assert home.stat().st_uid == record.child.uid
         assert home.stat().st_mode & 0o777 == 0o700
         seen[record.handle] = record.child.uid
     assert len(set(seen.values())) == 2, seen
-    assert children.stat().st_mode & 0o777 == 0o711
+    assert os.stat(children).st_mode & 0o777 == 0o711
     with trio.fail_after(BOUND):
         await sup.dispose(first.handle)
     # Its private directory goes once its termination is reported, and its uid with it.
@@ -314,7 +318,7 @@ async def test_a_named_command_runs_as_its_own_uid_too(
         assert execution.logs(record.handle).split() == [
             str(record.child.uid),
             str(home),
-            str(home / "tmp"),
+            str(home),
             "done",
         ]
         with trio.fail_after(BOUND):
@@ -402,10 +406,11 @@ async def test_a_child_the_range_has_no_uid_for_is_refused_and_nothing_changes(
         record = await supervisor.open(Key(identity="tenant", instance="second"), "second")
         with pytest.raises(ExecutionError, match=r"every uid of .* is in use .* --child-users"):
             await supervisor.load(record.handle, Load(specifier="attacks:identity"))
-        assert sorted(path.name for path in (tmp_path / "children").iterdir()) == [str(only.start)]
+        homes = Path(f"/proc/self/fd/{execution.isolated.homes}")
+        assert sorted(os.listdir(homes)) == [str(only.start)]
         await supervisor.dispose(first.handle)
         # Free again once its private directory is removed, just after the stop.
-        home = tmp_path / "children" / str(only.start)
+        home = homes / str(only.start)
         await until(lambda: not home.exists(), f"{home} removed", bound=BOUND)
         again = await supervisor.open(Key(identity="tenant", instance="third"), "third")
         await supervisor.load(again.handle, Load(specifier="attacks:identity"))
@@ -418,9 +423,7 @@ async def test_an_entry_path_children_cannot_read_is_refused_at_start(tmp_path: 
     with pytest.raises(ExecutionError, match=rf"cannot read {private}: .*chmod o\+rX"):
         async with SubprocessExecution(tmp_path / "state", entry_paths=[private]):
             pass
-    assert not (tmp_path / "state" / "children").exists() or not any(
-        (tmp_path / "state" / "children").iterdir()
-    )
+    assert not (tmp_path / "state" / "children").exists()
 
 
 @pytest.mark.parametrize(
@@ -449,7 +452,7 @@ SHARED = range(DEFAULT_CHILD_USERS.stop + 200, DEFAULT_CHILD_USERS.stop + 203)
 def claims(tmp_path: Path) -> Iterator[Path]:
     """The machine's claims of uids, with two a runner left in SHARED: one of a state
     directory that is gone (stale), one of a runner whose state directory is there."""
-    claims = CLAIMS
+    claims = claims_directory()
     claims.mkdir(mode=0o700, parents=True, exist_ok=True)
     elsewhere = tmp_path / "elsewhere" / "children"
     elsewhere.mkdir(parents=True)

@@ -1178,11 +1178,12 @@ def bind_mount() -> Any:
 def make_view() -> int:
     """``_bootstrap.py view``, run as root by the runner: make the children's view.
 
-    Reads ``{"covers": [...], "binds": [[path, writable], ...]}`` (marshal) on stdin:
-    in a new mount namespace, an empty tmpfs (mode 0711: others may pass, not list) is
-    mounted over each cover, outermost first, and each bind under a cover is mounted
-    back from the real one (read-only unless writable). Prints ``ready`` and holds the
-    namespace until stdin closes; the runner keeps a descriptor of it by then.
+    Reads ``{"covers": [...], "binds": [[path, writable], ...], "homes": path}``
+    (marshal) on stdin: in a new mount namespace, an empty tmpfs (mode 0711: others may
+    pass, not list) is mounted over each cover, outermost first, each bind under a cover
+    is mounted back from the real one (read-only unless writable), and a tmpfs of its
+    own at ``homes``. Prints ``ready FD`` (FD: its descriptor of ``homes``) and holds
+    the namespace until stdin closes; the runner keeps descriptors of both by then.
     """
     spec = marshal.loads(sys.stdin.buffer.read(int(sys.stdin.buffer.readline())))
     mount = bind_mount()
@@ -1213,7 +1214,12 @@ def make_view() -> int:
         if not writable:
             mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID, None)
         bound.append(path)
-    print("ready", flush=True)
+    # The children's private directories: a tmpfs of the view's own, which the runner
+    # reaches through a descriptor (it goes with the view).
+    homes = spec["homes"]
+    os.makedirs(homes, 0o711, exist_ok=True)
+    mount("tmpfs", homes, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711")
+    print("ready", os.open(homes, os.O_RDONLY | os.O_DIRECTORY), flush=True)
     sys.stdin.buffer.read()  # until the runner holds the namespace
     return 0
 

@@ -40,6 +40,7 @@ Where the kernel allows no user namespace, "auto" refuses to start, naming what 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import marshal
 import os
@@ -47,7 +48,7 @@ import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,8 +75,9 @@ CHILDREN = "children"
 # Which uid each running child of any runner of this machine holds: a symbolic link
 # named after the uid, to the child's private directory (so it names its runner's
 # state directory). Made atomically, or not at all: two runners sharing a range of uids
-# never give one to two children.
-CLAIMS = Path("/run/trio-supervisor/uids")
+# never give one to two children. In memory where one is found (see claims_directory):
+# a link made and removed per child on a journaling file system costs a load 0.6 ms.
+CLAIMS = (Path("/run/trio-supervisor/uids"), Path("/dev/shm/trio-supervisor/uids"))
 
 # What each interpreter puts on a child's path, asked once per interpreter.
 _PATHS: dict[str, list[str]] = {}
@@ -103,14 +105,15 @@ def check_users(users: object) -> range:
 @attrs.frozen
 class Grant:
     """What one child was given: its uid (and gid; None in a namespace), and its
-    private directory."""
+    private directory, as the child sees it."""
 
     uid: int | None
     home: Path
 
     @property
     def tmp(self) -> Path:
-        return self.home / "tmp"
+        """Its ``TMPDIR``: its working directory too."""
+        return self.home
 
 
 @attrs.define
@@ -123,21 +126,28 @@ class Isolated:
         users: The uids children get, for "users".
         network: "host", or "none" (a network namespace with loopback alone).
         view: The children's view (a mount namespace's descriptor), or -1.
-        children: Where the private directories are (``STATE/children``).
+        homes: For "users": the private directories' parent, a tmpfs that exists in
+            the view alone (a directory's descriptor; -1 otherwise). Making and
+            removing a directory there costs microseconds, where a journaling file
+            system takes a millisecond, and whatever a child left goes with the view.
+        children: Where the private directories are, as children see it
+            (``STATE/children``).
         covered: What the view covers, for the log.
+        claims: Where uids are claimed machine-wide (see ``CLAIMS``).
     """
 
     kind: Literal["users", "namespace", "none"]
     users: range | None = None
     network: Network = "host"
     view: int = -1
+    homes: int = -1
     children: Path | None = None
     covered: tuple[str, ...] = ()
     claims: Path | None = None
     reason: str = ""
     _free: list[int] = attrs.field(factory=list)
     _held: set[int] = attrs.field(factory=set)
-    _made: int = 0
+    _made: Iterator[int] = attrs.field(factory=lambda: itertools.count(1))  # namespace homes
 
     @property
     def used(self) -> bool:
@@ -162,10 +172,10 @@ class Isolated:
             )
         assert self.users is not None
         last = self.users.stop - 1
-        view = f"a view that covers {', '.join(self.covered)}" if self.covered else "no view"
         return (
             f"uids {self.users.start}-{last} of their own ({len(self._free)} free), "
-            f"no new privileges, a private directory under {self.children}, {view}; "
+            f"no new privileges, a private directory in a tmpfs at {self.children}, and a "
+            f"view of the file system that covers {', '.join(self.covered)}; "
             f"network {self.network}"
         )
 
@@ -187,40 +197,46 @@ class Isolated:
             "view": self.view,
         }
 
+    def reachable(self, grant: Grant) -> Path:
+        """The child's private directory as the runner reaches it (for "users", through
+        the descriptor of the view's tmpfs)."""
+        if grant.uid is None:
+            return grant.home
+        return Path(f"/proc/self/fd/{self.homes}/{grant.uid}")
+
+    def home_of(self, uid: int) -> Path:
+        """The private directory of the child running as ``uid``, as the runner reaches it."""
+        assert self.children is not None
+        return self.reachable(Grant(uid, self.children / str(uid)))
+
     def claim(self) -> Grant:
-        """A free uid with its private directory made (owned by it, mode 0700).
+        """A free uid, claimed, with its private directory made (owned by it, mode 0700).
 
         Raises:
             ExecutionError: Every uid of the range is taken.
         """
         assert self.children is not None
         if self.kind == "namespace":
-            self._made += 1
-            home = self.children / f"n{self._made}"
+            home = self.children / f"n{next(self._made)}"
             home.mkdir(mode=0o700)
-            (home / "tmp").mkdir(mode=0o700)
             return Grant(None, home)
         assert self.users is not None
         assert self.claims is not None
         while self._free:
             uid = self._free.pop()
-            home = self.children / str(uid)
-            claim = self.claims / str(uid)
+            name, claim = str(uid), self.claims / str(uid)
             try:
-                os.symlink(home, claim)
+                os.symlink(self.children / name, claim)
             except FileExistsError:
                 continue  # another runner's child has it now
             try:
-                home.mkdir(mode=0o700)
-            except FileExistsError:
-                claim.unlink()
-                continue  # left by a child whose stop was cut short: not ours to give
-            os.chown(home, uid, uid)
-            tmp = home / "tmp"
-            tmp.mkdir(mode=0o700)
-            os.chown(tmp, uid, uid)
+                os.mkdir(name, 0o700, dir_fd=self.homes)
+            except FileExistsError:  # a child of this run that has not gone yet
+                os.unlink(claim)
+                continue
+            os.chown(name, uid, uid, dir_fd=self.homes, follow_symlinks=False)
             self._held.add(uid)
-            return Grant(uid, home)
+            return Grant(uid, self.children / name)
         raise ExecutionError(
             f"every uid of {self.users.start}-{self.users.stop - 1} is in use by a "
             "running child: widen isolation_users (serve --child-users)"
@@ -228,33 +244,43 @@ class Isolated:
 
     async def release(self, grant: Grant) -> None:
         """Remove a gone child's private directory, and make its uid free again."""
-        with outside_the_run():
-            removed = await trio.to_thread.run_sync(_remove_home, grant.home)
-        if grant.uid is None:
+        if grant.uid is None:  # on the host's file system: not on the event loop
+            with outside_the_run():
+                await trio.to_thread.run_sync(_remove_home, grant.home)
             return
-        self._held.discard(grant.uid)
-        if removed:
-            assert self.claims is not None
-            claim = self.claims / str(grant.uid)
-            with contextlib.suppress(OSError):
-                if Path(os.readlink(claim)) == grant.home:
-                    claim.unlink()
-            self._free.append(grant.uid)
+        try:
+            os.rmdir(str(grant.uid), dir_fd=self.homes)  # most children leave it empty
+        except FileNotFoundError:
+            pass
+        except OSError:
+            with outside_the_run():
+                await trio.to_thread.run_sync(_remove_home, self.reachable(grant))
+        await trio.lowlevel.checkpoint()
+        self._give_back(grant.uid, grant.home)
+
+    def _give_back(self, uid: int, home: Path) -> None:
+        assert self.claims is not None
+        self._held.discard(uid)
+        with contextlib.suppress(OSError):
+            if os.readlink(self.claims / str(uid)) == str(home):
+                os.unlink(self.claims / str(uid))
+        self._free.append(uid)
 
     async def recovered(self, uid: int) -> None:
-        """Free the uid of a child an earlier run left, now that recovery ended it."""
+        """Free the uid of a child an earlier run left, now that recovery ended it (its
+        private directory went with that run's view)."""
+        await trio.lowlevel.checkpoint()
         if self.users is None or self.children is None or uid not in self.users:
-            await trio.lowlevel.checkpoint()
             return
-        if uid in self._held:  # given to a child of this run meanwhile: not ours
-            await trio.lowlevel.checkpoint()
+        if uid in self._held or uid in self._free:  # ours already
             return
-        await self.release(Grant(uid, self.children / str(uid)))
+        self._give_back(uid, self.children / str(uid))
 
     def close(self) -> None:
-        if self.view >= 0:
-            os.close(self.view)
-            self.view = -1
+        for fd in (self.view, self.homes):
+            if fd >= 0:
+                os.close(fd)
+        self.view = self.homes = -1
 
 
 def _remove_home(home: Path) -> bool:
@@ -277,7 +303,7 @@ async def prepare(
     bootstrap: Path,
     entry_paths: Sequence[str],
     executables: Iterable[str],
-    claims: Path = CLAIMS,
+    claims: Path | None = None,
 ) -> Isolated:
     """Find what this runner can do, and prepare it: the private directories' parent,
     the free uids, the view.
@@ -300,6 +326,7 @@ async def prepare(
                 "isolation='none' (serve --isolation none) to run them as the runner's user"
             )
         await trio.to_thread.run_sync(_prepare_children, children, range(0), None)
+        await trio.to_thread.run_sync(_private_parent, children)
         # A child of the runner's uid could otherwise read the state directory through
         # /proc/<runner>/root: only root may look into a process that is not dumpable.
         _not_dumpable()
@@ -314,17 +341,20 @@ async def prepare(
     needed = [*await _interpreter_paths(python), *entry_paths, *executables]
     for path in entry_paths:
         _check_readable(Path(path))
+    if claims is None:
+        claims = await trio.to_thread.run_sync(claims_directory)
     free = await trio.to_thread.run_sync(_prepare_children, children, users, claims)
     covers = _covers([*needed, str(children)], state)
-    binds = [(path, False) for path in needed] + [(str(children), True)]
+    binds = [(path, False) for path in needed]
     with outside_the_run():
-        view = await _make_view(bootstrap, covers, binds)
+        view, homes = await _make_view(bootstrap, covers, binds, children)
     return Isolated(
         "users",
         users=users,
         claims=claims,
         network=network,
         view=view,
+        homes=homes,
         children=children,
         covered=tuple(covers),
         free=free,
@@ -400,13 +430,51 @@ def _covers(needed: Iterable[str], state: Path) -> list[str]:
     return sorted(covers, key=len)
 
 
-def _prepare_children(children: Path, users: range, claims: Path | None) -> list[int]:
-    """Make ``STATE/children`` (root, 0711: others may pass, not list) and the claims'
-    directory; remove what earlier runs on this state directory left whose uid runs
-    nothing (private directories and their claims), and claims of state directories that
-    are gone; return the free uids, highest first (claims pop the lowest)."""
+def claims_directory() -> Path:
+    """Where this machine's runners claim uids: the first of CLAIMS on a tmpfs, else the
+    first (``/run`` is a tmpfs on most systems)."""
+    mounts: dict[str, str] = {}
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as file:
+        for line in file:
+            fields = line.split()
+            if len(fields) > 2:
+                mounts[fields[1]] = fields[2]
+
+    def kind(path: Path) -> str:
+        for place in (path, *path.parents):
+            if str(place) in mounts:
+                return mounts[str(place)]
+        return ""
+
+    return next((path for path in CLAIMS if kind(path) == "tmpfs"), CLAIMS[0])
+
+
+def _own_directory(path: Path) -> None:
+    """Make ``path`` (and its parent) root's alone, or refuse one someone else made
+    (``/dev/shm`` is anyone's to write)."""
+    for directory in (path.parent, path):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=0o700)
+        found = directory.lstat()
+        if not stat.S_ISDIR(found.st_mode) or found.st_uid != 0 or found.st_mode & 0o077:
+            raise ExecutionError(
+                f"{directory} is not a directory that root alone may write "
+                f"(mode {found.st_mode:o}, owner {found.st_uid}): remove it, so that "
+                "the runner makes it anew"
+            )
+
+
+def _private_parent(children: Path) -> None:
+    """``STATE/children`` on the host, for children in namespaces of their own."""
     children.mkdir(exist_ok=True)
     os.chmod(children, 0o711)
+
+
+def _prepare_children(children: Path, users: range, claims: Path | None) -> list[int]:
+    """Make the claims' directory; remove what earlier runs on this state directory left
+    whose uid runs nothing (claims, and private directories on the host, which earlier
+    versions made there), and claims of state directories that are gone; return the free
+    uids, highest first (claims pop the lowest)."""
     running: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -414,22 +482,19 @@ def _prepare_children(children: Path, users: range, claims: Path | None) -> list
                 running.setdefault(os.stat(f"/proc/{entry}").st_uid, int(entry))
     taken: set[int] = set()
     if claims is not None:
-        claims.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _own_directory(claims)
         for entry in os.listdir(claims):
             uid, claim = int(entry), claims / entry
             target = Path(os.readlink(claim))
             if uid in running:
                 taken.add(uid)  # recovery frees it once it has ended what runs
             elif target.parent == children:  # this state directory's, from a dead run
-                if _remove_home(target):
-                    claim.unlink()
-                else:
-                    taken.add(uid)
-            elif not target.parent.is_dir():  # a state directory that is gone
+                claim.unlink()  # its private directory went with that run's view
+            elif not target.parent.parent.is_dir():  # a state directory that is gone
                 claim.unlink()
             else:
                 taken.add(uid)  # another runner's child, about to start
-    for entry in os.listdir(children):
+    for entry in os.listdir(children) if children.is_dir() else ():
         namespaced = entry.startswith("n") and entry[1:].isdigit()  # its runner is gone
         unused = entry.isdigit() and int(entry) not in taken and int(entry) not in running
         if namespaced or unused:
@@ -445,11 +510,15 @@ def _prepare_children(children: Path, users: range, claims: Path | None) -> list
     return sorted((uid for uid in users if uid not in taken and uid not in running), reverse=True)
 
 
-async def _make_view(source: Path, covers: list[str], binds: list[tuple[str, bool]]) -> int:
-    """Make the children's view (see ``_bootstrap.make_view``); its descriptor."""
-    payload = marshal.dumps({"covers": covers, "binds": [list(bind) for bind in binds]})
+async def _make_view(
+    source: Path, covers: list[str], binds: list[tuple[str, bool]], homes: Path
+) -> tuple[int, int]:
+    """Make the children's view (see ``_bootstrap.make_view``): its descriptor, and that
+    of the tmpfs at ``homes`` in it."""
+    spec = {"covers": covers, "binds": [list(bind) for bind in binds], "homes": str(homes)}
+    payload = marshal.dumps(spec)
 
-    def make() -> int:
+    def make() -> tuple[int, int]:
         maker = subprocess.Popen(
             [sys.executable, "-I", "-S", str(source), "view"],
             stdin=subprocess.PIPE,
@@ -461,13 +530,15 @@ async def _make_view(source: Path, covers: list[str], binds: list[tuple[str, boo
         try:
             maker.stdin.write(b"%d\n" % len(payload) + payload)
             maker.stdin.flush()
-            said = maker.stdout.readline()
-            if said.strip() != b"ready":
+            said = maker.stdout.readline().split()
+            if len(said) != 2 or said[0] != b"ready":
                 maker.stdin.close()
                 error = maker.stderr.read().decode(errors="replace") if maker.stderr else ""
                 last = error.strip().splitlines()[-1:] or ["it said nothing"]
                 raise ExecutionError(f"cannot make the children's view: {last[0]}")
-            return os.open(f"/proc/{maker.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            view = os.open(f"/proc/{maker.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+            return view, os.open(f"/proc/{maker.pid}/fd/{int(said[1])}", flags)
         finally:
             if not maker.stdin.closed:
                 maker.stdin.close()

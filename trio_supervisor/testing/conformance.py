@@ -70,7 +70,7 @@ LEASES = (1.0, 2.5, 4.0, None)
 STEPS = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 # Examples a machine, and steps an example.
-for _profile, _examples, _steps in (("ci", 700, 30), ("deep", 7000, 50), ("quick", 20, 20)):
+for _profile, _examples, _steps in (("ci", 500, 30), ("deep", 7000, 50), ("quick", 20, 20)):
     settings.register_profile(
         f"trio_supervisor-{_profile}",
         max_examples=_examples,

@@ -241,9 +241,7 @@ class SubprocessHarness:
     def exit(self, handle: Handle, child: ChildIdentity, code: int) -> None:
         name = f"{handle.key.instance}-{handle.generation}"
         if child.uid is not None:  # isolated: it reads its own directory alone
-            home = self.subprocess.isolated.children
-            assert home is not None
-            (home / str(child.uid) / name).write_text(str(code))
+            (self.subprocess.isolated.home_of(child.uid) / name).write_text(str(code))
         else:
             (self.mailbox / name).write_text(str(code))
 
