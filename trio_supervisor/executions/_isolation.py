@@ -14,19 +14,25 @@ others may not enter (``/root``, mode 0700, is a common home of pyenv), so the c
 see the file system through a **view**: a mount namespace made once per execution
 (``_bootstrap.make_view``), in which an empty tmpfs covers each such directory and the
 state directory, and only what children need is mounted back: the interpreter's
-prefixes and path, the entry paths, the named commands' executables (all read-only)
-and ``STATE/children``. Each child enters it with ``setns``. So the state directory,
+prefixes and path, the entry paths and the named commands' executables (all
+read-only). ``STATE/children`` there is a tmpfs of the view's own, which holds the
+private directories (the runner reaches it through a descriptor; making and removing
+a directory costs microseconds there, against a millisecond of a journaling file
+system, and it goes with the view). Each child enters the view with ``setns``. So the
+state directory,
 its store and token files and every session's log stay out of sight, whatever their
 modes, and a child's output still reaches its log through the descriptor the runner
 opened.
 
 Runners of one machine may share a range: a uid is claimed machine-wide, atomically,
-by a symbolic link ``/run/trio-supervisor/uids/<uid>`` to the child's private directory
-(which names the runner's state directory), and given back once its child is gone. What
-a run that was killed left (claims, private directories) is removed at the next start
-on the same state directory, or, while processes of its uid still run, by recovery
-once it has killed them (the uid is recorded in the child's identity). A uid of the
-range that some other process already runs as is left alone, and the log says so.
+by a symbolic link ``<claims>/<uid>`` to the child's private directory (which names the
+runner's state directory), and given back once its child is gone; ``<claims>`` is
+``/run/trio-supervisor/uids``, or ``/dev/shm/trio-supervisor/uids`` where only that is
+in memory (:func:`claims_directory`). A killed run's claims are removed at the next
+start on the same state directory, or, while processes of its uid still run, by
+recovery once it has killed them (the uid is recorded in the child's identity). A uid
+of the range that some other process already runs as is left alone, and the log says
+so.
 
 A runner that is not root cannot give uids away. Its children get the next best thing
 (``"namespace"``, which "auto" picks there): each makes a user namespace and a mount
