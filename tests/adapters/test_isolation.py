@@ -113,6 +113,26 @@ async def loaded(sup: Supervisor, instance: str, specifier: str, **config: objec
     return loaded
 
 
+async def attacked(
+    sup: Supervisor,
+    execution: SubprocessExecution,
+    other: LoadedRecord,
+    other_home: Path,
+    **config: object,
+) -> LoadedRecord:
+    """Load ``attacks:everything`` against the runner and the session ``other``."""
+    return await loaded(
+        sup,
+        "attacker",
+        "attacks:everything",
+        state=str(execution.state_directory),
+        other_log=str(execution.log_path(other.handle)),
+        other_home=str(other_home),
+        runner=os.getpid(),
+        **config,
+    )
+
+
 def identity_line(execution: SubprocessExecution, record: LoadedRecord) -> list[str]:
     [line] = [line for line in execution.logs(record.handle).splitlines() if "IDENTITY" in line]
     return line.split()[1:]
@@ -129,15 +149,7 @@ async def test_every_attack_on_the_runner_is_refused_and_it_keeps_serving(
     other_home = state / "children" / str(other.child.uid)  # as children see it
     assert (execution.isolated.home_of(other.child.uid) / "scratch").exists()
     with signals_to_the_runner() as received:
-        record = await loaded(
-            sup,
-            "attacker",
-            "attacks:everything",
-            state=str(state),
-            other_log=str(execution.log_path(other.handle)),
-            other_home=str(other_home),
-            runner=os.getpid(),
-        )
+        record = await attacked(sup, execution, other, other_home)
         await until_logged(execution, record.handle, "done", bound=BOUND)
     # A signal that got through would have been handled by now: it is sent before "done".
     assert received == []
@@ -229,16 +241,8 @@ async def test_in_namespaces_of_its_own_a_child_sees_nothing_of_the_state_direct
         home = Path(cwd)
         assert (home.parent, Path(tmp)) == (state / "children", home)
         assert (no_new_privs, int(capabilities, 16)) == ("1", 0)
-        record = await loaded(
-            supervisor,
-            "attacker",
-            "attacks:everything",
-            state=str(state),
-            other_log=str(execution.log_path(other.handle)),
-            other_home=str(home),
-            runner=os.getpid(),
-            root_may_write=True,  # it is root here, in namespaces that do not change that
-        )
+        # It is root here, in namespaces that do not change that: no write under /etc.
+        record = await attacked(supervisor, execution, other, home, root_may_write=True)
         await until_logged(execution, record.handle, "done", bound=BOUND)
         outcomes = attacks(execution.logs(record.handle))
         # The state directory is an empty, read-only cover, but for its own directory.

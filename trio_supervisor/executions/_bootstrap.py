@@ -234,8 +234,14 @@ def unshare(how: str) -> None:
     if how == "pid":
         libc("unshare", CLONE_NEWPID)
         return
+    user_namespace(CLONE_NEWPID)
+
+
+def user_namespace(flags: int) -> None:
+    """``unshare`` a user namespace (with the other namespaces of ``flags``) in which
+    this process keeps its ids."""
     uid, gid = os.getuid(), os.getgid()
-    libc("unshare", CLONE_NEWUSER | CLONE_NEWPID)
+    libc("unshare", CLONE_NEWUSER | flags)
     # The same ids inside as outside (files, logs and messages show no "nobody");
     # setgroups must be denied before an unprivileged gid_map.
     for name, text in (
@@ -738,19 +744,11 @@ def hide_state(isolation: dict[str, Any]) -> None:
     user namespace gave, and take no new privileges."""
     home = isolation["home"]
     mount = bind_mount()
-    flags = CLONE_NEWUSER | CLONE_NEWNS
+    flags = CLONE_NEWNS
     if isolation.get("network") == "none":
         flags |= CLONE_NEWNET
-    uid, gid = os.getuid(), os.getgid()
     libc("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)  # T's was off: its maps are its own to write
-    libc("unshare", flags)
-    for name, text in (
-        ("setgroups", "deny"),
-        ("uid_map", f"{uid} {uid} 1"),
-        ("gid_map", f"{gid} {gid} 1"),
-    ):
-        with open(f"/proc/self/{name}", "w") as file:
-            file.write(text)
+    user_namespace(flags)
     if flags & CLONE_NEWNET:
         loopback_up()
     mount(None, "/", None, MS_REC | MS_SLAVE, None)  # nothing goes back to the host
