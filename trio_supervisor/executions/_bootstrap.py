@@ -1176,10 +1176,10 @@ def bind_mount() -> Any:
 def make_view() -> int:
     """``_bootstrap.py view``, run as root by the runner: make the children's view.
 
-    Reads ``{"covers": [...], "binds": [[path, writable], ...], "homes": path}``
+    Reads ``{"covers": [...], "binds": [...], "homes": path}``
     (marshal) on stdin: in a new mount namespace, an empty tmpfs (mode 0711: others may
     pass, not list) is mounted over each cover, outermost first, each bind under a cover
-    is mounted back from the real one (read-only unless writable), and a tmpfs of its
+    is mounted back, read-only, from the real one, and a tmpfs of its
     own at ``homes``. Prints ``ready FD`` (FD: its descriptor of ``homes``) and holds
     the namespace until stdin closes; the runner keeps descriptors of both by then.
     """
@@ -1189,8 +1189,8 @@ def make_view() -> int:
     libc("unshare", CLONE_NEWNS)
     mount(None, "/", None, MS_REC | MS_SLAVE, None)  # nothing goes back to the host
     covers = sorted(spec["covers"], key=len)
-    binds = sorted(spec["binds"], key=lambda bind: len(bind[0]))
-    pins = {path: os.open(path, os.O_PATH) for path, _ in binds}  # before covering
+    binds = sorted(spec["binds"], key=len)
+    pins = {path: os.open(path, os.O_PATH) for path in binds}  # before covering
 
     def under(path: str, parents: list[str]) -> bool:
         return any(path.startswith(parent.rstrip("/") + "/") for parent in parents)
@@ -1200,7 +1200,7 @@ def make_view() -> int:
             os.makedirs(cover, 0o711, exist_ok=True)  # in an outer cover's tmpfs
         mount("tmpfs", cover, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711")
     bound: list[str] = []
-    for path, writable in binds:
+    for path in binds:
         if (not under(path, covers) and path not in covers) or under(path, bound):
             continue  # in plain view, or brought back with a bind above it
         if os.path.isdir(f"/proc/self/fd/{pins[path]}"):
@@ -1209,8 +1209,7 @@ def make_view() -> int:
             os.makedirs(os.path.dirname(path), 0o711, exist_ok=True)
             os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
         mount(f"/proc/self/fd/{pins[path]}", path, None, MS_BIND | MS_REC, None)
-        if not writable:
-            mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID, None)
+        mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID, None)
         bound.append(path)
     # The children's private directories: a tmpfs of the view's own, which the runner
     # reaches through a descriptor (it goes with the view).

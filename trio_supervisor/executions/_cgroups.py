@@ -201,10 +201,15 @@ class Hierarchies:
         return removed
 
     def close(self) -> None:
-        """Remove this execution's parents, if they are empty (best effort)."""
+        """Remove this execution's parents, if they are empty (best effort), and the
+        shared ``trio_supervisor`` above them where the last execution left it empty. A
+        cgroup2 one with controllers enabled in it stays: a child's cgroup made below a
+        parent made anew would have none."""
         for root in self.roots():
             with contextlib.suppress(OSError):
                 os.rmdir(root / self.parent)
+                if not self.v2:
+                    os.rmdir(root / PARENT)
 
 
 def execution_name(state_directory: Path) -> str:

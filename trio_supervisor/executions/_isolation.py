@@ -331,7 +331,6 @@ async def prepare(
                 f"and {refused}; run it as root, allow user namespaces, or pass "
                 "isolation='none' (serve --isolation none) to run them as the runner's user"
             )
-        await trio.to_thread.run_sync(_prepare_children, children, range(0), None)
         await trio.to_thread.run_sync(_private_parent, children)
         # A child of the runner's uid could otherwise read the state directory through
         # /proc/<runner>/root: only root may look into a process that is not dumpable.
@@ -351,9 +350,8 @@ async def prepare(
         claims = await trio.to_thread.run_sync(claims_directory)
     free = await trio.to_thread.run_sync(_prepare_children, children, users, claims)
     covers = _covers([*needed, str(children)], state)
-    binds = [(path, False) for path in needed]
     with outside_the_run():
-        view, homes = await _make_view(bootstrap, covers, binds, children)
+        view, homes = await _make_view(bootstrap, covers, needed, children)
     return Isolated(
         "users",
         users=users,
@@ -471,40 +469,37 @@ def _own_directory(path: Path) -> None:
 
 
 def _private_parent(children: Path) -> None:
-    """``STATE/children`` on the host, for children in namespaces of their own."""
+    """``STATE/children`` on the host, for children in namespaces of their own, without
+    the private directories an earlier run on it left (its children died with it)."""
     children.mkdir(exist_ok=True)
     os.chmod(children, 0o711)
+    for entry in os.listdir(children):
+        if entry.startswith("n") and entry[1:].isdigit():
+            _remove_home(children / entry)
 
 
-def _prepare_children(children: Path, users: range, claims: Path | None) -> list[int]:
-    """Make the claims' directory; remove what earlier runs on this state directory left
-    whose uid runs nothing (claims, and private directories on the host, which earlier
-    versions made there), and claims of state directories that are gone; return the free
-    uids, highest first (claims pop the lowest)."""
+def _prepare_children(children: Path, users: range, claims: Path) -> list[int]:
+    """Make the claims' directory; remove the claims an earlier run on this state
+    directory left whose uid runs nothing, and those of state directories that are gone;
+    return the free uids, highest first (claims pop the lowest)."""
     running: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
                 running.setdefault(os.stat(f"/proc/{entry}").st_uid, int(entry))
     taken: set[int] = set()
-    if claims is not None:
-        _own_directory(claims)
-        for entry in os.listdir(claims):
-            uid, claim = int(entry), claims / entry
-            target = Path(os.readlink(claim))
-            if uid in running:
-                taken.add(uid)  # recovery frees it once it has ended what runs
-            elif target.parent == children:  # this state directory's, from a dead run
-                claim.unlink()  # its private directory went with that run's view
-            elif not target.parent.parent.is_dir():  # a state directory that is gone
-                claim.unlink()
-            else:
-                taken.add(uid)  # another runner's child, about to start
-    for entry in os.listdir(children) if children.is_dir() else ():
-        namespaced = entry.startswith("n") and entry[1:].isdigit()  # its runner is gone
-        unused = entry.isdigit() and int(entry) not in taken and int(entry) not in running
-        if namespaced or unused:
-            _remove_home(children / entry)
+    _own_directory(claims)
+    for entry in os.listdir(claims):
+        uid, claim = int(entry), claims / entry
+        target = Path(os.readlink(claim))
+        if uid in running:
+            taken.add(uid)  # recovery frees it once it has ended what runs
+        elif target.parent == children:  # this state directory's, from a dead run
+            claim.unlink()  # its private directory went with that run's view
+        elif not target.parent.parent.is_dir():  # a state directory that is gone
+            claim.unlink()
+        else:
+            taken.add(uid)  # another runner's child, about to start
     strangers = sorted(uid for uid in users if uid in running and uid not in taken)
     if strangers:
         logger.warning(
@@ -517,11 +512,11 @@ def _prepare_children(children: Path, users: range, claims: Path | None) -> list
 
 
 async def _make_view(
-    source: Path, covers: list[str], binds: list[tuple[str, bool]], homes: Path
+    source: Path, covers: list[str], binds: list[str], homes: Path
 ) -> tuple[int, int]:
     """Make the children's view (see ``_bootstrap.make_view``): its descriptor, and that
     of the tmpfs at ``homes`` in it."""
-    spec = {"covers": covers, "binds": [list(bind) for bind in binds], "homes": str(homes)}
+    spec = {"covers": covers, "binds": binds, "homes": str(homes)}
     payload = marshal.dumps(spec)
 
     def make() -> tuple[int, int]:
