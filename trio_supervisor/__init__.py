@@ -20,13 +20,16 @@ from .abc import Store as Store
 from .abc import SupervisorAPI as SupervisorAPI
 from .abc import Unit as Unit
 from .errors import ExecutionError as ExecutionError
+from .errors import ForbiddenError as ForbiddenError
 from .errors import LeaseExpiredError as LeaseExpiredError
 from .errors import MisdirectedError as MisdirectedError
 from .errors import OperatorsOnlyError as OperatorsOnlyError
 from .errors import PackageError as PackageError
+from .errors import QuotaExceededError as QuotaExceededError
 from .errors import RecordFormatError as RecordFormatError
 from .errors import RunnerAccessError as RunnerAccessError
 from .errors import RunnerClosingError as RunnerClosingError
+from .errors import RunnerFullError as RunnerFullError
 from .errors import SessionConflictError as SessionConflictError
 from .errors import SessionLostError as SessionLostError
 from .errors import SessionStoppedError as SessionStoppedError
@@ -34,6 +37,7 @@ from .errors import StaleSessionError as StaleSessionError
 from .errors import StateStorageError as StateStorageError
 from .errors import SupervisorError as SupervisorError
 from .errors import TerminationUnconfirmedError as TerminationUnconfirmedError
+from .errors import ThrottledError as ThrottledError
 from .model import JSON as JSON
 from .model import ActiveRecord as ActiveRecord
 from .model import ChildIdentity as ChildIdentity
@@ -87,6 +91,7 @@ __all__ = [
     "Exited",
     "Expired",
     "Fault",
+    "ForbiddenError",
     "Handle",
     "InProcessExecution",
     "Key",
@@ -103,10 +108,12 @@ __all__ = [
     "Phase",
     "Plugin",
     "PluginContext",
+    "QuotaExceededError",
     "RecordFormatError",
     "Recovery",
     "Retention",
     "RunnerClosingError",
+    "RunnerFullError",
     "SessionConflictError",
     "SessionRecord",
     "SessionStoppedError",
@@ -124,6 +131,7 @@ __all__ = [
     "SupervisorError",
     "Termination",
     "TerminationUnconfirmedError",
+    "ThrottledError",
     "Unit",
     "Watch",
     "negotiate",

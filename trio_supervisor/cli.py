@@ -45,6 +45,7 @@ with needs_extra(
 
     from .client import RemoteSupervisor, connect
     from .service.runner import FLAG, ConfigError, RunnerConfig, StartupError, run_runner
+    from .service.tenants import TenantsError, ceilings_of
 
 __all__ = ["main"]
 
@@ -123,6 +124,7 @@ class _Users(click.ParamType[range, Any]):
 
 
 _CONFIG_FILE: Final = "trio_supervisor.config_file"  # where the --config path is kept
+_LIMITS: Final = "trio_supervisor.limits"  # where the file's [limits] are kept
 _HINTS: Final = typing.get_type_hints(RunnerConfig)  # each flag's type is its field's
 _DEFAULTS: Final = RunnerConfig()  # and so is its default
 
@@ -169,6 +171,12 @@ def _read_config(ctx: click.Context, param: click.Parameter, path: Path | None) 
             )
         if name == "commands":
             value = _table_commands(value, path)
+        elif name == "limits":  # no flag: kept for serve, beside the flags' defaults
+            try:
+                ctx.meta[_LIMITS] = ceilings_of(value, f"{path}: limits")
+            except TenantsError as error:
+                raise click.BadParameter(str(error), param_hint="--config") from None
+            continue
         elif _is_repeated(fields[name]) and not isinstance(value, list):
             raise click.BadParameter(
                 f"{path}: {key} must be an array, not {value!r}", param_hint="--config"
@@ -221,6 +229,8 @@ def _option(field: attrs.Attribute[Any]) -> Callable[[Any], Any]:
         flag = f"{flag}/--no-{flag.removeprefix('--')}"
     elif kind is float:
         options["type"] = float
+    elif kind in (int, int | None):
+        options["type"] = int
     elif typing.get_origin(kind) is Literal:
         options["type"] = click.Choice(typing.get_args(kind))
     elif field.name == "commands":
@@ -238,7 +248,8 @@ def _option(field: attrs.Attribute[Any]) -> Callable[[Any], Any]:
 def _runner_options(command: Any) -> Any:
     """Every field of :class:`RunnerConfig` as a flag of ``command``, in their order."""
     for field in reversed(attrs.fields(RunnerConfig)):
-        command = _option(field)(command)
+        if FLAG in field.metadata:  # a field without one is the TOML file's alone
+            command = _option(field)(command)
     return command
 
 
@@ -263,6 +274,7 @@ def main() -> None:
 def serve(**values: Any) -> None:
     """Run a runner: hosts open, load, renew and dispose sessions over HTTP."""
     values["commands"] = dict(values["commands"])
+    values["limits"] = click.get_current_context().meta.get(_LIMITS)
     try:
         config = RunnerConfig(**values)
         config.check()

@@ -14,8 +14,10 @@ are retried with backoff when the connection fails: a session's own renewals wit
 lease, other calls within ``connect``'s ``retry_for``. The client imports only the
 package's values, errors and codec (and its background-nursery helper), never the
 service. Its errors (:class:`SessionLostError`, :class:`RunnerAccessError`,
-:class:`OperatorsOnlyError`) live in :mod:`trio_supervisor.errors` with the others, and
-are re-exported here. The wire it speaks is docs/service.md, section A.
+:class:`ForbiddenError`, :class:`OperatorsOnlyError`) and the admission's refusals
+(:class:`QuotaExceededError`, :class:`ThrottledError`, :class:`RunnerFullError`, each with
+the ``retry_after`` the runner gave) live in :mod:`trio_supervisor.errors` with the
+others, and are re-exported here. The wire it speaks is docs/service.md, section A.
 
 Example::
 
@@ -48,14 +50,18 @@ from ._background import open_background_nursery
 from .codec import converter
 from .errors import (
     BY_CODE,
+    ForbiddenError,
     LeaseExpiredError,
     MisdirectedError,
     OperatorsOnlyError,
+    QuotaExceededError,
     RunnerAccessError,
+    RunnerFullError,
     SessionLostError,
     SessionStoppedError,
     StaleSessionError,
     SupervisorError,
+    ThrottledError,
 )
 from .model import (
     CodeIdentity,
@@ -69,11 +75,15 @@ from .model import (
 )
 
 __all__ = [
+    "ForbiddenError",
     "OperatorsOnlyError",
+    "QuotaExceededError",
     "RemoteSession",
     "RemoteSupervisor",
     "RunnerAccessError",
+    "RunnerFullError",
     "SessionLostError",
+    "ThrottledError",
     "connect",
 ]
 
@@ -96,15 +106,41 @@ def _error_of(response: httpx.Response) -> Exception:
     if response.status_code == 401:
         return RunnerAccessError(detail)
     if response.status_code == 403:
-        return OperatorsOnlyError(detail)
+        return (OperatorsOnlyError if problem.get("operators_only") else ForbiddenError)(detail)
     if code in ("InvalidRequest", "MalformedRequest", "RequestTooLarge"):
         return ValueError(detail)
-    error = BY_CODE.get(code, SupervisorError)(detail)
+    kind = BY_CODE.get(code, SupervisorError)
+    error: SupervisorError
+    if issubclass(kind, QuotaExceededError):
+        error = kind(
+            detail,
+            _retry_after(response),
+            quota=str(problem.get("quota", "")),
+            requested=_number(problem.get("requested")),
+            used=_number(problem.get("used")),
+            hard=_number(problem.get("hard")),
+        )
+    elif issubclass(kind, ThrottledError | RunnerFullError):
+        error = kind(detail, _retry_after(response))
+    else:
+        error = kind(detail)
     notes = problem.get("notes")
     if isinstance(notes, list):
         for note in notes:
             error.add_note(str(note))
     return error
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The seconds of the answer's ``Retry-After``, if it gives a number of them."""
+    try:
+        return float(response.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _number(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _misdirection(response: httpx.Response) -> tuple[str, str]:

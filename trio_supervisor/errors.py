@@ -2,10 +2,16 @@
 
 Every error a supervisor raises on purpose is a :class:`SupervisorError`. Each class has
 a ``code``: the reference implementation's name for it, which is also its wire code, so
-a host on the other end of a network can tell them apart without Python. The last three
-classes are raised by the client only (:mod:`trio_supervisor.client`, docs/service.md
-section A): a runner that refused the caller's token, and a session whose lease the
-client could not keep.
+a host on the other end of a network can tell them apart without Python.
+
+The runner's admission (docs/service.md section D) refuses with three more: a key outside
+the caller's identities (:class:`ForbiddenError`), a tenant over its quota or its rate
+(:class:`QuotaExceededError`, :class:`ThrottledError`) and a runner without room for
+another child (:class:`RunnerFullError`). The client raises them as the runner answered
+them; so does the service's :class:`~trio_supervisor.service.admission.Admission` for an
+embedder who admits calls the same way. The access errors and :class:`SessionLostError`
+are the client's own: a runner that refused the caller's token, and a session whose lease
+the client could not keep.
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ from typing import ClassVar, Self
 __all__ = [
     "BY_CODE",
     "ExecutionError",
+    "ForbiddenError",
     "LeaseExpiredError",
     "MisdirectedError",
     "OperatorsOnlyError",
     "PackageError",
+    "QuotaExceededError",
     "RecordFormatError",
     "RunnerAccessError",
     "RunnerClosingError",
+    "RunnerFullError",
     "SessionConflictError",
     "SessionLostError",
     "SessionStoppedError",
@@ -29,6 +38,7 @@ __all__ = [
     "StateStorageError",
     "SupervisorError",
     "TerminationUnconfirmedError",
+    "ThrottledError",
 ]
 
 
@@ -138,10 +148,71 @@ class RunnerAccessError(SupervisorError):
     code = "Unauthorized"
 
 
-class OperatorsOnlyError(RunnerAccessError):
-    """The call is for the runner's operators, and was made with the hosts' token (403)."""
+class ForbiddenError(RunnerAccessError):
+    """The caller's token is valid, but not for this call (403): a key whose identity
+    matches none of the tenant's patterns, or a call for the runner's operators."""
 
     code = "Forbidden"
+
+
+class OperatorsOnlyError(ForbiddenError):
+    """The call is for the runner's operators, and was made with a host's token (403)."""
+
+
+class _Refused(SupervisorError):
+    """An admission's refusal that may be tried again later.
+
+    Attributes:
+        retry_after: Seconds after which the same call may be admitted, or None when
+            only a change elsewhere (a session stopping) can make room.
+    """
+
+    def __init__(self, detail: str, retry_after: float | None = None) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
+
+
+class QuotaExceededError(_Refused):
+    """The call would take its tenant past a quota (429); nothing changed.
+
+    Attributes:
+        quota: Which quota: "sessions", "children", "memory_bytes" or "cpu_percent".
+        requested, used, hard: What the call asked for, what the tenant holds, and its
+            quota, in the quota's unit.
+    """
+
+    code = "QuotaExceeded"
+
+    def __init__(
+        self,
+        detail: str,
+        retry_after: float | None = None,
+        *,
+        quota: str = "",
+        requested: int = 0,
+        used: int = 0,
+        hard: int = 0,
+    ) -> None:
+        super().__init__(detail, retry_after)
+        self.quota = quota
+        self.requested = requested
+        self.used = used
+        self.hard = hard
+
+
+class ThrottledError(_Refused):
+    """The tenant has too many calls in flight, or opens and loads faster than its rate
+    (429); nothing changed. ``retry_after`` says when to try again."""
+
+    code = "Throttled"
+
+
+class RunnerFullError(_Refused):
+    """The runner has no room for another child: its children's summed memory ceilings
+    or their count is at its capacity (503). The session stays Open and may load later;
+    ``retry_after`` says when to try again."""
+
+    code = "RunnerFull"
 
 
 class MisdirectedError(SupervisorError):
@@ -188,7 +259,10 @@ BY_CODE: dict[str, type[SupervisorError]] = {
         TerminationUnconfirmedError,
         RunnerClosingError,
         RunnerAccessError,
-        OperatorsOnlyError,
+        ForbiddenError,  # the documented class of "Forbidden"
+        QuotaExceededError,
+        ThrottledError,
+        RunnerFullError,
         MisdirectedError,
         SessionLostError,
     )

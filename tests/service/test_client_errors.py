@@ -8,13 +8,17 @@ import pytest
 import trio_supervisor
 import trio_supervisor.client
 from trio_supervisor import (
+    ForbiddenError,
     Key,
     MemoryStore,
     OperatorsOnlyError,
+    QuotaExceededError,
     RunnerAccessError,
+    RunnerFullError,
     SessionLostError,
     StaleSessionError,
     SupervisorError,
+    ThrottledError,
 )
 from trio_supervisor.client import connect
 from trio_supervisor.errors import BY_CODE
@@ -24,19 +28,31 @@ from ..support import HOSTS_TOKEN, KEY, OPERATOR_TOKEN, served, supervise_embedd
 
 
 def test_the_client_s_errors_are_supervisor_errors_with_wire_codes() -> None:
-    assert {
-        kind.__name__: (kind.code, issubclass(kind, SupervisorError))
-        for kind in (RunnerAccessError, OperatorsOnlyError, SessionLostError)
-    } == {
+    kinds = (
+        RunnerAccessError,
+        ForbiddenError,
+        OperatorsOnlyError,
+        SessionLostError,
+        QuotaExceededError,
+        ThrottledError,
+        RunnerFullError,
+    )
+    assert {kind.__name__: (kind.code, issubclass(kind, SupervisorError)) for kind in kinds} == {
         "RunnerAccessError": ("Unauthorized", True),
+        "ForbiddenError": ("Forbidden", True),
         "OperatorsOnlyError": ("Forbidden", True),
         "SessionLostError": ("SessionLost", True),
+        "QuotaExceededError": ("QuotaExceeded", True),
+        "ThrottledError": ("Throttled", True),
+        "RunnerFullError": ("RunnerFull", True),
     }
-    for kind in (RunnerAccessError, OperatorsOnlyError, SessionLostError):
-        assert BY_CODE[kind.code] is kind
+    for kind in kinds:
+        # "Forbidden" names the documented class; an operators' call refused is its kind.
+        assert BY_CODE[kind.code] is (ForbiddenError if kind is OperatorsOnlyError else kind)
         # The old import path still works, and names the same class.
         assert getattr(trio_supervisor.client, kind.__name__) is kind
         assert getattr(trio_supervisor, kind.__name__) is kind
+    assert issubclass(OperatorsOnlyError, ForbiddenError)
 
 
 def test_a_lost_session_error_keeps_its_cause() -> None:
@@ -56,7 +72,7 @@ async def test_a_refused_token_and_an_operator_call_raise_the_codes_the_runner_s
         async with httpx.AsyncClient(base_url=url) as bare:
             unknown = (await bare.post("/v1/high-water", json={}, headers={})).json()
             forbidden = (
-                await bare.get("/v1/sessions", headers={"Authorization": f"Bearer {HOSTS_TOKEN}"})
+                await bare.get("/v1/runners", headers={"Authorization": f"Bearer {HOSTS_TOKEN}"})
             ).json()
         async with connect(url, token="not-a-token") as stranger:
             with pytest.raises(RunnerAccessError) as refused:
@@ -65,7 +81,7 @@ async def test_a_refused_token_and_an_operator_call_raise_the_codes_the_runner_s
         assert (refused.value.code, refused.value.detail) == (unknown["code"], unknown["detail"])
 
         with pytest.raises(OperatorsOnlyError) as operators_only:
-            await remote.sessions()  # the hosts' token
+            await remote.runners()  # the hosts' token
         assert isinstance(operators_only.value, RunnerAccessError)
         assert (operators_only.value.code, operators_only.value.detail) == (
             forbidden["code"],

@@ -105,22 +105,26 @@ async def test_calls_are_counted_by_outcome_and_a_dispose_by_kind_and_reason(
     def moved(name: str, **labels: str) -> float:
         return sample(after, name, **labels) - sample(before, name, **labels)
 
-    assert moved("trio_supervisor_calls_total", call="open", outcome="ok") == 1
-    assert moved("trio_supervisor_calls_total", call="load", outcome="ok") == 1
-    assert moved("trio_supervisor_calls_total", call="renew", outcome="StaleSession") == 1
-    assert moved("trio_supervisor_calls_total", call="renew", outcome="ok") == 0
-    assert moved("trio_supervisor_calls_total", call="dispose", outcome="ok") == 1
+    assert moved("trio_supervisor_calls_total", call="open", outcome="ok", tenant="default") == 1
+    assert moved("trio_supervisor_calls_total", call="load", outcome="ok", tenant="default") == 1
+    assert (
+        moved("trio_supervisor_calls_total", call="renew", outcome="StaleSession", tenant="default")
+        == 1
+    )
+    assert moved("trio_supervisor_calls_total", call="renew", outcome="ok", tenant="default") == 0
+    assert moved("trio_supervisor_calls_total", call="dispose", outcome="ok", tenant="default") == 1
     assert moved("trio_supervisor_terminations_total", kind="exited", reason="Disposed") == 1
     assert moved("trio_supervisor_termination_seconds_count") == 1
     assert sample(after, "trio_supervisor_children_alive") == 0
 
 
-async def test_metrics_and_events_are_for_operators_only(runner: Runner) -> None:
+async def test_metrics_are_for_operators_only_and_events_need_a_token(runner: Runner) -> None:
+    async with runner.http(runner.hosts_token) as host:
+        answer = await host.get("/metrics")
+    assert answer.status_code == 403, answer.text
+    assert answer.json()["code"] == "Forbidden"
+    # A tenant (the hosts' token is tenant "default") watches the events of its own keys.
     for path in ("/metrics", "/v1/events"):
-        async with runner.http(runner.hosts_token) as host:
-            answer = await host.get(path)
-        assert answer.status_code == 403, (path, answer.text)
-        assert answer.json()["code"] == "Forbidden"
         async with httpx.AsyncClient(base_url=runner.url) as anyone:
             answer = await anyone.get(path)
         assert answer.status_code == 401, (path, answer.text)

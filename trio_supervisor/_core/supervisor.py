@@ -47,6 +47,7 @@ from ..model import (
     Limits,
     Load,
     OpenRecord,
+    Phase,
     SessionRecord,
     Shutdown,
     StoppedRecord,
@@ -186,6 +187,27 @@ class Supervisor:
         on the session. Show them to whoever may act on every session, and no one else.
         """
         return list(self._records.index)
+
+    def live_records(self) -> list[SessionRecord]:
+        """The last durable record of every session whose task runs here (Stopped ones
+        included until their task ends): what a runner's admission counts.
+
+        Costs the number of live sessions, not of retained records.
+        """
+        index = self._records.index
+        found = (index.get(token) for token in self._sessions)
+        return [
+            record for record in found if record is not None and record.phase is not Phase.STOPPED
+        ]
+
+    def retained_request(self, key: Key, request_id: str) -> SessionRecord | None:
+        """The retained record an open of ``key`` with ``request_id`` made here, if any:
+        an open repeating it returns that record again (O3)."""
+        return self._records.index.find_request(key, request_id)
+
+    def holds_key(self, key: Key) -> bool:
+        """Whether a session of ``key`` runs here: an open of the key stops it (O5)."""
+        return bool(self._by_key.get(key))
 
     def find(self, key: Key, generation: int) -> SessionRecord | None:
         """The retained record of ``key``'s ``generation``, if any: for operators.

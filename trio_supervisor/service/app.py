@@ -12,12 +12,17 @@ problem+json in one place, :func:`_problem_of`. The wire is a translation of the
 Python API, never a second implementation of a rule: every rule of docs/design.md
 keeps its meaning here.
 
-Who may call what: every ``/v1`` request carries ``Authorization: Bearer <token>``.
-The hosts' token allows the session calls (open ... high-water), where the session's
-own token in the handle remains the capability for that session; the operators' token
-allows everything, including the operator calls (sessions, logs, admin dispose), which
-answer 403 to the hosts' token. Tokens are compared in constant time. ``/healthz``,
-``/readyz`` and ``/openapi.json`` need no token.
+Who may call what (docs/service.md sections A and D): every ``/v1`` request carries
+``Authorization: Bearer <token>``. A tenant's token (``tenants.py``; without a tenants
+file, the hosts' token is tenant ``default``) allows the session calls (open ...
+high-water) on keys whose identity matches the tenant's patterns, where the session's own
+token in the handle remains the capability for that session, and the listings (sessions,
+events, logs) of those keys alone. A key outside the patterns is a 403 before any
+lookup, the same whether it exists or not. Then fairness (429) and the quotas and
+capacity (429, 503) of ``admission.py``, then the engine. The operators' token allows
+everything, including the operator calls (admin dispose, runners, metrics), which answer
+403 to a tenant's token. The operators' token is compared in constant time; a tenant's is
+found by its SHA-256. ``/healthz``, ``/readyz`` and ``/openapi.json`` need no token.
 
 In a fleet (docs/service.md section C), a call on a session another runner holds is
 answered ``421`` naming that runner (``fleet.py``), and the operators' listings are the
@@ -28,11 +33,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hmac
 import json
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
 from starlette.applications import Starlette
@@ -43,13 +49,22 @@ from starlette.routing import Route
 
 from .._core.supervisor import Supervisor
 from ..codec import converter
-from ..errors import RunnerClosingError, StaleSessionError, SupervisorError
+from ..errors import (
+    ForbiddenError,
+    OperatorsOnlyError,
+    QuotaExceededError,
+    RunnerClosingError,
+    StaleSessionError,
+    SupervisorError,
+)
 from ..model import FleetRecord, Handle, Key, Phase, SessionRecord, log_fields
+from .admission import Admission, retry_after_header
 from .calls import CALLS, Call, by_name
 from .fleet import Fleet
 from .metrics import Metrics
 from .openapi import document
 from .operators import operator_handlers
+from .tenants import Roster, Tenant, Tenants, token_hash
 from .wire import (
     MAX_BODY,
     AdminDisposeBody,
@@ -70,9 +85,23 @@ logger = logging.getLogger(__name__)
 DRAIN: Final = 8 << 20  # bytes of an oversized body read (and dropped) before the 413
 RETRY_AFTER: Final = "5"  # seconds a client should wait before retrying a closing runner
 
-_HOSTS, _OPERATORS = "hosts", "operators"
+_OPERATORS: Final = "operators"
 _T = TypeVar("_T")
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class Operators:
+    """The caller holding the operators' token: every right, no quota, no fairness."""
+
+    name: Final = _OPERATORS
+
+    @staticmethod
+    def may_use(identity: str) -> bool:
+        return True
+
+
+OPERATORS: Final = Operators()
+Caller = Tenant | Operators
 
 
 @runtime_checkable
@@ -85,8 +114,10 @@ class Logs(Protocol):
 def create_app(
     supervisor: Supervisor,
     *,
-    hosts_token: str,
     operator_token: str,
+    hosts_token: str | None = None,
+    tenants: Roster | None = None,
+    admission: Admission | None = None,
     logs: Logs | None = None,
     metrics: Metrics | None = None,
     fleet: Fleet | None = None,
@@ -95,8 +126,12 @@ def create_app(
 
     Args:
         supervisor: The running supervisor the calls go to.
-        hosts_token: The bearer token of the hosts (session calls only).
         operator_token: The bearer token of the operators (every call).
+        hosts_token: The hosts' single token: tenant ``default``, every identity, no
+            quota. Exactly one of it and ``tenants`` is given.
+        tenants: The tenants in force (read again on SIGHUP by the runner).
+        admission: Ceilings, quotas, capacity and fairness (``admission.py``); None:
+            an admission of the app's own, with no ceilings and no capacity.
         logs: Where ``GET /v1/logs`` reads a child's output; None: no logs are kept.
         metrics: Where calls are counted, and what ``GET /metrics`` renders; None: a
             registry of the app's own, which counts the calls only (the runner passes
@@ -105,48 +140,90 @@ def create_app(
             and what ``/v1/runners`` and ``/v1/sessions`` list. None: a fleet of one,
             named after the host (``fleet.py``).
     """
-    if not hosts_token or not operator_token or hosts_token == operator_token:
-        raise ValueError("the hosts' and the operators' tokens must be set and differ")
+    if not operator_token:
+        raise ValueError("the operators' token must be set")
+    if (hosts_token is None) == (tenants is None):
+        raise ValueError("give the hosts' token or the tenants, not both and not neither")
+    if hosts_token is not None:
+        tenants = Roster(Tenants.single(hosts_token))
+    assert tenants is not None
+    roster = tenants
+    roster.reserve(token_hash(operator_token))  # no tenant's token may be the operators'
     # Every call of the table is served: /metrics too, with the calls' counts at least.
     metrics = metrics if metrics is not None else Metrics()
     fleet = fleet if fleet is not None else Fleet(socket.gethostname())
-    hosts_secret = hosts_token.encode()
+    admission = admission if admission is not None else Admission(supervisor)
     operators_secret = operator_token.encode()
 
-    def role_of(request: Request) -> str | None:
+    def caller_of(request: Request) -> Caller | None:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given:
             return None
-        secret = given.strip().encode()
-        # Both compared, always: the time taken says nothing about which one matched.
-        is_operator = hmac.compare_digest(secret, operators_secret)
-        is_host = hmac.compare_digest(secret, hosts_secret)
-        return _OPERATORS if is_operator else _HOSTS if is_host else None
+        token = given.strip()
+        if hmac.compare_digest(token.encode(), operators_secret):
+            return OPERATORS
+        return roster.tenants.find(token)
 
     def guarded(call: Call, handler: Endpoint) -> Endpoint:
-        """``handler`` as ``call`` is served: its role checked, its errors answered with
-        its statuses, its answers counted when it is metered."""
+        """``handler`` as ``call`` is served: its caller checked (401, 403), its errors
+        answered with its statuses, its answers counted when it is metered."""
         counted = metrics if call.metered else None
 
         async def endpoint(request: Request) -> Response:
+            caller: Caller | None = None
             try:
                 if call.role is not None:
-                    role = role_of(request)
-                    if role is None:
+                    caller = caller_of(request)
+                    if caller is None:
                         raise Problem(401, "Unauthorized", "a valid bearer token is required")
-                    if call.role == _OPERATORS and role != _OPERATORS:
-                        raise Problem(403, "Forbidden", "this call is for the runner's operators")
+                    if call.role == _OPERATORS and not (
+                        caller is OPERATORS or call.tenants_see_own
+                    ):
+                        raise OperatorsOnlyError("this call is for the runner's operators")
+                    request.state.caller = caller
                 answer = await handler(request)
             except Exception as error:
-                answer = _problem_of(error, request, supervisor, call)
+                answer = _problem_of(error, request, supervisor, call, caller)
                 if counted is not None:
-                    counted.called(call.name, _outcome(answer))
+                    counted.called(call.name, _outcome(answer), _tenant_label(caller))
                 return answer
             if counted is not None:
-                counted.called(call.name, "ok")
+                counted.called(call.name, "ok", _tenant_label(caller))
             return answer
 
         return endpoint
+
+    @contextlib.contextmanager
+    def admitted(request: Request, call: Call, key: Key | None) -> Iterator[Tenant | None]:
+        """A call on ``key`` (None: on no key) by the request's caller: a key outside a
+        tenant's identities is refused (403) before anything is looked up, then the
+        tenant's fairness admits the call (429) for as long as the block runs. Yields
+        the tenant, or None for the operators."""
+        caller: Caller = request.state.caller
+        if caller is OPERATORS:
+            yield None
+            return
+        assert isinstance(caller, Tenant)
+        if key is not None and not caller.may_use(key.identity):
+            raise ForbiddenError(f"tenant {caller.name!r} may not use identity {key.identity!r}")
+        with admission.calling(
+            caller, bounded=call.fairness != "exempt", rated=call.fairness == "rated"
+        ):
+            yield caller
+
+    def sees(request: Request) -> Callable[[str], bool]:
+        """Whether the request's caller may see a key of an identity: the operators every
+        one, a tenant its own, as long as it stays in force (a revoked tenant sees none)."""
+        caller: Caller = request.state.caller
+        if caller is OPERATORS:
+            return Operators.may_use
+        assert isinstance(caller, Tenant)
+        tenant = caller
+
+        def visible(identity: str) -> bool:
+            return roster.tenants.by_name.get(tenant.name) == tenant and tenant.may_use(identity)
+
+        return visible
 
     async def routed(handle: Handle, work: Awaitable[_T]) -> _T:
         """``work``, a call on ``handle``'s session: if this runner does not know the
@@ -159,40 +236,61 @@ def create_app(
 
     # -- the session calls: one each per supervisor method -------------------------------
 
+    open_call, load_call, renew_call = by_name("open"), by_name("load"), by_name("renew")
+    dispose_call, status_call, high_call = (
+        by_name("dispose"),
+        by_name("status"),
+        by_name("high_water"),
+    )
+
     async def open_(request: Request) -> Response:
         body = read_body(await _body(request), OpenBody)
-        record = await supervisor.open(
-            body.key,
-            body.request_id,
-            expected_generation=body.expected_generation,
-            lease=body.lease,
-            limits=body.limits,
-        )
+        with admitted(request, open_call, body.key) as tenant:
+            limits = admission.limits(tenant, body.limits)
+            with admission.opening(tenant, body.key, body.request_id):
+                record = await supervisor.open(
+                    body.key,
+                    body.request_id,
+                    expected_generation=body.expected_generation,
+                    lease=body.lease,
+                    limits=limits,
+                )
         return JSONResponse({"record": _record(record)})
 
     async def renew(request: Request) -> Response:
         body = read_body(await _body(request), HandleBody)
-        lease = await routed(body.handle, supervisor.renew(body.handle))
+        with admitted(request, renew_call, body.handle.key):
+            lease = await routed(body.handle, supervisor.renew(body.handle))
         return JSONResponse({"lease": lease})
 
     async def load(request: Request) -> Response:
         body = read_body(await _body(request), LoadBody)
-        code = await routed(body.handle, supervisor.load(body.handle, body.load))
+        handle = body.handle
+        with admitted(request, load_call, handle.key) as tenant:
+            record = supervisor.find(handle.key, handle.generation)
+            if record is not None and record.handle.token != handle.token:
+                record = None  # not this caller's session: the supervisor says so
+            with admission.loading(tenant, record):
+                code = await routed(handle, supervisor.load(handle, body.load))
         return JSONResponse({"code": converter.unstructure(code)})
 
     async def dispose(request: Request) -> Response:
         body = read_body(await _body(request), HandleBody)
-        termination = await routed(body.handle, supervisor.dispose(body.handle))
+        with admitted(request, dispose_call, body.handle.key):
+            termination = await routed(body.handle, supervisor.dispose(body.handle))
         return JSONResponse({"termination": converter.unstructure(termination)})
 
     async def status(request: Request) -> Response:
         body = read_body(await _body(request), HandleBody)
-        record = await routed(body.handle, supervisor.status(body.handle))
+        with admitted(request, status_call, body.handle.key):
+            record = await routed(body.handle, supervisor.status(body.handle))
         return JSONResponse({"record": _record(record)})
 
     async def high_water(request: Request) -> Response:
         body = read_body(await _body(request), KeyBody)
-        return JSONResponse({"generation": await supervisor.high_water(body.key)})
+        with admitted(request, high_call, body.key):
+            generation = await supervisor.high_water(body.key)
+        return JSONResponse({"generation": generation})
 
     # -- the operator calls -----------------------------------------------------------------
 
@@ -217,13 +315,16 @@ def create_app(
         identity = sessions_call.param("identity").read(query)
         limit = sessions_call.param("limit").read(query)
         after = _cursor(sessions_call.param("after").read(query))
-        held = await fleet.records(supervisor.records())
+        visible = sees(request)
+        with admitted(request, sessions_call, None):
+            held = await fleet.records(supervisor.records())
         chosen = sorted(
             (
                 one
                 for one in held
                 if (phase is None or one.record.phase is phase)
                 and (identity is None or one.record.handle.key.identity == identity)
+                and visible(one.record.handle.key.identity)
             ),
             key=_order,
         )
@@ -247,15 +348,16 @@ def create_app(
         key = _key(logs_call.param("identity").read(query), logs_call.param("instance").read(query))
         generation = logs_call.param("generation").read(query)
         tail = logs_call.param("tail").read(query) or None
-        record = supervisor.find(key, generation)
-        if record is None:
-            await fleet.route_key(key, generation)
-            raise StaleSessionError(
-                f"{key.identity}/{key.instance} has no retained generation {generation}"
-            )
-        if logs is None:
-            return PlainTextResponse("")
-        return PlainTextResponse(logs.logs(record.handle, tail=tail))
+        with admitted(request, logs_call, key):
+            record = supervisor.find(key, generation)
+            if record is None:
+                await fleet.route_key(key, generation)
+                raise StaleSessionError(
+                    f"{key.identity}/{key.instance} has no retained generation {generation}"
+                )
+            if logs is None:
+                return PlainTextResponse("")
+            return PlainTextResponse(logs.logs(record.handle, tail=tail))
 
     async def admin_dispose(request: Request) -> Response:
         body = read_body(await _body(request), AdminDisposeBody)
@@ -302,7 +404,7 @@ def create_app(
             error.detail,
         )
 
-    extra, end_streams = operator_handlers(supervisor, metrics, fleet.runner_id)
+    extra, end_streams = operator_handlers(supervisor, metrics, fleet.runner_id, sees)
     handlers: dict[str, Endpoint] = {
         "open": open_,
         "renew": renew,
@@ -382,17 +484,36 @@ def _problem(
     )
 
 
-def _problem_of(error: Exception, request: Request, supervisor: Supervisor, call: Call) -> Response:
-    """The one place an error becomes an HTTP answer (with ``call``'s statuses)."""
+def _tenant_label(caller: Caller | None) -> str:
+    """Who called, as the metrics and the log name it ("" before a token was accepted)."""
+    return "" if caller is None else caller.name
+
+
+def _problem_of(
+    error: Exception, request: Request, supervisor: Supervisor, call: Call, caller: Caller | None
+) -> Response:
+    """The one place an error becomes an HTTP answer (with ``call``'s statuses); each
+    refusal of a caller (401, 403, 429, RunnerFull) is logged, naming its tenant."""
     if isinstance(error, Problem):
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
         if error.status in (401, 403):
-            logger.warning("refused %s %s: %s", request.method, request.url.path, error.detail)
+            _log_refusal(request, caller, error.status, error.detail)
         return _problem(error.status, error.code, error.detail, error.fields, **headers)
     if isinstance(error, SupervisorError):
         status = call.status(error, poisoned=supervisor.poisoned is not None)
         headers = {"Retry-After": RETRY_AFTER} if isinstance(error, RunnerClosingError) else {}
         body = problem_body(status, error.code, error.detail)
+        retry_after = getattr(error, "retry_after", None)
+        if retry_after is not None:
+            headers = {"Retry-After": retry_after_header(retry_after)}
+        if isinstance(error, OperatorsOnlyError):
+            body["operators_only"] = True  # the client tells it from a key refused
+        if isinstance(error, QuotaExceededError):
+            body.update(
+                quota=error.quota, requested=error.requested, used=error.used, hard=error.hard
+            )
+        if status in (401, 403, 429) or error.code == "RunnerFull":
+            _log_refusal(request, caller, status, error.detail)
         notes = getattr(error, "__notes__", None)
         if notes:
             body["notes"] = [str(note) for note in notes]  # L5: "the supervisor is poisoned"
@@ -404,6 +525,22 @@ def _problem_of(error: Exception, request: Request, supervisor: Supervisor, call
         return _problem(422, "InvalidRequest", str(error))
     logger.exception("%s %s failed", request.method, request.url.path)
     return _problem(500, "InternalError", f"the runner failed: {type(error).__name__}")
+
+
+def _log_refusal(request: Request, caller: Caller | None, status: int, detail: str) -> None:
+    logger.warning(
+        "refused %s %s (%d) for %s: %s",
+        request.method,
+        request.url.path,
+        status,
+        f"tenant {caller.name!r}"
+        if isinstance(caller, Tenant)
+        else caller.name
+        if caller
+        else "no valid token",
+        detail,
+        extra={"tenant": _tenant_label(caller), "status": status},
+    )
 
 
 # -- query parameters ---------------------------------------------------------------------

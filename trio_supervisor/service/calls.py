@@ -24,15 +24,19 @@ import attrs
 from .. import _fields as fields
 from ..errors import (
     ExecutionError,
+    ForbiddenError,
     LeaseExpiredError,
     PackageError,
+    QuotaExceededError,
     RunnerClosingError,
+    RunnerFullError,
     SessionConflictError,
     SessionStoppedError,
     StaleSessionError,
     StateStorageError,
     SupervisorError,
     TerminationUnconfirmedError,
+    ThrottledError,
 )
 from ..model import CodeIdentity, Phase, RunnerInfo, SessionRecord, Termination
 from .wire import AdminDisposeBody, HandleBody, KeyBody, LoadBody, OpenBody, Problem, status_of
@@ -43,6 +47,11 @@ PAGE: Final = 100  # sessions per page by default
 MAX_PAGE: Final = 1000
 
 Role = Literal["hosts", "operators"]
+# How a tenant's call meets its fairness (docs/service.md D): "rated" calls (opens,
+# loads) take a token from its bucket and count in flight; "bounded" ones count in flight;
+# "exempt" ones neither (renew and dispose: refusing them would cost the tenant its
+# sessions; the events stream: it lasts as long as its reader).
+Fairness = Literal["rated", "bounded", "exempt"]
 
 
 @attrs.frozen(kw_only=True)
@@ -93,6 +102,8 @@ class Param:
 
 # Every /v1 call may meet a runner that is poisoned or shutting down.
 _RUNNER: Final = (StateStorageError, RunnerClosingError)
+# A tenant's call on a key outside its identities, or over its fairness.
+_TENANT: Final = (ForbiddenError, ThrottledError)
 _HANDLE: Final = (
     StaleSessionError,
     LeaseExpiredError,
@@ -125,6 +136,9 @@ class Call:
         metered: Whether its answers are counted in the calls metric.
         routed: Whether it names one session, which in a fleet another runner may hold:
             then it answers 421 with that runner's id and URL (docs/service.md C).
+        tenants_see_own: For an operators' call: whether a tenant may make it too, and
+            sees its own keys alone (docs/service.md D).
+        fairness: How a tenant's call meets its fairness (:data:`Fairness`).
     """
 
     name: str
@@ -140,6 +154,8 @@ class Call:
     overrides: Mapping[type[SupervisorError], tuple[int, str]] = attrs.field(factory=dict)
     metered: bool = False
     routed: bool = False
+    tenants_see_own: bool = False
+    fairness: Fairness = "bounded"
 
     def status(self, error: SupervisorError, *, poisoned: bool) -> int:
         """The HTTP status of ``error`` answered by this call."""
@@ -172,7 +188,8 @@ CALLS: Final[tuple[Call, ...]] = (
         role="hosts",
         body=OpenBody,
         answer={"record": SessionRecord},
-        errors=_RUNNER,
+        errors=(*_TENANT, QuotaExceededError, *_RUNNER),
+        fairness="rated",
         overrides={
             StaleSessionError: (
                 409,
@@ -189,7 +206,8 @@ CALLS: Final[tuple[Call, ...]] = (
         role="hosts",
         body=HandleBody,
         answer={"lease": float},
-        errors=_HANDLE + _RUNNER,
+        errors=(ForbiddenError, *_HANDLE, *_RUNNER),
+        fairness="exempt",
         metered=True,
         routed=True,
     ),
@@ -201,7 +219,8 @@ CALLS: Final[tuple[Call, ...]] = (
         role="hosts",
         body=LoadBody,
         answer={"code": CodeIdentity},
-        errors=(*_HANDLE, PackageError, *_RUNNER),
+        errors=(*_TENANT, QuotaExceededError, RunnerFullError, *_HANDLE, PackageError, *_RUNNER),
+        fairness="rated",
         metered=True,
         routed=True,
     ),
@@ -213,7 +232,8 @@ CALLS: Final[tuple[Call, ...]] = (
         role="hosts",
         body=HandleBody,
         answer={"termination": Termination},
-        errors=_HANDLE + _RUNNER,
+        errors=(ForbiddenError, *_HANDLE, *_RUNNER),
+        fairness="exempt",
         metered=True,
         routed=True,
     ),
@@ -225,7 +245,7 @@ CALLS: Final[tuple[Call, ...]] = (
         role="hosts",
         body=HandleBody,
         answer={"record": SessionRecord},
-        errors=(StaleSessionError, *_RUNNER),
+        errors=(*_TENANT, StaleSessionError, *_RUNNER),
         metered=True,
         routed=True,
     ),
@@ -237,7 +257,7 @@ CALLS: Final[tuple[Call, ...]] = (
         role="hosts",
         body=KeyBody,
         answer={"generation": int | None},
-        errors=_RUNNER,
+        errors=(*_TENANT, *_RUNNER),
         metered=True,
     ),
     # -- the operator calls -------------------------------------------------------------
@@ -246,7 +266,7 @@ CALLS: Final[tuple[Call, ...]] = (
         method="GET",
         path="/v1/sessions",
         summary="Every retained record of the fleet, with its runner, tokens left out, in "
-        "pages (operators).",
+        "pages (operators; a tenant sees its own keys).",
         role="operators",
         answer={
             "sessions": {"type": "array", "items": {"$ref": "#/components/schemas/PublicRecord"}},
@@ -262,13 +282,14 @@ CALLS: Final[tuple[Call, ...]] = (
             ),
             Param(name="after", schema={"type": "string"}),
         ),
-        errors=_RUNNER,
+        errors=(*_TENANT, *_RUNNER),
+        tenants_see_own=True,
     ),
     Call(
         name="logs",
         method="GET",
         path="/v1/logs",
-        summary="The tail of a child's log (operators).",
+        summary="The tail of a child's log (operators; a tenant, of its own keys).",
         role="operators",
         media="text/plain",
         params=(
@@ -277,17 +298,21 @@ CALLS: Final[tuple[Call, ...]] = (
             Param(name="generation", schema={"type": "integer", "minimum": 1}, required=True),
             Param(name="tail", schema={"type": "integer", "minimum": 0}, default=0),
         ),
-        errors=(StaleSessionError, *_RUNNER),
+        errors=(*_TENANT, StaleSessionError, *_RUNNER),
+        tenants_see_own=True,
         routed=True,
     ),
     Call(
         name="events",
         method="GET",
         path="/v1/events",
-        summary="Each record the runner makes durable, as server-sent events (operators).",
+        summary="Each record the runner makes durable, as server-sent events (operators; a "
+        "tenant sees its own keys).",
         role="operators",
         media="text/event-stream",
-        errors=_RUNNER,
+        errors=(ForbiddenError, *_RUNNER),
+        tenants_see_own=True,
+        fairness="exempt",
     ),
     Call(
         name="admin_dispose",

@@ -97,8 +97,9 @@ class Metrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.calls = CounterMetric(
             f"{PREFIX}_calls",
-            "Session calls answered, by call and outcome (ok, or the error's code).",
-            ["call", "outcome"],
+            "Calls answered, by call, outcome (ok, or the error's code) and tenant "
+            "('operators' for the operators' token, '' for no valid token).",
+            ["call", "outcome", "tenant"],
             registry=self.registry,
         )
         self.terminations = CounterMetric(
@@ -120,9 +121,9 @@ class Metrics:
             registry=self.registry,
         )
 
-    def called(self, call: str, outcome: str) -> None:
+    def called(self, call: str, outcome: str, tenant: str = "") -> None:
         """Count one answered call."""
-        self.calls.labels(call=call, outcome=outcome).inc()
+        self.calls.labels(call=call, outcome=outcome, tenant=tenant).inc()
 
     async def follow(self, supervisor: Supervisor) -> None:
         """Read the gauges from ``supervisor``, and count its terminations from its

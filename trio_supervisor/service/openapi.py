@@ -120,7 +120,7 @@ def _with(schema: dict[str, Any], checks: Mapping[str, Any]) -> dict[str, Any]:
 _REFUSALS: Final[Mapping[int, str]] = {
     400: "The body is not JSON (or is nested too deeply), or Content-Length is not a number.",
     401: "No valid bearer token.",
-    403: "The hosts' token may not make operator calls.",
+    403: "A tenant's token may not make this operator call.",
     413: f"The body is over {MAX_BODY} bytes.",
 }
 _INVALID_BODY: Final = (
@@ -146,7 +146,7 @@ def _statuses(call: Call) -> dict[int, list[str]]:
     meanings: dict[int, list[str]] = {}
     if call.role is not None:
         meanings[401] = [_REFUSALS[401]]
-    if call.role == "operators":
+    if call.role == "operators" and not call.tenants_see_own:
         meanings[403] = [_REFUSALS[403]]
     if call.body is not None:
         meanings[400] = [_REFUSALS[400]]

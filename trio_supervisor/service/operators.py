@@ -39,7 +39,10 @@ def _dashboard() -> str:
 
 
 def operator_handlers(
-    supervisor: Supervisor, metrics: Metrics, runner_id: str
+    supervisor: Supervisor,
+    metrics: Metrics,
+    runner_id: str,
+    sees: Callable[[Request], Callable[[str], bool]] | None = None,
 ) -> tuple[dict[str, Endpoint], Callable[[], None]]:
     """The handlers of events, metrics and the dashboard, by their calls' names
     (``calls.py`` says where each is served, and to whom), and what ends the event
@@ -49,6 +52,8 @@ def operator_handlers(
         supervisor: What the events come from.
         metrics: The series ``/metrics`` renders.
         runner_id: This runner's id in its fleet: every record it publishes is its own.
+        sees: For a request, whether its caller may see a key of an identity (a tenant
+            reads the events of its own keys alone); None: every caller sees every key.
     """
     page = _dashboard()
     streams: set[Watch] = set()
@@ -59,6 +64,7 @@ def operator_handlers(
             watch.close()
 
     async def events(request: Request) -> Response:
+        visible = sees(request) if sees is not None else None
         watch = supervisor.watch(EVENT_BUFFER)
         streams.add(watch)
 
@@ -70,7 +76,7 @@ def operator_handlers(
                         if isinstance(event, Overflow):
                             lost = json.dumps({"lost": event.lost})
                             yield f"event: overflow\ndata: {lost}\n\n"
-                        else:
+                        elif visible is None or visible(event.handle.key.identity):
                             record = json.dumps({**public_record(event), "runner": runner_id})
                             yield f"event: record\ndata: {record}\n\n"
             finally:

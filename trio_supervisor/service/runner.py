@@ -61,10 +61,13 @@ from .._extras import needs_extra
 from ..abc import FleetStore, Store
 from ..errors import StateStorageError
 from ..executions.subprocess import SubprocessExecution
+from ..model import Limits
 from ..stores.sqlite import SqliteStore
+from .admission import Admission, Capacity
 from .app import create_app
 from .fleet import Fleet
 from .metrics import Metrics, timed
+from .tenants import Ceilings, Roster, Tenants, TenantsError, token_hash
 
 __all__ = ["ConfigError", "RunnerConfig", "StartupError", "run_runner"]
 
@@ -171,6 +174,12 @@ DEFAULT_RUNNER_LEASE: Final = 10.0
 RUNNER_LEASE: Final = fields.Seconds(minimum=1.0, inclusive=True, maximum=3600.0)
 
 
+GIB: Final = 1 << 30
+DEFAULT_RESERVE: Final = GIB  # bytes of the machine kept from the children
+CHILDREN_PER_CORE: Final = 64
+DEFAULT_PROCESSES: Final = 4096  # every child's process ceiling, by default and at most
+DEFAULT_MEMORY: Final = GIB  # every child's memory ceiling when nobody asks for one
+
 UID_MAX: Final = 2**32 - 2  # uids are 32 bits, and (uid_t) -1 is "unchanged" to setuid()
 
 
@@ -245,6 +254,13 @@ class RunnerConfig:
             for the ``listening on`` URL.
         runner_lease: Seconds this runner's row in the fleet's database stays valid
             without a renewal (a fleet only); renewed every third of it.
+        tenants: The tenants file (``tenants.py``); None: the hosts' token is tenant
+            ``default``.
+        limits: The runner's ceilings (``[limits]`` in TOML), over the ones every child
+            gets out of the box (:func:`out_of_the_box`).
+        max_children: Children at once; None: ``CHILDREN_PER_CORE`` per core.
+        reserve_memory: Bytes of the machine's memory the children's memory ceilings
+            may not take.
     """
 
     state: Path = attrs.field(
@@ -386,6 +402,37 @@ class RunnerConfig:
             metavar="URL",
         ),
     )
+    tenants: Path | None = attrs.field(
+        default=None,
+        metadata=_flag(
+            "A TOML file of tenants: each one's token hash, key identities, quota, "
+            "ceilings and fairness; reread on SIGHUP. Without it, the hosts' token is one "
+            "tenant that may use every key.",
+            path="file",
+            exists=True,
+        ),
+    )
+    limits: Ceilings | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(attrs.validators.instance_of(Ceilings)),
+    )  # TOML only: [limits] default = {...}, max = {...}; within the out-of-the-box ones
+    max_children: int | None = attrs.field(
+        default=None,
+        validator=fields.optional(fields.at_least(1)),
+        metadata=_flag(
+            f"Children at once, at most [default: {CHILDREN_PER_CORE} per core].",
+            metavar="N",
+        ),
+    )
+    reserve_memory: int = attrs.field(
+        default=DEFAULT_RESERVE,
+        validator=fields.count,
+        metadata=_flag(
+            "Bytes of the machine's memory kept from the children: their memory ceilings "
+            "sum to the rest at most.",
+            metavar="BYTES",
+        ),
+    )
     runner_lease: float = attrs.field(
         default=DEFAULT_RUNNER_LEASE,
         validator=RUNNER_LEASE,
@@ -420,11 +467,14 @@ class RunnerConfig:
             ConfigError: The listen address is malformed, TLS is half configured,
                 plain HTTP would leave loopback without ``insecure_http``, the store is
                 not a PostgreSQL URL, a fleet's setting is given without a fleet, or an
-                isolated child's setting is given with ``isolation`` "none".
+                isolated child's setting is given with ``isolation`` "none", the hosts'
+                token file is given with a tenants file, or the store's URL holds a
+                password.
         """
         host, port = parse_listen(self.listen)
         self._check_fleet(host)
         self._check_isolation()
+        self._check_tenants()
         if (self.certfile is None) != (self.keyfile is None):
             raise ConfigError("--certfile and --keyfile go together")
         if not self.tls and not self.insecure_http and not _is_loopback(host):
@@ -434,6 +484,20 @@ class RunnerConfig:
                 "--keyfile, or --insecure-http if something else encrypts the traffic"
             )
         return host, port
+
+    def _check_tenants(self) -> None:
+        if self.tenants is not None and self.token_file is not None:
+            raise ConfigError(
+                "--token-file is the hosts' single token, which --tenants replaces: give "
+                "each host a tenant (trio-supervisor tenants add) and leave --token-file out"
+            )
+        if self.store is not None and urllib.parse.urlsplit(self.store).password is not None:
+            # Not repeated: it may be seen by anyone who lists the machine's processes.
+            raise ConfigError(
+                "--store must not hold a password: a command line is visible to every "
+                "process of the machine. Put it in libpq's password file (PGPASSFILE, "
+                "~/.pgpass) or PGPASSWORD"
+            )
 
     def _check_isolation(self) -> None:
         # Children that are not isolated run as the runner's user, on its network: a
@@ -498,6 +562,81 @@ def _execution(config: RunnerConfig) -> SubprocessExecution:
     )
 
 
+def machine_memory() -> tuple[int, str]:
+    """The bytes of memory this runner's children may share, and where that was read:
+    the machine's physical memory, or the runner's own cgroup's limit where lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    found = (total, "the machine's memory")
+    for limit_file in _own_memory_limits():
+        with contextlib.suppress(OSError, ValueError):
+            text = limit_file.read_text().strip()
+            if text != "max" and 0 < int(text) < found[0]:
+                found = (int(text), f"the runner's cgroup limit ({limit_file})")
+    return found
+
+
+def _own_memory_limits() -> list[Path]:
+    """The memory limit files of this process's cgroups (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``), where they can be found."""
+    files = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            relative = path.lstrip("/")
+            if controllers == "":
+                files.append(Path("/sys/fs/cgroup", relative, "memory.max"))
+            elif "memory" in controllers.split(","):
+                files.append(Path("/sys/fs/cgroup/memory", relative, "memory.limit_in_bytes"))
+    return files
+
+
+def out_of_the_box(allocatable: int) -> Ceilings:
+    """The ceilings every child of ``serve`` gets when nobody set others (docs/service.md
+    D): a memory ceiling of 1 GiB by default and the allocatable memory at most, and
+    4096 processes."""
+    return Ceilings(
+        default=Limits(memory_bytes=min(DEFAULT_MEMORY, allocatable), processes=DEFAULT_PROCESSES),
+        max=Limits(memory_bytes=allocatable, processes=DEFAULT_PROCESSES),
+    )
+
+
+def _admission(
+    config: RunnerConfig, supervisor: Supervisor, execution: SubprocessExecution
+) -> Admission:
+    """The runner's ceilings and capacity, logged: what every child gets, and how many
+    children with how much memory the runner takes."""
+    memory, source = machine_memory()
+    allocatable = memory - config.reserve_memory
+    if allocatable <= 0:
+        raise ConfigError(
+            f"--reserve-memory {config.reserve_memory:,} leaves the children no memory: "
+            f"{source} is {memory:,} bytes"
+        )
+    ceilings = out_of_the_box(allocatable)
+    if config.limits is not None:
+        ceilings = config.limits.over(ceilings)
+    max_children = config.max_children or CHILDREN_PER_CORE * (os.cpu_count() or 1)
+    capacity = Capacity(max_children=max_children, allocatable=allocatable)
+    logger.info(
+        "every child gets ceilings: %s; capacity %d children and %s bytes of memory "
+        "ceilings (%s, %s bytes, less --reserve-memory %s)",
+        ceilings.described(),
+        max_children,
+        f"{allocatable:,}",
+        source,
+        f"{memory:,}",
+        f"{config.reserve_memory:,}",
+    )
+    if not execution.cgroups.used:
+        logger.warning(
+            "no cgroup can be made here (%s): a child's memory ceiling holds per process "
+            "(RLIMIT_AS) only, so a child's tree of processes may take more than its "
+            "ceiling, and the runner's capacity is not a guarantee",
+            execution.cgroups.describe(),
+        )
+    return Admission(supervisor, ceilings=ceilings, capacity=capacity)
+
+
 def _without_password(url: str) -> str:
     """``url`` fit for a message: its password (if any) left out."""
     parts = urllib.parse.urlsplit(url)
@@ -547,6 +686,25 @@ def read_or_make_token(path: Path) -> str:
     if not token:
         raise ConfigError(f"the token file {path} is empty")
     return token
+
+
+def _roster(config: RunnerConfig, operator_token: str) -> Roster:
+    """The tenants in force at start: the tenants file's, or the hosts' token (made if
+    absent) as tenant ``default``."""
+    if config.tenants is None:
+        roster = Roster(Tenants.single(read_or_make_token(config.hosts_token_path)))
+    else:
+        try:
+            roster = Roster.from_file(config.tenants)
+        except TenantsError as error:
+            raise ConfigError(str(error)) from None
+    try:
+        roster.reserve(token_hash(operator_token))
+    except TenantsError as error:
+        if config.tenants is None:
+            raise ConfigError("the hosts' token and the operators' token must differ") from None
+        raise ConfigError(str(error)) from None
+    return roster
 
 
 def _cannot_listen(config: RunnerConfig, failed: BaseException) -> StartupError:
@@ -605,10 +763,8 @@ async def run_runner(
     out = stdout or sys.stdout
     config.state.mkdir(parents=True, exist_ok=True)
     os.chmod(config.state, 0o700)
-    hosts_token = read_or_make_token(config.hosts_token_path)
     operator_token = read_or_make_token(config.operator_token_path)
-    if hosts_token == operator_token:
-        raise ConfigError("the hosts' token and the operators' token must differ")
+    roster = _roster(config, operator_token)
 
     server = Config()
     server.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -627,6 +783,12 @@ async def run_runner(
         nonlocal exit_status
         async for number in signals:
             name = signal.Signals(number).name
+            if number == signal.SIGHUP:
+                if roster.path is None:
+                    logger.info("SIGHUP: no tenants file to read again (no --tenants)")
+                else:
+                    roster.reload()
+                continue
             if not stop_serving.is_set():
                 logger.info("%s: stopping; every child is stopped and reaped", name)
                 stop_serving.set()
@@ -654,7 +816,7 @@ async def run_runner(
         raise
     with (
         listener or contextlib.nullcontext(),
-        trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
+        trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals,
     ):
         async with contextlib.AsyncExitStack() as closing, trio.open_nursery() as watching:
             closing.push_async_callback(store.aclose)
@@ -680,7 +842,8 @@ async def run_runner(
                     supervisor.skip_grace()
                 app = create_app(
                     supervisor,
-                    hosts_token=hosts_token,
+                    tenants=roster,
+                    admission=_admission(config, supervisor, execution),
                     operator_token=operator_token,
                     logs=execution,
                     metrics=metrics,

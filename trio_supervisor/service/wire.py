@@ -24,16 +24,20 @@ from .. import _fields as fields
 from ..codec import converter, describe_error
 from ..errors import (
     ExecutionError,
+    ForbiddenError,
     LeaseExpiredError,
     PackageError,
+    QuotaExceededError,
     RecordFormatError,
     RunnerClosingError,
+    RunnerFullError,
     SessionConflictError,
     SessionStoppedError,
     StaleSessionError,
     StateStorageError,
     SupervisorError,
     TerminationUnconfirmedError,
+    ThrottledError,
 )
 from ..model import Handle, Key, Limits, Load, SessionRecord
 
@@ -270,6 +274,10 @@ def _drop_tokens(data: Any) -> None:
 
 # The HTTP status of each error class; the first match wins (subclasses come first).
 STATUS: Final[tuple[tuple[type[SupervisorError], int], ...]] = (
+    (ForbiddenError, 403),
+    (QuotaExceededError, 429),
+    (ThrottledError, 429),
+    (RunnerFullError, 503),
     (StaleSessionError, 404),
     (LeaseExpiredError, 410),
     (SessionStoppedError, 409),
@@ -293,6 +301,7 @@ TITLES: Final[Mapping[int, str]] = {
     413: "Content Too Large",
     421: "Misdirected Request",
     422: "Unprocessable Content",
+    429: "Too Many Requests",
     500: "Internal Server Error",
     503: "Service Unavailable",
 }

@@ -1,0 +1,329 @@
+"""Admission: what a tenant may take of the runner, decided before the engine acts.
+
+Theory of operation
+-------------------
+Every call of a tenant's passes here after its token (401) and its key's identity (403)
+were checked, and before the supervisor sees it (docs/service.md section D):
+
+- :meth:`Admission.calling`: fairness. At most ``inflight`` calls of the tenant's at
+  once, and opens and loads taken from a token bucket filled at ``rate`` per second up to
+  ``burst``; over either, :class:`~trio_supervisor.errors.ThrottledError` (429) with the
+  seconds to wait. Renew and dispose are never throttled: refusing them would cost the
+  tenant sessions it holds. Nothing queues: a call is admitted or refused at once, so no
+  tenant's calls wait behind another's.
+- :meth:`Admission.opening`: the tenant's ``sessions`` quota.
+- :meth:`Admission.loading`: the tenant's ``children``, ``memory_bytes`` and
+  ``cpu_percent`` quotas, then the runner's capacity (its children's summed memory
+  ceilings within the allocatable memory, and fewer than ``max_children`` children);
+  over quota :class:`~trio_supervisor.errors.QuotaExceededError` (429), over capacity
+  :class:`~trio_supervisor.errors.RunnerFullError` (503). The session stays Open.
+
+What is used is counted from the supervisor's live sessions (those not Stopped), each
+counted for every tenant whose patterns match its identity, plus the *holds* of opens
+and loads admitted and still under way: the check and the hold are one step of the
+event loop, so two calls can never both take the last slot. A hold ends when its call
+returns, by which time its session (or child) is in the supervisor's live records, or
+never will be. A retry of an open the supervisor already answered (O3), and an open that
+supersedes the key's live session here, take no new session. A load into a session that
+is not Open takes nothing: the supervisor answers it without a child (L2) or refuses it.
+
+In a fleet the counts are this runner's own: docs/service.md asks for counts across the
+fleet, made by the database, which this module does not do yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator
+from typing import Final
+
+import attrs
+import trio
+
+from .._core.supervisor import Supervisor
+from ..errors import QuotaExceededError, RunnerFullError, ThrottledError
+from ..model import Key, Limits, Phase, SessionRecord
+from .tenants import Ceilings, Quota, Tenant, effective_limits
+
+__all__ = ["Admission", "Capacity", "Usage"]
+
+FULL_RETRY_AFTER: Final = 5.0  # seconds a host waits before loading into a full runner again
+INFLIGHT_RETRY_AFTER: Final = 1.0
+_CHILD_PHASES: Final = (Phase.LOADING, Phase.LOADED)
+_NO_CEILINGS: Final = Ceilings()
+_NO_QUOTA: Final = Quota()
+
+
+@attrs.frozen(kw_only=True)
+class Usage:
+    """What one tenant (or the runner) holds: the counts a :class:`Quota` bounds."""
+
+    sessions: int = 0
+    children: int = 0
+    memory_bytes: int = 0
+    cpu_percent: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Capacity:
+    """What the runner's machine gives its children.
+
+    Attributes:
+        max_children: Children at once (Loading or Loaded).
+        allocatable: Bytes the children's memory ceilings may sum to: the machine's
+            memory less the runner's reserve.
+    """
+
+    max_children: int
+    allocatable: int
+
+
+@attrs.frozen
+class _Hold:
+    """An admitted open or load still under way, counted until its call returns."""
+
+    identity: str
+    token: str = ""  # a load's session's: its record counts the child once it is Loading
+    sessions: int = 0
+    children: int = 0
+    memory_bytes: int = 0
+    cpu_percent: int = 0
+
+
+@attrs.define
+class _Bucket:
+    """A token bucket: ``tokens`` at ``updated`` (Trio's clock)."""
+
+    tokens: float
+    updated: float
+
+
+class Admission:
+    """The runner's admission of its tenants' calls (see the module's docstring).
+
+    Args:
+        supervisor: Whose live sessions are counted.
+        ceilings: The runner's own ceilings (its ``[limits]``), within which each
+            tenant's apply.
+        capacity: The runner's capacity; None: loads are bounded by quotas only.
+        clock: The time, in seconds, for the token buckets (Trio's by default).
+    """
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        *,
+        ceilings: Ceilings | None = None,
+        capacity: Capacity | None = None,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.supervisor = supervisor
+        self.ceilings = ceilings if ceilings is not None else Ceilings()
+        self.capacity = capacity
+        self._clock = clock
+        self._holds: list[_Hold] = []
+        self._inflight: dict[str, int] = {}
+        self._buckets: dict[str, _Bucket] = {}
+        self._cores = os.cpu_count() or 1
+
+    # -- ceilings ---------------------------------------------------------------------
+
+    def limits(self, tenant: Tenant | None, requested: Limits | None) -> Limits:
+        """The limits a session of ``tenant``'s (None: the operators') gets for
+        ``requested``: never refused, only lowered (see
+        :func:`~trio_supervisor.service.tenants.effective_limits`)."""
+        own = tenant.limits if tenant is not None else _NO_CEILINGS
+        return effective_limits(requested, own, self.ceilings)
+
+    # -- usage ------------------------------------------------------------------------
+
+    def usage(self, tenant: Tenant | None) -> Usage:
+        """What ``tenant`` holds now, holds included; the whole runner's for None."""
+        sessions = children = memory = cpu = 0
+        loading: set[str] = set()  # sessions whose child the records count already
+        for record in self.supervisor.live_records():
+            if record.phase in _CHILD_PHASES:
+                loading.add(record.handle.token)
+            if tenant is not None and not tenant.may_use(record.handle.key.identity):
+                continue
+            sessions += 1
+            if record.phase in _CHILD_PHASES:
+                children += 1
+                memory += self._memory(record.limits)
+                cpu += self._cpu(record.limits)
+        for hold in self._holds:
+            if hold.token in loading:
+                continue  # its load's Loading record is durable: counted above
+            if tenant is None or tenant.may_use(hold.identity):
+                sessions += hold.sessions
+                children += hold.children
+                memory += hold.memory_bytes
+                cpu += hold.cpu_percent
+        return Usage(sessions=sessions, children=children, memory_bytes=memory, cpu_percent=cpu)
+
+    def _memory(self, limits: Limits) -> int:
+        # A child without a memory ceiling may take what the machine has.
+        if limits.memory_bytes is not None:
+            return limits.memory_bytes
+        return self.capacity.allocatable if self.capacity is not None else 0
+
+    def _cpu(self, limits: Limits) -> int:
+        # A child without a CPU ceiling may take every core.
+        return limits.cpu_percent if limits.cpu_percent is not None else 100 * self._cores
+
+    @contextlib.contextmanager
+    def _held(self, hold: _Hold) -> Iterator[None]:
+        self._holds.append(hold)
+        try:
+            yield
+        finally:
+            self._holds.remove(hold)
+
+    # -- opens and loads --------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def opening(self, tenant: Tenant | None, key: Key, request_id: str) -> Iterator[None]:
+        """Admit an open of ``key`` by ``tenant`` (None: the operators, who have no
+        quota), holding its session until the block ends.
+
+        Raises:
+            QuotaExceededError: The tenant's live sessions are at its quota.
+        """
+        taken = 1
+        if self.supervisor.retained_request(key, request_id) is not None:
+            taken = 0  # the supervisor answers it again with the record it made (O3)
+        elif self.supervisor.holds_key(key):
+            taken = 0  # it replaces the key's live session here (O5)
+        if taken and tenant is not None and tenant.quota.sessions is not None:
+            used = self.usage(tenant).sessions
+            _check_quota(tenant, "sessions", taken, used, tenant.quota.sessions)
+        with self._held(_Hold(key.identity, sessions=taken)):
+            yield
+
+    @contextlib.contextmanager
+    def loading(self, tenant: Tenant | None, record: SessionRecord | None) -> Iterator[None]:
+        """Admit a load into the session of ``record`` by ``tenant`` (None: the
+        operators, who have no quota but meet the runner's capacity), holding its child
+        until the block ends. A session that is not Open (or not found: None) takes
+        nothing: the supervisor answers that load without a new child.
+
+        Raises:
+            QuotaExceededError: The child would take the tenant past a quota.
+            RunnerFullError: The runner has no room for the child.
+        """
+        if record is None or record.phase is not Phase.OPEN:
+            yield
+            return
+        hold = _Hold(
+            record.handle.key.identity,
+            token=record.handle.token,
+            children=1,
+            memory_bytes=self._memory(record.limits),
+            cpu_percent=self._cpu(record.limits),
+        )
+        quota = tenant.quota if tenant is not None else _NO_QUOTA
+        if tenant is not None and _bounds(quota):
+            used = self.usage(tenant)
+            for name in ("children", "memory_bytes", "cpu_percent"):
+                hard = getattr(quota, name)
+                if hard is not None:
+                    _check_quota(tenant, name, getattr(hold, name), getattr(used, name), hard)
+        if self.capacity is not None:
+            self._check_room(hold, self.capacity)
+        with self._held(hold):
+            yield
+
+    def _check_room(self, hold: _Hold, capacity: Capacity) -> None:
+        runner = self.usage(None)
+        if runner.children + 1 > capacity.max_children:
+            raise RunnerFullError(
+                f"the runner is full: {runner.children} children of {capacity.max_children} "
+                "run; load again later, or on another runner",
+                FULL_RETRY_AFTER,
+            )
+        if runner.memory_bytes + hold.memory_bytes > capacity.allocatable:
+            raise RunnerFullError(
+                f"the runner is full: its children's memory ceilings take "
+                f"{runner.memory_bytes:,} of {capacity.allocatable:,} allocatable bytes, and "
+                f"this child's is {hold.memory_bytes:,}; load again later, or on another "
+                "runner",
+                FULL_RETRY_AFTER,
+            )
+
+    # -- fairness ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def calling(self, tenant: Tenant, *, bounded: bool, rated: bool) -> Iterator[None]:
+        """A call of ``tenant``'s, admitted for as long as the block runs.
+
+        Args:
+            tenant: The caller.
+            bounded: Whether the call counts against ``inflight`` (renew and dispose
+                do not).
+            rated: Whether it takes a token from the bucket (opens and loads).
+
+        Raises:
+            ThrottledError: The tenant is over ``inflight`` or its rate.
+        """
+        fairness = tenant.fairness
+        name = tenant.name
+        if not bounded:
+            yield
+            return
+        inflight = self._inflight.get(name, 0)
+        if fairness.inflight is not None and inflight >= fairness.inflight:
+            raise ThrottledError(
+                f"tenant {name!r} has {inflight} calls in flight, its most "
+                f"(fairness.inflight {fairness.inflight}); try again shortly",
+                INFLIGHT_RETRY_AFTER,
+            )
+        if rated and fairness.rate is not None:
+            self._take(name, fairness.rate, fairness.bucket)
+        self._inflight[name] = inflight + 1
+        try:
+            yield
+        finally:
+            left = self._inflight[name] - 1
+            if left:
+                self._inflight[name] = left
+            else:
+                del self._inflight[name]
+
+    def _take(self, name: str, rate: float, size: int) -> None:
+        now = self._clock()
+        bucket = self._buckets.get(name)
+        if bucket is None:
+            bucket = self._buckets[name] = _Bucket(tokens=float(size), updated=now)
+        bucket.tokens = min(float(size), bucket.tokens + (now - bucket.updated) * rate)
+        bucket.updated = now
+        if bucket.tokens < 1.0:
+            wait = (1.0 - bucket.tokens) / rate
+            raise ThrottledError(
+                f"tenant {name!r} opens and loads faster than its rate ({rate:g} per "
+                f"second, burst {size}); try again in {wait:.2f} s",
+                wait,
+            )
+        bucket.tokens -= 1.0
+
+
+def _bounds(quota: Quota) -> bool:
+    return (quota.children, quota.memory_bytes, quota.cpu_percent) != (None, None, None)
+
+
+def _check_quota(tenant: Tenant, name: str, requested: int, used: int, hard: int) -> None:
+    if used + requested > hard:
+        raise QuotaExceededError(
+            f"tenant {tenant.name!r} exceeded quota: {name}, requested {requested}, used "
+            f"{used}, limited {hard}",
+            quota=name,
+            requested=requested,
+            used=used,
+            hard=hard,
+        )
+
+
+def retry_after_header(seconds: float) -> str:
+    """``Retry-After``'s value for ``seconds``: whole seconds, at least one."""
+    return str(max(1, math.ceil(seconds)))
