@@ -105,19 +105,27 @@ async def supervise_served(
 
 
 @contextlib.asynccontextmanager
-async def served(supervisor: Supervisor) -> AsyncIterator[RemoteSupervisor]:
-    """Serve ``supervisor`` on an ephemeral loopback port; yield a client connected to it."""
-    async with server_slot() as serve_it:
+async def served(supervisor: Supervisor, **app_options: Any) -> AsyncIterator[RemoteSupervisor]:
+    """Serve ``supervisor`` on an ephemeral loopback port; yield a client connected to it
+    (with the hosts' token; the operators' when ``app_options`` give tenants instead)."""
+    async with server_slot(**app_options) as serve_it:
         yield await serve_it(supervisor)
 
 
 @contextlib.asynccontextmanager
-async def server_slot() -> AsyncIterator[Callable[[Supervisor], Awaitable[RemoteSupervisor]]]:
+async def server_slot(
+    **app_options: Any,
+) -> AsyncIterator[Callable[[Supervisor], Awaitable[RemoteSupervisor]]]:
     """A place for a server: yields what serves a supervisor there, and returns a client.
 
     The server runs until this block ends, so a supervisor served from within a block
     nested in it (``open_supervisor``) keeps its server through its own shutdown.
+    ``app_options`` go to ``create_app`` (tenants, admission); without tenants the app
+    has the hosts' token :data:`HOSTS_TOKEN`.
     """
+    if "tenants" not in app_options:
+        app_options = {"hosts_token": HOSTS_TOKEN, **app_options}
+    token = HOSTS_TOKEN if "hosts_token" in app_options else OPERATOR_TOKEN
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None
@@ -126,12 +134,12 @@ async def server_slot() -> AsyncIterator[Callable[[Supervisor], Awaitable[Remote
     async with contextlib.AsyncExitStack() as stack, open_background_nursery() as nursery:
 
         async def serve_it(supervisor: Supervisor) -> RemoteSupervisor:
-            app = create_app(supervisor, hosts_token=HOSTS_TOKEN, operator_token=OPERATOR_TOKEN)
+            app = create_app(supervisor, operator_token=OPERATOR_TOKEN, **app_options)
             # The readiness handshake: serve reports its bound address once it listens.
             binds = await nursery.start(
                 functools.partial(serve, app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
             )
-            return await stack.enter_async_context(connect(binds[0], token=HOSTS_TOKEN))
+            return await stack.enter_async_context(connect(binds[0], token=token))
 
         try:
             yield serve_it

@@ -31,8 +31,8 @@ import trio
 from trio_supervisor import (
     Disposed,
     Key,
-    Load,
     Limits,
+    Load,
     LoadedRecord,
     Phase,
     StaleSessionError,

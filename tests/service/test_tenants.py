@@ -1,0 +1,447 @@
+"""Tenants over the wire (docs/service.md section D): hosts that do not trust each other.
+
+Two tenants, ``acme`` and ``globex``, share one runner served by a real Hypercorn on a
+loopback port; each attack is made with a real client and the tenant's real token, and
+then the victim's session is checked untouched. The runner here runs fake children
+(the ceilings' effect on real process trees is in ``test_tenants_serve.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any, Final
+
+import httpx
+import pytest
+import trio
+
+from trio_supervisor import (
+    ForbiddenError,
+    Handle,
+    Key,
+    Limits,
+    Load,
+    MemoryStore,
+    Phase,
+    QuotaExceededError,
+    RunnerFullError,
+    Supervisor,
+    ThrottledError,
+)
+from trio_supervisor.client import RemoteSupervisor, connect
+from trio_supervisor.service.admission import Admission, Capacity
+from trio_supervisor.service.tenants import (
+    Ceilings,
+    Fairness,
+    Quota,
+    Roster,
+    Tenant,
+    Tenants,
+    token_hash,
+)
+from trio_supervisor.testing import FakeExecution
+
+from ..support import served, supervise_embedded
+
+ACME_TOKEN: Final = "acme-token-for-tests"
+GLOBEX_TOKEN: Final = "globex-token-for-tests"
+ACME_KEY: Final = Key(identity="acme-web", instance="eu-1")
+GLOBEX_KEY: Final = Key(identity="globex", instance="eu-1")
+WORKER: Final = Load(specifier="worker:main")
+MIB: Final = 1 << 20
+
+
+def acme(**more: Any) -> Tenant:
+    return Tenant(
+        name="acme", token_sha256=token_hash(ACME_TOKEN), identities=("acme", "acme-*"), **more
+    )
+
+
+def globex(**more: Any) -> Tenant:
+    return Tenant(
+        name="globex", token_sha256=token_hash(GLOBEX_TOKEN), identities=("globex",), **more
+    )
+
+
+class Runner:
+    """A served supervisor with tenants: clients per tenant, a bare client."""
+
+    def __init__(self, supervisor: Supervisor, operator: RemoteSupervisor, roster: Roster):
+        self.supervisor = supervisor
+        self.operator = operator
+        self.roster = roster
+        self.url = str(operator._client.base_url)
+
+    def tenant(self, token: str) -> contextlib.AbstractAsyncContextManager[RemoteSupervisor]:
+        return connect(self.url, token=token, retry_for=0)
+
+    def bare(self, token: str) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {token}"})
+
+
+@contextlib.asynccontextmanager
+async def runner(
+    fake: FakeExecution,
+    *tenants: Tenant,
+    ceilings: Ceilings | None = None,
+    capacity: Capacity | None = None,
+) -> AsyncIterator[Runner]:
+    roster = Roster(Tenants({tenant.name: tenant for tenant in tenants or (acme(), globex())}))
+    async with supervise_embedded(MemoryStore(), fake) as supervisor:
+        admission = Admission(supervisor, ceilings=ceilings, capacity=capacity)
+        async with served(supervisor, tenants=roster, admission=admission) as operator:
+            yield Runner(supervisor, operator, roster)
+
+
+async def loaded(host: RemoteSupervisor, key: Key, request_id: str = "r1") -> Handle:
+    record = await host.open(key, request_id)
+    await host.load(record.handle, WORKER)
+    return record.handle
+
+
+# -- authorization --------------------------------------------------------------------------
+
+
+async def test_a_tenant_can_neither_supersede_nor_touch_nor_read_another_tenants_key(
+    fake: FakeExecution,
+) -> None:
+    async with runner(fake) as run, run.tenant(ACME_TOKEN) as victim:
+        handle = await loaded(victim, ACME_KEY)
+        async with run.tenant(GLOBEX_TOKEN) as attacker:
+            # Even holding the victim's handle, token included (leaked, say).
+            attacks = {
+                "high-water": attacker.high_water(ACME_KEY),
+                "supersede": attacker.open(ACME_KEY, "steal", expected_generation=1),
+                "renew": attacker.renew(handle),
+                "status": attacker.status(handle),
+                "load": attacker.load(handle, Load(specifier="evil:main")),
+                "dispose": attacker.dispose(handle),
+                "logs": attacker.logs(ACME_KEY, 1),
+            }
+            for name, attack in attacks.items():
+                with pytest.raises(ForbiddenError) as refused:
+                    await attack
+                assert refused.value.detail == (
+                    "tenant 'globex' may not use identity 'acme-web'"
+                ), name
+            # Its listings hold its own keys alone.
+            assert await attacker.sessions() == []
+        # The victim is untouched: the same generation, Loaded, its child never signalled.
+        record = await victim.status(handle)
+        assert (record.phase, record.handle.generation) == (Phase.LOADED, 1)
+        assert await victim.high_water(ACME_KEY) == 1
+        assert fake.unit_of(handle).signals == []
+        assert await victim.renew(handle) == record.lease
+        assert [r.handle.generation for r in run.supervisor.records()] == [1]
+
+
+async def test_a_key_outside_the_patterns_is_refused_alike_whether_it_exists_or_not(
+    fake: FakeExecution,
+) -> None:
+    async with runner(fake) as run:
+        async with run.tenant(ACME_TOKEN) as owner:
+            await owner.open(ACME_KEY, "r1")
+        async with run.bare(GLOBEX_TOKEN) as attacker:
+            answers = [
+                await attacker.post(
+                    "/v1/high-water", json={"key": {"identity": identity, "instance": "eu-1"}}
+                )
+                for identity in ("acme-web", "acme-nothing-here")
+            ]
+        assert [answer.status_code for answer in answers] == [403, 403]
+        details = [
+            answer.json()["detail"].rpartition("'")[0].rpartition("'")[0] for answer in answers
+        ]
+        assert details[0] == details[1]  # the same words but for the identity named
+        assert run.supervisor.records()[0].handle.key == ACME_KEY  # nothing else made
+
+
+async def test_a_tenant_lists_and_watches_its_own_keys_and_the_operators_every_key(
+    fake: FakeExecution,
+) -> None:
+    async with runner(fake) as run:
+        async with run.tenant(ACME_TOKEN) as acme_host, run.tenant(GLOBEX_TOKEN) as globex_host:
+            seen: list[str] = []
+
+            async def watch() -> None:
+                async with contextlib.aclosing(globex_host.events()) as stream:  # type: ignore[type-var]
+                    async for event in stream:
+                        seen.append(event["handle"]["key"]["identity"])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch)
+                # Rounds of an acme open then a globex one, until the stream has shown a
+                # globex record, and one round more: that round's acme record was surely
+                # published while the stream was open.
+                with trio.fail_after(20):
+                    for round_ in range(1000):
+                        await acme_host.open(Key(identity="acme", instance=f"{round_}"), "r1")
+                        await globex_host.open(Key(identity="globex", instance=f"{round_}"), "r1")
+                        if seen:
+                            break
+                        await trio.sleep(0.01)
+                    wanted = len(seen) + 1
+                    await acme_host.open(Key(identity="acme", instance="last"), "r1")
+                    await globex_host.open(Key(identity="globex", instance="last"), "r1")
+                    while len(seen) < wanted:
+                        await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+            assert set(seen) == {"globex"}
+            assert {s["handle"]["key"]["identity"] for s in await acme_host.sessions()} == {"acme"}
+            assert {s["handle"]["key"]["identity"] for s in await globex_host.sessions()} == {
+                "globex"
+            }
+        every = await run.operator.sessions()
+        assert {s["handle"]["key"]["identity"] for s in every} == {"acme", "globex"}
+        # The operators' calls stay theirs.
+        async with run.bare(ACME_TOKEN) as bare:
+            for path in ("/v1/runners", "/metrics"):
+                assert (await bare.get(path)).status_code == 403
+
+
+async def test_a_revoked_tenant_is_refused_at_once_and_its_event_stream_sees_no_more(
+    fake: FakeExecution,
+) -> None:
+    async with runner(fake) as run, run.tenant(ACME_TOKEN) as host:
+        record = await host.open(ACME_KEY, "r1")
+        run.roster.tenants = Tenants({"globex": globex()})  # what a reload does
+        async with run.bare(ACME_TOKEN) as bare:
+            answer = await bare.post(
+                "/v1/renew",
+                json={
+                    "handle": {
+                        "key": {"identity": "acme-web", "instance": "eu-1"},
+                        "token": record.handle.token,
+                        "generation": 1,
+                    }
+                },
+            )
+        assert answer.status_code == 401
+        # Its session stays: an operator decides what becomes of it.
+        assert (await run.operator.status(record.handle)).phase is Phase.OPEN
+
+
+# -- ceilings ------------------------------------------------------------------------------
+
+
+async def test_ceilings_fill_what_the_host_left_out_and_lower_what_it_asked_above_the_max(
+    fake: FakeExecution,
+) -> None:
+    runner_ceilings = Ceilings(
+        default=Limits(memory_bytes=512 * MIB, processes=100),
+        max=Limits(memory_bytes=1024 * MIB, processes=100, cpu_percent=200),
+    )
+    tenant = acme(
+        limits=Ceilings(
+            default=Limits(memory_bytes=256 * MIB),
+            max=Limits(memory_bytes=300 * MIB, open_files=64),
+        )
+    )
+    async with (
+        runner(fake, tenant, ceilings=runner_ceilings) as run,
+        run.tenant(ACME_TOKEN) as host,
+    ):
+        nothing = await host.open(Key(identity="acme", instance="a"), "r1")
+        assert nothing.limits == Limits(
+            memory_bytes=256 * MIB, processes=100, open_files=64, cpu_percent=200
+        )
+        greedy = await host.open(
+            Key(identity="acme", instance="b"),
+            "r1",
+            limits=Limits(memory_bytes=8 << 30, processes=10**6, cpu_percent=10**4),
+        )
+        assert greedy.limits == Limits(
+            memory_bytes=300 * MIB, processes=100, open_files=64, cpu_percent=200
+        )
+        modest = await host.open(
+            Key(identity="acme", instance="c"),
+            "r1",
+            limits=Limits(memory_bytes=64 * MIB, processes=5),
+        )
+        assert (modest.limits.memory_bytes, modest.limits.processes) == (64 * MIB, 5)
+        # What the child was given is what the record says.
+        await host.load(greedy.handle, WORKER)
+        assert fake.unit_of(greedy.handle).limits == greedy.limits
+
+
+# -- quotas and capacity ---------------------------------------------------------------------
+
+
+async def test_over_the_sessions_quota_is_429_naming_it_and_nothing_changes(
+    fake: FakeExecution,
+) -> None:
+    async with runner(fake, acme(quota=Quota(sessions=2))) as run, run.tenant(ACME_TOKEN) as host:
+        first = await host.open(Key(identity="acme", instance="1"), "r1")
+        await host.open(Key(identity="acme", instance="2"), "r1")
+        third = Key(identity="acme", instance="3")
+        with pytest.raises(QuotaExceededError) as refused:
+            await host.open(third, "r1")
+        error = refused.value
+        assert error.detail == (
+            "tenant 'acme' exceeded quota: sessions, requested 1, used 2, limited 2"
+        )
+        assert (error.quota, error.requested, error.used, error.hard) == ("sessions", 1, 2, 2)
+        assert await host.high_water(third) is None  # no generation consumed
+        assert len(run.supervisor.records()) == 2  # no record
+        # A retry of an answered open, and an open that supersedes, take nothing new.
+        assert await host.open(first.handle.key, "r1") == first
+        again = await host.open(first.handle.key, "r2", expected_generation=1)
+        assert again.handle.generation == 2
+        # Once a session stops, there is room again.
+        await host.dispose(again.handle)
+        with trio.fail_after(10):
+            while True:
+                try:
+                    await host.open(third, "r1")
+                    break
+                except QuotaExceededError:  # the stopped session's task is ending
+                    await trio.sleep(0.01)
+
+
+async def test_over_the_children_quota_is_429_and_the_session_stays_open_to_load_later(
+    fake: FakeExecution,
+) -> None:
+    tenant = acme(quota=Quota(children=1, memory_bytes=300 * MIB))
+    ceilings = Ceilings(default=Limits(memory_bytes=100 * MIB))
+    async with runner(fake, tenant, ceilings=ceilings) as run, run.tenant(ACME_TOKEN) as host:
+        one = await loaded(host, Key(identity="acme", instance="1"))
+        two = await host.open(Key(identity="acme", instance="2"), "r1")
+        with pytest.raises(QuotaExceededError) as refused:
+            await host.load(two.handle, WORKER)
+        assert (refused.value.quota, refused.value.used, refused.value.hard) == ("children", 1, 1)
+        assert (await host.status(two.handle)).phase is Phase.OPEN
+        # A load into a session that loads already takes nothing more (L2).
+        assert (await host.load(one, WORKER)).specifier == "worker:main"
+        await host.dispose(one)
+        with trio.fail_after(10):
+            while (await host.status(one)).phase is not Phase.STOPPED:
+                await trio.sleep(0.01)
+        await _until_admitted(host, two.handle)
+        # Memory: 100 MiB each; a child asking 250 MiB more passes the quota's 300 no more.
+        big = await host.open(
+            Key(identity="acme", instance="3"), "r1", limits=Limits(memory_bytes=250 * MIB)
+        )
+        with pytest.raises(QuotaExceededError) as refused:
+            await host.load(big.handle, WORKER)
+        assert refused.value.quota in ("children", "memory_bytes")
+
+
+async def _until_admitted(host: RemoteSupervisor, handle: Handle) -> None:
+    with trio.fail_after(10):
+        while True:
+            try:
+                await host.load(handle, WORKER)
+                return
+            except (QuotaExceededError, RunnerFullError):  # the stopped one's task ends
+                await trio.sleep(0.01)
+
+
+async def test_a_full_runner_is_503_with_retry_after_and_the_session_stays_open(
+    fake: FakeExecution,
+) -> None:
+    capacity = Capacity(max_children=1, allocatable=200 * MIB)
+    ceilings = Ceilings(default=Limits(memory_bytes=150 * MIB))
+    async with (
+        runner(fake, ceilings=ceilings, capacity=capacity) as run,
+        run.tenant(ACME_TOKEN) as acme_host,
+        run.tenant(GLOBEX_TOKEN) as globex_host,
+    ):
+        await loaded(acme_host, ACME_KEY)
+        record = await globex_host.open(GLOBEX_KEY, "r1", limits=Limits(memory_bytes=10 * MIB))
+        with pytest.raises(RunnerFullError) as full:
+            await globex_host.load(record.handle, WORKER)
+        assert full.value.retry_after == 5.0
+        assert "1 children of 1 run" in full.value.detail
+        assert (await globex_host.status(record.handle)).phase is Phase.OPEN
+        async with run.bare(GLOBEX_TOKEN) as bare:
+            answer = await bare.post(
+                "/v1/load",
+                json={
+                    "handle": {
+                        "key": {"identity": "globex", "instance": "eu-1"},
+                        "token": record.handle.token,
+                        "generation": 1,
+                    },
+                    "load": {"specifier": "worker:main", "config": {}},
+                },
+            )
+        assert (answer.status_code, answer.headers["retry-after"]) == (503, "5")
+        assert answer.json()["code"] == "RunnerFull"
+    # Memory: one child of 150 MiB leaves no room for another 150 in 200.
+    async with (
+        runner(
+            FakeExecution(),
+            ceilings=ceilings,
+            capacity=Capacity(max_children=5, allocatable=200 * MIB),
+        ) as run,
+        run.tenant(ACME_TOKEN) as host,
+    ):
+        await loaded(host, ACME_KEY)
+        second = await host.open(Key(identity="acme", instance="2"), "r1")
+        with pytest.raises(
+            RunnerFullError, match="memory ceilings take 157,286,400 of 209,715,200"
+        ):
+            await host.load(second.handle, WORKER)
+
+
+async def test_two_loads_racing_for_the_last_slot_admit_exactly_one(fake: FakeExecution) -> None:
+    async with (
+        runner(fake, acme(quota=Quota(children=3))) as run,
+        run.tenant(ACME_TOKEN) as host,
+    ):
+        records = [await host.open(Key(identity="acme", instance=f"{n}"), "r1") for n in range(8)]
+        outcomes: list[str] = []
+
+        async def load(handle: Handle) -> None:
+            try:
+                await host.load(handle, WORKER)
+                outcomes.append("loaded")
+            except QuotaExceededError:
+                outcomes.append("refused")
+
+        async with trio.open_nursery() as nursery:
+            for record in records:
+                nursery.start_soon(load, record.handle)
+        assert sorted(outcomes) == ["loaded"] * 3 + ["refused"] * 5
+
+
+# -- fairness ----------------------------------------------------------------------------------
+
+
+async def test_opens_beyond_the_rate_are_429_with_retry_after_and_renewals_never(
+    fake: FakeExecution,
+) -> None:
+    # One open per 100 s after a burst of 2: the third within the test is refused.
+    tenant = acme(fairness=Fairness(rate=0.01, burst=2))
+    async with runner(fake, tenant, globex()) as run, run.tenant(ACME_TOKEN) as host:
+        first = await host.open(Key(identity="acme", instance="1"), "r1")
+        await host.open(Key(identity="acme", instance="2"), "r1")
+        with pytest.raises(ThrottledError) as throttled:
+            await host.open(Key(identity="acme", instance="3"), "r1")
+        assert throttled.value.retry_after is not None and 90 < throttled.value.retry_after <= 100
+        assert await host.high_water(Key(identity="acme", instance="3")) is None
+        for _ in range(5):  # renew and status are not rated
+            await host.renew(first.handle)
+            await host.status(first.handle)
+        # Another tenant's bucket is its own.
+        async with run.tenant(GLOBEX_TOKEN) as other:
+            await other.open(GLOBEX_KEY, "r1")
+
+
+async def test_calls_beyond_inflight_are_refused_while_renewals_pass(fake: FakeExecution) -> None:
+    # The bound itself, without a network: a call in flight is a block of calling().
+    async with supervise_embedded(MemoryStore(), fake) as supervisor:
+        admission = Admission(supervisor)
+        tenant = acme(fairness=Fairness(inflight=1))
+        with admission.calling(tenant, bounded=True, rated=False):
+            with pytest.raises(ThrottledError, match="1 calls in flight") as throttled:
+                with admission.calling(tenant, bounded=True, rated=True):
+                    pass
+            assert throttled.value.retry_after == 1.0
+            with admission.calling(tenant, bounded=False, rated=False):  # renew, dispose
+                pass
+            with admission.calling(globex(fairness=Fairness(inflight=1)), bounded=True, rated=True):
+                pass  # another tenant's calls are counted apart
+        with admission.calling(tenant, bounded=True, rated=True):
+            pass  # the first call ended: room again
