@@ -9,7 +9,8 @@ then the victim's session is checked untouched. The runner here runs fake childr
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import itertools
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Final
 
 import httpx
@@ -42,7 +43,7 @@ from trio_supervisor.service.tenants import (
 )
 from trio_supervisor.testing import FakeExecution
 
-from ..support import served, supervise_embedded
+from ..support import served, supervise_embedded, until
 
 ACME_TOKEN: Final = "acme-token-for-tests"
 GLOBEX_TOKEN: Final = "globex-token-for-tests"
@@ -92,6 +93,16 @@ async def runner(
         admission = Admission(supervisor, ceilings=ceilings, capacity=capacity)
         async with served(supervisor, tenants=roster, admission=admission) as operator:
             yield Runner(supervisor, operator, roster)
+
+
+async def admitted(call: Awaitable[object]) -> bool:
+    """Whether ``call`` was admitted: a refusal for a quota or a full runner is no, while
+    a stopped session's task ends and gives its room back."""
+    try:
+        await call
+    except (QuotaExceededError, RunnerFullError):
+        return False
+    return True
 
 
 async def loaded(host: RemoteSupervisor, key: Key, request_id: str = "r1") -> Handle:
@@ -165,7 +176,7 @@ async def test_a_tenant_lists_and_watches_its_own_keys_and_the_operators_every_k
             seen: list[str] = []
 
             async def watch() -> None:
-                async with contextlib.aclosing(globex_host.events()) as stream:  # type: ignore[type-var]
+                async with contextlib.aclosing(globex_host.events()) as stream:
                     async for event in stream:
                         seen.append(event["handle"]["key"]["identity"])
 
@@ -174,18 +185,18 @@ async def test_a_tenant_lists_and_watches_its_own_keys_and_the_operators_every_k
                 # Rounds of an acme open then a globex one, until the stream has shown a
                 # globex record, and one round more: that round's acme record was surely
                 # published while the stream was open.
-                with trio.fail_after(20):
-                    for round_ in range(1000):
-                        await acme_host.open(Key(identity="acme", instance=f"{round_}"), "r1")
-                        await globex_host.open(Key(identity="globex", instance=f"{round_}"), "r1")
-                        if seen:
-                            break
-                        await trio.sleep(0.01)
-                    wanted = len(seen) + 1
-                    await acme_host.open(Key(identity="acme", instance="last"), "r1")
-                    await globex_host.open(Key(identity="globex", instance="last"), "r1")
-                    while len(seen) < wanted:
-                        await trio.sleep(0.01)
+                rounds = itertools.count()
+
+                async def a_round() -> bool:
+                    instance = f"{next(rounds)}"
+                    await acme_host.open(Key(identity="acme", instance=instance), "r1")
+                    await globex_host.open(Key(identity="globex", instance=instance), "r1")
+                    return bool(seen)
+
+                await until(a_round, "the stream showed a globex record")
+                wanted = len(seen) + 1
+                await a_round()
+                await until(lambda: len(seen) >= wanted, "the last round's globex record")
                 nursery.cancel_scope.cancel()
             assert set(seen) == {"globex"}
             assert {s["handle"]["key"]["identity"] for s in await acme_host.sessions()} == {"acme"}
@@ -290,13 +301,7 @@ async def test_over_the_sessions_quota_is_429_naming_it_and_nothing_changes(
         assert again.handle.generation == 2
         # Once a session stops, there is room again.
         await host.dispose(again.handle)
-        with trio.fail_after(10):
-            while True:
-                try:
-                    await host.open(third, "r1")
-                    break
-                except QuotaExceededError:  # the stopped session's task is ending
-                    await trio.sleep(0.01)
+        await until(lambda: admitted(host.open(third, "r1")), "an open once one stopped")
 
 
 async def test_over_the_children_quota_is_429_and_the_session_stays_open_to_load_later(
@@ -314,10 +319,7 @@ async def test_over_the_children_quota_is_429_and_the_session_stays_open_to_load
         # A load into a session that loads already takes nothing more (L2).
         assert (await host.load(one, WORKER)).specifier == "worker:main"
         await host.dispose(one)
-        with trio.fail_after(10):
-            while (await host.status(one)).phase is not Phase.STOPPED:
-                await trio.sleep(0.01)
-        await _until_admitted(host, two.handle)
+        await until(lambda: admitted(host.load(two.handle, WORKER)), "a load once one stopped")
         # Memory: 100 MiB each; a child asking 250 MiB more passes the quota's 300 no more.
         big = await host.open(
             Key(identity="acme", instance="3"), "r1", limits=Limits(memory_bytes=250 * MIB)
@@ -325,16 +327,6 @@ async def test_over_the_children_quota_is_429_and_the_session_stays_open_to_load
         with pytest.raises(QuotaExceededError) as refused:
             await host.load(big.handle, WORKER)
         assert refused.value.quota in ("children", "memory_bytes")
-
-
-async def _until_admitted(host: RemoteSupervisor, handle: Handle) -> None:
-    with trio.fail_after(10):
-        while True:
-            try:
-                await host.load(handle, WORKER)
-                return
-            except (QuotaExceededError, RunnerFullError):  # the stopped one's task ends
-                await trio.sleep(0.01)
 
 
 async def test_a_full_runner_is_503_with_retry_after_and_the_session_stays_open(
@@ -419,7 +411,8 @@ async def test_opens_beyond_the_rate_are_429_with_retry_after_and_renewals_never
         await host.open(Key(identity="acme", instance="2"), "r1")
         with pytest.raises(ThrottledError) as throttled:
             await host.open(Key(identity="acme", instance="3"), "r1")
-        assert throttled.value.retry_after is not None and 90 < throttled.value.retry_after <= 100
+        assert throttled.value.retry_after is not None
+        assert 90 < throttled.value.retry_after <= 100
         assert await host.high_water(Key(identity="acme", instance="3")) is None
         for _ in range(5):  # renew and status are not rated
             await host.renew(first.handle)
@@ -435,9 +428,11 @@ async def test_calls_beyond_inflight_are_refused_while_renewals_pass(fake: FakeE
         admission = Admission(supervisor)
         tenant = acme(fairness=Fairness(inflight=1))
         with admission.calling(tenant, bounded=True, rated=False):
-            with pytest.raises(ThrottledError, match="1 calls in flight") as throttled:
-                with admission.calling(tenant, bounded=True, rated=True):
-                    pass
+            with (
+                pytest.raises(ThrottledError, match="1 calls in flight") as throttled,
+                admission.calling(tenant, bounded=True, rated=True),
+            ):
+                pass
             assert throttled.value.retry_after == 1.0
             with admission.calling(tenant, bounded=False, rated=False):  # renew, dispose
                 pass

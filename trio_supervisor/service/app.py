@@ -41,6 +41,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
+import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -56,6 +57,7 @@ from ..errors import (
     RunnerClosingError,
     StaleSessionError,
     SupervisorError,
+    ThrottledError,
 )
 from ..model import FleetRecord, Handle, Key, Phase, SessionRecord, log_fields
 from .admission import Admission, retry_after_header
@@ -84,6 +86,7 @@ logger = logging.getLogger(__name__)
 
 DRAIN: Final = 8 << 20  # bytes of an oversized body read (and dropped) before the 413
 RETRY_AFTER: Final = "5"  # seconds a client should wait before retrying a closing runner
+THROTTLED_HOLD: Final = 1.0  # seconds a throttled call waits for its 429, at most
 
 _OPERATORS: Final = "operators"
 _T = TypeVar("_T")
@@ -186,6 +189,11 @@ def create_app(
                 answer = _problem_of(error, request, supervisor, call, caller)
                 if counted is not None:
                     counted.called(call.name, _outcome(answer), _tenant_label(caller))
+                if isinstance(error, ThrottledError) and error.retry_after is not None:
+                    # Answered late: a tenant that floods gets its refusals at the pace
+                    # of its own calls' slots, and its connections idle meanwhile, so its
+                    # flood costs the runner (and every other tenant) little.
+                    await trio.sleep(min(error.retry_after, THROTTLED_HOLD))
                 return answer
             if counted is not None:
                 counted.called(call.name, "ok", _tenant_label(caller))

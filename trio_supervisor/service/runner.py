@@ -59,7 +59,7 @@ from .._core.lifetime import open_supervisor
 from .._core.supervisor import Supervisor
 from .._extras import needs_extra
 from ..abc import FleetStore, Store
-from ..errors import StateStorageError
+from ..errors import PackageError, StateStorageError
 from ..executions.subprocess import SubprocessExecution
 from ..model import Limits
 from ..stores.sqlite import SqliteStore
@@ -613,6 +613,15 @@ def _admission(
             f"{source} is {memory:,} bytes"
         )
     ceilings = out_of_the_box(allocatable)
+    try:
+        execution.cgroups.refuse(ceilings.max)
+    except PackageError as error:
+        # Every load would be refused for a ceiling nobody asked for: leave it out.
+        logger.warning("no process ceiling out of the box: %s", error.detail)
+        ceilings = Ceilings(
+            default=attrs.evolve(ceilings.default, processes=None),
+            max=attrs.evolve(ceilings.max, processes=None),
+        )
     if config.limits is not None:
         ceilings = config.limits.over(ceilings)
     max_children = config.max_children or CHILDREN_PER_CORE * (os.cpu_count() or 1)

@@ -7,6 +7,7 @@ Each says in the log when what the test measures is in place; none relies on tim
 * ``memory``: four children that each fill 100 MiB and wait; the plugin waits for the
   first to end, lets the others go, says how each ended, and exits 0.
 * ``spinner``: says ``spinning``, then uses all the CPU it is given.
+* ``gigabyte``: fills 1 GiB in one process, 64 MiB at a time, saying how much it holds.
 """
 
 from __future__ import annotations
@@ -67,3 +68,13 @@ def spinner(context: Any) -> NoReturn:
     print("spinning", flush=True)
     while True:
         pass
+
+
+def gigabyte(context: Any) -> int:
+    """Fills 1 GiB, 64 MiB at a time, saying how much it holds: under a smaller memory
+    ceiling it is killed on the way (its tree's OOM kill)."""
+    hoard = []
+    for held in range(64, 1025, 64):
+        hoard.append(b"\x01" * (64 << 20))  # written, so every page is resident
+        print(f"holding {held} MiB", flush=True)
+    return 0
