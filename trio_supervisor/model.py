@@ -542,6 +542,11 @@ class RunnerInfo:
             Unix epoch (the database's clock).
         alive: Whether ``lease_until`` was still ahead when the row was read.
         sessions: How many of the fleet's unstopped records it holds.
+        children: How many of those have a child (Loading or Loaded).
+        memory_allocated: Their children's summed memory ceilings, in bytes.
+        max_children, allocatable: Its capacity (docs/service.md D): children at once,
+            and bytes its children's memory ceilings may sum to; None where unknown
+            (another runner's, or a runner without capacity).
     """
 
     runner_id: str
@@ -551,6 +556,10 @@ class RunnerInfo:
     lease_until: float
     alive: bool
     sessions: int
+    children: int = 0
+    memory_allocated: int = 0
+    max_children: int | None = None
+    allocatable: int | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Final
 
@@ -43,7 +44,7 @@ from trio_supervisor.service.tenants import (
 )
 from trio_supervisor.testing import FakeExecution
 
-from ..support import served, supervise_embedded, until
+from ..support import OPERATOR_TOKEN, served, supervise_embedded, until
 
 ACME_TOKEN: Final = "acme-token-for-tests"
 GLOBEX_TOKEN: Final = "globex-token-for-tests"
@@ -440,3 +441,41 @@ async def test_calls_beyond_inflight_are_refused_while_renewals_pass(fake: FakeE
                 pass  # another tenant's calls are counted apart
         with admission.calling(tenant, bounded=True, rated=True):
             pass  # the first call ended: room again
+
+
+# -- what operators see -------------------------------------------------------------------------
+
+
+async def test_usage_against_quota_in_tenants_metrics_and_runners(fake: FakeExecution) -> None:
+    tenant = acme(quota=Quota(sessions=5, children=2))
+    ceilings = Ceilings(default=Limits(memory_bytes=64 * MIB))
+    capacity = Capacity(max_children=7, allocatable=1024 * MIB)
+    async with (
+        runner(fake, tenant, globex(), ceilings=ceilings, capacity=capacity) as run,
+        run.tenant(ACME_TOKEN) as host,
+    ):
+        await loaded(host, ACME_KEY)
+        await host.open(Key(identity="acme", instance="idle"), "r1")
+        async with run.bare(OPERATOR_TOKEN) as operator:
+            listed = (await operator.get("/v1/tenants")).json()["tenants"]
+            scraped = (await operator.get("/metrics")).text
+            [here] = (await operator.get("/v1/runners")).json()["runners"]
+        by_name = {one["name"]: one for one in listed}
+        assert by_name["acme"]["usage"] == {
+            "sessions": 2,
+            "children": 1,
+            "memory_bytes": 64 * MIB,
+            "cpu_percent": 100 * (os.cpu_count() or 1),  # no CPU ceiling: every core
+        }
+        assert by_name["acme"]["quota"]["sessions"] == 5
+        assert by_name["globex"]["usage"]["sessions"] == 0
+        assert 'trio_supervisor_tenant_used{resource="children",tenant="acme"} 1.0' in scraped
+        assert 'trio_supervisor_tenant_quota{resource="sessions",tenant="acme"} 5.0' in scraped
+        assert 'trio_supervisor_calls_total{call="load",outcome="ok",tenant="acme"} 1.0' in scraped
+        assert (here["children"], here["memory_allocated"]) == (1, 64 * MIB)
+        assert (here["max_children"], here["allocatable"]) == (7, 1024 * MIB)
+        # A tenant sees itself alone, without its token's hash.
+        async with run.bare(GLOBEX_TOKEN) as other:
+            [itself] = (await other.get("/v1/tenants")).json()["tenants"]
+        assert itself["name"] == "globex"
+        assert "token_sha256" not in itself

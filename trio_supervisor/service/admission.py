@@ -12,7 +12,8 @@ were checked, and before the supervisor sees it (docs/service.md section D):
   tenant sessions it holds. Nothing queues: a call is admitted or refused at once, so no
   tenant's calls wait behind another's.
 - :meth:`Admission.opening`: the tenant's ``sessions`` quota.
-- :meth:`Admission.loading`: the tenant's ``children``, ``memory_bytes`` and
+- :meth:`Admission.loading`: the tenant's ``children`` (from a load's first record until
+  the session is Stopped: a Stopping child still holds its memory), ``memory_bytes`` and
   ``cpu_percent`` quotas, then the runner's capacity (its children's summed memory
   ceilings within the allocatable memory, and fewer than ``max_children`` children);
   over quota :class:`~trio_supervisor.errors.QuotaExceededError` (429), over capacity
@@ -36,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 import attrs
@@ -44,10 +45,10 @@ import trio
 
 from .._core.supervisor import Supervisor
 from ..errors import QuotaExceededError, RunnerFullError, ThrottledError
-from ..model import Key, Limits, Phase, SessionRecord
+from ..model import Key, Limits, Phase, SessionRecord, StoppingRecord
 from .tenants import Ceilings, Quota, Tenant, effective_limits
 
-__all__ = ["Admission", "Capacity", "Usage"]
+__all__ = ["Admission", "Capacity", "Usage", "holds_child"]
 
 FULL_RETRY_AFTER: Final = 5.0  # seconds a host waits before loading into a full runner again
 INFLIGHT_RETRY_AFTER: Final = 1.0
@@ -141,19 +142,29 @@ class Admission:
 
     def usage(self, tenant: Tenant | None) -> Usage:
         """What ``tenant`` holds now, holds included; the whole runner's for None."""
+        return self.tally(self.supervisor.live_records(), tenant, holds=True)
+
+    def tally(
+        self, records: Iterable[SessionRecord], tenant: Tenant | None, *, holds: bool = False
+    ) -> Usage:
+        """What ``tenant`` (None: anyone) holds among the unstopped ``records`` (this
+        runner's live ones, or a fleet's), with the holds of calls under way if ``holds``."""
         sessions = children = memory = cpu = 0
         loading: set[str] = set()  # sessions whose child the records count already
-        for record in self.supervisor.live_records():
-            if record.phase in _CHILD_PHASES:
+        for record in records:
+            if record.phase is Phase.STOPPED:
+                continue
+            has_child = holds_child(record)
+            if has_child:
                 loading.add(record.handle.token)
             if tenant is not None and not tenant.may_use(record.handle.key.identity):
                 continue
             sessions += 1
-            if record.phase in _CHILD_PHASES:
+            if has_child:
                 children += 1
                 memory += self._memory(record.limits)
                 cpu += self._cpu(record.limits)
-        for hold in self._holds:
+        for hold in self._holds if holds else ():
             if hold.token in loading:
                 continue  # its load's Loading record is durable: counted above
             if tenant is None or tenant.may_use(hold.identity):
@@ -306,6 +317,14 @@ class Admission:
                 wait,
             )
         bucket.tokens -= 1.0
+
+
+def holds_child(record: SessionRecord) -> bool:
+    """Whether the session of ``record`` has a child that takes its room: from its load's
+    first record until it is Stopped (a Stopping child still holds its memory)."""
+    if isinstance(record, StoppingRecord):
+        return record.previous.phase in _CHILD_PHASES
+    return record.phase in _CHILD_PHASES
 
 
 def _bounds(quota: Quota) -> bool:

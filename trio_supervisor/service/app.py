@@ -41,6 +41,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
+import attrs
 import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -60,7 +61,7 @@ from ..errors import (
     ThrottledError,
 )
 from ..model import FleetRecord, Handle, Key, Phase, SessionRecord, log_fields
-from .admission import Admission, retry_after_header
+from .admission import Admission, holds_child, retry_after_header
 from .calls import CALLS, Call, by_name
 from .fleet import Fleet
 from .metrics import Metrics
@@ -156,6 +157,16 @@ def create_app(
     metrics = metrics if metrics is not None else Metrics()
     fleet = fleet if fleet is not None else Fleet(socket.gethostname())
     admission = admission if admission is not None else Admission(supervisor)
+    metrics.watch_tenants(
+        lambda: [
+            (
+                tenant.name,
+                attrs.asdict(tenant.quota),
+                attrs.asdict(admission.usage(tenant)),
+            )
+            for tenant in roster.tenants
+        ]
+    )
     operators_secret = operator_token.encode()
 
     def caller_of(request: Request) -> Caller | None:
@@ -348,8 +359,56 @@ def create_app(
         )
 
     async def runners(request: Request) -> Response:
-        found = await fleet.runners(supervisor.records())
-        return JSONResponse({"runners": [converter.unstructure(info) for info in found]})
+        here = supervisor.records()
+        found = await fleet.runners(here)
+        # Each runner's children and their memory ceilings, from the fleet's records.
+        taken: dict[str, tuple[int, int]] = {}
+        for held in await fleet.records(here):
+            if holds_child(held.record):
+                children, memory = taken.get(held.runner_id, (0, 0))
+                ceiling = held.record.limits.memory_bytes or 0
+                taken[held.runner_id] = (children + 1, memory + ceiling)
+        capacity = admission.capacity
+        answer = []
+        for info in found:
+            children, memory = taken.get(info.runner_id, (0, 0))
+            own = capacity if info.runner_id == fleet.runner_id else None
+            info = attrs.evolve(
+                info,
+                children=children,
+                memory_allocated=memory,
+                max_children=None if own is None else own.max_children,
+                allocatable=None if own is None else own.allocatable,
+            )
+            answer.append(converter.unstructure(info))
+        return JSONResponse({"runners": answer})
+
+    tenants_call = by_name("tenants")
+
+    async def tenants_(request: Request) -> Response:
+        caller: Caller = request.state.caller
+        with admitted(request, tenants_call, None):
+            shown = list(roster.tenants) if not isinstance(caller, Tenant) else [caller]
+            if fleet.store is None:
+                used = {tenant.name: admission.usage(tenant) for tenant in shown}
+            else:  # the fleet's unstopped records, wherever they run
+                held = [one.record for one in await fleet.records(supervisor.records())]
+                used = {tenant.name: admission.tally(held, tenant) for tenant in shown}
+        return JSONResponse(
+            {
+                "tenants": [
+                    {
+                        "name": tenant.name,
+                        "identities": list(tenant.identities),
+                        "quota": converter.unstructure(tenant.quota),
+                        "usage": converter.unstructure(used[tenant.name]),
+                        "limits": converter.unstructure(tenant.limits),
+                        "fairness": converter.unstructure(tenant.fairness),
+                    }
+                    for tenant in shown
+                ]
+            }
+        )
 
     async def session_logs(request: Request) -> Response:
         query = request.query_params
@@ -422,6 +481,7 @@ def create_app(
         "high_water": high_water,
         "sessions": sessions,
         "runners": runners,
+        "tenants": tenants_,
         "logs": session_logs,
         "admin_dispose": admin_dispose,
         "healthz": healthz,

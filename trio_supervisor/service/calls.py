@@ -335,6 +335,17 @@ CALLS: Final[tuple[Call, ...]] = (
         errors=_RUNNER,
     ),
     Call(
+        name="tenants",
+        method="GET",
+        path="/v1/tenants",
+        summary="Each tenant's identities, quota, ceilings and fairness, and what it uses "
+        "(operators; a tenant sees itself).",
+        role="operators",
+        answer={"tenants": {"type": "array", "items": {"type": "object"}}},
+        errors=(*_TENANT, *_RUNNER),
+        tenants_see_own=True,
+    ),
+    Call(
         name="metrics",
         method="GET",
         path="/metrics",

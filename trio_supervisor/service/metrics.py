@@ -3,13 +3,15 @@
 Theory of operation
 -------------------
 Everything lives in the service's own ``CollectorRegistry``, never the global one, so
-two runners in one process (tests do that) never share a series. Three sources:
+two runners in one process (tests do that) never share a series. Four sources:
 
 * at scrape time, from the supervisor's retained records: sessions by phase, children
   alive (a child is alive while its session is not Stopped), and whether the supervisor
   is poisoned;
-* counted by the app as it answers: opens, renews, loads and disposes by outcome (``ok``
-  or the error's wire code);
+* counted by the app as it answers: calls by outcome (``ok`` or the error's wire code)
+  and tenant;
+* at scrape time, from the app's admission (:meth:`Metrics.watch_tenants`): each
+  tenant's usage on this runner and its quota;
 * followed from the supervisor's events (:meth:`Metrics.follow`): terminations by kind
   and reason, and how long each stop took (from its Stopping record to its Stopped
   record); and from the store (:class:`TimedStore`): how long each save took.
@@ -18,7 +20,7 @@ two runners in one process (tests do that) never share a series. Three sources:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Final
 
 import trio
@@ -86,6 +88,42 @@ def _has_child(record: SessionRecord) -> bool:
     return isinstance(active, LoadingRecord | LoadedRecord) and active.child is not None
 
 
+Tally = Callable[[], Iterable[tuple[str, Mapping[str, int | None], Mapping[str, int]]]]
+"""Each tenant's name, quota and usage, by resource (``sessions``, ``children``,
+``memory_bytes``, ``cpu_percent``): what the tenant gauges are read from."""
+
+
+class _Tenants(Collector):
+    """Each tenant's usage and quota on this runner, read when Prometheus scrapes."""
+
+    def __init__(self, tally: Tally) -> None:
+        self._tally = tally
+
+    def collect(self) -> Iterator[Metric]:
+        used = GaugeMetricFamily(
+            f"{PREFIX}_tenant_used",
+            "What each tenant holds on this runner, by resource (sessions, children, "
+            "memory_bytes and cpu_percent of its children's ceilings).",
+            labels=["tenant", "resource"],
+        )
+        hard = GaugeMetricFamily(
+            f"{PREFIX}_tenant_quota",
+            "Each tenant's quota, by resource; a resource without one has no sample.",
+            labels=["tenant", "resource"],
+        )
+        for name, quota, usage in self._tally():
+            for resource, value in usage.items():
+                used.add_metric([name, resource], value)
+                limit = quota.get(resource)
+                if limit is not None:
+                    hard.add_metric([name, resource], limit)
+        yield used
+        yield hard
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
 class Metrics:
     """The service's series, in a registry of its own.
 
@@ -120,6 +158,10 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1),
             registry=self.registry,
         )
+
+    def watch_tenants(self, tally: Tally) -> None:
+        """Render each tenant's usage and quota (``tally``) at every scrape."""
+        self.registry.register(_Tenants(tally))
 
     def called(self, call: str, outcome: str, tenant: str = "") -> None:
         """Count one answered call."""
