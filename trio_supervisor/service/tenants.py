@@ -220,11 +220,13 @@ class Fairness:
     )
 
     def described(self) -> str:
-        parts = [
-            f"{field.name} {getattr(self, field.name):,}"
-            for field in attrs.fields(Fairness)
-            if getattr(self, field.name) is not None
-        ]
+        parts = []
+        for field in attrs.fields(Fairness):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)  # a rate of 50, read as 50.0
+            if value is not None:
+                parts.append(f"{field.name} {value:,}")
         return ", ".join(parts) or "none"
 
     @property
