@@ -60,7 +60,10 @@ __all__ = [
     "TenantsError",
     "parse",
     "read",
+    "read_text",
+    "table_text",
     "token_hash",
+    "without_table",
 ]
 
 logger = logging.getLogger(__name__)
@@ -215,6 +218,16 @@ class Fairness:
     burst: int | None = attrs.field(
         default=None, validator=fields.optional(fields.Check(_positive, minimum=1))
     )
+
+    def described(self) -> str:
+        parts = []
+        for field in attrs.fields(Fairness):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)  # a rate of 50, read as 50.0
+            if value is not None:
+                parts.append(f"{field.name} {value:,}")
+        return ", ".join(parts) or "none"
 
     @property
     def bucket(self) -> int:
@@ -410,13 +423,13 @@ def parse(data: Mapping[str, Any], source: str = "the tenants file") -> Tenants:
         raise TenantsError(f"{source}: {error}") from None
 
 
-def read(path: Path) -> Tenants:
-    """The tenants of the file at ``path``.
+def read_text(path: Path) -> str:
+    """The text of the tenants file at ``path``, unparsed.
 
     The file must be writable by its owner alone: whoever may write it may add a tenant.
 
     Raises:
-        TenantsError: The file cannot be read, is writable by others, or is malformed.
+        TenantsError: The file cannot be read, or is writable by others.
     """
     try:
         mode = os.stat(path).st_mode
@@ -428,11 +441,143 @@ def read(path: Path) -> Tenants:
             f"the tenants file {path} is writable by others (mode {stat.S_IMODE(mode):04o}): "
             "whoever may write it may add a tenant; chmod go-w it"
         )
+    return text
+
+
+def read(path: Path) -> Tenants:
+    """The tenants of the file at ``path``.
+
+    The file must be writable by its owner alone: whoever may write it may add a tenant.
+
+    Raises:
+        TenantsError: The file cannot be read, is writable by others, or is malformed.
+    """
+    text = read_text(path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise TenantsError(f"the tenants file {path} is not TOML: {error}") from None
     return parse(data, str(path))
+
+
+# -- writing a tenant's table (``trio-supervisor tenants add`` and ``revoke``) -----------
+#
+# The file is the operator's, comments and layout included: a tenant is added by
+# appending its table to the text and revoked by removing its table's lines, never by
+# rewriting the whole file from what was parsed. The command checks that the result
+# parses to exactly the tenants intended before it writes anything.
+
+_BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
+
+
+# What a TOML basic string may not hold as it is: '"', '\\', the control characters but
+# tab, and lone surrogates (an undecodable byte of a command line), whose escape TOML
+# refuses, so that such a name is refused rather than written.
+_ESCAPED: Final = re.compile(r'["\\\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]')
+
+
+def _toml_string(value: str) -> str:
+    """``value`` as a TOML basic string."""
+
+    def escape(found: re.Match[str]) -> str:
+        char = found[0]
+        return "\\" + char if char in '"\\' else f"\\u{ord(char):04x}"
+
+    return '"' + _ESCAPED.sub(escape, value) + '"'
+
+
+def _toml_key(name: str) -> str:
+    # A tenant's name may hold '.': unquoted, ``tenants.a.b`` would be table b in table a.
+    return name if _BARE_KEY.fullmatch(name) else _toml_string(name)
+
+
+def _inline(values: Mapping[str, int | float | None]) -> str | None:
+    """The values that are set, as a TOML inline table (None if none is)."""
+    items = [f"{key} = {value!r}" for key, value in values.items() if value is not None]
+    return "{ " + ", ".join(items) + " }" if items else None
+
+
+def table_text(tenant: Tenant, comment: str | None = None) -> str:
+    """``tenant``'s table in a tenants file: :func:`parse` reads it back as ``tenant``.
+
+    Args:
+        tenant: The tenant.
+        comment: A line to put under the table's header, as a TOML comment.
+    """
+    lines = [f"[tenants.{_toml_key(tenant.name)}]"]
+    if comment is not None:
+        lines.append(f"# {comment}")
+    lines.append(f"token_sha256 = {_toml_string(tenant.token_sha256)}")
+    lines.append(f"identities = [{', '.join(map(_toml_string, tenant.identities))}]")
+    parts = {
+        "quota": attrs.asdict(tenant.quota),
+        "limits.default": attrs.asdict(tenant.limits.default),
+        "limits.max": attrs.asdict(tenant.limits.max),
+        "fairness": attrs.asdict(tenant.fairness),
+    }
+    for key, values in parts.items():
+        inline = _inline(values)
+        if inline is not None:
+            lines.append(f"{key} = {inline}")
+    return "\n".join(lines) + "\n"
+
+
+def _header(line: str) -> tuple[str, ...] | None:
+    """The key path of a table header line (``[tenants."a.b".quota]``), else None."""
+    stripped = line.strip()
+    if not stripped.startswith("["):
+        return None
+    try:  # tomllib reads the header's quoting and dots as TOML does
+        node: object = tomllib.loads(stripped)
+    except tomllib.TOMLDecodeError:
+        return None  # a line of a multi-line array, say
+    path = []
+    while isinstance(node, dict) and len(node) == 1:
+        key, node = next(iter(node.items()))
+        path.append(key)
+    return tuple(path)
+
+
+def _comments_above(lines: list[str], index: int) -> int:
+    """Where the comment lines right above line ``index`` (no blank line between) start."""
+    while index > 0 and lines[index - 1].lstrip().startswith("#"):
+        index -= 1
+    return index
+
+
+def without_table(text: str, name: str) -> str:
+    """``text`` without tenant ``name``'s table, line by line.
+
+    Removed: the ``[tenants.NAME]`` header and those of its sub-tables
+    (``[tenants.NAME.quota]``), and each one's lines up to the next other header, but for
+    the comments right above that header (they are its own). The comments above
+    ``[tenants.NAME]`` stay: they may be the file's.
+
+    Raises:
+        TenantsError: No header of ``name``'s table is in ``text`` (its table is written
+            inline, or with dotted keys under ``[tenants]``).
+    """
+    lines = text.splitlines(keepends=True)
+    headers = [(index, path) for index, line in enumerate(lines) if (path := _header(line))]
+
+    def is_its(path: tuple[str, ...]) -> bool:
+        return path[:2] == ("tenants", name)
+
+    removed: set[int] = set()
+    for at, (index, path) in enumerate(headers):
+        if not is_its(path):
+            continue
+        end = len(lines)
+        if at + 1 < len(headers):
+            following, following_path = headers[at + 1]
+            end = following if is_its(following_path) else _comments_above(lines, following)
+        removed.update(range(index, end))
+    if not removed:
+        raise TenantsError(
+            f"no [tenants.{_toml_key(name)}] header: its table is not written as one"
+        )
+    kept = "".join(line for index, line in enumerate(lines) if index not in removed)
+    return kept.rstrip() + "\n" if kept.strip() else ""
 
 
 class Roster:
