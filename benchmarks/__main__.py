@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import child, control, durable, fleet, loop, memory, recovery, service
+from . import child, control, durable, fleet, loop, memory, recovery, service, tenants
 from .measure import Result, Skipped, machine, render
 
 # Each group runs its scenarios; the order puts the cheap ones first.
@@ -21,6 +21,7 @@ GROUPS: dict[str, Callable[[bool, int], list[Result]]] = {
     "loop": loop.run,
     "recovery": recovery.run,
     "service": service.run,
+    "tenants": tenants.run,  # service.cycle.tenants, service.flood: a real serve
     "child": child.run,
 }
 

@@ -106,12 +106,15 @@ async def _client(
     generations[client] = generation
 
 
-async def _drive(url: str, clients: int, cycles: int) -> float:
-    """Cycles per second of ``clients`` clients of ``url``, after one warm-up cycle each."""
+async def _drive(url: str, clients: int, cycles: int, *, tokens: list[str] | None = None) -> float:
+    """Cycles per second of ``clients`` clients of ``url``, after one warm-up cycle each;
+    each client's token is ``tokens``' (the hosts' by default)."""
     async with contextlib.AsyncExitStack() as stack:
         remotes = [
-            await stack.enter_async_context(connect(url, token=HOSTS_TOKEN, verify=False))
-            for _ in range(clients)
+            await stack.enter_async_context(
+                connect(url, token=tokens[client] if tokens else HOSTS_TOKEN, verify=False)
+            )
+            for client in range(clients)
         ]
         generations: list[int | None] = [None] * clients
         for rounds in (1, cycles):  # untimed warm-up, then the measured cycles

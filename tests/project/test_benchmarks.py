@@ -44,6 +44,8 @@ SCENARIOS = {
     "terminate.cooperative.raw",
     "service.cycle",
     "service.cycle.stuck_reader",
+    "service.cycle.tenants",
+    "service.flood",
     "loop.lag",
     "loop.lag.p99",
 }

@@ -205,7 +205,7 @@ async def test_a_flooding_tenant_leaves_another_tenants_renewals_on_time(tmp_pat
         async with runner.host("victim-token") as victim:
             record = await victim.open(Key(identity="victim", instance="1"), "r1", lease=1.0)
             quiet = await renew_latencies(victim, record.handle)
-            command = [sys.executable, "-m", "tests.service.flood", runner.url, "flood-token"]
+            command = [sys.executable, "-m", "benchmarks.flood", runner.url, "flood-token"]
             with launched([*command, str(FLOODERS)], ready=lambda line: line == "flooding\n"):
                 flooded = await renew_latencies(victim, record.handle)
             # Never expired: every renewal landed, and the session is still Open.

@@ -1,4 +1,4 @@
-"""A flooding tenant, as a process of its own: ``python -m tests.service.flood URL TOKEN N``.
+"""A flooding tenant, as a process of its own: ``python -m benchmarks.flood URL TOKEN N``.
 
 ``N`` tasks open sessions of new keys as fast as the runner answers, and go on whatever
 it answers (429 mostly). The first line on stdout, ``flooding``, says that the runner
