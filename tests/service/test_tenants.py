@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import httpx
@@ -94,16 +94,6 @@ async def runner(
         admission = Admission(supervisor, ceilings=ceilings, capacity=capacity)
         async with served(supervisor, tenants=roster, admission=admission) as operator:
             yield Runner(supervisor, operator, roster)
-
-
-async def admitted(call: Awaitable[object]) -> bool:
-    """Whether ``call`` was admitted: a refusal for a quota or a full runner is no, while
-    a stopped session's task ends and gives its room back."""
-    try:
-        await call
-    except (QuotaExceededError, RunnerFullError):
-        return False
-    return True
 
 
 async def loaded(host: RemoteSupervisor, key: Key, request_id: str = "r1") -> Handle:
@@ -300,9 +290,9 @@ async def test_over_the_sessions_quota_is_429_naming_it_and_nothing_changes(
         assert await host.open(first.handle.key, "r1") == first
         again = await host.open(first.handle.key, "r2", expected_generation=1)
         assert again.handle.generation == 2
-        # Once a session stops, there is room again.
+        # Once a session is Stopped, there is room again at once.
         await host.dispose(again.handle)
-        await until(lambda: admitted(host.open(third, "r1")), "an open once one stopped")
+        await host.open(third, "r1")  # counted from the records: no lag
 
 
 async def test_over_the_children_quota_is_429_and_the_session_stays_open_to_load_later(
@@ -320,7 +310,7 @@ async def test_over_the_children_quota_is_429_and_the_session_stays_open_to_load
         # A load into a session that loads already takes nothing more (L2).
         assert (await host.load(one, WORKER)).specifier == "worker:main"
         await host.dispose(one)
-        await until(lambda: admitted(host.load(two.handle, WORKER)), "a load once one stopped")
+        await host.load(two.handle, WORKER)  # counted from the records: no lag
         # Memory: 100 MiB each; a child asking 250 MiB more passes the quota's 300 no more.
         big = await host.open(
             Key(identity="acme", instance="3"), "r1", limits=Limits(memory_bytes=250 * MIB)
@@ -479,3 +469,40 @@ async def test_usage_against_quota_in_tenants_metrics_and_runners(fake: FakeExec
             [itself] = (await other.get("/v1/tenants")).json()["tenants"]
         assert itself["name"] == "globex"
         assert "token_sha256" not in itself
+
+
+async def test_the_ledger_counts_each_phase_of_a_session_and_forgets_it_once_stopped(
+    fake: FakeExecution,
+) -> None:
+    fake.behave("stubborn:main", ignore_interrupt=True)  # stays Stopping for its grace
+    async with supervise_embedded(MemoryStore(), fake, grace=3600.0) as supervisor:
+        ceilings = Ceilings(default=Limits(memory_bytes=64 * MIB, cpu_percent=50))
+        admission = Admission(supervisor, ceilings=ceilings)
+        tenant = acme()
+
+        def used() -> tuple[int, int, int, int]:
+            usage = admission.usage(tenant)
+            return (usage.sessions, usage.children, usage.memory_bytes, usage.cpu_percent)
+
+        limits = admission.limits(tenant, None)
+        record = await supervisor.open(ACME_KEY, "r1", limits=limits)
+        assert used() == (1, 0, 0, 0)
+        await supervisor.open(GLOBEX_KEY, "r1", limits=limits)  # not acme's
+        assert used() == (1, 0, 0, 0)
+        assert admission.usage(None).sessions == 2
+        await supervisor.load(record.handle, Load(specifier="stubborn:main"))
+        assert used() == (1, 1, 64 * MIB, 50)
+        admission._ledger.note(record)  # an older record of the session changes nothing
+        assert used() == (1, 1, 64 * MIB, 50)
+
+        def phase() -> Phase | None:
+            found = supervisor.find(ACME_KEY, 1)
+            return None if found is None else found.phase
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor.dispose, record.handle)
+            await until(lambda: phase() is Phase.STOPPING, "the stop began")
+            assert used() == (1, 1, 64 * MIB, 50)  # a Stopping child still holds its room
+            supervisor.skip_grace()
+        assert used() == (0, 0, 0, 0)  # its Stopped record is durable: at once
+        admission.close()

@@ -14,7 +14,7 @@ the overflow on, it gets every record again.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Final, Self
 
@@ -95,13 +95,24 @@ class Watch:
             await self._wakeup.park()
 
 
-class Watchers:
-    """The supervisor's watchers; publishing to none costs nothing."""
+Listener = Callable[[SessionRecord], None]
 
-    __slots__ = ("_watches",)
+
+class Watchers:
+    """The supervisor's watchers, and its listeners (called with each record as it is
+    published, in the supervisor's task); publishing to none costs nothing."""
+
+    __slots__ = ("_listeners", "_watches")
 
     def __init__(self) -> None:
         self._watches: set[Watch] = set()
+        self._listeners: list[Listener] = []
+
+    def listen(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener`` with every record published from now on; what it returns
+        stops that."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
 
     def watch(self, buffer: int = DEFAULT_BUFFER) -> Watch:
         watch = Watch(self, buffer)
@@ -112,6 +123,8 @@ class Watchers:
         self._watches.discard(watch)
 
     def publish(self, record: SessionRecord) -> None:
+        for listener in self._listeners:
+            listener(record)
         for watch in self._watches:
             watch.publish(record)
 

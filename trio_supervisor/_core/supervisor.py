@@ -237,6 +237,16 @@ class Supervisor:
         """
         return self._records.watchers.watch(buffer)
 
+    def listen(self, listener: Callable[[SessionRecord], None]) -> Callable[[], None]:
+        """Call ``listener`` with every record the supervisor makes durable from now on,
+        at once, in the task that made it durable; what it returns stops that.
+
+        For what must count every record without lag (a runner's admission): unlike
+        :meth:`watch`, nothing is buffered and nothing is lost. The listener must be
+        quick and must not raise or block: the supervisor waits for it.
+        """
+        return self._records.watchers.listen(listener)
+
     def times(self, handle: Handle) -> tuple[float, float] | None:
         """How long the session has existed and how long its lease has left, in seconds.
 

@@ -19,14 +19,15 @@ were checked, and before the supervisor sees it (docs/service.md section D):
   over quota :class:`~trio_supervisor.errors.QuotaExceededError` (429), over capacity
   :class:`~trio_supervisor.errors.RunnerFullError` (503). The session stays Open.
 
-What is used is counted from the supervisor's live sessions (those not Stopped), each
-counted for every tenant whose patterns match its identity, plus the *holds* of opens
-and loads admitted and still under way: the check and the hold are one step of the
-event loop, so two calls can never both take the last slot. A hold ends when its call
-returns, by which time its session (or child) is in the supervisor's live records, or
-never will be. A retry of an open the supervisor already answered (O3), and an open that
-supersedes the key's live session here, take no new session. A load into a session that
-is not Open takes nothing: the supervisor answers it without a child (L2) or refuses it.
+What is used is counted by the ledger (``ledger.py``) from the records of the
+supervisor's live sessions, as each is made durable, each counted for every tenant
+whose patterns match its identity; plus the *holds* of opens and loads admitted and
+still under way: the check and the hold are one step of the event loop, so two calls
+can never both take the last slot. A hold counts until the ledger counts what it
+admitted (its Open record, its child's Loading record), or until its call returns. A
+retry of an open the supervisor already answered (O3), and an open that supersedes the
+key's live session here, take no new session. A load into a session that is not Open
+takes nothing: the supervisor answers it without a child (L2) or refuses it.
 
 In a fleet the counts are this runner's own: docs/service.md asks for counts across the
 fleet, made by the database, which this module does not do yet.
@@ -45,26 +46,15 @@ import trio
 
 from .._core.supervisor import Supervisor
 from ..errors import QuotaExceededError, RunnerFullError, ThrottledError
-from ..model import Key, Limits, Phase, SessionRecord, StoppingRecord
+from ..model import Key, Limits, Phase, SessionRecord
+from .ledger import NOTHING, Ledger, Usage, holds_child
 from .tenants import Ceilings, Quota, Tenant, effective_limits
 
 __all__ = ["Admission", "Capacity", "Usage", "holds_child"]
 
 FULL_RETRY_AFTER: Final = 5.0  # seconds a host waits before loading into a full runner again
 INFLIGHT_RETRY_AFTER: Final = 1.0
-_CHILD_PHASES: Final = (Phase.LOADING, Phase.LOADED)
 _NO_CEILINGS: Final = Ceilings()
-_NO_QUOTA: Final = Quota()
-
-
-@attrs.frozen(kw_only=True)
-class Usage:
-    """What one tenant (or the runner) holds: the counts a :class:`Quota` bounds."""
-
-    sessions: int = 0
-    children: int = 0
-    memory_bytes: int = 0
-    cpu_percent: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -83,14 +73,13 @@ class Capacity:
 
 @attrs.frozen
 class _Hold:
-    """An admitted open or load still under way, counted until its call returns."""
+    """An admitted open or load still under way, counted until its call returns, or
+    until the ledger counts what it admitted."""
 
     identity: str
-    token: str = ""  # a load's session's: its record counts the child once it is Loading
-    sessions: int = 0
-    children: int = 0
-    memory_bytes: int = 0
-    cpu_percent: int = 0
+    usage: Usage
+    token: str = ""  # a load's: its session's, whose child the ledger counts once Loading
+    request: tuple[Key, str] | None = None  # an open's: its key and request id
 
 
 @attrs.define
@@ -124,10 +113,18 @@ class Admission:
         self.ceilings = ceilings if ceilings is not None else Ceilings()
         self.capacity = capacity
         self._clock = clock
+        self._cores = os.cpu_count() or 1
+        self._ledger = Ledger(self._weigh)
+        self._ledger.seed(supervisor.live_records())
+        self._stop_listening = supervisor.listen(self._ledger.note)
         self._holds: list[_Hold] = []
+        self._matches: dict[tuple[tuple[str, ...], str], bool] = {}
         self._inflight: dict[str, int] = {}
         self._buckets: dict[str, _Bucket] = {}
-        self._cores = os.cpu_count() or 1
+
+    def close(self) -> None:
+        """Stop counting the supervisor's records (the admission is no longer used)."""
+        self._stop_listening()
 
     # -- ceilings ---------------------------------------------------------------------
 
@@ -141,48 +138,52 @@ class Admission:
     # -- usage ------------------------------------------------------------------------
 
     def usage(self, tenant: Tenant | None) -> Usage:
-        """What ``tenant`` holds now, holds included; the whole runner's for None."""
-        return self.tally(self.supervisor.live_records(), tenant, holds=True)
+        """What ``tenant`` holds now on this runner, calls under way included; the whole
+        runner's for None. Costs the number of distinct identities and of calls under
+        way, not of sessions (``ledger.py``)."""
+        uses = None if tenant is None else self._uses(tenant)
+        total = self._ledger.usage(uses)
+        for hold in self._holds:
+            if hold.token and self._ledger.has_child(hold.token):
+                continue  # its load's Loading record is durable: the ledger counts it
+            if hold.request is not None and self._ledger.has_request(hold.request):
+                continue  # its Open record is durable: the ledger counts it
+            if uses is None or uses(hold.identity):
+                total += hold.usage
+        return total
 
-    def tally(
-        self, records: Iterable[SessionRecord], tenant: Tenant | None, *, holds: bool = False
-    ) -> Usage:
-        """What ``tenant`` (None: anyone) holds among the unstopped ``records`` (this
-        runner's live ones, or a fleet's), with the holds of calls under way if ``holds``."""
-        sessions = children = memory = cpu = 0
-        loading: set[str] = set()  # sessions whose child the records count already
+    def _uses(self, tenant: Tenant) -> Callable[[str], bool]:
+        """``tenant.may_use``, remembered: identities are few, and fnmatch is not free."""
+        patterns = tenant.identities
+        matches = self._matches
+        if len(matches) > 100_000:
+            matches.clear()
+
+        def uses(identity: str) -> bool:
+            found = matches.get((patterns, identity))
+            if found is None:
+                found = matches[(patterns, identity)] = tenant.may_use(identity)
+            return found
+
+        return uses
+
+    def tally(self, records: Iterable[SessionRecord], tenant: Tenant | None) -> Usage:
+        """What ``tenant`` (None: anyone) holds among ``records`` (a fleet's, say), as
+        this runner counts its own."""
+        total = NOTHING
         for record in records:
-            if record.phase is Phase.STOPPED:
-                continue
-            has_child = holds_child(record)
-            if has_child:
-                loading.add(record.handle.token)
-            if tenant is not None and not tenant.may_use(record.handle.key.identity):
-                continue
-            sessions += 1
-            if has_child:
-                children += 1
-                memory += self._memory(record.limits)
-                cpu += self._cpu(record.limits)
-        for hold in self._holds if holds else ():
-            if hold.token in loading:
-                continue  # its load's Loading record is durable: counted above
-            if tenant is None or tenant.may_use(hold.identity):
-                sessions += hold.sessions
-                children += hold.children
-                memory += hold.memory_bytes
-                cpu += hold.cpu_percent
-        return Usage(sessions=sessions, children=children, memory_bytes=memory, cpu_percent=cpu)
+            if tenant is None or tenant.may_use(record.handle.key.identity):
+                total += self._ledger.take(record)
+        return total
 
-    def _memory(self, limits: Limits) -> int:
-        # A child without a memory ceiling may take what the machine has.
-        if limits.memory_bytes is not None:
-            return limits.memory_bytes
-        return self.capacity.allocatable if self.capacity is not None else 0
-
-    def _cpu(self, limits: Limits) -> int:
-        # A child without a CPU ceiling may take every core.
-        return limits.cpu_percent if limits.cpu_percent is not None else 100 * self._cores
+    def _weigh(self, limits: Limits) -> tuple[int, int]:
+        """A child's memory and CPU as counted: its ceilings, or where it has none the
+        most it could take (the allocatable memory, every core)."""
+        memory = limits.memory_bytes
+        if memory is None:
+            memory = self.capacity.allocatable if self.capacity is not None else 0
+        cpu = limits.cpu_percent if limits.cpu_percent is not None else 100 * self._cores
+        return memory, cpu
 
     @contextlib.contextmanager
     def _held(self, hold: _Hold) -> Iterator[None]:
@@ -210,7 +211,8 @@ class Admission:
         if taken and tenant is not None and tenant.quota.sessions is not None:
             used = self.usage(tenant).sessions
             _check_quota(tenant, "sessions", taken, used, tenant.quota.sessions)
-        with self._held(_Hold(key.identity, sessions=taken)):
+        hold = _Hold(key.identity, Usage(sessions=taken), request=(key, request_id))
+        with self._held(hold):
             yield
 
     @contextlib.contextmanager
@@ -227,26 +229,22 @@ class Admission:
         if record is None or record.phase is not Phase.OPEN:
             yield
             return
-        hold = _Hold(
-            record.handle.key.identity,
-            token=record.handle.token,
-            children=1,
-            memory_bytes=self._memory(record.limits),
-            cpu_percent=self._cpu(record.limits),
-        )
-        quota = tenant.quota if tenant is not None else _NO_QUOTA
-        if tenant is not None and _bounds(quota):
+        memory, cpu = self._weigh(record.limits)
+        child = Usage(children=1, memory_bytes=memory, cpu_percent=cpu)
+        if tenant is not None and _bounds(tenant.quota):
             used = self.usage(tenant)
             for name in ("children", "memory_bytes", "cpu_percent"):
-                hard = getattr(quota, name)
+                hard = getattr(tenant.quota, name)
                 if hard is not None:
-                    _check_quota(tenant, name, getattr(hold, name), getattr(used, name), hard)
+                    asked = getattr(child, name)
+                    _check_quota(tenant, name, asked, getattr(used, name), hard)
         if self.capacity is not None:
-            self._check_room(hold, self.capacity)
+            self._check_room(child, self.capacity)
+        hold = _Hold(record.handle.key.identity, child, token=record.handle.token)
         with self._held(hold):
             yield
 
-    def _check_room(self, hold: _Hold, capacity: Capacity) -> None:
+    def _check_room(self, child: Usage, capacity: Capacity) -> None:
         runner = self.usage(None)
         if runner.children + 1 > capacity.max_children:
             raise RunnerFullError(
@@ -254,11 +252,11 @@ class Admission:
                 "run; load again later, or on another runner",
                 FULL_RETRY_AFTER,
             )
-        if runner.memory_bytes + hold.memory_bytes > capacity.allocatable:
+        if runner.memory_bytes + child.memory_bytes > capacity.allocatable:
             raise RunnerFullError(
                 f"the runner is full: its children's memory ceilings take "
                 f"{runner.memory_bytes:,} of {capacity.allocatable:,} allocatable bytes, and "
-                f"this child's is {hold.memory_bytes:,}; load again later, or on another "
+                f"this child's is {child.memory_bytes:,}; load again later, or on another "
                 "runner",
                 FULL_RETRY_AFTER,
             )
@@ -317,14 +315,6 @@ class Admission:
                 wait,
             )
         bucket.tokens -= 1.0
-
-
-def holds_child(record: SessionRecord) -> bool:
-    """Whether the session of ``record`` has a child that takes its room: from its load's
-    first record until it is Stopped (a Stopping child still holds its memory)."""
-    if isinstance(record, StoppingRecord):
-        return record.previous.phase in _CHILD_PHASES
-    return record.phase in _CHILD_PHASES
 
 
 def _bounds(quota: Quota) -> bool:
