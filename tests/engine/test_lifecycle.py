@@ -168,6 +168,8 @@ LEGAL = {
     (Phase.OPEN, Event.BEGIN_LOAD): Phase.LOADING,
     (Phase.LOADING, Event.REGISTER): Phase.LOADING,
     (Phase.LOADING, Event.LOADED): Phase.LOADED,
+    # L3, F9: a fleet's store refused the first Loading record (a quota).
+    (Phase.LOADING, Event.REFUSED): Phase.OPEN,
     (Phase.OPEN, Event.STOP): Phase.STOPPING,
     (Phase.LOADING, Event.STOP): Phase.STOPPING,
     (Phase.LOADED, Event.STOP): Phase.STOPPING,
