@@ -45,7 +45,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.abc import BatchStore, FleetMember, FleetStore, Store
 from trio_supervisor.stores._jobs import Job
-from trio_supervisor.stores._postgres_sql import MIGRATIONS, SCHEMA_VERSION
+from trio_supervisor.stores._postgres_sql import SCHEMA_VERSION
 from trio_supervisor.testing import FakeExecution
 from trio_supervisor.testing.contracts import StoreContract, StoreFactory
 
