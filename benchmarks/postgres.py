@@ -53,7 +53,8 @@ from trio_supervisor import (
     codec,
     open_supervisor,
 )
-from trio_supervisor.stores._postgres_sql import Kind
+from trio_supervisor.stores._postgres_sql import SAVE_BATCH, Kind
+from trio_supervisor.stores._postgres_worker import columns
 from trio_supervisor.testing import FakeExecution
 
 from .measure import Result, Skipped, interleaved_async
@@ -63,12 +64,8 @@ DEFAULT_DSN: Final = "postgresql://postgres@127.0.0.1:5432/test"
 CLIENTS: Final = 100
 LEASE: Final = 1e6
 
-# The store's statements (trio_supervisor/stores/_postgres_worker.py), word for word.
-SAVE_BATCH: Final = (
-    "SELECT * FROM save_batch(%s, %s, %s, %s, %s::integer[], %s::text[], "
-    "%s::text[], %s::text[], %s::bigint[], %s::text[], "
-    "%s::double precision[], %s::smallint[], %s::text[])"
-)
+# The store's statements (trio_supervisor/stores/_postgres_worker.py), word for word;
+# save_batch's call and its row arrays are imported from the store itself.
 LOOKUP: Final = (
     "SELECT (SELECT generation FROM high_water "
     "        WHERE identity = %(i)s AND instance = %(n)s), r.token, r.body "
@@ -209,24 +206,10 @@ class Writer:
 
     def _columns(self, saves: list[Request]) -> tuple[Any, ...]:
         """save_batch's arguments, built as the store's worker builds them."""
-        columns: tuple[list[Any], ...] = ([], [], [], [], [], [], [], [], [])
-        numbers, tokens, identities, instances, generations, requests, leases, kinds, bodies = (
-            columns
-        )
-        for number, save in enumerate(saves):
-            for record, kind, body in save.rows:
-                handle = record.handle
-                numbers.append(number)
-                tokens.append(handle.token)
-                identities.append(handle.key.identity)
-                instances.append(handle.key.instance)
-                generations.append(handle.generation)
-                requests.append(record.request_id)
-                leases.append(record.lease)
-                kinds.append(kind)
-                bodies.append(body)
-        # The store's default retention: one Stopped record per key, 10,000 in all.
-        return (self.runner, self._epoch, 1, 10_000, *columns)
+        jobs = [[(record, body) for record, _, body in save.rows] for save in saves]
+        # The store's default retention: one Stopped record per key, 10,000 in all; no
+        # quota claims.
+        return (self.runner, self._epoch, 1, 10_000, *columns(jobs), None)
 
 
 def _wake(batch: list[Request]) -> None:

@@ -56,6 +56,7 @@ from .model import LoadFailed as LoadFailed
 from .model import LoadingRecord as LoadingRecord
 from .model import OpenRecord as OpenRecord
 from .model import Phase as Phase
+from .model import QuotaClaim as QuotaClaim
 from .model import Recovery as Recovery
 from .model import SessionRecord as SessionRecord
 from .model import Shutdown as Shutdown
@@ -108,6 +109,7 @@ __all__ = [
     "Phase",
     "Plugin",
     "PluginContext",
+    "QuotaClaim",
     "QuotaExceededError",
     "RecordFormatError",
     "Recovery",

@@ -19,6 +19,7 @@ from .model import (
     Key,
     Limits,
     Load,
+    QuotaClaim,
     RunnerInfo,
     SessionRecord,
     Termination,
@@ -122,6 +123,9 @@ class FleetStore(BatchStore, Protocol):
     * **Fenced writes.** Every write is checked, in its own transaction, against this
       member's epoch; once another member took this one's records over, every write
       raises ``StateStorageError`` and nothing lands.
+    * **Quotas across the fleet.** :meth:`save_within` counts a tenant's quota in the
+      transaction that saves the record, serialized with the tenant's other claims
+      (docs/design.md, F9).
     * ``list()`` gives this member's records (those of its earlier epochs included,
       for recovery); ``high_water()`` the marks of the whole fleet.
     """
@@ -129,6 +133,24 @@ class FleetStore(BatchStore, Protocol):
     @property
     def member(self) -> str:
         """This member's id in the fleet (a runner's ``--runner-id``)."""
+        ...
+
+    async def save_within(self, record: SessionRecord, quota: QuotaClaim) -> None:
+        """Make ``record`` durable as ``save`` does, if ``quota``'s tenant stays within
+        its quota with it counted, across the fleet.
+
+        The count is made in the transaction that writes the record, after every other
+        claim of the same tenant that committed before it (two members never both take
+        the last slot). An Open record takes a session, unless a live older generation
+        of its key counts already; a session's first Loading record takes a child and
+        its ``memory_bytes`` and ``cpu_percent`` limits. Records count for the tenant
+        when their identity matches one of its patterns.
+
+        Raises:
+            QuotaExceededError: The record would pass a quota; nothing was written (no
+                generation claimed); it does not poison.
+            StaleSessionError, StateStorageError: As for ``save``.
+        """
         ...
 
     async def lookup(self, key: Key, request_id: str | None) -> tuple[int, SessionRecord | None]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import signal
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, TypeAlias
 
 import attrs
@@ -44,6 +44,7 @@ __all__ = [
     "LoadingRecord",
     "OpenRecord",
     "Phase",
+    "QuotaClaim",
     "Recovery",
     "RunnerInfo",
     "SessionRecord",
@@ -135,6 +136,46 @@ def negotiate(supervisor: Limits, requested: Limits) -> Limits:
         processes=_lower(supervisor.processes, requested.processes),
         cpu_percent=_lower(supervisor.cpu_percent, requested.cpu_percent),
     )
+
+
+def _patterns(value: object) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise TypeError(f"QuotaClaim.identities must be a sequence of str, not {value!r}")
+    for pattern in value:
+        fields.text.check("QuotaClaim.identities[]", pattern)
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class QuotaClaim:
+    """A tenant's quota, checked where a fleet's store saves an Open record, or a
+    session's first Loading record, in the same transaction (docs/design.md, F9).
+
+    A record counts for the claim when its key's identity matches any of ``identities``
+    (``fnmatch.fnmatchcase``). A store that is not a fleet's ignores claims: a runner
+    alone counts its own sessions exactly (``trio_supervisor.service.admission``).
+
+    Attributes:
+        tenant: Whose quota: the store serializes the claims of one tenant.
+        identities: The tenant's identities, as fnmatch patterns.
+        sessions: Live (not Stopped) sessions; None: no quota on that count.
+        children: Children (sessions Loading or Loaded); None: no quota.
+        memory_bytes: The children's summed ``Limits.memory_bytes``; None: no quota.
+        cpu_percent: The children's summed ``Limits.cpu_percent``; None: no quota.
+        unlimited_memory_bytes: What a child without a ``memory_bytes`` limit counts
+            towards ``memory_bytes`` (0 by default: what it may take is unknown).
+        unlimited_cpu_percent: What a child without a ``cpu_percent`` limit counts
+            towards ``cpu_percent`` (0 by default).
+    """
+
+    tenant: str = attrs.field(validator=fields.text)
+    identities: tuple[str, ...] = attrs.field(converter=_patterns)
+    sessions: int | None = attrs.field(default=None, validator=fields.optional(fields.count))
+    children: int | None = attrs.field(default=None, validator=fields.optional(fields.count))
+    memory_bytes: int | None = attrs.field(default=None, validator=fields.optional(fields.count))
+    cpu_percent: int | None = attrs.field(default=None, validator=fields.optional(fields.count))
+    unlimited_memory_bytes: int = attrs.field(default=0, validator=fields.count)
+    unlimited_cpu_percent: int = attrs.field(default=0, validator=fields.count)
 
 
 @attrs.frozen(kw_only=True)

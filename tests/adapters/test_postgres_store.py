@@ -45,6 +45,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.abc import BatchStore, FleetMember, FleetStore, Store
 from trio_supervisor.stores._jobs import Job
+from trio_supervisor.stores._postgres_sql import SCHEMA_VERSION
 from trio_supervisor.testing import FakeExecution
 from trio_supervisor.testing.contracts import StoreContract, StoreFactory
 
@@ -186,7 +187,7 @@ async def test_stores_starting_at_once_on_an_empty_database_create_the_schema_on
     assert run(
         database,
         sql.SQL("SELECT version FROM {}.schema_version").format(sql.Identifier(schema)).as_string(),
-    ) == [(1,)]
+    ) == [(SCHEMA_VERSION,)]
     for store in stores:
         assert store.epoch == 1
         await store.aclose()
@@ -198,7 +199,7 @@ async def test_a_schema_of_a_newer_version_is_refused_naming_both(
     async with PostgresStore(database, runner_id="a", schema=schema):
         pass
     run(in_schema(database, schema), "UPDATE schema_version SET version = 7")
-    with pytest.raises(StateStorageError, match=r"version 7.*version 1") as caught:
+    with pytest.raises(StateStorageError, match=rf"version 7.*version {SCHEMA_VERSION}") as caught:
         async with PostgresStore(database, runner_id="a", schema=schema):
             pytest.fail("opened a schema of version 7")
     assert schema in caught.value.detail

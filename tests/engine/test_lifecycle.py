@@ -168,6 +168,8 @@ LEGAL = {
     (Phase.OPEN, Event.BEGIN_LOAD): Phase.LOADING,
     (Phase.LOADING, Event.REGISTER): Phase.LOADING,
     (Phase.LOADING, Event.LOADED): Phase.LOADED,
+    # L3, F9: a fleet's store refused the first Loading record (a quota).
+    (Phase.LOADING, Event.REFUSED): Phase.OPEN,
     (Phase.OPEN, Event.STOP): Phase.STOPPING,
     (Phase.LOADING, Event.STOP): Phase.STOPPING,
     (Phase.LOADED, Event.STOP): Phase.STOPPING,
@@ -213,3 +215,23 @@ def test_recovered_records_keep_the_active_snapshot() -> None:
     assert recovered(stopping, DONE).previous == loaded
     with pytest.raises(ValueError, match="no recovery"):
         recovered(StoppedRecord.of(loaded, Expired(), DONE), DONE)
+
+
+def test_f9_a_load_refused_over_a_quota_leaves_the_session_open_to_load_again() -> None:
+    lifecycle = in_phase(Phase.LOADING, child=False)
+    lifecycle.refused()
+    assert phase_of(lifecycle) is Phase.OPEN
+    assert lifecycle.load is None
+    assert lifecycle.active() == OPEN
+    # Another specifier is no conflict: nothing of the refused load remains.
+    assert lifecycle.begin_load(Load(specifier="other"), now=0.0)
+    assert phase_of(lifecycle) is Phase.LOADING
+
+
+def test_f9_a_refusal_after_a_stop_request_or_a_child_is_refused() -> None:
+    stopping = in_phase(Phase.LOADING, child=False)
+    stopping.request_stop(Disposed())
+    with pytest.raises(SessionStoppedError):
+        stopping.refused()
+    with pytest.raises(RuntimeError, match="registered"):
+        in_phase(Phase.LOADING).refused()

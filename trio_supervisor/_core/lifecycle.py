@@ -5,8 +5,8 @@ Theory of operation
 A session moves through five phases::
 
     Open --begin_load--> Loading --loaded--> Loaded
-      \\                   |                   /
-       +-------- stop ----+------------------+--> Stopping --stopped--> Stopped
+    | ^----- refused -----'  |                  /
+    +---------- stop --------+-----------------+--> Stopping --stopped--> Stopped
 
 The driver (``supervisor.py``) feeds events in and gets records out; it persists the
 records, signals and waits, and comes back with the next event. Two kinds of event
@@ -15,8 +15,9 @@ exist, and the difference is the whole design:
 * **Requests** (begin a load, stop) are decided here, at once, with no await in
   between: the first stop request fixes the reason and fences the session (no renew,
   no load) before anything is written. Every later stop request joins the first (P1).
-* **Facts** (a child's identity is durable, Loaded is durable, Stopped is durable) are
-  things a store already acknowledged. A fact is always taken in, even when a stop
+* **Facts** (a child's identity is durable, Loaded is durable, Stopped is durable; or
+  the store refused the first Loading record, over a tenant's quota) are things a
+  store already answered. A fact is always taken in, even when a stop
   request arrived while its write was in flight: what is durable is what recovery will
   find, so the session must track it too. That is why ``register`` and ``loaded`` are
   legal in Stopping.
@@ -70,6 +71,9 @@ class Event(enum.Enum):
     BEGIN_LOAD = "begin load"  # request: a host asked to load code (L3)
     REGISTER = "register child"  # fact: the Loading record with the child is durable (L4)
     LOADED = "loaded"  # fact: the Loaded record is durable (L4)
+    # Fact: a fleet's store refused the first Loading record, over its tenant's quota
+    # (F9): nothing of the load was written, so the session is Open again.
+    REFUSED = "load refused"
     STOP = "stop"  # request: the first stop request (P1)
     STOPPED = "stopped"  # fact: the Stopped record is durable (P5)
 
@@ -80,6 +84,7 @@ _TRANSITIONS: Final[Mapping[tuple[Phase, Event], Phase]] = {
     (_O, Event.BEGIN_LOAD): _LG,
     (_LG, Event.REGISTER): _LG,
     (_LG, Event.LOADED): _LD,
+    (_LG, Event.REFUSED): _O,
     (_O, Event.STOP): _SG,
     (_LG, Event.STOP): _SG,
     (_LD, Event.STOP): _SG,
@@ -266,6 +271,18 @@ class Lifecycle:
         if self.child is None or self.load is None:
             raise ExecutionError("the execution adapter started without registering its child")
         return LoadedRecord(**carried(self._open), load=self.load, code=code, child=self.child)
+
+    def refused(self) -> None:
+        """Take in that the store refused the load's first Loading record (a tenant's
+        quota, F9): nothing of the load is durable, so the session is Open again and may
+        load later. Legal only while live (a stop request that came first wins: the
+        session stops as asked) and before a child is registered.
+        """
+        if self.child is not None:
+            raise RuntimeError("a load whose child is registered cannot be refused")
+        self.phase = self._next(Event.REFUSED)
+        self.load = None
+        self._active = None
 
     def loaded(self, code: CodeIdentity) -> None:
         """Take in that the Loaded record is durable."""

@@ -18,9 +18,9 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from ..abc import BatchStore, Store
-from ..errors import StaleSessionError, StateStorageError
-from ..model import Key, OpenRecord, SessionRecord, log_fields
+from ..abc import BatchStore, FleetStore, Store
+from ..errors import QuotaExceededError, StaleSessionError, StateStorageError
+from ..model import Key, OpenRecord, QuotaClaim, SessionRecord, log_fields
 from ..retention import RecordIndex, Retention
 from .events import Watchers
 from .health import Health
@@ -56,7 +56,7 @@ class Records:
         watchers: Who hears of each record once it is durable (``events.py``).
     """
 
-    __slots__ = ("_health", "_save_many", "_store", "index", "watchers")
+    __slots__ = ("_health", "_save_many", "_save_within", "_store", "index", "watchers")
 
     def __init__(self, store: Store, retention: Retention, health: Health) -> None:
         self._store = store
@@ -64,12 +64,24 @@ class Records:
         self._save_many: Callable[[Sequence[SessionRecord]], Awaitable[None]] | None = (
             store.save_many if isinstance(store, BatchStore) else None
         )
+        # Only a fleet's store counts quota claims; any other ignores them (a runner
+        # alone counts its own sessions: service/admission.py).
+        self._save_within: Callable[[SessionRecord, QuotaClaim], Awaitable[None]] | None = (
+            store.save_within if isinstance(store, FleetStore) else None
+        )
         self._health = health
         self.index = RecordIndex(retention)
         self.watchers = Watchers()
 
-    async def save(self, record: SessionRecord) -> list[SessionRecord]:
+    async def save(
+        self, record: SessionRecord, quota: QuotaClaim | None = None
+    ) -> list[SessionRecord]:
         """Make ``record`` durable, then take it in (O8, O10, H1).
+
+        Args:
+            record: What to save.
+            quota: A tenant's quota the record counts against, checked by a fleet's
+                store in the transaction that writes it (F9); ignored by other stores.
 
         Returns:
             The records retention evicted from the index, oldest first.
@@ -80,11 +92,18 @@ class Records:
             StaleSessionError: A fleet's store refused an Open record because another
                 runner took its generation first (global fencing, docs/service.md
                 section C): nothing was written, and nothing is poisoned.
+            QuotaExceededError: A fleet's store refused it as over ``quota``: nothing
+                was written, and nothing is poisoned.
         """
         # Not through storage_call: this is the busiest await of the supervisor, and
         # one coroutine less is measurable. The failure is handled the same way.
         try:
-            await self._store.save(record)
+            if quota is not None and self._save_within is not None:
+                await self._save_within(record, quota)
+            else:
+                await self._store.save(record)
+        except QuotaExceededError:
+            raise  # an answer, not a failure: the store wrote nothing
         except StaleSessionError as stale:
             if isinstance(record, OpenRecord):
                 raise

@@ -30,6 +30,13 @@ failed load, expiry, shutdown) goes through the lifecycle, which fixes the reaso
 
 Everyone else waits for the published outcome (P6).
 
+**A load refused for a quota.** In a fleet, a load may carry its tenant's quota claim:
+its first Loading record is saved with it, and the store may refuse it, writing
+nothing (F9). Nothing was spawned yet (L3 comes before L4), so the session goes back
+to Open and its task ends without a stop, all in one step with no await: a stop request
+from then on finds a session without a task, and a later load starts a task anew. A
+stop requested before the refusal came wins: the session stops as asked.
+
 A session that never had a child has nothing to terminate between its Stopping and its
 Stopped record, so both are saved in one transaction (the project's decision on P2;
 docs/design.md, deviations): a crash can leave it Open or Stopped, never running.
@@ -46,13 +53,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import trio
 
 from ..abc import Execution, Unit
-from ..errors import ExecutionError, StateStorageError, SupervisorError, TerminationUnconfirmedError
+from ..errors import (
+    ExecutionError,
+    QuotaExceededError,
+    StateStorageError,
+    SupervisorError,
+    TerminationUnconfirmedError,
+)
 from ..model import (
     ChildIdentity,
     CodeIdentity,
@@ -64,6 +77,7 @@ from ..model import (
     Load,
     LoadFailed,
     OpenRecord,
+    QuotaClaim,
     SessionRecord,
     Shutdown,
     StopReason,
@@ -135,6 +149,15 @@ class Reply(Generic[_T]):
         return self.result()
 
 
+class Persist(Protocol):
+    """Makes a record durable (and poisons on failure); with a quota claim, a fleet's
+    store counts it first (F9) and may refuse it with ``QuotaExceededError``."""
+
+    def __call__(
+        self, record: SessionRecord, quota: QuotaClaim | None = None
+    ) -> Awaitable[None]: ...
+
+
 @attrs.define
 class Services:
     """What a session needs of the supervisor that owns it.
@@ -142,7 +165,8 @@ class Services:
     Attributes:
         execution: Spawns the session's child.
         health: Poisoned by a failure the supervisor cannot vouch for (H1).
-        persist: Makes a record durable (and poisons on failure).
+        persist: Makes a record durable (and poisons on failure), counting a quota
+            claim in a fleet (:class:`Persist`).
         persist_together: Makes several records durable in one transaction where the
             store can (and poisons on failure).
         spawn: Starts a task in the supervisor's nursery: ``spawn(function, name)``.
@@ -155,7 +179,7 @@ class Services:
 
     execution: Execution
     health: Health
-    persist: Callable[[SessionRecord], Awaitable[None]]
+    persist: Persist
     persist_together: Callable[[Sequence[SessionRecord]], Awaitable[None]]
     spawn: Callable[[Callable[[], Awaitable[Any]], str], None]
     grace: float
@@ -211,6 +235,7 @@ class Session:
         "_services",
         "lifecycle",
         "load_failure",
+        "load_quota",
         "load_reply",
         "nursery",
         "opened_at",
@@ -238,6 +263,8 @@ class Session:
         # and however the unit is ended, the session ends with no child (NO_CHILD).
         self.started = False
         self.load_reply: Reply[CodeIdentity] | None = None
+        # The quota claim the load's first Loading record carries (F9); taken by the loader.
+        self.load_quota: QuotaClaim | None = None
         self.load_failure: SupervisorError | None = None
         self.outcome: Reply[Termination] = Reply()
         # The exceptions behind the termination's cause, for the shutdown report (Z3).
@@ -261,12 +288,19 @@ class Session:
             await trio.lowlevel.cancel_shielded_checkpoint()
         return lease
 
-    async def load(self, load: Load) -> CodeIdentity:
-        """Start the load, or join the one asked for before (L1-L3, L6)."""
+    async def load(self, load: Load, quota: QuotaClaim | None = None) -> CodeIdentity:
+        """Start the load, or join the one asked for before (L1-L3, L6).
+
+        Args:
+            load: What to load.
+            quota: The tenant's quota the child counts against (F9); a load that joins
+                one in flight joins it as it is.
+        """
         lifecycle = self.lifecycle
         if lifecycle.begin_load(load, trio.current_time()):
             # The loader runs in the session's task, which starts now (L6: it belongs to
             # the session, not to this caller).
+            self.load_quota = quota
             self.load_reply = Reply()
             self.scope = trio.CancelScope()
             self._services.spawn(self._run, task_name("session", self.handle))
@@ -331,11 +365,17 @@ class Session:
         services = self._services
         scope = self.scope
         assert scope is not None
+        refused = False
         try:
             with scope:
                 async with trio.open_nursery() as nursery:
                     self.nursery = nursery
-                    await self._run_loader()
+                    refused = await self._run_loader()
+                    if refused:
+                        # Open again, with no task (F9): from this step on, a later
+                        # load's task owns the session's fields.
+                        self.nursery = None
+                        return
                     await trio.sleep_forever()
         except* trio.Cancelled:
             # The supervisor's nursery is cancelled from outside (its block was): the
@@ -347,13 +387,14 @@ class Session:
             # A bug in the driver (the loader catches the adapters' failures): H1.
             services.health.poison(group.exceptions[0] if len(group.exceptions) == 1 else group)
         finally:
-            self.nursery = None
-            if lifecycle.live:
-                # Woken with no stop request: the supervisor's nursery was cancelled from
-                # outside. Past the deadline, the lease ran out first (T1).
-                expired = trio.current_time() >= lifecycle.deadline
-                lifecycle.request_stop(Expired() if expired else Shutdown())
-            self._publish(await self._stop_shielded())
+            if not refused:
+                self.nursery = None
+                if lifecycle.live:
+                    # Woken with no stop request: the supervisor's nursery was cancelled
+                    # from outside. Past the deadline, the lease ran out first (T1).
+                    expired = trio.current_time() >= lifecycle.deadline
+                    lifecycle.request_stop(Expired() if expired else Shutdown())
+                self._publish(await self._stop_shielded())
 
     async def _run_stop(self) -> None:
         """A task that only runs the stop of a session that has no task of its own."""
@@ -400,7 +441,13 @@ class Session:
             error.add_note(f"the supervisor is poisoned: {poison!r}")
         reply.fail(error)
 
-    async def _run_loader(self) -> None:
+    async def _run_loader(self) -> bool:
+        """Load (L3, L4); on a failure, ask the session to stop (L5).
+
+        Returns:
+            True when the store refused the first Loading record over its quota claim
+            and the session is Open again, its task to end without a stop (F9).
+        """
         lifecycle = self.lifecycle
         services = self._services
         reply = self.load_reply
@@ -409,8 +456,16 @@ class Session:
         assert load is not None
         handle = lifecycle.record.handle
         try:
-            # L3: Loading is durable before anything is spawned.
-            await services.persist(lifecycle.active())
+            # L3: Loading is durable before anything is spawned; in a fleet, the load's
+            # quota claim is counted with it (F9), so a refusal comes before any child.
+            quota, self.load_quota = self.load_quota, None
+            try:
+                await services.persist(lifecycle.active(), quota)
+            except QuotaExceededError as refusal:
+                if not lifecycle.live:
+                    raise  # a stop came first: the load fails, the session stops as asked
+                self._refused(refusal)
+                return True
             unit = await adapter_call(
                 services.execution.spawn(handle, load, lifecycle.record.limits),
                 "spawning the child",
@@ -452,6 +507,24 @@ class Session:
                 self.stop_soon(LoadFailed(cause=(Fault.of(error),)))
         else:
             reply.set(code)
+        return False
+
+    def _refused(self, refusal: QuotaExceededError) -> None:
+        """The first Loading record was refused over its quota: the session is Open
+        again, without a task (see the module's docs). No await: a stop request either
+        came before (and the caller does not get here) or finds no task after."""
+        reply = self.load_reply
+        assert reply is not None
+        self.lifecycle.refused()
+        self.scope = None
+        self.load_reply = None
+        logger.info(
+            "loading into %s was refused: %s",
+            task_name("session", self.handle),
+            refusal,
+            extra=_fields(self.handle),
+        )
+        reply.fail(refusal)
 
     async def _watch_exit(self, unit: Unit) -> None:
         try:

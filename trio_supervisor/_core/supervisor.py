@@ -48,6 +48,7 @@ from ..model import (
     Load,
     OpenRecord,
     Phase,
+    QuotaClaim,
     SessionRecord,
     Shutdown,
     StoppedRecord,
@@ -278,6 +279,7 @@ class Supervisor:
         expected_generation: int | None = None,
         lease: float | None = None,
         limits: Limits | None = None,
+        quota: QuotaClaim | None = None,
     ) -> SessionRecord:
         """Open a new generation of ``key``, stopping the one before (O1-O11).
 
@@ -289,6 +291,11 @@ class Supervisor:
                 means 0, "never opened" (O4).
             lease: Seconds; the supervisor's default when None.
             limits: Ceilings to ask for; they can only lower the supervisor's.
+            quota: In a fleet, the quota of the tenant whose session this is: the
+                store counts its live sessions in the transaction that saves the Open
+                record, serialized with the tenant's other opens on every runner (F9).
+                A store that is not a fleet's ignores it: a runner alone counts its
+                own sessions exactly (``trio_supervisor.service.admission``).
 
         Returns:
             The new session's Open record, or the retained record of ``request_id``.
@@ -296,6 +303,10 @@ class Supervisor:
         Raises:
             RunnerClosingError: The supervisor is shutting down.
             StaleSessionError: ``expected_generation`` is not the key's high-water.
+            QuotaExceededError: In a fleet, the tenant's live sessions are at
+                ``quota.sessions``: nothing was saved, no generation was claimed, and
+                the supervisor is not poisoned (a live session of the key held here
+                was stopped already, as O5 has it).
             StateStorageError: The record could not be made durable; the supervisor is
                 poisoned. Once poisoned, open raises the poisoning error.
         """
@@ -314,6 +325,8 @@ class Supervisor:
         seconds = self._lease if lease is None else LEASE.seconds("lease", lease)
         if limits is not None and not isinstance(limits, Limits):
             raise TypeError(f"limits must be Limits, not {type(limits).__name__}")
+        if quota is not None and not isinstance(quota, QuotaClaim):
+            raise TypeError(f"quota must be a QuotaClaim, not {type(quota).__name__}")
         # No request: the supervisor's own limits, shared (records are immutable).
         negotiated = self._limits if limits is None else negotiate(self._limits, limits)
 
@@ -322,7 +335,7 @@ class Supervisor:
         await self._locks.acquire(key)
         try:
             return await self._open_locked(
-                key, request_id, expected_generation, seconds, negotiated
+                key, request_id, expected_generation, seconds, negotiated, quota
             )
         finally:
             self._locks.release(key)
@@ -334,6 +347,7 @@ class Supervisor:
         expected_generation: int | None,
         seconds: float,
         negotiated: Limits,
+        quota: QuotaClaim | None,
     ) -> SessionRecord:
         """The part of :meth:`open` that runs holding the key's lock (O2)."""
         self._check_usable()
@@ -371,7 +385,9 @@ class Supervisor:
         )
         self._opening += 1
         try:
-            await self._persist(record)
+            # In a fleet, the tenant's quota is counted with the save (F9); a refusal
+            # wrote nothing, as a lost compare-and-set (F3) does.
+            await self._persist(record, quota)
             # The record is durable: from here on nothing may stop the session from
             # coming to exist (O11). In a fleet, an older generation held by another
             # runner was told to stop when the record landed, and the open waits for it
@@ -503,11 +519,23 @@ class Supervisor:
             self._check_usable()
         return await session.renew()
 
-    async def load(self, handle: Handle, load: Load) -> CodeIdentity:
+    async def load(
+        self, handle: Handle, load: Load, *, quota: QuotaClaim | None = None
+    ) -> CodeIdentity:
         """Load code into the session's child (L1-L6).
 
         The load belongs to the session: a caller cancelled while waiting stops
         waiting, and the load goes on.
+
+        Args:
+            handle: The session's handle.
+            load: What to load.
+            quota: In a fleet, the quota of the tenant whose session this is: the
+                store counts its children (and their ``memory_bytes`` and
+                ``cpu_percent`` limits, this session's included) in the transaction
+                that saves the load's first Loading record, before anything is
+                spawned (F9). A store that is not a fleet's ignores it, as in
+                :meth:`open`. A load that joins one in flight (L2) claims nothing.
 
         Returns:
             What was loaded.
@@ -517,13 +545,18 @@ class Supervisor:
             SessionStoppedError: As for :meth:`renew`; also when the session stops
                 during the load.
             SessionConflictError: The session loads another specifier.
+            QuotaExceededError: In a fleet, the child would take the tenant past a
+                quota: nothing was saved or spawned, the session stays Open and may
+                load later, and the supervisor is not poisoned.
             PackageError, ExecutionError, StateStorageError: The load failed.
         """
         if not isinstance(load, Load):
             raise TypeError(f"load must be a Load, not {type(load).__name__}")
+        if quota is not None and not isinstance(quota, QuotaClaim):
+            raise TypeError(f"quota must be a QuotaClaim, not {type(quota).__name__}")
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_usable()
-        return await (await self._fleet_session_of(handle)).load(load)
+        return await (await self._fleet_session_of(handle)).load(load, quota)
 
     async def dispose(self, handle: Handle) -> Termination:
         """Stop the session and return how its child ended (D1-D5).
@@ -631,9 +664,10 @@ class Supervisor:
 
     # -- what the sessions tell the supervisor ------------------------------------------
 
-    async def _persist(self, record: SessionRecord) -> None:
-        """Make ``record`` durable (O8, H1); a session whose record is evicted retires (O10)."""
-        for gone in await self._records.save(record):
+    async def _persist(self, record: SessionRecord, quota: QuotaClaim | None = None) -> None:
+        """Make ``record`` durable (O8, H1), counted against ``quota`` in a fleet (F9); a
+        session whose record is evicted retires (O10)."""
+        for gone in await self._records.save(record, quota):
             self._sessions.pop(gone.handle.token, None)
 
     async def _persist_together(self, records: Sequence[SessionRecord]) -> None:

@@ -39,6 +39,7 @@ from ..model import (
     LoadedRecord,
     LoadingRecord,
     Phase,
+    QuotaClaim,
     RunnerInfo,
     SessionRecord,
     StoppedRecord,
@@ -242,6 +243,11 @@ class TimedFleetStore(TimedStore):
     @property
     def member(self) -> str:
         return self._fleet.member
+
+    async def save_within(self, record: SessionRecord, quota: QuotaClaim) -> None:
+        began = trio.current_time()
+        await self._fleet.save_within(record, quota)
+        self._histogram.observe(trio.current_time() - began)
 
     async def lookup(self, key: Key, request_id: str | None) -> tuple[int, SessionRecord | None]:
         return await self._fleet.lookup(key, request_id)

@@ -9,7 +9,8 @@ takes an empty schema to :data:`SCHEMA_VERSION`, inside the one transaction that
 A batch of saves is one call of ``save_batch`` (so one round trip, as SQLite's trigger
 makes it one statement): the function fences the writer, claims the generations of its
 Open records, writes the rows, raises the marks, applies retention and notifies, in the
-transaction of its caller.
+transaction of its caller. A save that carries a tenant's quota claim is counted there
+too, by ``quota_refusal``, once the batch holds its tenants' advisory locks.
 """
 
 from __future__ import annotations
@@ -20,14 +21,22 @@ __all__ = [
     "FENCED",
     "MIGRATIONS",
     "MIGRATION_LOCK",
+    "SAVE_BATCH",
     "SCHEMA_VERSION",
     "Kind",
 ]
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 # pg_advisory_xact_lock's key for creating or migrating the schema: "trio_sup" in ASCII.
 MIGRATION_LOCK: Final = 0x7472696F5F737570
+
+# The call of save_batch, as the store's worker (and the benchmark's baseline) sends it.
+SAVE_BATCH: Final = (
+    "SELECT * FROM save_batch(%s, %s, %s, %s, %s::integer[], %s::text[], "
+    "%s::text[], %s::text[], %s::bigint[], %s::text[], %s::double precision[], "
+    "%s::smallint[], %s::text[], %s::text[], %s::bigint[], %s::bigint[], %s::jsonb)"
+)
 
 # The SQLSTATE save_batch raises when the writer's epoch was taken over ("TS" is no
 # class of PostgreSQL's own).
@@ -84,16 +93,20 @@ CREATE TABLE high_water (
 # The write path. The rows of a batch come as parallel arrays (psycopg sends them in
 # binary: no JSON to build or parse), grouped by job: a job is one caller's save or
 # save_many, and is written whole or, when one of its Opens loses, not at all. Other
-# jobs of the batch land either way: they are other callers' saves.
+# jobs of the batch land either way: they are other callers' saves. A job may carry a
+# tenant's quota claim (p_claims, by job number: quota_refusal says what it holds), and
+# is refused whole, the same way, when the claim would pass its quota.
 _SAVE_BATCH = """
 CREATE FUNCTION save_batch(
     p_runner text, p_epoch bigint, p_per_key integer, p_total integer,
     p_jobs integer[], p_tokens text[], p_identities text[], p_instances text[],
     p_generations bigint[], p_requests text[], p_leases double precision[],
-    p_kinds smallint[], p_bodies text[]
+    p_kinds smallint[], p_bodies text[], p_phases text[], p_memory bigint[],
+    p_cpu bigint[], p_claims jsonb
 ) RETURNS TABLE (
     refused_job integer, refused_identity text, refused_instance text,
-    refused_generation bigint, refused_mark bigint
+    refused_generation bigint, refused_mark bigint, refused_quota text,
+    refused_requested numeric, refused_used numeric, refused_hard numeric
 )
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
@@ -109,6 +122,9 @@ DECLARE
     kept bigint;
     stopped_count bigint;  -- Stopped rows in all; NULL until a stop of the batch counts them
     gone integer;
+    claim jsonb;
+    tenant_lock bigint;
+    over record;
 BEGIN
     -- (a) Fencing: the writer's row must still hold its epoch. FOR SHARE, so a takeover
     -- (FOR UPDATE) waits for this transaction, and this one for a takeover.
@@ -131,6 +147,21 @@ BEGIN
                 SELECT u.i, u.n FROM unnest(p_identities, p_instances, p_kinds) AS u (i, n, k)
                 WHERE u.k = 1)
             ORDER BY h.identity, h.instance FOR UPDATE;
+    END IF;
+    -- The tenants whose quota a job claims: one advisory lock each, held to the commit,
+    -- so that two runners' claims of one tenant are counted one after the other (the
+    -- second, under READ COMMITTED, counts what the first wrote). All are taken here,
+    -- after the high-water rows and in one order (the locks' own), before any row is
+    -- written: no two batches can wait for each other.
+    IF p_claims IS NOT NULL THEN
+        FOR tenant_lock IN
+            SELECT DISTINCT hashtextextended(
+                    'trio_supervisor quota' || chr(31) || current_schema() || chr(31)
+                    || (c.value ->> 'tenant'), 0)
+                FROM jsonb_each(p_claims) AS c ORDER BY 1
+        LOOP
+            PERFORM pg_advisory_xact_lock(tenant_lock);
+        END LOOP;
     END IF;
     WHILE job_last < n_rows LOOP
         job_first := job_last + 1;
@@ -158,6 +189,7 @@ BEGIN
                     refused_instance := p_instances[j];
                     refused_generation := p_generations[j];
                     refused_mark := mark;
+                    refused_quota := NULL;
                     RETURN NEXT;
                     refused := true;
                     EXIT;
@@ -166,6 +198,31 @@ BEGIN
             END LOOP;
         END IF;
         CONTINUE WHEN refused;
+        -- (f) A job that claims its tenant's quota is counted against it, and refused
+        -- whole when a count would pass its quota: nothing written, no mark raised.
+        claim := p_claims -> p_jobs[job_first]::text;
+        IF claim IS NOT NULL THEN
+            FOR j IN job_first .. job_last LOOP
+                SELECT * INTO over FROM quota_refusal(
+                    claim, p_tokens[j], p_identities[j], p_instances[j], p_generations[j],
+                    p_kinds[j], p_phases[j], p_memory[j], p_cpu[j]);
+                IF FOUND THEN
+                    refused_job := p_jobs[j];
+                    refused_identity := p_identities[j];
+                    refused_instance := p_instances[j];
+                    refused_generation := p_generations[j];
+                    refused_mark := NULL;
+                    refused_quota := over.quota;
+                    refused_requested := over.requested;
+                    refused_used := over.used;
+                    refused_hard := over.hard;
+                    RETURN NEXT;
+                    refused := true;
+                    EXIT;
+                END IF;
+            END LOOP;
+            CONTINUE WHEN refused;
+        END IF;
         FOR j IN job_first .. job_last LOOP
             IF p_kinds[j] = 1 THEN
                 -- (e) Another runner's live older generation: tell its runner. Only
@@ -204,16 +261,18 @@ BEGIN
             fresh := CASE WHEN p_kinds[j] >= 2 THEN nextval('stop_order') END;
             INSERT INTO records AS r (
                 token, identity, instance, generation, request_id, runner_id, epoch,
-                saved, stopped, lease, body
+                saved, stopped, lease, body, phase, memory_bytes, cpu_percent
             ) VALUES (
                 p_tokens[j], p_identities[j], p_instances[j], p_generations[j],
                 p_requests[j], p_runner, p_epoch, nextval('save_order'), fresh,
-                p_leases[j], p_bodies[j]
+                p_leases[j], p_bodies[j], p_phases[j], p_memory[j], p_cpu[j]
             ) ON CONFLICT (token) DO UPDATE SET
                 identity = excluded.identity, instance = excluded.instance,
                 generation = excluded.generation, request_id = excluded.request_id,
                 runner_id = excluded.runner_id, epoch = excluded.epoch,
                 saved = excluded.saved, lease = excluded.lease, body = excluded.body,
+                phase = excluded.phase, memory_bytes = excluded.memory_bytes,
+                cpu_percent = excluded.cpu_percent,
                 -- A record Stopped already keeps its place in the stop order.
                 stopped = CASE WHEN excluded.stopped IS NULL THEN NULL
                                ELSE coalesce(r.stopped, excluded.stopped) END
@@ -263,10 +322,106 @@ END
 $$
 """
 
+
+# What a job's claim (a QuotaClaim, as the worker sends it: tenant, pattern (the
+# identities as one regular expression, or null: none), the four quotas (null: none),
+# and what a child without a memory or CPU limit counts) says of one of its rows: no
+# row when the row is within the quota, else the first quota it would pass. An Open
+# row takes a session, unless an older generation of its key is live (it supersedes
+# it); a Loading or Loaded row takes a child, unless its session counted one already.
+# Live rows (not Stopped) are counted: the partial index records_live finds them.
+_QUOTA_REFUSAL = """
+CREATE FUNCTION quota_refusal(
+    p_claim jsonb, p_token text, p_identity text, p_instance text, p_generation bigint,
+    p_kind smallint, p_phase text, p_memory bigint, p_cpu bigint
+) RETURNS TABLE (quota text, requested numeric, used numeric, hard numeric)
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    pattern text := p_claim ->> 'pattern';
+    unlimited_memory bigint := (p_claim ->> 'unlimited_memory_bytes')::bigint;
+    unlimited_cpu bigint := (p_claim ->> 'unlimited_cpu_percent')::bigint;
+    children numeric;
+    memory numeric;
+    cpu numeric;
+BEGIN
+    IF p_kind = 1 THEN
+        hard := (p_claim ->> 'sessions')::numeric;
+        IF hard IS NULL OR EXISTS (
+            SELECT 1 FROM records r
+            WHERE r.identity = p_identity AND r.instance = p_instance
+              AND r.stopped IS NULL AND r.generation < p_generation
+        ) THEN
+            RETURN;
+        END IF;
+        SELECT count(*) INTO used FROM records r
+            WHERE r.stopped IS NULL AND r.identity ~ pattern;
+        IF used + 1 > hard THEN
+            quota := 'sessions';
+            requested := 1;
+            RETURN NEXT;
+        END IF;
+        RETURN;
+    END IF;
+    IF p_phase NOT IN ('Loading', 'Loaded') OR EXISTS (
+        SELECT 1 FROM records r
+        WHERE r.token = p_token AND r.phase IN ('Loading', 'Loaded') AND r.stopped IS NULL
+    ) THEN
+        RETURN;
+    END IF;
+    SELECT count(*), coalesce(sum(coalesce(r.memory_bytes, unlimited_memory)), 0),
+           coalesce(sum(coalesce(r.cpu_percent, unlimited_cpu)), 0)
+        INTO children, memory, cpu
+        FROM records r
+        WHERE r.stopped IS NULL AND r.phase IN ('Loading', 'Loaded') AND r.identity ~ pattern;
+    hard := (p_claim ->> 'children')::numeric;
+    IF hard IS NOT NULL AND children + 1 > hard THEN
+        quota := 'children';
+        requested := 1;
+        used := children;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    hard := (p_claim ->> 'memory_bytes')::numeric;
+    requested := coalesce(p_memory, unlimited_memory);
+    IF hard IS NOT NULL AND memory + requested > hard THEN
+        quota := 'memory_bytes';
+        used := memory;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    hard := (p_claim ->> 'cpu_percent')::numeric;
+    requested := coalesce(p_cpu, unlimited_cpu);
+    IF hard IS NOT NULL AND cpu + requested > hard THEN
+        quota := 'cpu_percent';
+        used := cpu;
+        RETURN NEXT;
+    END IF;
+END
+$$
+"""
+
+# Version 2: what the quotas count (each record's phase and the limits it holds) in
+# columns, read from the records already written; save_batch writes them, and counts
+# claims. The version 1 save_batch is dropped first (a new signature would overload it).
+_VERSION_2 = (
+    "ALTER TABLE records ADD COLUMN phase text NOT NULL DEFAULT '', "
+    "ADD COLUMN memory_bytes bigint, ADD COLUMN cpu_percent bigint",
+    "UPDATE records SET phase = 'Stopped' WHERE stopped IS NOT NULL",
+    "UPDATE records SET phase = b.body ->> 'phase', "
+    "    memory_bytes = (b.body -> 'limits' ->> 'memory_bytes')::bigint, "
+    "    cpu_percent = (b.body -> 'limits' ->> 'cpu_percent')::bigint "
+    "FROM (SELECT token, body::jsonb AS body FROM records WHERE stopped IS NULL) AS b "
+    "WHERE records.token = b.token",
+    "CREATE INDEX records_live ON records (identity) WHERE stopped IS NULL",
+    "DROP FUNCTION IF EXISTS save_batch(text, bigint, integer, integer, integer[], text[], "
+    "text[], text[], bigint[], text[], double precision[], smallint[], text[])",
+    _QUOTA_REFUSAL,
+    _SAVE_BATCH,
+)
+
 MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     # From version N - 1 to N: the statements, run in order.
-    1: (
-        *(statement for statement in _TABLES.split(";") if statement.strip()),
-        _SAVE_BATCH,
-    ),
+    # Version 1 also created the save_batch of its day, which version 2 drops.
+    1: tuple(statement for statement in _TABLES.split(";") if statement.strip()),
+    2: _VERSION_2,
 }

@@ -24,17 +24,18 @@ import contextlib
 import functools
 import logging
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from .._extras import needs_extra
 from ..codec import decode, encode
-from ..errors import RecordFormatError, StaleSessionError, StateStorageError
+from ..errors import QuotaExceededError, RecordFormatError, StaleSessionError, StateStorageError
 from ..model import (
     ExitStatus,
     FleetRecord,
     Key,
     OpenRecord,
+    QuotaClaim,
     RunnerInfo,
     SessionRecord,
     StoppedRecord,
@@ -44,11 +45,13 @@ from ..model import (
 )
 from ._jobs import Job, deliver, next_batch
 from ._postgres_connection import Settings, Watchdog
-from ._postgres_sql import FENCED, MIGRATION_LOCK, MIGRATIONS, SCHEMA_VERSION, Kind
+from ._postgres_patterns import identity_regex
+from ._postgres_sql import FENCED, MIGRATION_LOCK, MIGRATIONS, SAVE_BATCH, SCHEMA_VERSION, Kind
 
 with needs_extra("postgres", "trio_supervisor.stores.postgres", "psycopg"):
     import psycopg
     from psycopg import sql
+    from psycopg.types.json import Jsonb
 
 __all__ = ["Worker", "migrate"]
 
@@ -261,21 +264,22 @@ class Worker:
     # -- saving ------------------------------------------------------------------------
 
     def _save(self, jobs: list[Job]) -> None:
-        refused = self._write(self.settings.runner_id, self.epoch, [job.rows for job in jobs])
-        for index, (identity, instance, generation, mark) in refused.items():
-            jobs[index].error = StaleSessionError(
-                f"generation {generation} of {identity}/{instance} was not opened: the key's "
-                f"high-water in the fleet is {mark}, so the next open is generation "
-                f"{mark + 1} (another open claimed it first); nothing of this save was written"
-            )
+        # A save's args are its quota claim, if it carries one (PostgresStore.save_within).
+        claims = {index: job.args for index, job in enumerate(jobs) if job.args is not None}
+        refused = self._write(
+            self.settings.runner_id, self.epoch, [job.rows for job in jobs], claims
+        )
+        for index, refusal in refused.items():
+            jobs[index].error = _refusal_error(refusal, claims.get(index))
 
     def _landed(self, jobs: list[Job], landed: set[int]) -> None:
         """Add to ``landed`` the index of every job of a batch that committed.
 
         The batch is one transaction: it committed if any of its tokens holds what the
         batch wrote last for it, under this runner's epoch. Then every job landed but
-        one whose Open lost its compare-and-set (its token is absent); a Stopped row
-        absent was evicted by retention in the same batch.
+        one whose Open lost its compare-and-set (its token is absent), and one whose
+        quota claim was refused (a row of it that is not Stopped does not hold what it
+        wrote); a Stopped row absent was evicted by retention in the same batch.
         """
         connection = self._connected()
         last = {record.handle.token: body for job in jobs for record, body in job.rows}
@@ -290,40 +294,39 @@ class Worker:
             return  # it did not commit: the failure stands
         for index, job in enumerate(jobs):
             if not any(
-                isinstance(record, OpenRecord) and record.handle.token not in held
-                for record, _ in job.rows
+                (isinstance(record, OpenRecord) and record.handle.token not in held)
+                or (
+                    job.args is not None
+                    and not isinstance(record, StoppedRecord)
+                    and held.get(record.handle.token) != (self.epoch, body)
+                )
+                for record, body in job.rows
             ):
                 landed.add(index)
         self.commits += 1
 
     def _write(
-        self, runner: str, epoch: int, jobs: list[list[tuple[SessionRecord, str]]]
-    ) -> dict[int, tuple[str, str, int, int]]:
-        """One call of save_batch and its commit; the jobs (each its rows) refused, by index."""
+        self,
+        runner: str,
+        epoch: int,
+        jobs: list[list[tuple[SessionRecord, str]]],
+        claims: Mapping[int, QuotaClaim] | None = None,
+    ) -> dict[int, tuple[Any, ...]]:
+        """One call of save_batch and its commit; the jobs (each its rows, some with a
+        quota claim, by index) refused, by index, with save_batch's row for each."""
         connection = self._connected()
-        columns: tuple[list[Any], ...] = ([], [], [], [], [], [], [], [], [])
-        numbers, tokens, identities, instances, generations, requests, leases, kinds, bodies = (
-            columns
-        )
-        for number, rows in enumerate(jobs):
-            for record, body in rows:
-                handle = record.handle
-                numbers.append(number)
-                tokens.append(handle.token)
-                identities.append(handle.key.identity)
-                instances.append(handle.key.instance)
-                generations.append(handle.generation)
-                requests.append(record.request_id)
-                leases.append(record.lease)
-                kinds.append(_kind(record))
-                bodies.append(body)
         retention = self.settings.retention
         try:
             refused = connection.execute(
-                "SELECT * FROM save_batch(%s, %s, %s, %s, %s::integer[], %s::text[], "
-                "%s::text[], %s::text[], %s::bigint[], %s::text[], "
-                "%s::double precision[], %s::smallint[], %s::text[])",
-                (runner, epoch, retention.stopped_per_key, retention.stopped_total, *columns),
+                SAVE_BATCH,
+                (
+                    runner,
+                    epoch,
+                    retention.stopped_per_key,
+                    retention.stopped_total,
+                    *columns(jobs),
+                    None if not claims else Jsonb(claimed(claims)),
+                ),
             ).fetchall()
             connection.commit()
         except psycopg.Error as error:
@@ -335,7 +338,7 @@ class Worker:
                 ) from error
             raise
         self.commits += 1
-        return {row[0]: (row[1], row[2], row[3], row[4]) for row in refused}
+        return {row[0]: tuple(row[1:]) for row in refused}
 
     # -- everything else ---------------------------------------------------------------
 
@@ -564,6 +567,83 @@ _ACTIONS: Final = {
     "dead": "look for dead runners",
     "takeover": "take a dead runner's records over",
 }
+
+
+def columns(jobs: Sequence[Sequence[tuple[SessionRecord, str]]]) -> tuple[list[Any], ...]:
+    """save_batch's row arrays for ``jobs`` (each its records with their bodies), in its
+    parameters' order: job, token, identity, instance, generation, request id, lease,
+    kind, body, phase, and the memory_bytes and cpu_percent limits."""
+    built: tuple[list[Any], ...] = ([], [], [], [], [], [], [], [], [], [], [], [])
+    (
+        numbers,
+        tokens,
+        identities,
+        instances,
+        generations,
+        requests,
+        leases,
+        kinds,
+        bodies,
+        phases,
+        memory,
+        cpu,
+    ) = built
+    for number, rows in enumerate(jobs):
+        for record, body in rows:
+            handle = record.handle
+            numbers.append(number)
+            tokens.append(handle.token)
+            identities.append(handle.key.identity)
+            instances.append(handle.key.instance)
+            generations.append(handle.generation)
+            requests.append(record.request_id)
+            leases.append(record.lease)
+            kinds.append(_kind(record))
+            bodies.append(body)
+            phases.append(record.phase.value)
+            memory.append(record.limits.memory_bytes)
+            cpu.append(record.limits.cpu_percent)
+    return built
+
+
+def claimed(claims: Mapping[int, QuotaClaim]) -> dict[str, dict[str, Any]]:
+    """save_batch's ``p_claims``: each job's claim by its number, as quota_refusal reads it."""
+    return {
+        str(number): {
+            "tenant": claim.tenant,
+            "pattern": identity_regex(claim.identities),
+            "sessions": claim.sessions,
+            "children": claim.children,
+            "memory_bytes": claim.memory_bytes,
+            "cpu_percent": claim.cpu_percent,
+            "unlimited_memory_bytes": claim.unlimited_memory_bytes,
+            "unlimited_cpu_percent": claim.unlimited_cpu_percent,
+        }
+        for number, claim in claims.items()
+    }
+
+
+def _refusal_error(
+    refusal: tuple[Any, ...], claim: QuotaClaim | None
+) -> StaleSessionError | QuotaExceededError:
+    """What the caller of a job save_batch refused gets: its row says why."""
+    identity, instance, generation, mark, quota, requested, used, hard = refusal
+    if quota is None:
+        return StaleSessionError(
+            f"generation {generation} of {identity}/{instance} was not opened: the key's "
+            f"high-water in the fleet is {mark}, so the next open is generation "
+            f"{mark + 1} (another open claimed it first); nothing of this save was written"
+        )
+    tenant = claim.tenant if claim is not None else "?"
+    requested, used, hard = int(requested), int(used), int(hard)
+    return QuotaExceededError(
+        f"tenant {tenant!r} exceeded quota: {quota}, requested {requested}, used {used}, "
+        f"limited {hard}",
+        quota=quota,
+        requested=requested,
+        used=used,
+        hard=hard,
+    )
 
 
 def _kind(record: SessionRecord) -> int:

@@ -20,6 +20,12 @@ Theory of operation
   high-water + 1 in the database, in the transaction that writes it; a save whose
   Open lost raises ``StaleSessionError`` and writes nothing, while the other saves of
   its batch land.
+* **Quotas across the fleet** (:meth:`PostgresStore.save_within`): a save may carry
+  a tenant's :class:`~trio_supervisor.model.QuotaClaim`; its batch takes an advisory
+  lock per tenant claimed, then counts the tenant's live records (their identities
+  matched by the claim's fnmatch patterns, as one regular expression:
+  ``_postgres_patterns.py``) in the transaction that would write the record, and
+  refuses it with ``QuotaExceededError``, writing nothing, past a quota.
 * **Membership** (:meth:`PostgresStore.run_member`): the row is renewed every third of
   ``runner_lease``, and trusted locally only for ``runner_lease`` minus a margin from
   when its last renewal was *sent*; an open that supersedes a session of this runner
@@ -49,7 +55,7 @@ from .. import realtime
 from ..abc import FleetMember
 from ..codec import encode
 from ..errors import StateStorageError, TerminationUnconfirmedError
-from ..model import FleetRecord, Handle, Key, RunnerInfo, SessionRecord
+from ..model import FleetRecord, Handle, Key, QuotaClaim, RunnerInfo, SessionRecord
 from ..realtime import outside_the_run
 from ..retention import Retention
 from ._jobs import Desk, Job, Opening
@@ -191,6 +197,22 @@ class PostgresStore(Opening):
     async def save_many(self, records: Sequence[SessionRecord]) -> None:
         """Make every record durable in one transaction, or none of them."""
         await self._submit(Job("save", [(record, encode(record)) for record in records]))
+
+    async def save_within(self, record: SessionRecord, quota: QuotaClaim) -> None:
+        """Make ``record`` durable as :meth:`save` does, if ``quota``'s tenant stays
+        within its quota once the record counts; counted in the transaction that writes
+        it, after every earlier claim of the tenant's in the fleet committed.
+
+        An Open record takes a session (none when it supersedes a live generation of
+        its key); a session's first Loading (or Loaded) record takes a child, with its
+        ``memory_bytes`` and ``cpu_percent`` limits. Any other record counts nothing.
+
+        Raises:
+            QuotaExceededError: A count would pass its quota; nothing was written, and no
+                generation was claimed.
+            StaleSessionError, StateStorageError: As :meth:`save`.
+        """
+        await self._submit(Job("save", [(record, encode(record))], args=quota))
 
     async def list(self) -> Sequence[SessionRecord]:
         """This runner's retained records (of all its epochs), in the order they were saved.
