@@ -36,10 +36,11 @@ from trio_supervisor import Handle, Key, Load, MemoryStore, PostgresStore, Super
 from trio_supervisor._background import open_background_nursery
 from trio_supervisor.abc import FleetStore
 from trio_supervisor.client import RemoteSupervisor, connect
-from trio_supervisor.errors import MisdirectedError
+from trio_supervisor.errors import MisdirectedError, QuotaExceededError
 from trio_supervisor.service.app import create_app
 from trio_supervisor.service.fleet import Fleet
 from trio_supervisor.service.openapi import document
+from trio_supervisor.service.tenants import Quota, Roster, Tenant, Tenants, token_hash
 from trio_supervisor.testing import FakeExecution
 
 from .. import support
@@ -96,7 +97,11 @@ def bound() -> tuple[socket.socket, str]:
 
 @contextlib.asynccontextmanager
 async def fleet_of_two(
-    database: str, schema: str, *, advertised: Mapping[str, str] | None = None
+    database: str,
+    schema: str,
+    *,
+    advertised: Mapping[str, str] | None = None,
+    tenants: Tenants | None = None,
 ) -> AsyncIterator[tuple[Served, Served]]:
     """Runners ``a`` and ``b`` of one fleet, each on its own ``PostgresStore`` in
     ``schema`` and served on its own port.
@@ -104,6 +109,8 @@ async def fleet_of_two(
     Args:
         advertised: Whose URL a runner's store advertises, by runner ("" for none; its
             own by default): a misconfigured fleet.
+        tenants: The fleet's tenants (each runner is given the same); None: the hosts'
+            token, whose client each Served holds.
     """
     names = ("a", "b")
     sockets: dict[str, socket.socket] = {}
@@ -125,9 +132,10 @@ async def fleet_of_two(
             assert isinstance(store, FleetStore)
             supervisor = await stack.enter_async_context(supervise_embedded(store, FakeExecution()))
             fleet = Fleet(name, store=store, advertise=advertise)
-            app = create_app(
-                supervisor, hosts_token=HOSTS_TOKEN, operator_token=OPERATOR_TOKEN, fleet=fleet
+            callers: dict[str, Any] = (
+                {"hosts_token": HOSTS_TOKEN} if tenants is None else {"tenants": Roster(tenants)}
             )
+            app = create_app(supervisor, operator_token=OPERATOR_TOKEN, fleet=fleet, **callers)
             config = Config()
             config.bind = [f"fd://{sockets[name].fileno()}"]
             config.accesslog = None
@@ -137,7 +145,8 @@ async def fleet_of_two(
             )
             sockets[name].detach()  # the server's socket holds it now, and closes it
             assert binds == [urls[name]]
-            host = await stack.enter_async_context(connect(urls[name], token=HOSTS_TOKEN))
+            token = HOSTS_TOKEN if tenants is None else OPERATOR_TOKEN
+            host = await stack.enter_async_context(connect(urls[name], token=token))
             return Served(name, supervisor, urls[name], host)
 
         try:
@@ -292,7 +301,14 @@ async def test_runners_lists_the_fleet_for_operators_only(database: str, schema:
             "lease_until",
             "alive",
             "sessions",
+            "children",
+            "memory_allocated",
+            "max_children",
+            "allocatable",
         }
+        # This runner (a) knows its own capacity alone; b's is b's to say.
+        assert listed["b"]["max_children"] is None
+        assert (listed["b"]["children"], listed["b"]["memory_allocated"]) == (0, 0)
         assert (listed["b"]["advertise"], listed["b"]["alive"], listed["b"]["sessions"]) == (
             b.url,
             True,
@@ -472,3 +488,59 @@ def test_a_fleet_runner_binds_first_so_a_port_in_use_is_one_line_and_exit_status
         f"Error: cannot listen on {address}: the address is already in use (another "
         "runner?); give --listen another HOST:PORT, or port 0 for a free one"
     ], done.stderr
+
+
+# -- tenants' quotas across the fleet ----------------------------------------------------------
+
+ACME_TOKEN: Final = "acme-token-for-the-fleet"
+
+
+async def test_a_tenants_quota_holds_across_two_runners_racing_for_the_last_slots(
+    database: str, schema: str
+) -> None:
+    acme = Tenant(
+        name="acme",
+        token_sha256=token_hash(ACME_TOKEN),
+        identities=("acme",),
+        quota=Quota(sessions=3, children=2),
+    )
+    async with (
+        fleet_of_two(database, schema, tenants=Tenants({"acme": acme})) as (a, b),
+        connect(a.url, token=ACME_TOKEN) as on_a,
+        connect(b.url, token=ACME_TOKEN) as on_b,
+    ):
+        opened: list[Handle] = []
+        refused: list[tuple[Key, QuotaExceededError]] = []
+
+        async def open_one(number: int) -> None:
+            key = Key(identity="acme", instance=f"{number}")
+            try:
+                opened.append((await (on_a, on_b)[number % 2].open(key, "r1")).handle)
+            except QuotaExceededError as error:
+                refused.append((key, error))
+
+        async with trio.open_nursery() as nursery:
+            for number in range(10):
+                nursery.start_soon(open_one, number)
+        assert (len(opened), len(refused)) == (3, 7)
+        assert {(error.quota, error.hard) for _, error in refused} == {("sessions", 3)}
+        for key, _ in refused:  # no generation consumed anywhere
+            assert await on_a.high_water(key) is None
+
+        loaded: list[Handle] = []
+        left: list[tuple[Handle, QuotaExceededError]] = []
+
+        async def load_one(index: int, handle: Handle) -> None:
+            try:  # through either runner: the client follows a 421 to the owner
+                await (on_a, on_b)[index % 2].load(handle, LOAD)
+                loaded.append(handle)
+            except QuotaExceededError as error:
+                left.append((handle, error))
+
+        async with trio.open_nursery() as nursery:
+            for index, handle in enumerate(opened):
+                nursery.start_soon(load_one, index, handle)
+        assert (len(loaded), len(left)) == (2, 1)
+        [(waiting, error)] = left
+        assert (error.quota, error.hard) == ("children", 2)
+        assert (await on_a.status(waiting)).phase.value == "Open"  # it may load later

@@ -29,8 +29,10 @@ retry of an open the supervisor already answered (O3), and an open that supersed
 key's live session here, take no new session. A load into a session that is not Open
 takes nothing: the supervisor answers it without a child (L2) or refuses it.
 
-In a fleet the counts are this runner's own: docs/service.md asks for counts across the
-fleet, made by the database, which this module does not do yet.
+In a fleet these counts are this runner's own; the fleet's are the database's: the app
+passes each call's :meth:`Admission.claim` to the supervisor, and the fleet's store
+checks it in the transaction that saves the Open record or the load's first Loading
+record (docs/design.md, F9), so two runners never both admit the last slot.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import trio
 
 from .._core.supervisor import Supervisor
 from ..errors import QuotaExceededError, RunnerFullError, ThrottledError
-from ..model import Key, Limits, Phase, SessionRecord
+from ..model import Key, Limits, Phase, QuotaClaim, SessionRecord
 from .ledger import NOTHING, Ledger, Usage, holds_child
 from .tenants import Ceilings, Quota, Tenant, effective_limits
 
@@ -55,6 +57,7 @@ __all__ = ["Admission", "Capacity", "Usage", "holds_child"]
 FULL_RETRY_AFTER: Final = 5.0  # seconds a host waits before loading into a full runner again
 INFLIGHT_RETRY_AFTER: Final = 1.0
 _NO_CEILINGS: Final = Ceilings()
+_NO_QUOTA: Final = Quota()
 
 
 @attrs.frozen(kw_only=True)
@@ -119,6 +122,7 @@ class Admission:
         self._stop_listening = supervisor.listen(self._ledger.note)
         self._holds: list[_Hold] = []
         self._matches: dict[tuple[tuple[str, ...], str], bool] = {}
+        self._claims: dict[Tenant, QuotaClaim] = {}
         self._inflight: dict[str, int] = {}
         self._buckets: dict[str, _Bucket] = {}
 
@@ -134,6 +138,28 @@ class Admission:
         :func:`~trio_supervisor.service.tenants.effective_limits`)."""
         own = tenant.limits if tenant is not None else _NO_CEILINGS
         return effective_limits(requested, own, self.ceilings)
+
+    def claim(self, tenant: Tenant | None) -> QuotaClaim | None:
+        """``tenant``'s quota as a fleet's store checks it, in the transaction that saves
+        the record it admits (docs/design.md, F9); None for a tenant without a quota, or
+        the operators. A store that is not a fleet's ignores it."""
+        if tenant is None or tenant.quota == _NO_QUOTA:
+            return None
+        found = self._claims.get(tenant)
+        if found is None:
+            quota = tenant.quota
+            found = self._claims[tenant] = QuotaClaim(
+                tenant=tenant.name,
+                identities=tenant.identities,
+                sessions=quota.sessions,
+                children=quota.children,
+                memory_bytes=quota.memory_bytes,
+                cpu_percent=quota.cpu_percent,
+                # Counted as this runner counts them (``_weigh``).
+                unlimited_memory_bytes=self._weigh(Limits())[0],
+                unlimited_cpu_percent=self._weigh(Limits())[1],
+            )
+        return found
 
     # -- usage ------------------------------------------------------------------------
 

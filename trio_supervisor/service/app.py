@@ -273,6 +273,7 @@ def create_app(
                     expected_generation=body.expected_generation,
                     lease=body.lease,
                     limits=limits,
+                    quota=admission.claim(tenant),  # a fleet's store counts the fleet's
                 )
         return JSONResponse({"record": _record(record)})
 
@@ -290,7 +291,8 @@ def create_app(
             if record is not None and record.handle.token != handle.token:
                 record = None  # not this caller's session: the supervisor says so
             with admission.loading(tenant, record):
-                code = await routed(handle, supervisor.load(handle, body.load))
+                work = supervisor.load(handle, body.load, quota=admission.claim(tenant))
+                code = await routed(handle, work)
         return JSONResponse({"code": converter.unstructure(code)})
 
     async def dispose(request: Request) -> Response:
