@@ -314,6 +314,7 @@ class SubprocessExecution:
                     required=self.containment == "sweep",
                     reason="subreaper=False, and a namespace's PID 1 is re-parented to us",
                 )
+            self.isolated.proc_refused = self.mechanism.proc_refused
             if self.fork_server:
                 self._server = ForkServer(
                     self.python,
