@@ -43,7 +43,7 @@ def _raise_rlimit() -> None:
 
 
 def _parent() -> int:
-    """The tracked process's pid as /proc (the host's) names it."""
+    """The tracked process's pid as its /proc names it (1, in a PID namespace of its own)."""
     with open("/proc/self/stat") as file:
         return int(file.read().rsplit(")", 1)[1].split()[1])
 
