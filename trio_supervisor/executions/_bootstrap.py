@@ -52,8 +52,10 @@ Theory of operation: two processes, each with one job.
   isolates its children, P gives up root before it waits for "start" (:func:`isolate`):
   it enters the children's view of the file system, takes a uid and gid of its own,
   ``PR_SET_NO_NEW_PRIVS`` and its private directory, and, without a network, a network
-  namespace of its own. T stays root, runs none of the plugin's code, and cannot be
-  signalled or traced by P.
+  namespace of its own; in a mount namespace of its own it gets a fresh tmpfs over
+  ``/tmp``, ``/var/tmp`` and ``/dev/shm``, and, in a PID namespace, that namespace's
+  ``/proc`` (:func:`own_mounts`). T stays root, runs none of the plugin's code, and
+  cannot be signalled or traced by P.
 
 Ways out, and what holds each:
 

@@ -24,6 +24,16 @@ its store and token files and every session's log stay out of sight, whatever th
 modes, and a child's output still reaches its log through the descriptor the runner
 opened.
 
+The view is every child's; what is one child's alone is mounted in a copy of it, a
+mount namespace the child makes as it enters the view (``_bootstrap.own_mounts``): a
+fresh tmpfs over each of ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (so no two children
+meet there and none leaves a file behind: each goes with its child's last process),
+with what children need below one mounted back (:func:`_private_directories`), and,
+where the child has a PID namespace of its own (``_containment``), that namespace's
+``/proc``: the child's own tree is all it lists, and the runner's pid, command line and
+environment are not in it. Where the kernel refuses a PID namespace, or its ``/proc``,
+children keep the host's ``/proc``, and the log says so.
+
 Runners of one machine may share a range: a uid is claimed machine-wide, atomically,
 by a symbolic link ``<claims>/<uid>`` to the child's private directory (which names the
 runner's state directory), and given back once its child is gone; ``<claims>`` is
@@ -36,8 +46,10 @@ so.
 
 A runner that is not root cannot give uids away. Its children get the next best thing
 (``"namespace"``, which "auto" picks there): each makes a user namespace and a mount
-namespace of its own before it runs anything, in which an empty tmpfs covers the state
-directory and only its private directory is mounted back; it then drops every
+namespace of its own before it runs anything (the mount namespace alone where its
+PID namespace's user namespace gives it what it needs), in which it mounts its own
+``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/proc`` as above, and an empty tmpfs covers
+the state directory and only its private directory is mounted back; it then drops every
 capability and takes ``PR_SET_NO_NEW_PRIVS``. It still runs as the runner's uid, so it
 may read what the runner's user may read outside the state directory; the log says so.
 Where the kernel allows no user namespace, "auto" refuses to start, naming what to do.
