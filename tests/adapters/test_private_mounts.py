@@ -9,6 +9,7 @@ uids of their own and by namespaces alone.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -29,6 +30,7 @@ from trio_supervisor import (
     Supervisor,
     open_supervisor,
 )
+from trio_supervisor.executions import _containment
 from trio_supervisor.executions._isolation import PRIVATE
 
 from ..support import until_logged
@@ -192,3 +194,33 @@ async def test_a_step_that_fails_fails_the_load_naming_it(tmp_path: Path) -> Non
             record = await sup.open(Key(identity="tenant", instance="a"), "a")
             with trio.fail_after(BOUND), pytest.raises(ExecutionError, match=words):
                 await sup.load(record.handle, Load(specifier="attacks:identity"))
+
+
+async def test_where_the_kernel_refuses_their_own_proc_the_log_says_so_and_they_keep_the_host_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As in a container whose /proc has paths masked, to a runner that is not root.
+    refusal = "[Errno 1] mount /proc: Operation not permitted"
+
+    async def probed(python: str, bootstrap: Path) -> tuple[bool, str]:
+        await trio.lowlevel.checkpoint()
+        return True, f"pid\nno /proc: {refusal}"
+
+    monkeypatch.setattr(_containment, "_probe", probed)
+    marks = {"a": f"trio-supervisor-{uuid.uuid4().hex}", "b": "none"}
+    with caplog.at_level(logging.INFO, "trio_supervisor.executions.subprocess"):
+        async with (
+            SubprocessExecution(tmp_path, entry_paths=[PLUGINS]) as execution,
+            open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
+        ):
+            assert execution.mechanism.kind == "namespace"
+            record = await private_child(supervisor, "a", marks, "b")
+            await until_logged(execution, record.handle, "done", bound=BOUND)
+            log = execution.logs(record.handle)
+            # The host's /proc: the runner is in it. Its /tmp is its own all the same.
+            assert os.getpid() in [int(pid) for pid in seen(log, "PIDS")[0][1:]]
+            assert seen(log, "LISTED") == [[directory, marks["a"]] for directory in PRIVATE]
+            with trio.fail_after(BOUND):
+                await supervisor.dispose(record.handle)
+    [said] = [record.getMessage() for record in caplog.records if "isolated by" in record.message]
+    assert f"the host's /proc, with every process in it ({refusal})" in said
