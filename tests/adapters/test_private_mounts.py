@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 from pathlib import Path
@@ -22,12 +23,14 @@ import trio
 
 from trio_supervisor import (
     ExecutionError,
+    ExitStatus,
     Key,
     Load,
     LoadedRecord,
     MemoryStore,
     SubprocessExecution,
     Supervisor,
+    Termination,
     open_supervisor,
 )
 from trio_supervisor.executions import _containment
@@ -39,6 +42,7 @@ from .test_isolation import BOUND, PLUGINS, STARTS, attacks, loaded
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")
 
 KINDS = ("users", "namespace")
+EXAMPLES = Path(__file__).parents[2] / "examples" / "plugins"
 
 
 @pytest.fixture(params=list(STARTS))
@@ -121,6 +125,43 @@ async def test_two_children_see_neither_each_other_nor_the_runner(
             assert (termination.kind, termination.exit.signal) == ("exited", 15)
     for mark in marks.values():
         assert not any(Path(directory, mark).exists() for directory in PRIVATE)  # noqa: ASYNC240
+
+
+async def test_the_kill_still_ends_a_stubborn_child_and_its_grandchildren(
+    tmp_path: Path, start: dict[str, bool]
+) -> None:
+    # One plugin ignores the interrupt: the kill after the grace ends it. The other dies
+    # of it at once, and its grandchildren, which ignore it, are killed as it ends. Each
+    # status is as without a /proc and /tmp of their own.
+    async with (
+        SubprocessExecution(
+            tmp_path,
+            entry_paths=[EXAMPLES],
+            fork_server=start["fork_server"],
+            standby=start["standby"],
+        ) as execution,
+        open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
+    ):
+        assert execution.isolated.kind == "users"
+        stubborn = await loaded(supervisor, "stubborn", "stubborn:main")
+        spawner = await loaded(supervisor, "spawner", "spawner:main", leader="dies at once")
+        await until_logged(execution, stubborn.handle, "ignoring SIGTERM", bound=BOUND)
+        await until_logged(execution, spawner.handle, "grandchildren", bound=BOUND)
+        terminations = {}
+
+        async def dispose(record: LoadedRecord) -> None:
+            terminations[record.handle.key.instance] = await supervisor.dispose(record.handle)
+
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as nursery:
+                for record in (stubborn, spawner):
+                    nursery.start_soon(dispose, record)
+        assert terminations == {
+            "stubborn": Termination(kind="killed", exit=ExitStatus(signal=signal.SIGKILL)),
+            "spawner": Termination(
+                kind="exited", exit=ExitStatus(signal=signal.SIGTERM, descendants_killed=2)
+            ),
+        }
 
 
 @pytest.mark.parametrize("kind", KINDS)
