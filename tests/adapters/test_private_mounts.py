@@ -2,9 +2,9 @@
 tmpfs over ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (``_bootstrap.own_mounts``).
 
 Real processes; the plugin (``plugins_isolation/attacks.py:private``) prints what it
-sees and what each attempt got, then says "done". Each test that loads runs with
+sees and what each attempt got, then says "done". What two children see is tested with
 children started, forked by the fork server and taken from the standby, isolated by
-uids of their own and by namespaces alone.
+uids of their own and by namespaces alone; the kill with each of the three starts.
 """
 
 from __future__ import annotations
