@@ -192,19 +192,20 @@ async def supervising(
         yield execution, supervisor
 
 
-def said_left(*logs: str) -> set[tuple[str, int]]:
-    """What plugins said they left (``left NAMESPACE PID`` lines of their logs)."""
+def said_left(*logs: str) -> set[tuple[str, int, int]]:
+    """What plugins said they left (``left NAMESPACE PID START`` lines of their logs)."""
     return {
-        (line.split()[1], int(line.split()[2]))
+        (line.split()[1], int(line.split()[2]), int(line.split()[3]))
         for log in logs
         for line in log.splitlines()
         if line.startswith("left ")
     }
 
 
-def ours(named: set[tuple[str, int]]) -> set[int]:
-    """Our pids of the processes ``named`` (by PID namespace and pid in it) still running."""
-    namespaces = {namespace for namespace, _ in named}
+def ours(named: set[tuple[str, int, int]]) -> set[int]:
+    """Our pids of the processes ``named`` (by PID namespace, pid in it and start time)
+    still running."""
+    namespaces = {namespace for namespace, _, _ in named}
     found = set()
     for entry in Path("/proc").iterdir():
         try:
@@ -215,7 +216,10 @@ def ours(named: set[tuple[str, int]]) -> set[int]:
         except OSError:
             continue  # gone meanwhile
         [line] = [line for line in status.splitlines() if line.startswith("NSpid:")]
-        if (namespace, int(line.split()[-1])) in named and running(int(entry.name)):
+        process = read_stat(int(entry.name))
+        if process is None or not process.running:
+            continue
+        if (namespace, int(line.split()[-1]), process.start_time) in named:
             found.add(int(entry.name))
     return found
 

@@ -3,9 +3,10 @@
 Every leftover is ``sleep 3600.<nonce>`` (or, for the hydra, a Python whose command
 line carries ``3600.<nonce>``), the nonce the test passed in the config: the marker in
 /proc/PID/cmdline the test finds its leftovers by, in whatever PID namespace they are.
-Each says ``left NAMESPACE PID`` in the log before it becomes the sleep: its PID
-namespace and its pid there, which is all it can know of itself (an isolated child's
-``/proc`` is its namespace's), and all the test needs to find it. Then the plugin says
+Each says ``left NAMESPACE PID START`` in the log before it becomes the sleep: its PID
+namespace, its pid there and its start time, which is all it can know of itself (an
+isolated child's ``/proc`` is its namespace's), and all the test needs to find it (a
+gone namespace's number is soon another's, and its pids too). Then the plugin says
 ``ready`` and returns (config ``then: exit``) or runs until interrupted.
 
 * ``daemon``: a daemon the classic way: fork, setsid, fork again (the sleep is an orphan);
@@ -92,8 +93,11 @@ def hydra(context: Any) -> int:
 
 
 def _named() -> str:
-    """This process as the runner finds it: its PID namespace and its pid in there."""
-    return f"{os.readlink('/proc/self/ns/pid')} {os.getpid()}"
+    """This process as the runner finds it: its PID namespace, its pid in there, and its
+    start time (clock ticks since boot, the same in every PID namespace)."""
+    with open("/proc/self/stat") as file:
+        started = file.read().rsplit(")", 1)[1].split()[19]
+    return f"{os.readlink('/proc/self/ns/pid')} {os.getpid()} {started}"
 
 
 def _become_sleep(nonce: str, *, environment: dict[str, str] | None = None) -> NoReturn:
