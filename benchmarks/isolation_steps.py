@@ -65,6 +65,7 @@ async def main() -> None:
                 releases.append(time.perf_counter() - started)
             print(f"claim, per child: {median_ms(claims)}; give back: {median_ms(releases)}")
             _bootstrap.bind("unshare", "prctl", "setns")
+            _bootstrap.bind_mount()  # as a bootstrap does before its spawn message
             for network, proc in (("host", True), ("none", True), ("host", False)):
                 steps = []
                 for _ in range(TIMES):
