@@ -2,7 +2,8 @@
 
 ``python -m benchmarks.isolation_steps``: the children's view made once per execution,
 a uid claimed and given back by the runner, and ``isolate()`` as the plugin process runs
-it before "start" (in a forked process), with the host's network and with none. Medians
+it before "start" (in a process forked into a PID namespace of its own, as a plugin is),
+with the host's network and with none, and without a ``/proc`` of its own. Medians
 of 50. Not a comparison with a baseline: docs/benchmarks.md ("Isolation") sets these
 beside ``child.cycle`` and ``child.cycle.no_isolation`` of the same day.
 """
@@ -64,14 +65,18 @@ async def main() -> None:
                 releases.append(time.perf_counter() - started)
             print(f"claim, per child: {median_ms(claims)}; give back: {median_ms(releases)}")
             _bootstrap.bind("unshare", "prctl", "setns")
-            for network in ("host", "none"):
+            _bootstrap.bind_mount()  # as a bootstrap does before its spawn message
+            for network, proc in (("host", True), ("none", True), ("host", False)):
                 steps = []
                 for _ in range(TIMES):
                     grant = isolated.claim()
-                    spec = {**isolated.spec(grant), "network": network}
+                    spec = {**isolated.spec(grant), "network": network, "proc": proc}
                     steps.append(_isolate_in_a_child(spec))
                     await isolated.release(grant)
-                print(f"isolate() in the plugin process, network {network}: {median_ms(steps)}")
+                print(
+                    f"isolate() in the plugin process, network {network}, "
+                    f"{'a /proc of its own' if proc else 'the host /proc'}: {median_ms(steps)}"
+                )
         finally:
             isolated.close()
 
@@ -79,10 +84,15 @@ async def main() -> None:
 def _isolate_in_a_child(spec: dict[str, object]) -> float:
     reader, writer = os.pipe()
     pid = os.fork()
-    if pid == 0:  # pragma: no cover  # the child
-        started = time.perf_counter()
-        _bootstrap.isolate(spec)
-        os.write(writer, repr(time.perf_counter() - started).encode())
+    if pid == 0:  # pragma: no cover  # the middle process: a PID namespace, and its PID 1
+        _bootstrap.unshare("pid")
+        init = os.fork()
+        if init == 0:
+            started = time.perf_counter()
+            _bootstrap.isolate(spec, own_pids=True)
+            os.write(writer, repr(time.perf_counter() - started).encode())
+            os._exit(0)
+        os.waitpid(init, 0)
         os._exit(0)
     os.close(writer)
     took = float(os.read(reader, 64))

@@ -192,13 +192,41 @@ async def supervising(
         yield execution, supervisor
 
 
-def left(execution: SubprocessExecution, handle: Handle) -> set[int]:
-    """The pids a plugin said it left (``left PID`` lines of its log)."""
+def said_left(*logs: str) -> set[tuple[str, int, int]]:
+    """What plugins said they left (``left NAMESPACE PID START`` lines of their logs)."""
     return {
-        int(line.split()[1])
-        for line in execution.logs(handle).splitlines()
+        (line.split()[1], int(line.split()[2]), int(line.split()[3]))
+        for log in logs
+        for line in log.splitlines()
         if line.startswith("left ")
     }
+
+
+def ours(named: set[tuple[str, int, int]]) -> set[int]:
+    """Our pids of the processes ``named`` (by PID namespace, pid in it and start time)
+    still running."""
+    namespaces = {namespace for namespace, _, _ in named}
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            namespace = os.readlink(entry / "ns" / "pid") if entry.name.isdigit() else ""
+            if namespace not in namespaces:
+                continue
+            status = (entry / "status").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        [line] = [line for line in status.splitlines() if line.startswith("NSpid:")]
+        process = read_stat(int(entry.name))
+        if process is None or not process.running:
+            continue
+        if (namespace, int(line.split()[-1]), process.start_time) in named:
+            found.add(int(entry.name))
+    return found
+
+
+def left(execution: SubprocessExecution, handle: Handle) -> set[int]:
+    """Our pids of what a plugin said it left that still runs."""
+    return ours(said_left(execution.logs(handle)))
 
 
 async def leave_all(
@@ -314,8 +342,8 @@ async def test_a_plugin_s_own_exit_ends_what_it_left(
             record = await until_stopped(supervisor, handle)
             assert record.reason.kind == "Exited", name
             assert_swept(name, record.termination)
-            assert len(left(execution, handle)) == LEAVES[name], name
-            assert not any(running(pid) for pid in left(execution, handle)), name
+            assert len(said_left(execution.logs(handle))) == LEAVES[name], name
+            assert left(execution, handle) == set(), name
         assert marked(nonce) == set()
 
 
@@ -417,13 +445,8 @@ def claimed_by(state: Path) -> list[str]:
 
 
 def left_in(state: Path) -> set[int]:
-    """Every pid the plugins said they left, from their logs in the runner's state."""
-    return {
-        int(line.split()[1])
-        for log in (state / "logs").iterdir()
-        for line in log.read_text().splitlines()
-        if line.startswith("left ")
-    }
+    """Our pids of what the plugins said they left, from their logs in the runner's state."""
+    return ours(said_left(*(log.read_text() for log in (state / "logs").iterdir())))
 
 
 @pytest.mark.parametrize("fork", ["", "+fork"], ids=["started", "forked"])

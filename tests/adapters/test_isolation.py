@@ -371,13 +371,18 @@ async def test_the_isolation_in_use_is_logged(
             pass
         async with SubprocessExecution(tmp_path / "off", isolation="none"):
             pass
+        async with SubprocessExecution(tmp_path / "swept", containment="sweep"):
+            pass
     said = [record.getMessage() for record in caplog.records if "isolated by" in record.message]
-    assert len(said) == 2, said
+    assert len(said) == 3, said
     first = DEFAULT_CHILD_USERS.start
     assert f"uids {first}-{first + 1023} of their own" in said[0]
     assert str(tmp_path / "on") in said[0]  # the view covers the state directory
-    assert "network host" in said[0]
+    assert "a fresh tmpfs each over /tmp, /var/tmp, /dev/shm" in said[0]
+    assert "; a /proc of their own PID namespace; network host" in said[0]
     assert "run as the runner's user (isolation='none' was asked for)" in said[1]
+    # Without a PID namespace, the log says so.
+    assert "the host's /proc, with every process in it (no PID namespace: asked for)" in said[2]
 
 
 async def test_without_isolation_a_child_runs_as_the_runner_in_the_state_directory(

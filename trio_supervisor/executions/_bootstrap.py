@@ -52,8 +52,10 @@ Theory of operation: two processes, each with one job.
   isolates its children, P gives up root before it waits for "start" (:func:`isolate`):
   it enters the children's view of the file system, takes a uid and gid of its own,
   ``PR_SET_NO_NEW_PRIVS`` and its private directory, and, without a network, a network
-  namespace of its own. T stays root, runs none of the plugin's code, and cannot be
-  signalled or traced by P.
+  namespace of its own; in a mount namespace of its own it gets a fresh tmpfs over
+  ``/tmp``, ``/var/tmp`` and ``/dev/shm``, and, in a PID namespace, that namespace's
+  ``/proc`` (:func:`own_mounts`). T stays root, runs none of the plugin's code, and
+  cannot be signalled or traced by P.
 
 Ways out, and what holds each:
 
@@ -580,7 +582,14 @@ class Tracked:
             close_all(self.wakeup, self.wakeup_writer, self.going)
             _signal.signal(SIGCHLD, _signal.SIG_DFL)
             _signal.signal(SIGTERM, _signal.SIG_DFL)
-            become_plugin(spec, self.control, parent=parent, starter=pipe, go=self.go)
+            become_plugin(
+                spec,
+                self.control,
+                parent=parent,
+                starter=pipe,
+                go=self.go,
+                own_pids=self.containment == "namespace",
+            )
             return 0
         close_all(self.go)
         self.child = plugin
@@ -645,7 +654,13 @@ def fork_plugin(spec: dict[str, Any]) -> tuple[int, int]:
 
 
 def become_plugin(
-    spec: dict[str, Any], control: Control, *, parent: int | None, starter: int, go: int
+    spec: dict[str, Any],
+    control: Control,
+    *,
+    parent: int | None,
+    starter: int,
+    go: int,
+    own_pids: bool,
 ) -> None:
     """In P: its own group, default signals, tied to its parent's life; then, once T
     says "go", runs a named command (an entry point runs once this returns).
@@ -655,6 +670,7 @@ def become_plugin(
             which ends with T, its PID 1.
         starter: For a named command, the pipe that reports a failed exec.
         go: The pipe T writes to at "start" (EOF: T is gone).
+        own_pids: P is in a PID namespace of its own (T is its PID 1).
     """
     os.setpgid(0, 0)
     _signal.signal(SIGTERM, _signal.SIG_DFL)
@@ -670,7 +686,7 @@ def become_plugin(
         # Before "start", while the supervisor makes the identity durable: nothing of
         # the caller's has run yet, and none of it runs as root.
         try:
-            isolate(isolation)
+            isolate(isolation, own_pids=own_pids)
         except (OSError, ValueError) as error:
             refuse(f"cannot isolate the child: {error}", control, starter)
     # Forked ahead, so that the fork costs the load nothing: nothing of the caller's
@@ -692,26 +708,32 @@ def refuse(message: str, control: Control, starter: int) -> NoReturn:
     os._exit(1)
 
 
-def isolate(isolation: dict[str, Any]) -> None:
+def isolate(isolation: dict[str, Any], *, own_pids: bool) -> None:
     """(P, still root) Become the isolated child the runner prepared.
 
     In order: a network namespace with loopback alone (``"network": "none"``); the
     children's view of the file system (``"view"``, a mount namespace's descriptor
     that the runner made: the state directory and what others may not read are
-    covered there); the child's private directory as its working directory and
-    ``TMPDIR``; no supplementary groups, the child's own gid and uid (which drops every
-    capability); no new privileges (a set-user-id program gains nothing). Dumpable
-    again, as an exec would make it, so that its own ``/proc`` files are its own.
+    covered there); a mount namespace of its own, a copy of the view, with its own
+    ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/proc`` (:func:`own_mounts`); the
+    child's private directory as its working directory and ``TMPDIR``; no
+    supplementary groups, the child's own gid and uid (which drops every capability);
+    no new privileges (a set-user-id program gains nothing). Dumpable again, as an exec
+    would make it, so that its own ``/proc`` files are its own.
 
     Without a uid (``"hide"`` names the state directory instead), the child keeps the
     runner's uid and hides the state directory in namespaces of its own:
     :func:`hide_state`.
 
+    Args:
+        isolation: The spawn message's ``isolation`` (``_isolation.Isolated.spec``).
+        own_pids: P is in a PID namespace of its own, whose ``/proc`` it may mount.
+
     Raises:
         OSError: A step failed: the child must not run.
     """
     if "hide" in isolation:
-        hide_state(isolation)
+        hide_state(isolation, own_pids=own_pids)
         return
     uid = isolation["uid"]
     if os.geteuid() != 0:
@@ -726,6 +748,11 @@ def isolate(isolation: dict[str, Any]) -> None:
     if view >= 0:
         libc("setns", view, CLONE_NEWNS)  # also sets the working directory to "/"
         os.close(view)
+    # The view is every child's: what is this child's alone is mounted in a copy of it.
+    # Nothing mounted there reaches the view or the host: the view has no shared mount
+    # to copy (make_view made every mount a slave, and mounts made since are private).
+    libc("unshare", CLONE_NEWNS)
+    own_mounts(isolation, own_pids=own_pids)
     os.chdir(isolation["home"])
     os.setgroups([])
     os.setresgid(uid, uid, uid)
@@ -737,34 +764,89 @@ def isolate(isolation: dict[str, Any]) -> None:
     os.environ["TMPDIR"] = isolation["tmp"]
 
 
-def hide_state(isolation: dict[str, Any]) -> None:
-    """(P, with the runner's uid) Make a user namespace and a mount namespace (and a
-    network namespace, without a network), cover the state directory with an empty tmpfs
-    there and mount the private directory back; then drop every capability the new
-    user namespace gave, and take no new privileges."""
+def hide_state(isolation: dict[str, Any], *, own_pids: bool) -> None:
+    """(P, with the runner's uid) Make a mount namespace (and a network namespace,
+    without a network), with what is the child's alone in it (:func:`own_mounts`), cover
+    the state directory with an empty tmpfs there and mount the private directory back;
+    then drop every capability, and take no new privileges.
+
+    In a PID namespace of its own, P holds what T holds over it (T made it, privileged
+    or in a user namespace of its own), and makes the mount namespace there: only there
+    may it mount the PID namespace's ``/proc`` (the capability must be held in the user
+    namespace that owns the PID namespace, never one below it). Swept, it makes a user
+    namespace of its own for the mount namespace."""
     home = isolation["home"]
     mount = bind_mount()
     flags = CLONE_NEWNS
     if isolation.get("network") == "none":
         flags |= CLONE_NEWNET
     libc("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)  # T's was off: its maps are its own to write
-    user_namespace(flags)
+    if own_pids:
+        libc("unshare", flags)
+    else:
+        user_namespace(flags)
     if flags & CLONE_NEWNET:
         loopback_up()
     mount(None, "/", None, MS_REC | MS_SLAVE, None)  # nothing goes back to the host
-    pin = os.open(home, os.O_PATH)  # in this namespace, before the cover hides it
-    mount("tmpfs", isolation["hide"], "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711")
-    os.makedirs(home, 0o700)
-    mount(f"/proc/self/fd/{pin}", home, None, MS_BIND, None)
+    pin = os.open(home, os.O_PATH)  # in this namespace, before anything covers it
+    own_mounts(isolation, own_pids=own_pids)
+    if isolation["cover"]:
+        mount("tmpfs", isolation["hide"], "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711")
+        os.makedirs(home, 0o700)
+        mount(f"/proc/self/fd/{pin}", home, None, MS_BIND, None)
+        # The cover read-only, its own directory still writable under it.
+        mount(None, isolation["hide"], None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+    # (else the state directory is below a fresh tmpfs, and own_mounts kept the home)
     os.close(pin)
-    # The cover read-only, its own directory still writable under it.
-    mount(None, isolation["hide"], None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
     os.chdir(home)
     # capset(2): version 3 header for this process, and two empty sets (no capability
     # effective, permitted or inheritable).
     libc("capset", (0x20080522).to_bytes(4, sys.byteorder) + bytes(4), bytes(24))
     libc("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     os.environ["TMPDIR"] = isolation["tmp"]
+
+
+def own_mounts(isolation: dict[str, Any], *, own_pids: bool) -> None:
+    """(P, privileged in a mount namespace of its own, whose mounts propagate nowhere)
+    Mount what is this child's alone.
+
+    A fresh tmpfs (mode 1777, as the host's) over each of ``"private"`` (``/tmp``,
+    ``/var/tmp``, ``/dev/shm``: where children could meet, or leave files behind), then
+    mounted back from the real one what the child needs below one (``"keep"``: the
+    interpreter, the entry paths, read-only; its private directory, writable). With
+    ``"proc"``, the ``/proc`` of its PID namespace: its own tree alone is in it, and
+    nothing of the runner's (its pid, command line or environment). They exist in this
+    mount namespace alone, and go with the child's last process.
+
+    Raises:
+        OSError: A step failed (the message names it), or a ``/proc`` of its own was
+            asked for and the child has no PID namespace (its T could not make one).
+    """
+    mount = bind_mount()
+    kept = [(path, writable, os.open(path, os.O_PATH)) for path, writable in isolation["keep"]]
+    for directory in isolation["private"]:
+        mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    mask = os.umask(0o022)  # mount points any child may pass
+    try:
+        for path, writable, pin in kept:  # outermost first
+            if os.path.isdir(f"/proc/self/fd/{pin}"):
+                os.makedirs(path, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+            mount(f"/proc/self/fd/{pin}", path, None, MS_BIND | MS_REC, None)
+            if not writable:
+                mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID, None)
+            os.close(pin)
+    finally:
+        os.umask(mask)
+    if isolation["proc"]:
+        if not own_pids:
+            raise OSError(
+                "it has no PID namespace of its own (the kernel refused it this one), "
+                "so it cannot have a /proc of its own"
+            )
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
 
 
 def loopback_up() -> None:
@@ -1118,10 +1200,14 @@ def plugin_main(spec: dict[str, Any], control: Control) -> int:
 
 
 def probe() -> int:
-    """``_bootstrap.py probe``: can a child here have a PID namespace, and how?
+    """``_bootstrap.py probe``: can a child here have a PID namespace, and how? And may
+    its plugin mount the namespace's own ``/proc``?
 
     Prints "pid" (privileged) or "user" (in a user namespace) and exits 0 once a process
-    forked into one has run, or prints why not and exits 1.
+    forked into one has run, or prints why not and exits 1. Where a process in that
+    namespace, holding what a plugin holds there, may not mount its ``/proc`` (a
+    container's ``/proc`` with paths masked, to an unprivileged process), a second line
+    says why: "no /proc: ...".
     """
     reasons = []
     for how in ("pid", "user"):
@@ -1130,12 +1216,27 @@ def probe() -> int:
         except OSError as error:
             reasons.append(f"{how}: {error.strerror}")
             continue
+        said, saying = os.pipe()
         init = os.fork()
         if init == 0:
-            os._exit(0 if os.getpid() == 1 else 1)
+            if os.getpid() != 1:
+                os._exit(1)
+            try:  # as a plugin mounts it (see own_mounts)
+                libc("unshare", CLONE_NEWNS)
+                mount = bind_mount()
+                mount(None, "/", None, MS_REC | MS_SLAVE, None)
+                mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+            except OSError as error:
+                os.write(saying, str(error).encode())
+            os._exit(0)
+        os.close(saying)
         _, status = os.waitpid(init, 0)
+        refused = os.read(said, 4096).decode(errors="replace")
+        os.close(said)
         if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
             print(how)
+            if refused:
+                print(f"no /proc: {refused}")
             return 0
         reasons.append(f"{how}: the first process forked is not PID 1")
         break  # this process is in a namespace now, and may fork no more
@@ -1144,12 +1245,15 @@ def probe() -> int:
 
 
 # -- the children's view of the file system -------------------------------------------
-MS_RDONLY, MS_NOSUID, MS_NODEV = 0x1, 0x2, 0x4
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_SLAVE = 0x20, 0x1000, 0x4000, 0x80000
 
 
 def bind_mount() -> Any:
-    """``mount(2)`` from the C library, typed through ``_ctypes`` (see :func:`bind`)."""
+    """``mount(2)`` from the C library, typed through ``_ctypes`` (see :func:`bind`); made
+    once per process (a standby or the fork server makes it while it waits)."""
+    if "mount()" in _LIBC:
+        return _LIBC["mount()"]
     import _ctypes
 
     class Text(_ctypes._SimpleCData):  # type: ignore[type-arg]  # ctypes.c_char_p
@@ -1170,6 +1274,7 @@ def bind_mount() -> Any:
             number = _LIBC["errno"]()
             raise OSError(number, f"mount {target}: {os.strerror(number)}")
 
+    _LIBC["mount()"] = mount
     return mount
 
 
@@ -1233,6 +1338,7 @@ def main() -> int:
             reconfigure(line_buffering=True)
     control = Control(int(sys.argv[1]))
     bind("unshare", "prctl", "setns")  # before the spawn message: a standby's idle time
+    bind_mount()
     if len(sys.argv) > 2:  # started by the supervisor (a forked T has the FD alone)
         launch(control, sys.argv[2], sys.argv[3] == "strict")
     spec = control.read()
@@ -1296,6 +1402,7 @@ def serve(fd: int, how: str, strict: bool, preload: list[str]) -> None:
 
     reset_signals()
     bind("unshare", "prctl", "setns")
+    bind_mount()
     # It runs none of the plugins' code, and a child of the runner's uid must not reach
     # the runner's files through its /proc/PID/root.
     libc("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)

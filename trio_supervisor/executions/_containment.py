@@ -18,7 +18,13 @@ Which one the kernel allows is probed once per interpreter and runner process (a
 bootstrap run as ``_bootstrap.py probe``, which tries both and forks into the
 namespace it made), so a container whose seccomp profile or sysctl forbids namespaces
 gets the sweep. Each child still says which one it really uses, and a child whose
-namespace fails is swept instead (unless the namespace was required).
+namespace fails is swept instead (unless the namespace was required; an isolated child
+promised a ``/proc`` of its own fails its load instead, see below).
+
+The process the probe forks into the namespace also mounts the namespace's own
+``/proc``, as an isolated plugin does (``_bootstrap.own_mounts``): where the kernel
+refuses that (a container's ``/proc`` with paths masked, to a runner that is not root),
+isolated children keep the host's ``/proc``, and the log's isolation line says why.
 """
 
 from __future__ import annotations
@@ -55,12 +61,22 @@ class Mechanism:
             (in a user namespace of its own); None for the sweep.
         required: The caller asked for this one: a child that cannot have it fails.
         reason: Why this one, for the log.
+        proc: For a namespace, why a plugin there may not mount its ``/proc`` ("" when
+            it may).
     """
 
     kind: Literal["namespace", "sweep"]
     unshare: Literal["pid", "user"] | None
     required: bool
     reason: str
+    proc: str = ""
+
+    @property
+    def proc_refused(self) -> str:
+        """Why an isolated child cannot have a ``/proc`` of its own ("" when it can)."""
+        if self.kind == "sweep":
+            return f"no PID namespace: {self.reason}"
+        return self.proc
 
     @property
     def spec(self) -> str:
@@ -108,12 +124,14 @@ async def choose(requested: Containment, python: str, bootstrap: Path) -> Mechan
         await trio.lowlevel.checkpoint()
         return Mechanism(kind="sweep", unshare=None, required=True, reason="asked for")
     allowed, said = await _probe(python, bootstrap)
-    if allowed and said in ("pid", "user"):
+    how, _, proc = said.partition("\n")
+    if allowed and how in ("pid", "user"):
         return Mechanism(
             kind="namespace",
-            unshare="pid" if said == "pid" else "user",
+            unshare="pid" if how == "pid" else "user",
             required=requested == "namespace",
             reason="the kernel allows it",
+            proc=proc.removeprefix("no /proc: "),
         )
     if requested == "namespace":
         raise ExecutionError(f"PID namespaces are required, but not allowed here: {said}")

@@ -24,6 +24,16 @@ its store and token files and every session's log stay out of sight, whatever th
 modes, and a child's output still reaches its log through the descriptor the runner
 opened.
 
+The view is every child's; what is one child's alone is mounted in a copy of it, a
+mount namespace the child makes as it enters the view (``_bootstrap.own_mounts``): a
+fresh tmpfs over each of ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (so no two children
+meet there and none leaves a file behind: each goes with its child's last process),
+with what children need below one mounted back (:func:`_private_directories`), and,
+where the child has a PID namespace of its own (``_containment``), that namespace's
+``/proc``: the child's own tree is all it lists, and the runner's pid, command line and
+environment are not in it. Where the kernel refuses a PID namespace, or its ``/proc``,
+children keep the host's ``/proc``, and the log says so.
+
 Runners of one machine may share a range: a uid is claimed machine-wide, atomically,
 by a symbolic link ``<claims>/<uid>`` to the child's private directory (which names the
 runner's state directory), and given back once its child is gone; ``<claims>`` is
@@ -36,8 +46,10 @@ so.
 
 A runner that is not root cannot give uids away. Its children get the next best thing
 (``"namespace"``, which "auto" picks there): each makes a user namespace and a mount
-namespace of its own before it runs anything, in which an empty tmpfs covers the state
-directory and only its private directory is mounted back; it then drops every
+namespace of its own before it runs anything (the mount namespace alone where its
+PID namespace's user namespace gives it what it needs), in which it mounts its own
+``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/proc`` as above, and an empty tmpfs covers
+the state directory and only its private directory is mounted back; it then drops every
 capability and takes ``PR_SET_NO_NEW_PRIVS``. It still runs as the runner's uid, so it
 may read what the runner's user may read outside the state directory; the log says so.
 Where the kernel allows no user namespace, "auto" refuses to start, naming what to do.
@@ -84,6 +96,9 @@ CHILDREN = "children"
 # never give one to two children. In memory where one is found (see claims_directory):
 # a link made and removed per child on a journaling file system costs a load 0.6 ms.
 CLAIMS = (Path("/run/trio-supervisor/uids"), Path("/dev/shm/trio-supervisor/uids"))
+# Where any process may write: each isolated child gets a fresh tmpfs over each (as
+# systemd's PrivateTmp), so no two children meet there and none leaves files behind.
+PRIVATE = ("/tmp", "/var/tmp", "/dev/shm")
 
 # What each interpreter puts on a child's path, asked once per interpreter.
 _PATHS: dict[str, list[str]] = {}
@@ -140,6 +155,15 @@ class Isolated:
             (``STATE/children``).
         covered: What the view covers, for the log.
         claims: Where uids are claimed machine-wide (see ``CLAIMS``).
+        private: The directories of ``PRIVATE`` a child gets a fresh tmpfs over (those
+            that are directories here, as their real paths).
+        keep: What children need below one of them (the interpreter, the entry paths,
+            the commands), mounted back read-only over the fresh tmpfs (real paths).
+        homes_kept: Where the private directories are (their real path), if that is
+            below one of them: each child's own is mounted back there, writable.
+        proc_refused: Why children cannot have a ``/proc`` of their own (their PID
+            namespace's), or "" where each has one. Told by the runner once it knows
+            the containment.
     """
 
     kind: Literal["users", "namespace", "none"]
@@ -151,6 +175,10 @@ class Isolated:
     covered: tuple[str, ...] = ()
     claims: Path | None = None
     reason: str = ""
+    private: tuple[str, ...] = ()
+    keep: tuple[str, ...] = ()
+    homes_kept: Path | None = None
+    proc_refused: str = "the containment is not known yet"
     _free: list[int] = attrs.field(factory=list)
     _held: set[int] = attrs.field(factory=set)
     _made: Iterator[int] = attrs.field(factory=lambda: itertools.count(1))  # namespace homes
@@ -174,7 +202,7 @@ class Isolated:
                 f"but for its private directory under {self.children}, with no capabilities "
                 "and no new privileges; they run as the runner's uid, and may read what "
                 f"it may outside the state directory ({self.reason}; the runner is not "
-                f"dumpable, so it leaves no core dump); network {self.network}"
+                f"dumpable, so it leaves no core dump); {self._own()}; network {self.network}"
             )
         assert self.users is not None
         last = self.users.stop - 1
@@ -182,18 +210,34 @@ class Isolated:
             f"uids {self.users.start}-{last} of their own ({len(self._free)} free), "
             f"no new privileges, a private directory in a tmpfs at {self.children}, and a "
             f"view of the file system that covers {', '.join(self.covered)}; "
-            f"network {self.network}"
+            f"{self._own()}; network {self.network}"
         )
+
+    def _own(self) -> str:
+        """What each child has of its own beside, for the log."""
+        private = f"a fresh tmpfs each over {', '.join(self.private)}" if self.private else ""
+        if self.proc_refused:
+            proc = f"the host's /proc, with every process in it ({self.proc_refused})"
+        else:
+            proc = "a /proc of their own PID namespace"
+        return "; ".join(part for part in (private, proc) if part)
 
     def spec(self, grant: Grant) -> dict[str, Any]:
         """The spawn message's ``isolation`` (see ``_bootstrap.isolate``)."""
+        keep = [(path, False) for path in self.keep]
+        if self.homes_kept is not None:  # after what it may lie in
+            keep.append((str(self.homes_kept / grant.home.name), True))
+        own = {"private": list(self.private), "keep": keep, "proc": not self.proc_refused}
         if grant.uid is None:
             assert self.children is not None
             return {
                 "hide": str(self.children.parent),
+                # Below a fresh tmpfs, the state directory is out of sight already.
+                "cover": self.homes_kept is None,
                 "home": str(grant.home),
                 "tmp": str(grant.tmp),
                 "network": self.network,
+                **own,
             }
         return {
             "uid": grant.uid,
@@ -201,6 +245,7 @@ class Isolated:
             "tmp": str(grant.tmp),
             "network": self.network,
             "view": self.view,
+            **own,
         }
 
     def reachable(self, grant: Grant) -> Path:
@@ -331,12 +376,23 @@ async def prepare(
                 f"and {refused}; run it as root, allow user namespaces, or pass "
                 "isolation='none' (serve --isolation none) to run them as the runner's user"
             )
+        needed = [*await _interpreter_paths(python), *entry_paths, *executables]
+        private, keep = await trio.to_thread.run_sync(_private_directories, needed, ())
+        homes_kept = await trio.to_thread.run_sync(_kept, children, private)
         await trio.to_thread.run_sync(_private_parent, children)
         # A child of the runner's uid could otherwise read the state directory through
         # /proc/<runner>/root: only root may look into a process that is not dumpable.
         _not_dumpable()
         why = "asked for" if isolation == "namespace" else f"the runner is uid {os.geteuid()}"
-        return Isolated("namespace", network=network, children=children, reason=why)
+        return Isolated(
+            "namespace",
+            network=network,
+            children=children,
+            reason=why,
+            private=private,
+            keep=keep,
+            homes_kept=homes_kept,
+        )
     if os.geteuid() != 0:
         await trio.lowlevel.checkpoint()
         raise ExecutionError(
@@ -350,6 +406,8 @@ async def prepare(
         claims = await trio.to_thread.run_sync(claims_directory)
     free = await trio.to_thread.run_sync(_prepare_children, children, users, claims)
     covers = _covers([*needed, str(children)], state)
+    private, keep = await trio.to_thread.run_sync(_private_directories, needed, covers)
+    homes_kept = await trio.to_thread.run_sync(_kept, children, private)
     with outside_the_run():
         view, homes = await _make_view(bootstrap, covers, needed, children)
     return Isolated(
@@ -362,7 +420,51 @@ async def prepare(
         children=children,
         covered=tuple(covers),
         free=free,
+        private=private,
+        keep=keep,
+        homes_kept=homes_kept,
     )
+
+
+def _under(path: str, parents: Iterable[str]) -> bool:
+    """Whether ``path`` lies below one of ``parents``."""
+    return any(path.startswith(parent.rstrip("/") + "/") for parent in parents)
+
+
+def _private_directories(
+    needed: Iterable[str], covers: Sequence[str]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The directories of ``PRIVATE`` each child gets a fresh tmpfs over (as real paths:
+    ``/var/tmp`` may be a link to ``/tmp``; none the view ``covers``, where children see
+    nothing of the host's), and what of ``needed`` lies below one, to be mounted back
+    (outermost first, none below another).
+
+    Raises:
+        ExecutionError: A needed path is one of them: children could not find it.
+    """
+    private = tuple(
+        dict.fromkeys(
+            real
+            for real in map(os.path.realpath, PRIVATE)
+            if os.path.isdir(real) and real not in covers and not _under(real, covers)
+        )
+    )
+    keep: list[str] = []
+    for path in sorted(dict.fromkeys(map(os.path.realpath, needed)), key=len):
+        if path in private:
+            raise ExecutionError(
+                f"children need {path}, but each gets an empty {path} of its own: move "
+                "what they need elsewhere, or pass isolation='none' (serve --isolation none)"
+            )
+        if _under(path, private) and not _under(path, keep):
+            keep.append(path)
+    return private, tuple(keep)
+
+
+def _kept(children: Path, private: Sequence[str]) -> Path | None:
+    """The real path of ``children`` if it lies below one of ``private``, else None."""
+    real = os.path.realpath(children)
+    return Path(real) if _under(real, private) else None
 
 
 async def _interpreter_paths(python: str) -> list[str]:

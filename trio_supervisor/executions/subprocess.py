@@ -47,9 +47,10 @@ and waits for process groups; ``_trees`` finds, freezes and kills process trees;
 and the one kept ahead of the next load; ``_forkserver`` forks them from a prepared one;
 ``_output`` copies capped output.
 
-Known limits: in a namespace the plugin's ``os.getpid()`` is its pid in the namespace
-while ``/proc`` is still the host's, so ``/proc/self`` is right and ``/proc/<getpid()>``
-is another process. The sweep holds everything while T lives; if T itself is killed by
+Known limits: a child that is not isolated (``isolation="none"``) sees the host's
+``/proc`` from its namespace, so its ``os.getpid()`` (the namespace's) names another
+process there (an isolated child mounts its namespace's own ``/proc``).
+The sweep holds everything while T lives; if T itself is killed by
 someone else (the OOM killer, an operator) before it could sweep, what it left is found
 by its session and (with ``subreaper=True``, as they then come to us) by an inherited
 marker pipe, so a process that both left the session and closed its inherited
@@ -314,6 +315,7 @@ class SubprocessExecution:
                     required=self.containment == "sweep",
                     reason="subreaper=False, and a namespace's PID 1 is re-parented to us",
                 )
+            self.isolated.proc_refused = self.mechanism.proc_refused
             if self.fork_server:
                 self._server = ForkServer(
                     self.python,

@@ -3,9 +3,11 @@
 Every leftover is ``sleep 3600.<nonce>`` (or, for the hydra, a Python whose command
 line carries ``3600.<nonce>``), the nonce the test passed in the config: the marker in
 /proc/PID/cmdline the test finds its leftovers by, in whatever PID namespace they are.
-Each says ``left PID`` in the log before it becomes the sleep, with its pid as /proc
-(the host's, even in a namespace) shows it. Then the plugin says ``ready`` and returns
-(config ``then: exit``) or runs until interrupted.
+Each says ``left NAMESPACE PID START`` in the log before it becomes the sleep: its PID
+namespace, its pid there and its start time, which is all it can know of itself (an
+isolated child's ``/proc`` is its namespace's), and all the test needs to find it (a
+gone namespace's number is soon another's, and its pids too). Then the plugin says
+``ready`` and returns (config ``then: exit``) or runs until interrupted.
 
 * ``daemon``: a daemon the classic way: fork, setsid, fork again (the sleep is an orphan);
 * ``regroup``: a child that moves to a process group of its own (``setpgid(0, 0)``);
@@ -55,13 +57,13 @@ def vanish(context: Any) -> int:
 HYDRA = """
 import os, signal, sys, time
 sys.path[:0] = [sys.argv[2]]
-from escapes import _leave, _outer_pid
+from escapes import _leave, _named
 os.set_inheritable(int(sys.argv[3]), False)  # its sleep must not hold the plugin's pipe
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 signal.signal(signal.SIGHUP, signal.SIG_IGN)
 os.setsid()
 _leave(sys.argv[1].removeprefix("3600."))
-os.write(1, f"left {_outer_pid()}\\n".encode())
+os.write(1, f"left {_named()}\\n".encode())
 os.close(int(sys.argv[3]))  # ready: the plugin may say so
 while True:
     if os.fork() == 0:
@@ -90,13 +92,16 @@ def hydra(context: Any) -> int:
     return _carry_on(context)
 
 
-def _outer_pid() -> int:
-    """This process's pid as the runner sees it (``os.getpid()`` is the namespace's)."""
-    return int(os.readlink("/proc/self"))
+def _named() -> str:
+    """This process as the runner finds it: its PID namespace, its pid in there, and its
+    start time (clock ticks since boot, the same in every PID namespace)."""
+    with open("/proc/self/stat") as file:
+        started = file.read().rsplit(")", 1)[1].split()[19]
+    return f"{os.readlink('/proc/self/ns/pid')} {os.getpid()} {started}"
 
 
 def _become_sleep(nonce: str, *, environment: dict[str, str] | None = None) -> NoReturn:
-    os.write(1, f"left {_outer_pid()}\n".encode())
+    os.write(1, f"left {_named()}\n".encode())
     argv = [SLEEP, f"3600.{nonce}"]
     os.execve(SLEEP, argv, dict(os.environ) if environment is None else environment)
 

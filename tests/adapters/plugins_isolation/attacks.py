@@ -6,6 +6,7 @@ Each attack prints ``ATTACK <name> refused <error>`` or ``ATTACK <name> SUCCEEDE
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import signal
@@ -13,6 +14,8 @@ import socket
 import time
 from collections.abc import Callable
 from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _try(name: str, attack: Callable[[], object]) -> None:
@@ -40,7 +43,7 @@ def _raise_rlimit() -> None:
 
 
 def _parent() -> int:
-    """The tracked process's pid as /proc (the host's) names it."""
+    """The tracked process's pid as its /proc names it (1, in a PID namespace of its own)."""
     with open("/proc/self/stat") as file:
         return int(file.read().rsplit(")", 1)[1].split()[1])
 
@@ -107,4 +110,26 @@ def connect(context: Any) -> int:
 
     _try("connect to the runner's port", attempt)
     print("done", flush=True)
+    return 0
+
+
+def private(context: Any) -> int:
+    """Look at what is meant to be its own (``/proc``, ``/tmp``, ``/var/tmp``,
+    ``/dev/shm``), leave a file (``mine``) in each, and wait to be stopped."""
+    config = context.config
+    runner = config["runner"]
+    pids = sorted(int(entry) for entry in os.listdir("/proc") if entry.isdigit())
+    print("PIDS", os.getpid(), *pids, flush=True)
+    _try("read the runner's command line", lambda: _read(f"/proc/{runner}/cmdline"))
+    _try("read the runner's environment", lambda: _read(f"/proc/{runner}/environ"))
+    for directory in ("/tmp", "/var/tmp", "/dev/shm"):
+        theirs = os.path.join(directory, config["other"])
+        _try(f"read the other's file in {directory}", functools.partial(_read, theirs))
+        _write(os.path.join(directory, config["mine"]))
+        print("LISTED", directory, *sorted(os.listdir(directory)), flush=True)
+    _try("write in its TMPDIR", lambda: _write(os.path.join(os.environ["TMPDIR"], "mine")))
+    if config.get("entry"):  # mounted back read-only
+        _try("write in its entry path", lambda: _write(os.path.join(_HERE, "mine")))
+    print("done", flush=True)
+    time.sleep(3600)
     return 0
