@@ -36,11 +36,11 @@ from trio_supervisor.service.tenants import (
     Ceilings,
     Fairness,
     Quota,
-    Roster,
     Tenant,
     Tenants,
     token_hash,
 )
+from trio_supervisor.service.tenants_file import Roster
 
 from . import service
 from .measure import Result, compare

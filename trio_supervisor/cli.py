@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import json
 import logging
 import os
 import re
 import secrets
 import shlex
-import stat
 import sys
-import tempfile
 import tomllib
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -53,16 +50,15 @@ with needs_extra(
 
     from .client import RemoteSupervisor, connect
     from .service.runner import FLAG, ConfigError, RunnerConfig, StartupError, run_runner
-    from .service.tenants import (
-        Quota,
-        Tenant,
-        TenantsError,
+    from .service.tenants import Quota, Tenant, TenantsError, token_hash
+    from .service.tenants_file import (
         ceilings_of,
+        locked,
         parse,
         read,
         read_text,
+        replace,
         table_text,
-        token_hash,
         without_table,
     )
 
@@ -695,18 +691,6 @@ def _refuse_input(field: str, name: str, value: object) -> None:
         raise click.UsageError(str(error)) from None
 
 
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """Hold ``directory``'s lock while the file is read, changed and replaced: two
-    commands at once would otherwise each write over the other's change."""
-    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(descriptor)  # and the lock with it
-
-
 def _current(path: Path, *, missing_ok: bool) -> tuple[str, dict[str, Tenant]]:
     """The tenants file's text and tenants; status 1 if it cannot work as it is."""
     if missing_ok and not path.exists():
@@ -741,43 +725,9 @@ def _write(path: Path, text: str, intended: Mapping[str, Tenant]) -> None:
             "edit it by hand"
         )
     try:
-        _replace(path, text)
+        replace(path, text)
     except (OSError, TenantsError) as error:
         raise click.ClickException(f"cannot write the tenants file {path}: {error}") from None
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write a file beside ``path`` (mode 0600, or the file's mode and owner), check it as
-    the runner will read it, and rename it over ``path``."""
-    target = Path(os.path.realpath(path))  # through a link: the link stays one
-    try:
-        existing: os.stat_result | None = os.stat(target)
-    except FileNotFoundError:
-        existing = None
-    descriptor, temporary = tempfile.mkstemp(
-        prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
-    )
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-            if existing is not None:
-                # Whoever could read the file still can (a runner of its group, say).
-                os.fchmod(file.fileno(), stat.S_IMODE(existing.st_mode))
-                if (existing.st_uid, existing.st_gid) != (os.geteuid(), os.getegid()):
-                    os.fchown(file.fileno(), existing.st_uid, existing.st_gid)
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        read(Path(temporary))
-        os.replace(temporary, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
-    directory = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(directory)  # the rename itself survives a crash
-    finally:
-        os.close(directory)
 
 
 @main.group()
@@ -806,7 +756,7 @@ def add_tenant(name: str, identities: tuple[str, ...], path: Path, **quota: int 
         name=name, token_sha256=token_hash(token), identities=identities, quota=Quota(**quota)
     )
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # as serve makes --state
-    with _locked(Path(os.path.realpath(path)).parent):
+    with locked(Path(os.path.realpath(path)).parent):
         text, found = _current(path, missing_ok=True)
         if name in found:
             raise click.ClickException(
@@ -863,7 +813,7 @@ def list_tenants(path: Path, as_json: bool) -> None:
 @_tenants_file_option
 def revoke_tenant(name: str, path: Path) -> None:
     """Remove tenant NAME: its token is refused from the runner's next reading on."""
-    with _locked(Path(os.path.realpath(path)).parent):
+    with locked(Path(os.path.realpath(path)).parent):
         text, found = _current(path, missing_ok=False)
         if name not in found:
             raise click.ClickException(f"no tenant {name!r} in {path}")

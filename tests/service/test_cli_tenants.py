@@ -24,16 +24,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 from trio_supervisor import Limits, cli
-from trio_supervisor.service.tenants import (
-    Ceilings,
-    Fairness,
-    Quota,
-    Tenant,
-    parse,
-    read,
-    table_text,
-    token_hash,
-)
+from trio_supervisor.service.tenants import Ceilings, Fairness, Quota, Tenant, token_hash
+from trio_supervisor.service.tenants_file import parse, read, table_text
 
 TIMEOUT: Final = 60.0  # seconds the console command may take
 HASH_A: Final = "a" * 64

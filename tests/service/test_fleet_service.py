@@ -40,7 +40,8 @@ from trio_supervisor.errors import MisdirectedError, QuotaExceededError
 from trio_supervisor.service.app import create_app
 from trio_supervisor.service.fleet import Fleet
 from trio_supervisor.service.openapi import document
-from trio_supervisor.service.tenants import Quota, Roster, Tenant, Tenants, token_hash
+from trio_supervisor.service.tenants import Quota, Tenant, Tenants, token_hash
+from trio_supervisor.service.tenants_file import Roster
 from trio_supervisor.testing import FakeExecution
 
 from .. import support

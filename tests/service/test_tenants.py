@@ -33,15 +33,8 @@ from trio_supervisor import (
 )
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.service.admission import Admission, Capacity
-from trio_supervisor.service.tenants import (
-    Ceilings,
-    Fairness,
-    Quota,
-    Roster,
-    Tenant,
-    Tenants,
-    token_hash,
-)
+from trio_supervisor.service.tenants import Ceilings, Fairness, Quota, Tenant, Tenants, token_hash
+from trio_supervisor.service.tenants_file import Roster
 from trio_supervisor.testing import FakeExecution
 
 from ..support import OPERATOR_TOKEN, served, supervise_embedded, until

@@ -67,7 +67,8 @@ from .fleet import Fleet
 from .metrics import Metrics
 from .openapi import document
 from .operators import operator_handlers
-from .tenants import Roster, Tenant, Tenants, token_hash
+from .tenants import Tenant, Tenants, token_hash
+from .tenants_file import Roster
 from .wire import (
     MAX_BODY,
     AdminDisposeBody,

@@ -67,7 +67,8 @@ from .admission import Admission, Capacity
 from .app import create_app
 from .fleet import Fleet
 from .metrics import Metrics, timed
-from .tenants import Ceilings, Roster, Tenants, TenantsError, token_hash
+from .tenants import Ceilings, Tenants, TenantsError, token_hash
+from .tenants_file import Roster
 
 __all__ = ["ConfigError", "RunnerConfig", "StartupError", "run_runner"]
 
