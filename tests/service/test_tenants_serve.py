@@ -23,7 +23,7 @@ from trio_supervisor import Handle, Key, Limits, Load, StoppedRecord
 from trio_supervisor.client import RemoteSupervisor, RunnerAccessError
 from trio_supervisor.executions._cgroups import ROOT as CGROUP_ROOT
 from trio_supervisor.executions._cgroups import detect
-from trio_supervisor.service.runner import DEFAULT_MEMORY, DEFAULT_PROCESSES
+from trio_supervisor.service.capacity import DEFAULT_MEMORY, DEFAULT_PROCESSES
 from trio_supervisor.service.tenants import token_hash
 
 from ..support import ROOT, Runner, launched, serving, until

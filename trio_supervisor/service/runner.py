@@ -59,12 +59,11 @@ from .._core.lifetime import open_supervisor
 from .._core.supervisor import Supervisor
 from .._extras import needs_extra
 from ..abc import FleetStore, Store
-from ..errors import PackageError, StateStorageError
+from ..errors import StateStorageError
 from ..executions.subprocess import SubprocessExecution
-from ..model import Limits
 from ..stores.sqlite import SqliteStore
-from .admission import Admission, Capacity
 from .app import create_app
+from .capacity import CHILDREN_PER_CORE, DEFAULT_RESERVE, capacity_of, runner_admission
 from .fleet import Fleet
 from .metrics import Metrics, timed
 from .tenants import Ceilings, Tenants, TenantsError, token_hash
@@ -174,12 +173,6 @@ DEFAULT_RUNNER_LEASE: Final = 10.0
 # third of a second at least; an hour is past any takeover anyone wants to wait for.
 RUNNER_LEASE: Final = fields.Seconds(minimum=1.0, inclusive=True, maximum=3600.0)
 
-
-GIB: Final = 1 << 30
-DEFAULT_RESERVE: Final = GIB  # bytes of the machine kept from the children
-CHILDREN_PER_CORE: Final = 64
-DEFAULT_PROCESSES: Final = 4096  # every child's process ceiling, by default and at most
-DEFAULT_MEMORY: Final = GIB  # every child's memory ceiling when nobody asks for one
 
 UID_MAX: Final = 2**32 - 2  # uids are 32 bits, and (uid_t) -1 is "unchanged" to setuid()
 
@@ -563,90 +556,6 @@ def _execution(config: RunnerConfig) -> SubprocessExecution:
     )
 
 
-def machine_memory() -> tuple[int, str]:
-    """The bytes of memory this runner's children may share, and where that was read:
-    the machine's physical memory, or the runner's own cgroup's limit where lower."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    found = (total, "the machine's memory")
-    for limit_file in _own_memory_limits():
-        with contextlib.suppress(OSError, ValueError):
-            text = limit_file.read_text().strip()
-            if text != "max" and 0 < int(text) < found[0]:
-                found = (int(text), f"the runner's cgroup limit ({limit_file})")
-    return found
-
-
-def _own_memory_limits() -> list[Path]:
-    """The memory limit files of this process's cgroups (v2 ``memory.max``, v1
-    ``memory.limit_in_bytes``), where they can be found."""
-    files = []
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            relative = path.lstrip("/")
-            if controllers == "":
-                files.append(Path("/sys/fs/cgroup", relative, "memory.max"))
-            elif "memory" in controllers.split(","):
-                files.append(Path("/sys/fs/cgroup/memory", relative, "memory.limit_in_bytes"))
-    return files
-
-
-def out_of_the_box(allocatable: int) -> Ceilings:
-    """The ceilings every child of ``serve`` gets when nobody set others (docs/service.md
-    D): a memory ceiling of 1 GiB by default and the allocatable memory at most, and
-    4096 processes."""
-    return Ceilings(
-        default=Limits(memory_bytes=min(DEFAULT_MEMORY, allocatable), processes=DEFAULT_PROCESSES),
-        max=Limits(memory_bytes=allocatable, processes=DEFAULT_PROCESSES),
-    )
-
-
-def _admission(
-    config: RunnerConfig, supervisor: Supervisor, execution: SubprocessExecution
-) -> Admission:
-    """The runner's ceilings and capacity, logged: what every child gets, and how many
-    children with how much memory the runner takes."""
-    memory, source = machine_memory()
-    allocatable = memory - config.reserve_memory
-    if allocatable <= 0:
-        raise ConfigError(
-            f"--reserve-memory {config.reserve_memory:,} leaves the children no memory: "
-            f"{source} is {memory:,} bytes"
-        )
-    ceilings = out_of_the_box(allocatable)
-    try:
-        execution.cgroups.refuse(ceilings.max)
-    except PackageError as error:
-        # Every load would be refused for a ceiling nobody asked for: leave it out.
-        logger.warning("no process ceiling out of the box: %s", error.detail)
-        ceilings = Ceilings(
-            default=attrs.evolve(ceilings.default, processes=None),
-            max=attrs.evolve(ceilings.max, processes=None),
-        )
-    if config.limits is not None:
-        ceilings = config.limits.over(ceilings)
-    max_children = config.max_children or CHILDREN_PER_CORE * (os.cpu_count() or 1)
-    capacity = Capacity(max_children=max_children, allocatable=allocatable)
-    logger.info(
-        "every child gets ceilings: %s; capacity %d children and %s bytes of memory "
-        "ceilings (%s, %s bytes, less --reserve-memory %s)",
-        ceilings.described(),
-        max_children,
-        f"{allocatable:,}",
-        source,
-        f"{memory:,}",
-        f"{config.reserve_memory:,}",
-    )
-    if not execution.cgroups.used:
-        logger.warning(
-            "no cgroup can be made here (%s): a child's memory ceiling holds per process "
-            "(RLIMIT_AS) only, so a child's tree of processes may take more than its "
-            "ceiling, and the runner's capacity is not a guarantee",
-            execution.cgroups.describe(),
-        )
-    return Admission(supervisor, ceilings=ceilings, capacity=capacity)
-
-
 def _without_password(url: str) -> str:
     """``url`` fit for a message: its password (if any) left out."""
     parts = urllib.parse.urlsplit(url)
@@ -775,6 +684,10 @@ async def run_runner(
     os.chmod(config.state, 0o700)
     operator_token = read_or_make_token(config.operator_token_path)
     roster = _roster(config, operator_token)
+    try:
+        found = capacity_of(config.max_children, config.reserve_memory)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
     server = Config()
     server.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -853,7 +766,7 @@ async def run_runner(
                 app = create_app(
                     supervisor,
                     tenants=roster,
-                    admission=_admission(config, supervisor, execution),
+                    admission=runner_admission(supervisor, execution, found, config.limits),
                     operator_token=operator_token,
                     logs=execution,
                     metrics=metrics,
