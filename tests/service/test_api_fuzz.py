@@ -79,6 +79,7 @@ CHECKS = [
 ]
 
 EXAMPLES = examples_per_operation()
+SMALL = 128 << 20  # each child's memory ceiling, unless it asks for another
 
 # Every operation of the document, known at collection time from the package's own
 # document; the test reads each from the document the live runner serves.
@@ -171,8 +172,13 @@ class Fuzz:
 
 @pytest.fixture(scope="module")
 def fuzz(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Iterator[Fuzz]:
+    directory = tmp_path_factory.mktemp("fuzz")
+    # Room for every child the fuzzer loads: with the default 1 GiB memory ceiling a
+    # machine of 24 GiB takes 22, and a real session's load past those is a 503.
+    config = directory / "runner.toml"
+    config.write_text(f"max_children = 1000\n[limits]\ndefault = {{ memory_bytes = {SMALL} }}\n")
     with (
-        serving(tmp_path_factory.mktemp("fuzz") / "state") as runner,
+        serving(directory / "state", "--config", config) as runner,
         requests.Session() as http,
     ):
         schema = schemathesis.openapi.from_url(f"{runner.url}/openapi.json", timeout=TIMEOUT)
