@@ -203,7 +203,8 @@ def test_without_cgroup_kill_every_member_is_killed_until_none_is_left(tmp_path:
         trio.run(cgroup.remove)
         found.close()
     assert not any(
-        directory.exists() for directory in found.child("daemons", Limits()).directories()
+        directory.exists()
+        for directory in found.child("daemons", Limits(processes=10)).directories()
     )
 
 
@@ -211,8 +212,9 @@ async def test_an_execution_starts_by_removing_the_empty_cgroups_its_state_s_las
     tmp_path: Path,
 ) -> None:
     left = await trio.to_thread.run_sync(detect, ROOT, tmp_path)
+    every = Limits(memory_bytes=256 * MiB, processes=10, cpu_percent=100)  # every hierarchy
     for name in ("empty-1", "empty-2"):
-        left.child(name, Limits()).create()  # as a run killed between spawn and join
+        left.child(name, every).create()  # as a run killed between spawn and join
     leftovers = sorted(left.leftovers())
     assert len(leftovers) == 2 * len(left.roots())
     async with SubprocessExecution(tmp_path, entry_paths=[EXAMPLES]) as execution:

@@ -10,7 +10,8 @@ process in a session and process group of its own. Messages are length-prefixed
     child -> supervisor   {"event": "tracked", "pid": 1234}   first: which process is T
     supervisor -> child   {"command": "spawn", ...}     what to run, limits, context
                           (to a standby started ahead, also "log" and "environment";
-                          with a cgroup, "cgroups": the cgroup.procs files T joins;
+                          with a cgroup, "cgroups": the cgroup.procs files T joins,
+                          or "joined": those of the cgroup T is in already;
                           isolated, "isolation": the uid, home, TMPDIR, network and
                           view P takes before it runs anything, see :func:`isolate`)
     child -> supervisor   {"event": "resolved", "code": {...}, "containment": "namespace"}
@@ -1263,7 +1264,7 @@ def main() -> int:
         return 1
     containment = "namespace" if os.getpid() == 1 else "sweep"
     tracked = Tracked(control, containment)
-    tracked.cgroups = spec.get("cgroups", [])
+    tracked.cgroups = spec.get("cgroups") or spec.get("joined", [])
     control.send({"event": "resolved", "code": code, "containment": containment})
     # Forked while the supervisor makes the child's identity durable, before "start".
     if tracked.fork_plugin(spec) == 0:

@@ -12,12 +12,30 @@ restarted runner finds what its previous run left). Two layouts are used:
   v2 cgroup of the same name where a cgroup2 hierarchy offers ``cgroup.kill`` (a
   process may be in a v1 and a v2 cgroup at once).
 
-Each child gets ``<parent>/<pid>-<start time>`` (its tracked process T's, which is
-unique within a boot) in every hierarchy used, made by the runner with the limits
-written before the spawn message is sent. T writes "0" (itself) into each
-``cgroup.procs`` before it forks the plugin, so the whole tree is in the cgroup before
-any of the caller's code runs; T counts toward ``pids.max`` (set to ``processes + 1``)
-and toward the memory, as machinery.
+Each child gets ``<parent>/<pid>-<start time>`` in every hierarchy used (the pid and
+start time of the first of its processes to be in it, unique within a boot), and its
+tracked process T is in it before it forks the plugin, so the whole tree is in the
+cgroup before any of the caller's code runs; T counts toward ``pids.max`` (set to
+``processes + 1``) and toward the memory, as machinery. The limits are written before
+the spawn message is sent.
+
+Moving a process into a cgroup waits for the kernel: the first move after a quiet
+moment waits for an RCU grace period (``synchronize_rcu`` as the cgroup attach takes
+its lock for writing: about 11 ms on a 2-core VM), while ``mkdir`` and writing a
+limit do not. So the move is kept off a load's path wherever the process is known
+before the load is (:meth:`TreeCgroup.prepare`, with no limits yet; a load then only
+writes its limits, :meth:`TreeCgroup.create`):
+
+* **the standby** (started or forked ahead) is moved in while it waits for a load,
+  once a load of this execution has asked for a tree limit;
+* **a cold start** moves the started interpreter in while Python boots; T, which it
+  forks once booted, is born in the cgroup (a fork inherits its parent's cgroups and
+  waits for nothing). Should T have been forked before the move, it joins by itself.
+* otherwise (a child forked for the load by the fork server, or a standby that was
+  not prepared), T writes "0" (itself) into each ``cgroup.procs`` as it resolves.
+
+A prepared cgroup that no load takes is removed with its process: a standby
+discarded, a cold start that failed.
 
 Rules that never bend:
 
@@ -41,7 +59,7 @@ import errno
 import hashlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -50,6 +68,7 @@ import trio
 
 from ..errors import PackageError
 from ..model import Limits
+from ._groups import start_time
 
 __all__ = ["PARENT", "ROOT", "Hierarchies", "TreeCgroup", "detect"]
 
@@ -97,10 +116,29 @@ class Hierarchies:
     def used(self) -> bool:
         return bool(self.limits) or self.kill is not None
 
-    def roots(self) -> list[Path]:
-        """Each hierarchy used, once."""
-        found = [*self.limits.values(), *([self.kill] if self.kill is not None else [])]
+    def roots(self, controllers: Collection[str] | None = None) -> list[Path]:
+        """Each hierarchy used (holding one of ``controllers``, if given, or the kill), once."""
+        found = [
+            root for name, root in self.limits.items() if controllers is None or name in controllers
+        ]
+        found += [self.kill] if self.kill is not None else []
         return list(dict.fromkeys(found))
+
+    def controllers(self, limits: Limits) -> frozenset[str]:
+        """The controllers a child's cgroup needs for ``limits``.
+
+        Only those: a cgroup of a v1 hierarchy costs its making, its removal and (cpu)
+        a scheduling group of the kernel's, so a child limited in memory and processes
+        alone has none in ``cpu`` and ``cpuacct`` (its accounting).
+        """
+        needed = set()
+        if limits.memory_bytes is not None:
+            needed.add("memory")
+        if limits.processes is not None:
+            needed.add("pids")
+        if limits.cpu_percent is not None:
+            needed |= {"cpu", "cpuacct"}
+        return frozenset(name for name in needed if name in self.limits)
 
     def describe(self) -> str:
         """One line for the log: what limits a child's tree, and what kills it."""
@@ -163,8 +201,29 @@ class Hierarchies:
         return limits
 
     def child(self, name: str, limits: Limits) -> TreeCgroup:
-        """The cgroup of a new child, not made yet (see :meth:`TreeCgroup.create`)."""
-        return TreeCgroup(self, f"{self.parent}/{name}", limits)
+        """The cgroup of a new child, not made yet (see :meth:`TreeCgroup.create`), in
+        the hierarchies its limits need."""
+        return TreeCgroup(self, f"{self.parent}/{name}", limits, self.controllers(limits))
+
+    def prepared(self, pid: int, limits: Limits, *, ahead: bool) -> TreeCgroup:
+        """A cgroup made for the process ``pid`` and holding it, in the hierarchies
+        ``limits`` need, and with them written if ``ahead`` (a standby's: the limits of
+        the last load, which the next one is expected to ask for again), else none yet.
+
+        Blocks while the kernel moves it (see the module's docs): call it in a worker
+        thread, while the process waits or boots, before a load asks for it.
+
+        Raises:
+            OSError: It cannot be made, or ``pid`` moved (ProcessLookupError: it is gone).
+            PackageError: The kernel refused a limit's value.
+        """
+        started = start_time(pid)
+        if started is None:
+            raise ProcessLookupError(errno.ESRCH, f"no process {pid}")
+        cgroup = self.child(f"{pid}-{started}", limits if ahead else Limits())
+        cgroup.controllers = self.controllers(limits)
+        cgroup.prepare(pid)
+        return cgroup
 
     def recorded(self, path: str) -> TreeCgroup:
         """The cgroup a record names, left by an earlier run.
@@ -302,18 +361,33 @@ class TreeCgroup:
         hierarchies: What :func:`detect` found.
         path: The cgroup, relative to each hierarchy's root.
         limits: What it enforces once made.
+        controllers: Those whose hierarchies it is in (and the kill's); None: every one
+            (a cgroup an earlier run recorded, whichever it was in).
     """
 
-    def __init__(self, hierarchies: Hierarchies, path: str, limits: Limits) -> None:
+    def __init__(
+        self,
+        hierarchies: Hierarchies,
+        path: str,
+        limits: Limits,
+        controllers: Collection[str] | None = None,
+    ) -> None:
         self.hierarchies = hierarchies
         self.path = path
         self.limits = limits
+        self.controllers = None if controllers is None else frozenset(controllers)
+        # What each limit's file holds, as written: only what changes is written again.
+        self._written: dict[Path, str] = {}
+        self.made = False
+        self._wider = False  # made, and in more hierarchies since (see cover)
         self.removed = False
         # A process :meth:`create` moves in, for a T that cannot join by itself.
         self.member: int | None = None
+        # The process :meth:`prepare` moved in ahead of the load.
+        self.prepared_for: int | None = None
 
     def directories(self) -> list[Path]:
-        return [root / self.path for root in self.hierarchies.roots()]
+        return [root / self.path for root in self.hierarchies.roots(self.controllers)]
 
     @property
     def procs(self) -> list[str]:
@@ -322,80 +396,185 @@ class TreeCgroup:
 
     def _in(self, controller: str) -> Path | None:
         root = self.hierarchies.limits.get(controller)
-        return None if root is None else root / self.path
+        if root is None or (self.controllers is not None and controller not in self.controllers):
+            return None
+        return root / self.path
+
+    def cover(self, limits: Limits) -> bool:
+        """Be in the hierarchies ``limits`` need too (made by :meth:`create`); whether
+        that adds one, which a process in it already is not in then."""
+        if self.controllers is None:
+            return False
+        before = self.directories()
+        self.controllers |= self.hierarchies.controllers(limits)
+        self._wider = self._wider or self.directories() != before
+        return self._wider
 
     def create(self) -> None:
-        """Make it, with its limits written.
+        """Make it (unless :meth:`prepare` did), with its limits written, and move
+        :attr:`member` in, if set.
 
         Raises:
             PackageError: The kernel refused a limit's value.
             OSError: It cannot be made.
         """
+        if self.made:
+            # Prepared: only the limits that differ from those written ahead are left to
+            # write (and the member to move in, should the prepared process not be T,
+            # or :meth:`cover` have added a hierarchy). A failure leaves it to the unit,
+            # which removes it once its processes are gone.
+            if self._wider:
+                self._make(missing=True)
+            self._configure()
+            self._move_member()
+            return
+        self._make()
+        try:
+            self._configure()
+            self._move_member()
+        except BaseException:
+            self._unmake()
+            raise
+
+    def prepare(self, pid: int) -> None:
+        """Make it with no limits, and move ``pid`` in (see :meth:`Hierarchies.prepared`).
+
+        Raises:
+            OSError: It cannot be made, or ``pid`` moved; nothing is left then.
+        """
+        self._make()
+        try:
+            self._configure()
+            self._move(pid)
+        except BaseException:
+            self._unmake()
+            raise
+        self.prepared_for = pid
+
+    def holds(self, pid: int) -> bool:
+        """Whether ``pid`` is in it in every hierarchy."""
+        text = str(pid)
+        for procs in self.procs:
+            try:
+                with open(procs) as file:
+                    if not any(line.strip() == text for line in file):
+                        return False
+            except FileNotFoundError:
+                return False
+        return True
+
+    def _make(self, *, missing: bool = False) -> None:
         made: list[Path] = []
         try:
             for directory in self.directories():
+                if missing and directory.exists():
+                    continue
                 # The parent too, should the last child of a run it had lost (by a
                 # closed socket) have removed it as it left (see _bootstrap.leave_cgroups).
                 directory.mkdir(parents=True)
                 made.append(directory)
-            self._configure()
-            if self.member is not None:
-                for procs in self.procs:
-                    _write(Path(procs), str(self.member))
         except BaseException:
             for directory in reversed(made):
                 with contextlib.suppress(OSError):
                     directory.rmdir()
             raise
+        self.made = True
+
+    def _unmake(self) -> None:
+        """Remove it again, right after :meth:`_make` (best effort: it holds nothing)."""
+        for directory in reversed(self.directories()):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        self.made = False
+
+    def _move(self, pid: int) -> None:
+        for procs in self.procs:
+            _write(Path(procs), str(pid))
+
+    def _move_member(self) -> None:
+        if self.member is not None:
+            self._move(self.member)
 
     def _configure(self) -> None:
+        """Write :attr:`limits`: each value that differs from what the file holds (a
+        limit asked for no more is set back to none)."""
         v2 = self.hierarchies.v2
-        writes: list[tuple[str, Path, str]] = []
+        # (limit, file, value, or None for "no limit": the value each file starts with)
+        writes: list[tuple[str, Path, str | None, str | None]] = []
         memory, pids, cpu = (self._in(name) for name in ("memory", "pids", "cpu"))
         value = self.limits.memory_bytes
-        if value is not None and memory is not None:
+        if memory is not None:
+            text = None if value is None else str(value)
             if v2:
-                writes += [("memory_bytes", memory / "memory.max", str(value))]
-                writes += [("memory_bytes", memory / "memory.swap.max", "0")]
+                writes += [("memory_bytes", memory / "memory.max", text, "max")]
+                swap = None if value is None else "0"
+                writes += [("memory_bytes", memory / "memory.swap.max", swap, "max")]
             else:
-                # memsw may never be below the memory limit: the memory limit first.
-                writes += [("memory_bytes", memory / "memory.limit_in_bytes", str(value))]
+                limit = memory / "memory.limit_in_bytes"
+                pair = [("memory_bytes", limit, text, "-1")]
                 if self.hierarchies.memsw:
-                    writes += [("memory_bytes", memory / "memory.memsw.limit_in_bytes", str(value))]
-        value = self.limits.processes
-        if value is not None and pids is not None:
-            writes += [("processes", pids / "pids.max", str(value + 1))]  # T, machinery
-        value = self.limits.cpu_percent
-        if value is not None and cpu is not None:
-            quota = value * CFS_PERIOD_US // 100
+                    pair += [("memory_bytes", memory / "memory.memsw.limit_in_bytes", text, "-1")]
+                # memsw may never be below the memory limit: the memory limit first as it
+                # goes down, memsw first as it goes up (from a value written ahead).
+                old = self._written.get(limit)
+                if old is not None and (value is None or value > int(old)):
+                    pair.reverse()
+                writes += pair
+        if pids is not None:
+            value = self.limits.processes
+            text = None if value is None else str(value + 1)  # T counts too, as machinery
+            writes += [("processes", pids / "pids.max", text, "max")]
+        if cpu is not None:
+            value = self.limits.cpu_percent
+            quota = None if value is None else str(value * CFS_PERIOD_US // 100)
             if v2:
-                writes += [("cpu_percent", cpu / "cpu.max", f"{quota} {CFS_PERIOD_US}")]
+                text = None if quota is None else f"{quota} {CFS_PERIOD_US}"
+                writes += [("cpu_percent", cpu / "cpu.max", text, f"max {CFS_PERIOD_US}")]
             else:
-                writes += [("cpu_percent", cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))]
-                writes += [("cpu_percent", cpu / "cpu.cfs_quota_us", str(quota))]
-        for name, path, text in writes:
+                period = None if quota is None else str(CFS_PERIOD_US)
+                writes += [("cpu_percent", cpu / "cpu.cfs_period_us", period, None)]
+                writes += [("cpu_percent", cpu / "cpu.cfs_quota_us", quota, "-1")]
+        for name, path, wanted, unlimited in writes:
+            if wanted is None:
+                if path not in self._written or unlimited is None:
+                    continue  # as it was made
+                text = unlimited
+            else:
+                text = wanted
+            if self._written.get(path) == text:
+                continue
             try:
                 _write(path, text)
             except OSError as error:
-                if error.errno != errno.EINVAL:
+                # EBUSY: a v1 memory limit below what the cgroup holds already (T, in it
+                # since it was prepared), which the kernel could not reclaim.
+                if error.errno not in (errno.EINVAL, errno.EBUSY):
                     raise
                 # The host asked for a value this kernel cannot take: its request's fault.
                 raise PackageError(
                     f"the limit {name}={getattr(self.limits, name)} cannot be applied: "
                     f"{error.strerror}"
                 ) from error
+            if wanted is None:
+                del self._written[path]
+            else:
+                self._written[path] = text
 
     def members(self, *, everywhere: bool = True) -> set[int]:
         """Every process in it, in any hierarchy (zombies are in none); with
         ``everywhere`` False, in one: T joins them all before it forks, so each holds
         the whole tree, and one read is the cheaper."""
         found: set[int] = set()
-        for procs in self.procs if everywhere else self.procs[-1:]:
+        # The last first: the kill's hierarchy, where there is one. Another may be
+        # missing (a recorded cgroup is looked for in every hierarchy).
+        for procs in reversed(self.procs):
             try:
                 with open(procs) as file:
                     found.update(int(line) for line in file if line.strip())
             except FileNotFoundError:
                 continue
+            if not everywhere:
+                break
         return found
 
     def kill(self) -> None:

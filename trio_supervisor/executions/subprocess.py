@@ -93,7 +93,7 @@ from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination, thaw
 from ..realtime import outside_the_run
 from ._cgroups import ROOT as CGROUP_ROOT
-from ._cgroups import Hierarchies, detect
+from ._cgroups import Hierarchies, TreeCgroup, detect
 from ._containment import CONTAINMENTS, Containment, Mechanism, choose
 from ._forkserver import Broken, ForkServer, check_preload
 from ._groups import become_subreaper, boot_id, group_gone, read_stat, reap_group, start_time
@@ -269,6 +269,9 @@ class SubprocessExecution:
         self._stack: contextlib.AsyncExitStack | None = None
         self._bootstrap = BOOTSTRAP
         self._standby = Standby(self._start_standby)
+        # The tree limits of the last load that resolved under them: from then on each
+        # standby waits in a cgroup of its own, with them written (see _start_standby).
+        self._expected: Limits | None = None
         # One process creation at a time: see _start.
         self._creating = trio.CapacityLimiter(1)
         # Interpreters booting at once (started, not yet resolved): see spawn.
@@ -365,6 +368,8 @@ class SubprocessExecution:
         finally:
             # Every background task has ended, a standby being started included.
             await self._standby.close()
+            # Its cgroup went with it: the parents are empty only now.
+            self.cgroups.close()
 
     @property
     def fork_server_pid(self) -> int | None:
@@ -453,7 +458,11 @@ class SubprocessExecution:
         environment["TRIO_SUPERVISOR_GENERATION"] = str(handle.generation)
         return environment
 
-    async def _start(self, environment: Mapping[str, str], output: int) -> Interpreter:
+    async def _start(
+        self, environment: Mapping[str, str], output: int, *, tree: Limits | None = None
+    ) -> Interpreter:
+        """An interpreter, forked by the fork server or started; with ``tree`` (tree
+        limits), one started is moved into a cgroup of its own while it boots."""
         server = self._server
         if server is not None and self._nursery is not None:
             if server.running:
@@ -462,9 +471,11 @@ class SubprocessExecution:
                 except Broken as error:
                     logger.warning("%s; this load starts its own interpreter", error)
             server.restart_soon(self._nursery)
-        return await self._start_cold(environment, output)
+        return await self._start_cold(environment, output, tree=tree)
 
-    async def _start_cold(self, environment: Mapping[str, str], output: int) -> Interpreter:
+    async def _start_cold(
+        self, environment: Mapping[str, str], output: int, *, tree: Limits | None = None
+    ) -> Interpreter:
         # Created one at a time (``creating``): trio starts each process in a thread,
         # and a burst of loads would run that many fork+exec threads at once, which
         # starve the event loop of the GIL for hundreds of milliseconds. Serialized, a
@@ -480,17 +491,39 @@ class SubprocessExecution:
             strict=self.mechanism.required,
             creating=self._creating,
             keep=self._keep(),
+            # The limits are written as it resolves, not before it boots: one that it
+            # cannot boot under fails the load as the request's fault (PackageError).
+            join=None if tree is None else functools.partial(self._prepared, limits=tree),
         )
+
+    def _prepared(self, pid: int, limits: Limits, *, ahead: bool = False) -> TreeCgroup | None:
+        """(In a worker thread.) A cgroup made for ``pid`` with it inside (see
+        :meth:`Hierarchies.prepared`), or None where that fails: T then joins one as it
+        resolves, as it would unprepared."""
+        try:
+            return self.cgroups.prepared(pid, limits, ahead=ahead)
+        except (OSError, PackageError) as error:
+            logger.debug("no cgroup prepared for the interpreter %d: %s", pid, error)
+            return None
 
     async def _start_standby(self) -> Interpreter:
         # Output goes nowhere until the spawn message names the session's log.
         if self._server is None or not self._server.running:
-            return await self._start_cold(self._base_environment(), subprocess.DEVNULL)
-        nowhere = os.open(os.devnull, os.O_WRONLY)
-        try:
-            return await self._start(self._base_environment(), nowhere)
-        finally:
-            os.close(nowhere)
+            interpreter = await self._start_cold(self._base_environment(), subprocess.DEVNULL)
+        else:
+            nowhere = os.open(os.devnull, os.O_WRONLY)
+            try:
+                interpreter = await self._start(self._base_environment(), nowhere)
+            finally:
+                os.close(nowhere)
+        expected = self._expected
+        if expected is not None and self._nursery is not None:
+            # Moved into its cgroup while it waits, with the last load's limits written:
+            # the move waits for the kernel (see _cgroups), and the load that takes it
+            # writes only the limits that differ.
+            prepare = functools.partial(self._prepared, limits=expected, ahead=True)
+            interpreter.prepare_soon(self._nursery, prepare)
+        return interpreter
 
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
         """Start the bootstrap for ``load``; return once it resolved the code.
@@ -517,12 +550,14 @@ class SubprocessExecution:
         self, nursery: trio.Nursery, handle: Handle, load: Load, limits: Limits
     ) -> ProcessUnit:
         self.cgroups.refuse(limits)
+        tree = limits if self.cgroups.wanted(limits) else None
         spec = self._spec(handle, load, limits)
         log = self.log_path(handle)
         # Capped output is copied through a pipe made here, so only an uncapped load
         # can take the interpreter started ahead.
         standby = self._standby.take(nursery) if limits.output_bytes is None else None
         if standby is not None:
+            await standby.prepared()  # its cgroup, if it is being moved into one
             # Started ahead: it learns where its output goes and its environment now.
             warm = {**spec, "log": str(log), "environment": self._environment(handle)}
             unit = await self._prepare(nursery, load, standby, warm, None, log, limits)
@@ -535,7 +570,7 @@ class SubprocessExecution:
         else:
             reader, writer = os.pipe()
         try:
-            interpreter = await self._start(self._environment(handle), writer)
+            interpreter = await self._start(self._environment(handle), writer, tree=tree)
         except BaseException as error:
             if reader >= 0:
                 os.close(reader)
@@ -571,15 +606,28 @@ class SubprocessExecution:
         """
         process = interpreter.process
         started = start_time(process.pid)
-        cgroup = None
-        if self.cgroups.wanted(limits):
-            # Made by the unit as it resolves; T joins it before it forks the plugin.
+        cgroup = interpreter.cgroup
+        joined = False
+        if cgroup is not None:
+            # Prepared (the standby's, or the one its maker was moved into as it booted):
+            # the unit writes only the limits as it resolves (none, if the load asks
+            # for none: the cgroup then holds the tree without limiting it). T is in it
+            # unless its maker forked it before the move, or the load needs a hierarchy
+            # the last one did not (made as it resolves).
+            wider = cgroup.cover(limits)
+            cgroup.limits = limits
+            joined = not wider and (cgroup.prepared_for == process.pid or cgroup.holds(process.pid))
+        elif self.cgroups.wanted(limits):
+            # Made by the unit as it resolves.
             cgroup = self.cgroups.child(f"{process.pid}-{started}", limits)
-            if self.python == sys.executable:
-                spec = {**spec, "cgroups": cgroup.procs}
+        if cgroup is not None:
+            if joined:
+                spec = {**spec, "joined": cgroup.procs}  # for T to remove it, orphaned
+            elif self.python == sys.executable:
+                spec = {**spec, "cgroups": cgroup.procs}  # T joins before it forks P
             else:
                 # Another interpreter may run as another user (a wrapper that drops
-                # privileges): we move T in ourselves, which costs the kernel more.
+                # privileges): we move T in ourselves as the unit resolves.
                 cgroup.member = process.pid
         grant = None
         if self.isolated.used:
@@ -621,7 +669,11 @@ class SubprocessExecution:
                 unit.output_done,
                 name=f"output of {load.specifier}",
             )
-        return unit if await unit.resolve(spec) else None
+        if not await unit.resolve(spec):
+            return None
+        if self.cgroups.wanted(limits):
+            self._expected = limits  # the next standby's, written ahead
+        return unit
 
     def _release(self, grant: Grant) -> None:
         """A child is gone: its private directory goes, and its uid is free again, after
