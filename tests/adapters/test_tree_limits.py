@@ -12,6 +12,7 @@ test_containment.py (``test_a_restarted_runner_recovers_every_tree`` and
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -34,8 +35,9 @@ from trio_supervisor import (
     open_supervisor,
 )
 from trio_supervisor.executions._cgroups import ROOT, detect
+from trio_supervisor.executions._standby import Interpreter
 
-from ..support import opened, reap_orphans, until_logged, until_stopped
+from ..support import opened, reap_orphans, until, until_logged, until_stopped
 
 PLUGINS = Path(__file__).parent / "plugins_limits"
 EXAMPLES = Path(__file__).parents[2] / "examples" / "plugins"
@@ -83,8 +85,10 @@ async def sup(execution: SubprocessExecution) -> AsyncIterator[Supervisor]:
         yield supervisor
 
 
-async def loaded(sup: Supervisor, specifier: str, limits: Limits) -> LoadedRecord:
-    handle = await opened(sup, limits=limits)
+async def loaded(
+    sup: Supervisor, specifier: str, limits: Limits, request_id: str = "r1"
+) -> LoadedRecord:
+    handle = await opened(sup, limits=limits, request_id=request_id)
     await sup.load(handle, Load(specifier=specifier))
     record = await sup.status(handle)
     assert isinstance(record, LoadedRecord)
@@ -221,3 +225,95 @@ async def test_an_execution_starts_by_removing_the_empty_cgroups_its_state_s_las
         assert list(execution.cgroups.leftovers()) == []
     assert not any(path.exists() for path in leftovers)
     assert not any((root / left.parent).exists() for root in left.roots())  # its own too
+
+
+async def test_a_load_that_cannot_start_leaves_no_cgroup_behind(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    # Started: its cgroup was made, and its interpreter moved in, while Python booted.
+    for specifier, limits, named in (
+        ("missing:main", Limits(processes=5), "no module 'missing'"),
+        ("heartbeat:main", Limits(memory_bytes=1), "memory_bytes=1"),
+    ):
+        handle = await opened(sup, limits=limits, request_id=named)
+        with trio.fail_after(BOUND), pytest.raises(PackageError, match=named):
+            await sup.load(handle, Load(specifier=specifier))
+    assert list(execution.cgroups.leftovers()) == []
+
+
+async def prepared_standby(execution: SubprocessExecution) -> Interpreter:
+    """The standby, once it waits in a cgroup of its own."""
+
+    async def prepared() -> Interpreter | None:
+        ready = execution._standby.ready  # white-box: what the next load takes
+        if ready is None:
+            return None
+        await ready.prepared()
+        return ready if ready.cgroup is not None else None
+
+    return await until(prepared, "a standby in a cgroup of its own", bound=BOUND)
+
+
+async def test_a_standby_waits_in_its_cgroup_and_the_load_that_takes_it_writes_its_limits(
+    tmp_path: Path,
+) -> None:
+    async with (
+        SubprocessExecution(tmp_path, entry_paths=[EXAMPLES], standby=True) as execution,
+        open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as sup,
+    ):
+        hierarchies = execution.cgroups.limits
+        if not {"memory", "pids"} <= set(hierarchies):
+            pytest.skip(f"cgroups here: {execution.cgroups.describe()}")
+        # Standbys wait in a cgroup once a load resolved under a tree limit: the one
+        # started as the second load takes its own is the first to. (Each load
+        # supersedes the one before.)
+        for request in ("first", "second"):
+            await loaded(sup, "heartbeat:main", Limits(processes=10), request)
+        standby = await prepared_standby(execution)
+        cgroup = standby.cgroup
+        assert cgroup is not None
+        pids = hierarchies["pids"] / cgroup.path
+        memory = hierarchies["memory"] / cgroup.path
+        assert str(standby.process.pid) in (pids / "cgroup.procs").read_text().split()
+        assert (pids / "pids.max").read_text() == "11\n"  # the last load's, written ahead
+        assert not memory.exists()  # only where the last load's limits needed one
+        record = await loaded(
+            sup, "heartbeat:main", Limits(processes=5, memory_bytes=256 * MiB), "third"
+        )
+        assert record.child.cgroup == cgroup.path
+        assert record.child.pid == standby.process.pid
+        assert (pids / "pids.max").read_text() == "6\n"
+        assert int((memory / "memory.limit_in_bytes").read_text()) == 256 * MiB
+        # T joined the hierarchy the load added before it forked the plugin.
+        assert len((memory / "cgroup.procs").read_text().split()) == 2
+        with trio.fail_after(BOUND):
+            await sup.dispose(record.handle)
+        assert not pids.exists()
+        assert not memory.exists()
+
+
+async def test_a_prepared_cgroup_goes_with_its_standby(tmp_path: Path) -> None:
+    async with (
+        SubprocessExecution(tmp_path, entry_paths=[EXAMPLES], standby=True) as execution,
+        open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as sup,
+    ):
+        if "pids" not in execution.cgroups.limits:
+            pytest.skip(f"cgroups here: {execution.cgroups.describe()}")
+        for request in ("first", "second"):  # each supersedes the one before
+            await loaded(sup, "heartbeat:main", Limits(processes=10), request)
+        # Killed while it waits: the load that finds it dead removes its cgroup.
+        dead = await prepared_standby(execution)
+        assert dead.cgroup is not None
+        os.kill(dead.process.pid, signal.SIGKILL)
+        await until(lambda: dead.process.poll() is not None, "the standby is dead", bound=BOUND)
+        third = await loaded(sup, "heartbeat:main", Limits(processes=10), "third")
+        assert third.child.pid != dead.process.pid
+        await until(lambda: not dead.cgroup.directories()[0].exists(), "its cgroup removed")
+        # Discarded as the execution exits: its cgroup goes with it, and then the parents.
+        waiting = await prepared_standby(execution)
+        assert waiting.cgroup is not None
+        directories = waiting.cgroup.directories()
+        with trio.fail_after(BOUND):
+            await sup.dispose(third.handle)
+    assert not any(directory.exists() for directory in directories)
+    assert not any(directory.parent.exists() for directory in directories)
