@@ -12,30 +12,42 @@ restarted runner finds what its previous run left). Two layouts are used:
   v2 cgroup of the same name where a cgroup2 hierarchy offers ``cgroup.kill`` (a
   process may be in a v1 and a v2 cgroup at once).
 
-Each child gets ``<parent>/<pid>-<start time>`` in every hierarchy used (the pid and
-start time of the first of its processes to be in it, unique within a boot), and its
-tracked process T is in it before it forks the plugin, so the whole tree is in the
-cgroup before any of the caller's code runs; T counts toward ``pids.max`` (set to
-``processes + 1``) and toward the memory, as machinery. The limits are written before
-the spawn message is sent.
+Each child gets ``<parent>/<pid>-<start time>`` (the pid and start time of the first
+of its processes to be in it, unique within a boot) in the hierarchies its limits need
+(:meth:`Hierarchies.controllers`: ``cpu`` and ``cpuacct`` only for ``cpu_percent``)
+and the kill's, and its tracked process T is in it before it forks the plugin, so the
+whole tree is in the cgroup before any of the caller's code runs; T counts toward
+``pids.max`` (set to ``processes + 1``) and toward the memory, as machinery. The limits
+are written before the spawn message is sent.
 
 Moving a process into a cgroup waits for the kernel: the first move after a quiet
-moment waits for an RCU grace period (``synchronize_rcu`` as the cgroup attach takes
-its lock for writing: about 11 ms on a 2-core VM), while ``mkdir`` and writing a
-limit do not. So the move is kept off a load's path wherever the process is known
-before the load is (:meth:`TreeCgroup.prepare`, with no limits yet; a load then only
-writes its limits, :meth:`TreeCgroup.create`):
+moment waits for an RCU grace period (``synchronize_rcu``, as the attach takes the
+cgroups' thread-group lock for writing: about 11 ms on a 2-core VM, holding every
+other ``mkdir`` and ``rmdir`` of cgroups meanwhile), while making a cgroup and writing
+a limit do not. So the move is kept off a load's path wherever the process is known
+before the load is (:meth:`Hierarchies.prepared`; the load then writes only its
+limits, :meth:`TreeCgroup.create`):
 
-* **the standby** (started or forked ahead) is moved in while it waits for a load,
-  once a load of this execution has asked for a tree limit;
-* **a cold start** moves the started interpreter in while Python boots; T, which it
-  forks once booted, is born in the cgroup (a fork inherits its parent's cgroups and
-  waits for nothing). Should T have been forked before the move, it joins by itself.
-* otherwise (a child forked for the load by the fork server, or a standby that was
-  not prepared), T writes "0" (itself) into each ``cgroup.procs`` as it resolves.
+* **the standby** (started or forked ahead) is moved in while it waits, with the limits
+  of the last load written ahead, once a load of this execution has resolved under a
+  tree limit; the load that takes it writes only the values that differ (none, when
+  every load has the runner's default ceilings), and makes the hierarchies it needs
+  that the last one did not (T joins those as it resolves);
+* **a cold start** moves the started interpreter in while Python boots, and its limits
+  are written as T resolves (one that it cannot boot under fails the load as the
+  request's fault). T, forked by the started interpreter once it has booted, is born in
+  the cgroup (a fork inherits its parent's cgroups and waits for nothing); should it
+  have been forked before the move, it joins by itself. The started interpreter, in
+  the cgroup too, is reaped before the spawn message: a zombie counts toward
+  ``pids.max``.
+* otherwise (a child forked for its load by the fork server without a standby, or a
+  standby that was not prepared), T writes "0" (itself) into each ``cgroup.procs`` as
+  it resolves, and the load waits for the move.
 
-A prepared cgroup that no load takes is removed with its process: a standby
-discarded, a cold start that failed.
+A prepared cgroup that no load takes is removed with its process: a standby discarded
+(as the execution exits, or found dead by a load), a cold start that failed. What a
+killed runner's prepared cgroups held ends with it (a standby sees its socket close),
+and the next start on the same state directory removes them empty.
 
 Rules that never bend:
 

@@ -59,8 +59,11 @@ holds capabilities over that namespace only, none over the host.
 
 Hard limits for the whole tree (``_cgroups``): where a cgroup can be written, each child
 asking for a tree limit (``memory_bytes``, ``processes``, ``cpu_percent``) has one, which
-T joins before it forks the plugin (a child without one is contained as before, and
-pays nothing for cgroups). ``memory_bytes`` is then the tree's
+T is in before it forks the plugin: made and joined ahead where it can be (the standby
+waits in one, a cold start's interpreter is moved into one as Python boots), so that the
+load writes only its limits. A child without a tree limit is contained as before, and
+pays nothing for cgroups (but for a standby prepared once loads asked for them, whose
+cgroup then holds its tree with no limit). ``memory_bytes`` is then the tree's
 memory plus swap (no ``RLIMIT_AS``), ``processes`` its ``pids.max`` and
 ``cpu_percent`` its CPU quota; the kill adds ``cgroup.kill``, and ``wait`` returns only
 once the cgroup is empty, then removes it. An OOM kill is reported in the exit status.
