@@ -34,7 +34,7 @@ from trio_supervisor import (
     Supervisor,
     open_supervisor,
 )
-from trio_supervisor.executions._cgroups import ROOT, detect
+from trio_supervisor.executions._cgroups import ROOT, TreeCgroup, detect
 from trio_supervisor.executions._standby import Interpreter
 
 from ..support import opened, reap_orphans, until, until_logged, until_stopped
@@ -241,15 +241,15 @@ async def test_a_load_that_cannot_start_leaves_no_cgroup_behind(
     assert list(execution.cgroups.leftovers()) == []
 
 
-async def prepared_standby(execution: SubprocessExecution) -> Interpreter:
-    """The standby, once it waits in a cgroup of its own."""
+async def prepared_standby(execution: SubprocessExecution) -> tuple[Interpreter, TreeCgroup]:
+    """The standby and its cgroup, once it waits in it."""
 
-    async def prepared() -> Interpreter | None:
+    def prepared() -> tuple[Interpreter, TreeCgroup] | None:
         ready = execution._standby.ready  # white-box: what the next load takes
-        if ready is None:
+        if ready is None or ready.cgroup is None:
             return None
-        await ready.prepared()
-        return ready if ready.cgroup is not None else None
+        # It joins by itself, once it is told to.
+        return (ready, ready.cgroup) if ready.cgroup.holds(ready.process.pid) else None
 
     return await until(prepared, "a standby in a cgroup of its own", bound=BOUND)
 
@@ -269,12 +269,10 @@ async def test_a_standby_waits_in_its_cgroup_and_the_load_that_takes_it_writes_i
         # supersedes the one before.)
         for request in ("first", "second"):
             await loaded(sup, "heartbeat:main", Limits(processes=10), request)
-        standby = await prepared_standby(execution)
-        cgroup = standby.cgroup
-        assert cgroup is not None
+        standby, cgroup = await prepared_standby(execution)
         pids = hierarchies["pids"] / cgroup.path
         memory = hierarchies["memory"] / cgroup.path
-        assert str(standby.process.pid) in (pids / "cgroup.procs").read_text().split()
+        assert (pids / "cgroup.procs").read_text().split() == [str(standby.process.pid)]
         assert (pids / "pids.max").read_text() == "11\n"  # the last load's, written ahead
         assert not memory.exists()  # only where the last load's limits needed one
         record = await loaded(
@@ -302,17 +300,15 @@ async def test_a_prepared_cgroup_goes_with_its_standby(tmp_path: Path) -> None:
         for request in ("first", "second"):  # each supersedes the one before
             await loaded(sup, "heartbeat:main", Limits(processes=10), request)
         # Killed while it waits: the load that finds it dead removes its cgroup.
-        dead = await prepared_standby(execution)
-        assert dead.cgroup is not None
+        dead, cgroup = await prepared_standby(execution)
         os.kill(dead.process.pid, signal.SIGKILL)
         await until(lambda: dead.process.poll() is not None, "the standby is dead", bound=BOUND)
         third = await loaded(sup, "heartbeat:main", Limits(processes=10), "third")
         assert third.child.pid != dead.process.pid
-        await until(lambda: not dead.cgroup.directories()[0].exists(), "its cgroup removed")
+        await until(lambda: not cgroup.directories()[0].exists(), "its cgroup removed")
         # Discarded as the execution exits: its cgroup goes with it, and then the parents.
-        waiting = await prepared_standby(execution)
-        assert waiting.cgroup is not None
-        directories = waiting.cgroup.directories()
+        _, waiting = await prepared_standby(execution)
+        directories = waiting.directories()
         with trio.fail_after(BOUND):
             await sup.dispose(third.handle)
     assert not any(directory.exists() for directory in directories)

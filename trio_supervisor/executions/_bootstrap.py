@@ -8,10 +8,13 @@ process in a session and process group of its own. Messages are length-prefixed
 ``marshal`` values (4-byte big-endian length, then the payload):
 
     child -> supervisor   {"event": "tracked", "pid": 1234}   first: which process is T
+    supervisor -> child   {"command": "join", "cgroups": [...]}   to a standby, while it
+                          waits: the cgroup.procs files it joins ahead of its load
     supervisor -> child   {"command": "spawn", ...}     what to run, limits, context
                           (to a standby started ahead, also "log" and "environment";
-                          with a cgroup, "cgroups": the cgroup.procs files T joins,
-                          or "joined": those of the cgroup T is in already;
+                          with a cgroup, "cgroups": the cgroup.procs files T joins
+                          (unless it joined them ahead), or "joined": those of the
+                          cgroup T was born in;
                           isolated, "isolation": the uid, home, TMPDIR, network and
                           view P takes before it runs anything, see :func:`isolate`)
     child -> supervisor   {"event": "resolved", "code": {...}, "containment": "namespace"}
@@ -1237,6 +1240,14 @@ def main() -> int:
     if len(sys.argv) > 2:  # started by the supervisor (a forked T has the FD alone)
         launch(control, sys.argv[2], sys.argv[3] == "strict")
     spec = control.read()
+    ahead: list[str] = []  # a standby's cgroup, joined while it waited
+    while isinstance(spec, dict) and spec.get("command") == "join":
+        try:
+            join_cgroups(spec["cgroups"])
+            ahead = spec["cgroups"]
+        except OSError:
+            ahead = []  # it tries again as it resolves, and says why if it fails then
+        spec = control.read()
     if not isinstance(spec, dict) or spec.get("command") != "spawn":
         return 2
     if "isolation" in spec:
@@ -1245,7 +1256,8 @@ def main() -> int:
         # is in view. P is made dumpable again as it isolates itself.
         libc("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
     try:
-        join_cgroups(spec.get("cgroups", ()))
+        if spec.get("cgroups", ahead) != ahead:
+            join_cgroups(spec["cgroups"])
         if "log" in spec:
             # Started ahead as a standby: now it becomes the session's child.
             take_over(spec["log"], spec["environment"])

@@ -217,22 +217,20 @@ class Hierarchies:
         the hierarchies its limits need."""
         return TreeCgroup(self, f"{self.parent}/{name}", limits, self.controllers(limits))
 
-    def prepared(self, pid: int, limits: Limits, *, ahead: bool) -> TreeCgroup:
+    def prepared(self, pid: int, limits: Limits) -> TreeCgroup:
         """A cgroup made for the process ``pid`` and holding it, in the hierarchies
-        ``limits`` need, and with them written if ``ahead`` (a standby's: the limits of
-        the last load, which the next one is expected to ask for again), else none yet.
+        ``limits`` need, with none of them written yet.
 
         Blocks while the kernel moves it (see the module's docs): call it in a worker
-        thread, while the process waits or boots, before a load asks for it.
+        thread, while the process boots, before its load's limits are written.
 
         Raises:
             OSError: It cannot be made, or ``pid`` moved (ProcessLookupError: it is gone).
-            PackageError: The kernel refused a limit's value.
         """
         started = start_time(pid)
         if started is None:
             raise ProcessLookupError(errno.ESRCH, f"no process {pid}")
-        cgroup = self.child(f"{pid}-{started}", limits if ahead else Limits())
+        cgroup = self.child(f"{pid}-{started}", Limits())
         cgroup.controllers = self.controllers(limits)
         cgroup.prepare(pid)
         return cgroup
@@ -445,7 +443,7 @@ class TreeCgroup:
             self._configure()
             self._move_member()
         except BaseException:
-            self._unmake()
+            self.unmake()
             raise
 
     def prepare(self, pid: int) -> None:
@@ -456,10 +454,9 @@ class TreeCgroup:
         """
         self._make()
         try:
-            self._configure()
             self._move(pid)
         except BaseException:
-            self._unmake()
+            self.unmake()
             raise
         self.prepared_for = pid
 
@@ -492,8 +489,8 @@ class TreeCgroup:
             raise
         self.made = True
 
-    def _unmake(self) -> None:
-        """Remove it again, right after :meth:`_make` (best effort: it holds nothing)."""
+    def unmake(self) -> None:
+        """Remove it again, made and holding nothing (best effort)."""
         for directory in reversed(self.directories()):
             with contextlib.suppress(OSError):
                 directory.rmdir()

@@ -112,44 +112,28 @@ class Interpreter:
         marker: The reading end of a pipe whose writing end it inherited, and passes on
             to whatever it starts: how its leftovers are known once it is gone (see
             ``_trees.strays``).
-        cgroup: The cgroup it was moved into ahead of its load (see ``_cgroups``);
-            whoever takes the interpreter owns it. Known once :meth:`prepared` returns.
+        cgroup: The cgroup it joins ahead of its load (:meth:`join_ahead`, or made as
+            it booted by ``start_interpreter``'s ``join``); whoever takes the
+            interpreter owns it.
     """
 
     process: ChildProcess
     control: socket.socket
     marker: int
     cgroup: TreeCgroup | None = None
-    _preparing: trio.Event | None = None
 
-    def prepare_soon(
-        self, nursery: trio.Nursery, prepare: Callable[[int], TreeCgroup | None]
-    ) -> None:
-        """Have ``prepare`` move it into a cgroup (:attr:`cgroup`) in a worker thread,
-        while it waits: the move may wait for the kernel (see ``_cgroups``). It is
-        offered meanwhile; a load that takes it first waits for the rest (:meth:`prepared`),
-        which is never longer than starting another."""
-        done = self._preparing = trio.Event()
+    def join_ahead(self, cgroup: TreeCgroup) -> None:
+        """Have it join ``cgroup`` (made, with limits written or not) while it waits.
 
-        async def preparing() -> None:
-            try:
-                # Shielded: whoever holds it must learn its cgroup, to remove it. Bounded
-                # by the kernel's move.
-                with trio.CancelScope(shield=True), outside_the_run():
-                    self.cgroup = await trio.to_thread.run_sync(prepare, self.process.pid)
-            finally:
-                done.set()
+        It does so before it reads its spawn message (``_bootstrap``'s "join"), so the
+        kernel's wait for the move is its own, not the runner's: a load that takes it
+        sooner waits only for the rest. It owns :attr:`cgroup` from now on.
 
-        nursery.start_soon(preparing, name="standby's cgroup")
-
-    async def prepared(self) -> None:
-        """Return once :attr:`cgroup` is known (see :meth:`prepare_soon`)."""
-        if self._preparing is None:
-            return
-        # Shielded: a caller cancelled here would drop an interpreter it holds (bounded
-        # by the kernel's move).
-        with trio.CancelScope(shield=True), outside_the_run():
-            await self._preparing.wait()
+        Raises:
+            OSError: It is gone (the message could not be sent).
+        """
+        self.control.sendall(frame({"command": "join", "cgroups": cgroup.procs}))
+        self.cgroup = cgroup
 
     async def discard(self) -> None:
         """End it and reap it, and remove its cgroup. It ran nothing and is alone in its
@@ -160,7 +144,6 @@ class Interpreter:
             self.process.kill()
         with bounded(DISCARD_CONFIRMATION), outside_the_run():
             await self.process.wait()
-        await self.prepared()
         await _remove(self.cgroup)
 
 

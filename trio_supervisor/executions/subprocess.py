@@ -499,13 +499,13 @@ class SubprocessExecution:
             join=None if tree is None else functools.partial(self._prepared, limits=tree),
         )
 
-    def _prepared(self, pid: int, limits: Limits, *, ahead: bool = False) -> TreeCgroup | None:
+    def _prepared(self, pid: int, limits: Limits) -> TreeCgroup | None:
         """(In a worker thread.) A cgroup made for ``pid`` with it inside (see
         :meth:`Hierarchies.prepared`), or None where that fails: T then joins one as it
         resolves, as it would unprepared."""
         try:
-            return self.cgroups.prepared(pid, limits, ahead=ahead)
-        except (OSError, PackageError) as error:
+            return self.cgroups.prepared(pid, limits)
+        except OSError as error:
             logger.debug("no cgroup prepared for the interpreter %d: %s", pid, error)
             return None
 
@@ -519,14 +519,26 @@ class SubprocessExecution:
                 interpreter = await self._start(self._base_environment(), nowhere)
             finally:
                 os.close(nowhere)
-        expected = self._expected
-        if expected is not None and self._nursery is not None:
-            # Moved into its cgroup while it waits, with the last load's limits written:
-            # the move waits for the kernel (see _cgroups), and the load that takes it
-            # writes only the limits that differ.
-            prepare = functools.partial(self._prepared, limits=expected, ahead=True)
-            interpreter.prepare_soon(self._nursery, prepare)
+        if self._expected is not None and self.python == sys.executable:
+            self._join_ahead(interpreter, self._expected)
         return interpreter
+
+    def _join_ahead(self, interpreter: Interpreter, expected: Limits) -> None:
+        """Make the standby's cgroup, with the last load's limits written, and have it
+        join while it waits: the move waits for the kernel (see _cgroups), in it, not
+        here; the load that takes it writes only the limits that differ. Where that
+        fails, it joins one as it resolves, as it would unprepared."""
+        pid = interpreter.process.pid
+        started = start_time(pid)
+        if started is None:
+            return  # it is gone: the load that takes it finds so
+        cgroup = self.cgroups.child(f"{pid}-{started}", expected)
+        try:
+            cgroup.create()  # a few mkdirs and writes
+            interpreter.join_ahead(cgroup)
+        except (OSError, PackageError) as error:
+            logger.debug("no cgroup prepared for the standby %d: %s", pid, error)
+            cgroup.unmake()
 
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
         """Start the bootstrap for ``load``; return once it resolved the code.
@@ -560,7 +572,6 @@ class SubprocessExecution:
         # can take the interpreter started ahead.
         standby = self._standby.take(nursery) if limits.output_bytes is None else None
         if standby is not None:
-            await standby.prepared()  # its cgroup, if it is being moved into one
             # Started ahead: it learns where its output goes and its environment now.
             warm = {**spec, "log": str(log), "environment": self._environment(handle)}
             unit = await self._prepare(nursery, load, standby, warm, None, log, limits)
@@ -613,13 +624,18 @@ class SubprocessExecution:
         joined = False
         if cgroup is not None:
             # Prepared (the standby's, or the one its maker was moved into as it booted):
-            # the unit writes only the limits as it resolves (none, if the load asks
-            # for none: the cgroup then holds the tree without limiting it). T is in it
-            # unless its maker forked it before the move, or the load needs a hierarchy
-            # the last one did not (made as it resolves).
+            # the unit writes only the limits that differ as it resolves (none written
+            # for a load that asks for none: the cgroup then holds the tree without
+            # limiting it), and makes the hierarchies it needs that it lacks. A standby
+            # joined it itself (and joins what was added); a started T is in it unless
+            # its maker forked it before the move.
             wider = cgroup.cover(limits)
             cgroup.limits = limits
-            joined = not wider and (cgroup.prepared_for == process.pid or cgroup.holds(process.pid))
+            joined = (
+                not wider
+                and cgroup.prepared_for is not None
+                and (cgroup.prepared_for == process.pid or cgroup.holds(process.pid))
+            )
         elif self.cgroups.wanted(limits):
             # Made by the unit as it resolves.
             cgroup = self.cgroups.child(f"{process.pid}-{started}", limits)
@@ -627,7 +643,8 @@ class SubprocessExecution:
             if joined:
                 spec = {**spec, "joined": cgroup.procs}  # for T to remove it, orphaned
             elif self.python == sys.executable:
-                spec = {**spec, "cgroups": cgroup.procs}  # T joins before it forks P
+                # T joins before it forks P (unless it joined these while it waited).
+                spec = {**spec, "cgroups": cgroup.procs}
             else:
                 # Another interpreter may run as another user (a wrapper that drops
                 # privileges): we move T in ourselves as the unit resolves.
