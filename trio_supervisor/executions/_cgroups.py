@@ -23,16 +23,22 @@ are written before the spawn message is sent.
 Moving a process into a cgroup waits for the kernel: the first move after a quiet
 moment waits for an RCU grace period (``synchronize_rcu``, as the attach takes the
 cgroups' thread-group lock for writing: about 11 ms on a 2-core VM, holding every
-other ``mkdir`` and ``rmdir`` of cgroups meanwhile), while making a cgroup and writing
-a limit do not. So the move is kept off a load's path wherever the process is known
+other ``mkdir`` and ``rmdir`` of cgroups meanwhile; moves less than a grace period
+apart do not wait), while making a cgroup and writing a limit do not. An operator can
+remove that wait for the whole machine (``favordynmods``, a cgroup2 mount option, or
+``cgroup_favordynmods=true`` on the kernel's command line, Linux 6.7+), at the price of
+slower forks and exits. So the move is kept off a load's path wherever the process is known
 before the load is (:meth:`Hierarchies.prepared`; the load then writes only its
 limits, :meth:`TreeCgroup.create`):
 
-* **the standby** (started or forked ahead) is moved in while it waits, with the limits
-  of the last load written ahead, once a load of this execution has resolved under a
-  tree limit; the load that takes it writes only the values that differ (none, when
-  every load has the runner's default ceilings), and makes the hierarchies it needs
-  that the last one did not (T joins those as it resolves);
+* **the standby** (started or forked ahead) joins its cgroup by itself while it waits
+  (told to by a "join" message before any spawn message; the kernel's wait is then its
+  own, not the runner's), once a load of this execution has resolved under a tree
+  limit. The runner makes that cgroup with the last load's limits written; the load
+  that takes the standby writes only the values that differ (none, when every load has
+  the runner's default ceilings), and makes the hierarchies it needs that the last one
+  did not (T joins those as it resolves). A load that takes the standby before it has
+  joined waits only for the rest of the move;
 * **a cold start** moves the started interpreter in while Python boots, and its limits
   are written as T resolves (one that it cannot boot under fails the load as the
   request's fault). T, forked by the started interpreter once it has booted, is born in

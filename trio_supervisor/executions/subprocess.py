@@ -60,8 +60,8 @@ holds capabilities over that namespace only, none over the host.
 Hard limits for the whole tree (``_cgroups``): where a cgroup can be written, each child
 asking for a tree limit (``memory_bytes``, ``processes``, ``cpu_percent``) has one, which
 T is in before it forks the plugin: made and joined ahead where it can be (the standby
-waits in one, a cold start's interpreter is moved into one as Python boots), so that the
-load writes only its limits. A child without a tree limit is contained as before, and
+joins one while it waits, a cold start's interpreter is moved into one as Python boots),
+so that the load writes only its limits. A child without a tree limit is contained as before, and
 pays nothing for cgroups (but for a standby prepared once loads asked for them, whose
 cgroup then holds its tree with no limit). ``memory_bytes`` is then the tree's
 memory plus swap (no ``RLIMIT_AS``), ``processes`` its ``pids.max`` and
