@@ -8,8 +8,9 @@ process in a session and process group of its own. Messages are length-prefixed
 ``marshal`` values (4-byte big-endian length, then the payload):
 
     child -> supervisor   {"event": "tracked", "pid": 1234}   first: which process is T
-    supervisor -> child   {"command": "join", "cgroups": [...]}   to a standby, while it
-                          waits: the cgroup.procs files it joins ahead of its load
+    supervisor -> child   {"command": "join", "make": [...], "cgroups": [...]}   to a
+                          standby, while it waits: the cgroup it makes (its directory
+                          in each hierarchy) and the cgroup.procs files it joins
     supervisor -> child   {"command": "spawn", ...}     what to run, limits, context
                           (to a standby started ahead, also "log" and "environment";
                           with a cgroup, "cgroups": the cgroup.procs files T joins
@@ -1243,10 +1244,12 @@ def main() -> int:
     ahead: list[str] = []  # a standby's cgroup, joined while it waited
     while isinstance(spec, dict) and spec.get("command") == "join":
         try:
+            for directory in spec["make"]:
+                os.makedirs(directory)
             join_cgroups(spec["cgroups"])
             ahead = spec["cgroups"]
         except OSError:
-            ahead = []  # it tries again as it resolves, and says why if it fails then
+            ahead = []  # the supervisor makes it, and it joins, as it resolves
         spec = control.read()
     if not isinstance(spec, dict) or spec.get("command") != "spawn":
         return 2

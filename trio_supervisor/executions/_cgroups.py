@@ -31,14 +31,14 @@ slower forks and exits. So the move is kept off a load's path wherever the proce
 before the load is (:meth:`Hierarchies.prepared`; the load then writes only its
 limits, :meth:`TreeCgroup.create`):
 
-* **the standby** (started or forked ahead) joins its cgroup by itself while it waits
-  (told to by a "join" message before any spawn message; the kernel's wait is then its
-  own, not the runner's), once a load of this execution has resolved under a tree
-  limit. The runner makes that cgroup with the last load's limits written; the load
-  that takes the standby writes only the values that differ (none, when every load has
-  the runner's default ceilings), and makes the hierarchies it needs that the last one
-  did not (T joins those as it resolves). A load that takes the standby before it has
-  joined waits only for the rest of the move;
+* **the standby** (started or forked ahead) makes its cgroup and joins it by itself
+  while it waits (told to by a "join" message before any spawn message: the work and
+  the kernel's wait are its own, not the runner's), once a load of this execution has
+  resolved under a tree limit, in the hierarchies that load's limits needed. The load
+  that takes the standby writes its limits, and makes the hierarchies it needs that
+  the last one did not (T joins those as it resolves; and all of it, should the
+  standby have failed to). A load that takes the standby before it has joined waits
+  only for the rest of the move;
 * **a cold start** moves the started interpreter in while Python boots, and its limits
   are written as T resolves (one that it cannot boot under fails the load as the
   request's fault). T, forked by the started interpreter once it has booted, is born in
@@ -392,8 +392,6 @@ class TreeCgroup:
         self.path = path
         self.limits = limits
         self.controllers = None if controllers is None else frozenset(controllers)
-        # What each limit's file holds, as written: only what changes is written again.
-        self._written: dict[Path, str] = {}
         self.made = False
         self._wider = False  # made, and in more hierarchies since (see cover)
         self.removed = False
@@ -435,13 +433,17 @@ class TreeCgroup:
             OSError: It cannot be made.
         """
         if self.made:
-            # Prepared: only the limits that differ from those written ahead are left to
-            # write (and the member to move in, should the prepared process not be T,
-            # or :meth:`cover` have added a hierarchy). A failure leaves it to the unit,
-            # which removes it once its processes are gone.
+            # Prepared: only the limits are left to write (and the hierarchies
+            # :meth:`cover` added to make, and the member to move in). A failure leaves
+            # it to the unit, which removes it once its processes are gone.
             if self._wider:
                 self._make(missing=True)
-            self._configure()
+            try:
+                self._configure()
+            except FileNotFoundError:
+                # The standby could not make it (it joins as it resolves, then).
+                self._make(missing=True)
+                self._configure()
             self._move_member()
             return
         self._make()
@@ -510,54 +512,40 @@ class TreeCgroup:
         if self.member is not None:
             self._move(self.member)
 
+    def made_by_member(self) -> list[str]:
+        """Its directories, for the process that makes it and joins it (a standby, as
+        it waits: see ``_bootstrap``'s "join"). From now on it counts as made, with no
+        limit written: :meth:`create` writes them (and makes it, should the process
+        have failed to)."""
+        self.made = True
+        return [str(directory) for directory in self.directories()]
+
     def _configure(self) -> None:
-        """Write :attr:`limits`: each value that differs from what the file holds (a
-        limit asked for no more is set back to none)."""
         v2 = self.hierarchies.v2
-        # (limit, file, value, or None for "no limit": the value each file starts with)
-        writes: list[tuple[str, Path, str | None, str | None]] = []
+        writes: list[tuple[str, Path, str]] = []
         memory, pids, cpu = (self._in(name) for name in ("memory", "pids", "cpu"))
         value = self.limits.memory_bytes
-        if memory is not None:
-            text = None if value is None else str(value)
+        if value is not None and memory is not None:
             if v2:
-                writes += [("memory_bytes", memory / "memory.max", text, "max")]
-                swap = None if value is None else "0"
-                writes += [("memory_bytes", memory / "memory.swap.max", swap, "max")]
+                writes += [("memory_bytes", memory / "memory.max", str(value))]
+                writes += [("memory_bytes", memory / "memory.swap.max", "0")]
             else:
-                limit = memory / "memory.limit_in_bytes"
-                pair = [("memory_bytes", limit, text, "-1")]
+                # memsw may never be below the memory limit: the memory limit first.
+                writes += [("memory_bytes", memory / "memory.limit_in_bytes", str(value))]
                 if self.hierarchies.memsw:
-                    pair += [("memory_bytes", memory / "memory.memsw.limit_in_bytes", text, "-1")]
-                # memsw may never be below the memory limit: the memory limit first as it
-                # goes down, memsw first as it goes up (from a value written ahead).
-                old = self._written.get(limit)
-                if old is not None and (value is None or value > int(old)):
-                    pair.reverse()
-                writes += pair
-        if pids is not None:
-            value = self.limits.processes
-            text = None if value is None else str(value + 1)  # T counts too, as machinery
-            writes += [("processes", pids / "pids.max", text, "max")]
-        if cpu is not None:
-            value = self.limits.cpu_percent
-            quota = None if value is None else str(value * CFS_PERIOD_US // 100)
+                    writes += [("memory_bytes", memory / "memory.memsw.limit_in_bytes", str(value))]
+        value = self.limits.processes
+        if value is not None and pids is not None:
+            writes += [("processes", pids / "pids.max", str(value + 1))]  # T, machinery
+        value = self.limits.cpu_percent
+        if value is not None and cpu is not None:
+            quota = value * CFS_PERIOD_US // 100
             if v2:
-                text = None if quota is None else f"{quota} {CFS_PERIOD_US}"
-                writes += [("cpu_percent", cpu / "cpu.max", text, f"max {CFS_PERIOD_US}")]
+                writes += [("cpu_percent", cpu / "cpu.max", f"{quota} {CFS_PERIOD_US}")]
             else:
-                period = None if quota is None else str(CFS_PERIOD_US)
-                writes += [("cpu_percent", cpu / "cpu.cfs_period_us", period, None)]
-                writes += [("cpu_percent", cpu / "cpu.cfs_quota_us", quota, "-1")]
-        for name, path, wanted, unlimited in writes:
-            if wanted is None:
-                if path not in self._written or unlimited is None:
-                    continue  # as it was made
-                text = unlimited
-            else:
-                text = wanted
-            if self._written.get(path) == text:
-                continue
+                writes += [("cpu_percent", cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))]
+                writes += [("cpu_percent", cpu / "cpu.cfs_quota_us", str(quota))]
+        for name, path, text in writes:
             try:
                 _write(path, text)
             except OSError as error:
@@ -570,10 +558,6 @@ class TreeCgroup:
                     f"the limit {name}={getattr(self.limits, name)} cannot be applied: "
                     f"{error.strerror}"
                 ) from error
-            if wanted is None:
-                del self._written[path]
-            else:
-                self._written[path] = text
 
     def members(self, *, everywhere: bool = True) -> set[int]:
         """Every process in it, in any hierarchy (zombies are in none); with

@@ -123,16 +123,17 @@ class Interpreter:
     cgroup: TreeCgroup | None = None
 
     def join_ahead(self, cgroup: TreeCgroup) -> None:
-        """Have it join ``cgroup`` (made, with limits written or not) while it waits.
+        """Have it make ``cgroup`` and join it while it waits.
 
         It does so before it reads its spawn message (``_bootstrap``'s "join"), so the
-        kernel's wait for the move is its own, not the runner's: a load that takes it
-        sooner waits only for the rest. It owns :attr:`cgroup` from now on.
+        work, and the kernel's wait for the move, are its own, not the runner's: a load
+        that takes it sooner waits only for the rest. It owns :attr:`cgroup` from now on.
 
         Raises:
             OSError: It is gone (the message could not be sent).
         """
-        self.control.sendall(frame({"command": "join", "cgroups": cgroup.procs}))
+        message = {"command": "join", "make": cgroup.made_by_member()}
+        self.control.sendall(frame({**message, "cgroups": cgroup.procs}))
         self.cgroup = cgroup
 
     async def discard(self) -> None:

@@ -273,7 +273,7 @@ class SubprocessExecution:
         self._bootstrap = BOOTSTRAP
         self._standby = Standby(self._start_standby)
         # The tree limits of the last load that resolved under them: from then on each
-        # standby waits in a cgroup of its own, with them written (see _start_standby).
+        # standby waits in a cgroup of its own, in the hierarchies they need.
         self._expected: Limits | None = None
         # One process creation at a time: see _start.
         self._creating = trio.CapacityLimiter(1)
@@ -524,21 +524,21 @@ class SubprocessExecution:
         return interpreter
 
     def _join_ahead(self, interpreter: Interpreter, expected: Limits) -> None:
-        """Make the standby's cgroup, with the last load's limits written, and have it
-        join while it waits: the move waits for the kernel (see _cgroups), in it, not
-        here; the load that takes it writes only the limits that differ. Where that
-        fails, it joins one as it resolves, as it would unprepared."""
+        """Have the standby make its cgroup, in the hierarchies the last load's limits
+        needed, and join it while it waits: the mkdirs and the move (which waits for the
+        kernel, see _cgroups) are its own, not the runner's; the load that takes it
+        writes its limits. Where that fails, the load makes it, and the standby joins it
+        as it resolves, as it would unprepared."""
         pid = interpreter.process.pid
         started = start_time(pid)
         if started is None:
             return  # it is gone: the load that takes it finds so
-        cgroup = self.cgroups.child(f"{pid}-{started}", expected)
+        cgroup = self.cgroups.child(f"{pid}-{started}", Limits())
+        cgroup.controllers = self.cgroups.controllers(expected)
         try:
-            cgroup.create()  # a few mkdirs and writes
             interpreter.join_ahead(cgroup)
-        except (OSError, PackageError) as error:
+        except OSError as error:  # it is gone, and made nothing
             logger.debug("no cgroup prepared for the standby %d: %s", pid, error)
-            cgroup.unmake()
 
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
         """Start the bootstrap for ``load``; return once it resolved the code.
@@ -624,9 +624,9 @@ class SubprocessExecution:
         joined = False
         if cgroup is not None:
             # Prepared (the standby's, or the one its maker was moved into as it booted):
-            # the unit writes only the limits that differ as it resolves (none written
-            # for a load that asks for none: the cgroup then holds the tree without
-            # limiting it), and makes the hierarchies it needs that it lacks. A standby
+            # the unit writes only the limits as it resolves (none for a load that asks
+            # for none: the cgroup then holds the tree without limiting it), and makes
+            # the hierarchies it needs that it lacks. A standby
             # joined it itself (and joins what was added); a started T is in it unless
             # its maker forked it before the move.
             wider = cgroup.cover(limits)
@@ -692,7 +692,7 @@ class SubprocessExecution:
         if not await unit.resolve(spec):
             return None
         if self.cgroups.wanted(limits):
-            self._expected = limits  # the next standby's, written ahead
+            self._expected = limits  # the hierarchies the next standby makes
         return unit
 
     def _release(self, grant: Grant) -> None:
