@@ -37,7 +37,7 @@ from typing import Literal
 import trio
 import trio.testing
 
-from trio_supervisor import Key, Load, MemoryStore, SubprocessExecution, open_supervisor
+from trio_supervisor import Key, Limits, Load, MemoryStore, SubprocessExecution, open_supervisor
 
 from .measure import Result, compare
 
@@ -151,6 +151,10 @@ def raw(
     return trio.run(main)
 
 
+# The ceilings the runner service gives every child by default (SERVICE.md section D):
+# each child gets a cgroup of its own (where one can be written).
+CEILINGS = Limits(memory_bytes=1024**3, processes=4096)
+
 # What the fork server of child.cycle imports ahead: the one module the plugin imports
 # beside the built-in ``time`` (an owner preloads what the plugins share).
 PRELOAD = ("typing",)
@@ -164,6 +168,7 @@ def ours(
     fork_server: bool = False,
     preload: tuple[str, ...] = (),
     isolation: Literal["auto", "none"] = "auto",
+    limits: Limits | None = None,
 ) -> float:
     async def main(directory: str) -> float:
         key = Key(identity="bench", instance="child")
@@ -177,7 +182,9 @@ def ours(
                 preload=preload,
                 isolation=isolation,
             ) as execution,
-            open_supervisor(MemoryStore(), execution, lease=60.0, grace=GRACE) as supervisor,
+            open_supervisor(
+                MemoryStore(), execution, lease=60.0, grace=GRACE, limits=limits
+            ) as supervisor,
         ):
             for cycle in range(cycles):
                 started = time.perf_counter()
@@ -212,6 +219,20 @@ def run(quick: bool, rounds: int) -> list[Result]:
             "(fork_server=True, standby=True: the next child is forked ahead) with the "
             "plugin's one import preloaded (typing) vs a cold spawn of the same code, "
             "ready line, SIGTERM, reaped",
+        ),
+        compare(
+            "child.cycle.ceilings",
+            ours=lambda: ours(
+                cycles, 0, fork_server=True, standby=True, preload=PRELOAD, limits=CEILINGS
+            ),
+            baseline=lambda: ours(cycles, 0, fork_server=True, standby=True, preload=PRELOAD),
+            baseline_name="ours: child.cycle without ceilings",
+            unit="s/cycle",
+            better="lower",
+            target=1.05,
+            rounds=rounds,
+            note="as child.cycle with the runner service's default ceilings (memory_bytes "
+            "1 GiB, processes 4096: a cgroup per child) vs the same without them",
         ),
         compare(
             "child.cycle.no_isolation",
@@ -252,6 +273,18 @@ def run(quick: bool, rounds: int) -> list[Result]:
             rounds=rounds,
             note="as child.cycle, with the default standby=False: the interpreter starts "
             "during the load",
+        ),
+        compare(
+            "child.cycle.cold.ceilings",
+            ours=lambda: ours(cycles, 0, limits=CEILINGS),
+            baseline=lambda: ours(cycles, 0),
+            baseline_name="ours: child.cycle.cold without ceilings",
+            unit="s/cycle",
+            better="lower",
+            target=1.05,
+            rounds=rounds,
+            note="as child.cycle.cold with the runner service's default ceilings vs the "
+            "same without them",
         ),
         compare(
             "child.cycle.cold.no_isolation",

@@ -12,6 +12,7 @@ test_containment.py (``test_a_restarted_runner_recovers_every_tree`` and
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -33,9 +34,10 @@ from trio_supervisor import (
     Supervisor,
     open_supervisor,
 )
-from trio_supervisor.executions._cgroups import ROOT, detect
+from trio_supervisor.executions._cgroups import ROOT, TreeCgroup, detect
+from trio_supervisor.executions._standby import Interpreter
 
-from ..support import opened, reap_orphans, until_logged, until_stopped
+from ..support import opened, reap_orphans, until, until_logged, until_stopped
 
 PLUGINS = Path(__file__).parent / "plugins_limits"
 EXAMPLES = Path(__file__).parents[2] / "examples" / "plugins"
@@ -83,8 +85,10 @@ async def sup(execution: SubprocessExecution) -> AsyncIterator[Supervisor]:
         yield supervisor
 
 
-async def loaded(sup: Supervisor, specifier: str, limits: Limits) -> LoadedRecord:
-    handle = await opened(sup, limits=limits)
+async def loaded(
+    sup: Supervisor, specifier: str, limits: Limits, request_id: str = "r1"
+) -> LoadedRecord:
+    handle = await opened(sup, limits=limits, request_id=request_id)
     await sup.load(handle, Load(specifier=specifier))
     record = await sup.status(handle)
     assert isinstance(record, LoadedRecord)
@@ -203,7 +207,8 @@ def test_without_cgroup_kill_every_member_is_killed_until_none_is_left(tmp_path:
         trio.run(cgroup.remove)
         found.close()
     assert not any(
-        directory.exists() for directory in found.child("daemons", Limits()).directories()
+        directory.exists()
+        for directory in found.child("daemons", Limits(processes=10)).directories()
     )
 
 
@@ -211,11 +216,100 @@ async def test_an_execution_starts_by_removing_the_empty_cgroups_its_state_s_las
     tmp_path: Path,
 ) -> None:
     left = await trio.to_thread.run_sync(detect, ROOT, tmp_path)
+    every = Limits(memory_bytes=256 * MiB, processes=10, cpu_percent=100)  # every hierarchy
     for name in ("empty-1", "empty-2"):
-        left.child(name, Limits()).create()  # as a run killed between spawn and join
+        left.child(name, every).create()  # as a run killed between spawn and join
     leftovers = sorted(left.leftovers())
     assert len(leftovers) == 2 * len(left.roots())
     async with SubprocessExecution(tmp_path, entry_paths=[EXAMPLES]) as execution:
         assert list(execution.cgroups.leftovers()) == []
     assert not any(path.exists() for path in leftovers)
     assert not any((root / left.parent).exists() for root in left.roots())  # its own too
+
+
+async def test_a_load_that_cannot_start_leaves_no_cgroup_behind(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
+    # Started: its cgroup was made, and its interpreter moved in, while Python booted.
+    for specifier, limits, named in (
+        ("missing:main", Limits(processes=5), "no module 'missing'"),
+        ("heartbeat:main", Limits(memory_bytes=1), "memory_bytes=1"),
+    ):
+        handle = await opened(sup, limits=limits, request_id=named)
+        with trio.fail_after(BOUND), pytest.raises(PackageError, match=named):
+            await sup.load(handle, Load(specifier=specifier))
+    assert list(execution.cgroups.leftovers()) == []
+
+
+async def prepared_standby(execution: SubprocessExecution) -> tuple[Interpreter, TreeCgroup]:
+    """The standby and its cgroup, once it waits in it."""
+
+    def prepared() -> tuple[Interpreter, TreeCgroup] | None:
+        ready = execution._standby.ready  # white-box: what the next load takes
+        if ready is None or ready.cgroup is None:
+            return None
+        # It joins by itself, once it is told to.
+        return (ready, ready.cgroup) if ready.cgroup.holds(ready.process.pid) else None
+
+    return await until(prepared, "a standby in a cgroup of its own", bound=BOUND)
+
+
+async def test_a_standby_waits_in_its_cgroup_and_the_load_that_takes_it_writes_its_limits(
+    tmp_path: Path,
+) -> None:
+    async with (
+        SubprocessExecution(tmp_path, entry_paths=[EXAMPLES], standby=True) as execution,
+        open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as sup,
+    ):
+        hierarchies = execution.cgroups.limits
+        if not {"memory", "pids"} <= set(hierarchies):
+            pytest.skip(f"cgroups here: {execution.cgroups.describe()}")
+        # Standbys wait in a cgroup once a load resolved under a tree limit: the one
+        # started as the second load takes its own is the first to. (Each load
+        # supersedes the one before.)
+        for request in ("first", "second"):
+            await loaded(sup, "heartbeat:main", Limits(processes=10), request)
+        standby, cgroup = await prepared_standby(execution)
+        pids = hierarchies["pids"] / cgroup.path
+        memory = hierarchies["memory"] / cgroup.path
+        assert (pids / "cgroup.procs").read_text().split() == [str(standby.process.pid)]
+        assert (pids / "pids.max").read_text() == "max\n"  # written by the load
+        assert not memory.exists()  # only where the last load's limits needed one
+        record = await loaded(
+            sup, "heartbeat:main", Limits(processes=5, memory_bytes=256 * MiB), "third"
+        )
+        assert record.child.cgroup == cgroup.path
+        assert record.child.pid == standby.process.pid
+        assert (pids / "pids.max").read_text() == "6\n"
+        assert int((memory / "memory.limit_in_bytes").read_text()) == 256 * MiB
+        # T joined the hierarchy the load added before it forked the plugin.
+        assert len((memory / "cgroup.procs").read_text().split()) == 2
+        with trio.fail_after(BOUND):
+            await sup.dispose(record.handle)
+        assert not pids.exists()
+        assert not memory.exists()
+
+
+async def test_a_prepared_cgroup_goes_with_its_standby(tmp_path: Path) -> None:
+    async with (
+        SubprocessExecution(tmp_path, entry_paths=[EXAMPLES], standby=True) as execution,
+        open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as sup,
+    ):
+        if "pids" not in execution.cgroups.limits:
+            pytest.skip(f"cgroups here: {execution.cgroups.describe()}")
+        for request in ("first", "second"):  # each supersedes the one before
+            await loaded(sup, "heartbeat:main", Limits(processes=10), request)
+        # Killed while it waits: the load that finds it dead removes its cgroup.
+        dead, cgroup = await prepared_standby(execution)
+        os.kill(dead.process.pid, signal.SIGKILL)
+        await until(lambda: dead.process.poll() is not None, "the standby is dead", bound=BOUND)
+        third = await loaded(sup, "heartbeat:main", Limits(processes=10), "third")
+        assert third.child.pid != dead.process.pid
+        await until(lambda: not cgroup.directories()[0].exists(), "its cgroup removed")
+        # Discarded as the execution exits: its cgroup goes with it, and then the parents.
+        _, waiting = await prepared_standby(execution)
+        directories = waiting.directories()
+        with trio.fail_after(BOUND):
+            await sup.dispose(third.handle)
+    assert not any(directory.exists() for directory in directories)
+    assert not any(directory.parent.exists() for directory in directories)

@@ -8,9 +8,14 @@ process in a session and process group of its own. Messages are length-prefixed
 ``marshal`` values (4-byte big-endian length, then the payload):
 
     child -> supervisor   {"event": "tracked", "pid": 1234}   first: which process is T
+    supervisor -> child   {"command": "join", "make": [...], "cgroups": [...]}   to a
+                          standby, while it waits: the cgroup it makes (its directory
+                          in each hierarchy) and the cgroup.procs files it joins
     supervisor -> child   {"command": "spawn", ...}     what to run, limits, context
                           (to a standby started ahead, also "log" and "environment";
-                          with a cgroup, "cgroups": the cgroup.procs files T joins;
+                          with a cgroup, "cgroups": the cgroup.procs files T joins
+                          (unless it joined them ahead), or "joined": those of the
+                          cgroup T was born in;
                           isolated, "isolation": the uid, home, TMPDIR, network and
                           view P takes before it runs anything, see :func:`isolate`)
     child -> supervisor   {"event": "resolved", "code": {...}, "containment": "namespace"}
@@ -1342,6 +1347,16 @@ def main() -> int:
     if len(sys.argv) > 2:  # started by the supervisor (a forked T has the FD alone)
         launch(control, sys.argv[2], sys.argv[3] == "strict")
     spec = control.read()
+    ahead: list[str] = []  # a standby's cgroup, joined while it waited
+    while isinstance(spec, dict) and spec.get("command") == "join":
+        try:
+            for directory in spec["make"]:
+                os.makedirs(directory)
+            join_cgroups(spec["cgroups"])
+            ahead = spec["cgroups"]
+        except OSError:
+            ahead = []  # the supervisor makes it, and it joins, as it resolves
+        spec = control.read()
     if not isinstance(spec, dict) or spec.get("command") != "spawn":
         return 2
     if "isolation" in spec:
@@ -1350,7 +1365,8 @@ def main() -> int:
         # is in view. P is made dumpable again as it isolates itself.
         libc("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
     try:
-        join_cgroups(spec.get("cgroups", ()))
+        if spec.get("cgroups", ahead) != ahead:
+            join_cgroups(spec["cgroups"])
         if "log" in spec:
             # Started ahead as a standby: now it becomes the session's child.
             take_over(spec["log"], spec["environment"])
@@ -1369,7 +1385,7 @@ def main() -> int:
         return 1
     containment = "namespace" if os.getpid() == 1 else "sweep"
     tracked = Tracked(control, containment)
-    tracked.cgroups = spec.get("cgroups", [])
+    tracked.cgroups = spec.get("cgroups") or spec.get("joined", [])
     control.send({"event": "resolved", "code": code, "containment": containment})
     # Forked while the supervisor makes the child's identity durable, before "start".
     if tracked.fork_plugin(spec) == 0:

@@ -12,12 +12,48 @@ restarted runner finds what its previous run left). Two layouts are used:
   v2 cgroup of the same name where a cgroup2 hierarchy offers ``cgroup.kill`` (a
   process may be in a v1 and a v2 cgroup at once).
 
-Each child gets ``<parent>/<pid>-<start time>`` (its tracked process T's, which is
-unique within a boot) in every hierarchy used, made by the runner with the limits
-written before the spawn message is sent. T writes "0" (itself) into each
-``cgroup.procs`` before it forks the plugin, so the whole tree is in the cgroup before
-any of the caller's code runs; T counts toward ``pids.max`` (set to ``processes + 1``)
-and toward the memory, as machinery.
+Each child gets ``<parent>/<pid>-<start time>`` (the pid and start time of the first
+of its processes to be in it, unique within a boot) in the hierarchies its limits need
+(:meth:`Hierarchies.controllers`: ``cpu`` and ``cpuacct`` only for ``cpu_percent``)
+and the kill's, and its tracked process T is in it before it forks the plugin, so the
+whole tree is in the cgroup before any of the caller's code runs; T counts toward
+``pids.max`` (set to ``processes + 1``) and toward the memory, as machinery. The limits
+are written before the spawn message is sent.
+
+Moving a process into a cgroup waits for the kernel: the first move after a quiet
+moment waits for an RCU grace period (``synchronize_rcu``, as the attach takes the
+cgroups' thread-group lock for writing: about 11 ms on a 2-core VM, holding every
+other ``mkdir`` and ``rmdir`` of cgroups meanwhile; moves less than a grace period
+apart do not wait), while making a cgroup and writing a limit do not. An operator can
+remove that wait for the whole machine (``favordynmods``, a cgroup2 mount option, or
+``cgroup_favordynmods=true`` on the kernel's command line, Linux 6.7+), at the price of
+slower forks and exits. So the move is kept off a load's path wherever the process is known
+before the load is (:meth:`Hierarchies.prepared`; the load then writes only its
+limits, :meth:`TreeCgroup.create`):
+
+* **the standby** (started or forked ahead) makes its cgroup and joins it by itself
+  while it waits (told to by a "join" message before any spawn message: the work and
+  the kernel's wait are its own, not the runner's), once a load of this execution has
+  resolved under a tree limit, in the hierarchies that load's limits needed. The load
+  that takes the standby writes its limits, and makes the hierarchies it needs that
+  the last one did not (T joins those as it resolves; and all of it, should the
+  standby have failed to). A load that takes the standby before it has joined waits
+  only for the rest of the move;
+* **a cold start** moves the started interpreter in while Python boots, and its limits
+  are written as T resolves (one that it cannot boot under fails the load as the
+  request's fault). T, forked by the started interpreter once it has booted, is born in
+  the cgroup (a fork inherits its parent's cgroups and waits for nothing); should it
+  have been forked before the move, it joins by itself. The started interpreter, in
+  the cgroup too, is reaped before the spawn message: a zombie counts toward
+  ``pids.max``.
+* otherwise (a child forked for its load by the fork server without a standby, or a
+  standby that was not prepared), T writes "0" (itself) into each ``cgroup.procs`` as
+  it resolves, and the load waits for the move.
+
+A prepared cgroup that no load takes is removed with its process: a standby discarded
+(as the execution exits, or found dead by a load), a cold start that failed. What a
+killed runner's prepared cgroups held ends with it (a standby sees its socket close),
+and the next start on the same state directory removes them empty.
 
 Rules that never bend:
 
@@ -41,7 +77,7 @@ import errno
 import hashlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -50,6 +86,7 @@ import trio
 
 from ..errors import PackageError
 from ..model import Limits
+from ._groups import start_time
 
 __all__ = ["PARENT", "ROOT", "Hierarchies", "TreeCgroup", "detect"]
 
@@ -97,10 +134,29 @@ class Hierarchies:
     def used(self) -> bool:
         return bool(self.limits) or self.kill is not None
 
-    def roots(self) -> list[Path]:
-        """Each hierarchy used, once."""
-        found = [*self.limits.values(), *([self.kill] if self.kill is not None else [])]
+    def roots(self, controllers: Collection[str] | None = None) -> list[Path]:
+        """Each hierarchy used (holding one of ``controllers``, if given, or the kill), once."""
+        found = [
+            root for name, root in self.limits.items() if controllers is None or name in controllers
+        ]
+        found += [self.kill] if self.kill is not None else []
         return list(dict.fromkeys(found))
+
+    def controllers(self, limits: Limits) -> frozenset[str]:
+        """The controllers a child's cgroup needs for ``limits``.
+
+        Only those: a cgroup of a v1 hierarchy costs its making, its removal and (cpu)
+        a scheduling group of the kernel's, so a child limited in memory and processes
+        alone has none in ``cpu`` and ``cpuacct`` (its accounting).
+        """
+        needed = set()
+        if limits.memory_bytes is not None:
+            needed.add("memory")
+        if limits.processes is not None:
+            needed.add("pids")
+        if limits.cpu_percent is not None:
+            needed |= {"cpu", "cpuacct"}
+        return frozenset(name for name in needed if name in self.limits)
 
     def describe(self) -> str:
         """One line for the log: what limits a child's tree, and what kills it."""
@@ -163,8 +219,27 @@ class Hierarchies:
         return limits
 
     def child(self, name: str, limits: Limits) -> TreeCgroup:
-        """The cgroup of a new child, not made yet (see :meth:`TreeCgroup.create`)."""
-        return TreeCgroup(self, f"{self.parent}/{name}", limits)
+        """The cgroup of a new child, not made yet (see :meth:`TreeCgroup.create`), in
+        the hierarchies its limits need."""
+        return TreeCgroup(self, f"{self.parent}/{name}", limits, self.controllers(limits))
+
+    def prepared(self, pid: int, limits: Limits) -> TreeCgroup:
+        """A cgroup made for the process ``pid`` and holding it, in the hierarchies
+        ``limits`` need, with none of them written yet.
+
+        Blocks while the kernel moves it (see the module's docs): call it in a worker
+        thread, while the process boots, before its load's limits are written.
+
+        Raises:
+            OSError: It cannot be made, or ``pid`` moved (ProcessLookupError: it is gone).
+        """
+        started = start_time(pid)
+        if started is None:
+            raise ProcessLookupError(errno.ESRCH, f"no process {pid}")
+        cgroup = self.child(f"{pid}-{started}", Limits())
+        cgroup.controllers = self.controllers(limits)
+        cgroup.prepare(pid)
+        return cgroup
 
     def recorded(self, path: str) -> TreeCgroup:
         """The cgroup a record names, left by an earlier run.
@@ -302,18 +377,31 @@ class TreeCgroup:
         hierarchies: What :func:`detect` found.
         path: The cgroup, relative to each hierarchy's root.
         limits: What it enforces once made.
+        controllers: Those whose hierarchies it is in (and the kill's); None: every one
+            (a cgroup an earlier run recorded, whichever it was in).
     """
 
-    def __init__(self, hierarchies: Hierarchies, path: str, limits: Limits) -> None:
+    def __init__(
+        self,
+        hierarchies: Hierarchies,
+        path: str,
+        limits: Limits,
+        controllers: Collection[str] | None = None,
+    ) -> None:
         self.hierarchies = hierarchies
         self.path = path
         self.limits = limits
+        self.controllers = None if controllers is None else frozenset(controllers)
+        self.made = False
+        self._wider = False  # made, and in more hierarchies since (see cover)
         self.removed = False
         # A process :meth:`create` moves in, for a T that cannot join by itself.
         self.member: int | None = None
+        # The process :meth:`prepare` moved in ahead of the load.
+        self.prepared_for: int | None = None
 
     def directories(self) -> list[Path]:
-        return [root / self.path for root in self.hierarchies.roots()]
+        return [root / self.path for root in self.hierarchies.roots(self.controllers)]
 
     @property
     def procs(self) -> list[str]:
@@ -322,31 +410,115 @@ class TreeCgroup:
 
     def _in(self, controller: str) -> Path | None:
         root = self.hierarchies.limits.get(controller)
-        return None if root is None else root / self.path
+        if root is None or (self.controllers is not None and controller not in self.controllers):
+            return None
+        return root / self.path
+
+    def cover(self, limits: Limits) -> bool:
+        """Be in the hierarchies ``limits`` need too (made by :meth:`create`); whether
+        that adds one, which a process in it already is not in then."""
+        if self.controllers is None:
+            return False
+        before = self.directories()
+        self.controllers |= self.hierarchies.controllers(limits)
+        self._wider = self._wider or self.directories() != before
+        return self._wider
 
     def create(self) -> None:
-        """Make it, with its limits written.
+        """Make it (unless :meth:`prepare` did), with its limits written, and move
+        :attr:`member` in, if set.
 
         Raises:
             PackageError: The kernel refused a limit's value.
             OSError: It cannot be made.
         """
+        if self.made:
+            # Prepared: only the limits are left to write (and the hierarchies
+            # :meth:`cover` added to make, and the member to move in). A failure leaves
+            # it to the unit, which removes it once its processes are gone.
+            if self._wider:
+                self._make(missing=True)
+            try:
+                self._configure()
+            except FileNotFoundError:
+                # The standby could not make it (it joins as it resolves, then).
+                self._make(missing=True)
+                self._configure()
+            self._move_member()
+            return
+        self._make()
+        try:
+            self._configure()
+            self._move_member()
+        except BaseException:
+            self.unmake()
+            raise
+
+    def prepare(self, pid: int) -> None:
+        """Make it with no limits, and move ``pid`` in (see :meth:`Hierarchies.prepared`).
+
+        Raises:
+            OSError: It cannot be made, or ``pid`` moved; nothing is left then.
+        """
+        self._make()
+        try:
+            self._move(pid)
+        except BaseException:
+            self.unmake()
+            raise
+        self.prepared_for = pid
+
+    def holds(self, pid: int) -> bool:
+        """Whether ``pid`` is in it in every hierarchy."""
+        text = str(pid)
+        for procs in self.procs:
+            try:
+                with open(procs) as file:
+                    if not any(line.strip() == text for line in file):
+                        return False
+            except FileNotFoundError:
+                return False
+        return True
+
+    def _make(self, *, missing: bool = False) -> None:
         made: list[Path] = []
         try:
             for directory in self.directories():
+                if missing and directory.exists():
+                    continue
                 # The parent too, should the last child of a run it had lost (by a
                 # closed socket) have removed it as it left (see _bootstrap.leave_cgroups).
                 directory.mkdir(parents=True)
                 made.append(directory)
-            self._configure()
-            if self.member is not None:
-                for procs in self.procs:
-                    _write(Path(procs), str(self.member))
         except BaseException:
             for directory in reversed(made):
                 with contextlib.suppress(OSError):
                     directory.rmdir()
             raise
+        self.made = True
+
+    def unmake(self) -> None:
+        """Remove it again, made and holding nothing (best effort)."""
+        for directory in reversed(self.directories()):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        self.made = False
+
+    def _move(self, pid: int) -> None:
+        for procs in self.procs:
+            _write(Path(procs), str(pid))
+
+    def _move_member(self) -> None:
+        if self.member is not None:
+            self._move(self.member)
+
+    def made_by_member(self) -> list[str]:
+        """Its directories, for the process that makes it and joins it (a standby, as
+        it waits: see ``_bootstrap``'s "join"). From now on it counts as made, with no
+        limit written: :meth:`create` writes them (and makes it, should the process
+        have failed to)."""
+        self.made = True
+        return [str(directory) for directory in self.directories()]
 
     def _configure(self) -> None:
         v2 = self.hierarchies.v2
@@ -377,7 +549,9 @@ class TreeCgroup:
             try:
                 _write(path, text)
             except OSError as error:
-                if error.errno != errno.EINVAL:
+                # EBUSY: a v1 memory limit below what the cgroup holds already (T, in it
+                # since it was prepared), which the kernel could not reclaim.
+                if error.errno not in (errno.EINVAL, errno.EBUSY):
                     raise
                 # The host asked for a value this kernel cannot take: its request's fault.
                 raise PackageError(
@@ -390,12 +564,16 @@ class TreeCgroup:
         ``everywhere`` False, in one: T joins them all before it forks, so each holds
         the whole tree, and one read is the cheaper."""
         found: set[int] = set()
-        for procs in self.procs if everywhere else self.procs[-1:]:
+        # The last first: the kill's hierarchy, where there is one. Another may be
+        # missing (a recorded cgroup is looked for in every hierarchy).
+        for procs in reversed(self.procs):
             try:
                 with open(procs) as file:
                     found.update(int(line) for line in file if line.strip())
             except FileNotFoundError:
                 continue
+            if not everywhere:
+                break
         return found
 
     def kill(self) -> None:

@@ -26,6 +26,7 @@ Races this guards against:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import marshal
 import os
@@ -43,6 +44,7 @@ import trio
 
 from ..errors import ExecutionError
 from ..realtime import bounded, outside_the_run
+from ._cgroups import TreeCgroup
 
 __all__ = [
     "BOOTSTRAP",
@@ -110,20 +112,48 @@ class Interpreter:
         marker: The reading end of a pipe whose writing end it inherited, and passes on
             to whatever it starts: how its leftovers are known once it is gone (see
             ``_trees.strays``).
+        cgroup: The cgroup it joins ahead of its load (:meth:`join_ahead`, or made as
+            it booted by ``start_interpreter``'s ``join``); whoever takes the
+            interpreter owns it.
     """
 
     process: ChildProcess
     control: socket.socket
     marker: int
+    cgroup: TreeCgroup | None = None
+
+    def join_ahead(self, cgroup: TreeCgroup) -> None:
+        """Have it make ``cgroup`` and join it while it waits.
+
+        It does so before it reads its spawn message (``_bootstrap``'s "join"), so the
+        work, and the kernel's wait for the move, are its own, not the runner's: a load
+        that takes it sooner waits only for the rest. It owns :attr:`cgroup` from now on.
+
+        Raises:
+            OSError: It is gone (the message could not be sent).
+        """
+        message = {"command": "join", "make": cgroup.made_by_member()}
+        self.control.sendall(frame({**message, "cgroups": cgroup.procs}))
+        self.cgroup = cgroup
 
     async def discard(self) -> None:
-        """End it and reap it. It ran nothing and is alone in its process group."""
+        """End it and reap it, and remove its cgroup. It ran nothing and is alone in its
+        process group (and its cgroup)."""
         self.control.close()
         os.close(self.marker)
         if self.process.poll() is None:  # not reaped, so its pid is still ours
             self.process.kill()
         with bounded(DISCARD_CONFIRMATION), outside_the_run():
             await self.process.wait()
+        await _remove(self.cgroup)
+
+
+async def _remove(cgroup: TreeCgroup | None) -> None:
+    """Remove a prepared cgroup whose process is gone (one still there stays, for the
+    execution's next start to remove)."""
+    if cgroup is not None:
+        with bounded(DISCARD_CONFIRMATION), contextlib.suppress(OSError):
+            await cgroup.remove()
 
 
 async def start_interpreter(
@@ -137,6 +167,7 @@ async def start_interpreter(
     strict: bool,
     creating: trio.CapacityLimiter,
     keep: Sequence[int] = (),
+    join: Callable[[int], TreeCgroup | None] | None = None,
 ) -> Interpreter:
     """A bootstrap process, waiting for its spawn message on the returned socket.
 
@@ -151,6 +182,9 @@ async def start_interpreter(
         strict: A namespace is required (T refuses its spawn message without one).
         creating: Held while the process is created (not while it boots).
         keep: More descriptors it inherits, by the same numbers (the children's view).
+        join: Called in a worker thread with the started process's pid while its
+            Python boots: the cgroup it moved the process into (T, forked once it has
+            booted, is born in it), which the interpreter returned holds, or None.
 
     Raises:
         OSError: The process could not be started.
@@ -185,12 +219,35 @@ async def start_interpreter(
     finally:
         theirs.close()
         os.close(marked)
+    joined: list[TreeCgroup | None] = [None]
+
+    async def joining() -> None:
+        assert join is not None
+        joined[0] = await trio.to_thread.run_sync(join, process.pid)
+
     try:
         # Shielded: a bootstrap that made T and was then abandoned would leave a T
         # nobody knows of. Bounded: Python's start-up, at worst BOOT_TIMEOUT.
         with trio.CancelScope(shield=True), bounded(BOOT_TIMEOUT), outside_the_run():
-            tracked = await _tracked(process, ours)
-            return Interpreter(tracked, ours, marker)
+            if join is None:
+                tracked = await _tracked(process, ours)
+            else:
+                # The move waits for the kernel while Python boots, not after it.
+                found: ChildProcess | ExecutionError
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(joining)
+                    try:
+                        found = await _tracked(process, ours)
+                    except ExecutionError as error:
+                        found = error  # raised as itself, not in the nursery's group
+                if isinstance(found, ExecutionError):
+                    raise found
+                tracked = found
+                if joined[0] is not None and isinstance(tracked, ForkedProcess):
+                    # T's maker was in the cgroup, and exits as soon as T exists: reaped
+                    # now, as its zombie counts toward pids.max until it is.
+                    await tracked.reap_maker()
+            return Interpreter(tracked, ours, marker, joined[0])
         raise ExecutionError(f"the child's bootstrap did not start within {BOOT_TIMEOUT:g} s")
     except BaseException:
         ours.close()
@@ -199,6 +256,7 @@ async def start_interpreter(
             if process.poll() is None:
                 process.kill()
             await process.wait()
+            await _remove(joined[0])
         raise
 
 
@@ -364,8 +422,8 @@ class Standby:
         self.ready = None
         nursery.start_soon(self.fill, name="standby interpreter")
         if standby.process.poll() is not None:
-            standby.control.close()  # it died while it waited (reaped by poll)
-            os.close(standby.marker)
+            # It died while it waited (reaped by poll): its socket and cgroup go.
+            nursery.start_soon(standby.discard, name="dead standby interpreter")
             return None
         return standby
 

@@ -181,7 +181,9 @@ class ProcessUnit:
             if cgroup is not None:
                 try:
                     if cgroup.member is None:
-                        cgroup.create()  # a few mkdirs and writes; T joins by itself
+                        # A few mkdirs and writes (only the limits', where it was made
+                        # ahead); T joins by itself, or is in it already.
+                        cgroup.create()
                     else:
                         # Moving another process waits for the kernel (an RCU grace
                         # period, milliseconds): not on the event loop.

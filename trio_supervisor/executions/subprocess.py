@@ -60,8 +60,11 @@ holds capabilities over that namespace only, none over the host.
 
 Hard limits for the whole tree (``_cgroups``): where a cgroup can be written, each child
 asking for a tree limit (``memory_bytes``, ``processes``, ``cpu_percent``) has one, which
-T joins before it forks the plugin (a child without one is contained as before, and
-pays nothing for cgroups). ``memory_bytes`` is then the tree's
+T is in before it forks the plugin: made and joined ahead where it can be (the standby
+joins one while it waits, a cold start's interpreter is moved into one as Python boots),
+so that the load writes only its limits. A child without a tree limit is contained as before, and
+pays nothing for cgroups (but for a standby prepared once loads asked for them, whose
+cgroup then holds its tree with no limit). ``memory_bytes`` is then the tree's
 memory plus swap (no ``RLIMIT_AS``), ``processes`` its ``pids.max`` and
 ``cpu_percent`` its CPU quota; the kill adds ``cgroup.kill``, and ``wait`` returns only
 once the cgroup is empty, then removes it. An OOM kill is reported in the exit status.
@@ -94,7 +97,7 @@ from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination, thaw
 from ..realtime import outside_the_run
 from ._cgroups import ROOT as CGROUP_ROOT
-from ._cgroups import Hierarchies, detect
+from ._cgroups import Hierarchies, TreeCgroup, detect
 from ._containment import CONTAINMENTS, Containment, Mechanism, choose
 from ._forkserver import Broken, ForkServer, check_preload
 from ._groups import become_subreaper, boot_id, group_gone, read_stat, reap_group, start_time
@@ -270,6 +273,9 @@ class SubprocessExecution:
         self._stack: contextlib.AsyncExitStack | None = None
         self._bootstrap = BOOTSTRAP
         self._standby = Standby(self._start_standby)
+        # The tree limits of the last load that resolved under them: from then on each
+        # standby waits in a cgroup of its own, in the hierarchies they need.
+        self._expected: Limits | None = None
         # One process creation at a time: see _start.
         self._creating = trio.CapacityLimiter(1)
         # Interpreters booting at once (started, not yet resolved): see spawn.
@@ -367,6 +373,8 @@ class SubprocessExecution:
         finally:
             # Every background task has ended, a standby being started included.
             await self._standby.close()
+            # Its cgroup went with it: the parents are empty only now.
+            self.cgroups.close()
 
     @property
     def fork_server_pid(self) -> int | None:
@@ -455,7 +463,11 @@ class SubprocessExecution:
         environment["TRIO_SUPERVISOR_GENERATION"] = str(handle.generation)
         return environment
 
-    async def _start(self, environment: Mapping[str, str], output: int) -> Interpreter:
+    async def _start(
+        self, environment: Mapping[str, str], output: int, *, tree: Limits | None = None
+    ) -> Interpreter:
+        """An interpreter, forked by the fork server or started; with ``tree`` (tree
+        limits), one started is moved into a cgroup of its own while it boots."""
         server = self._server
         if server is not None and self._nursery is not None:
             if server.running:
@@ -464,9 +476,11 @@ class SubprocessExecution:
                 except Broken as error:
                     logger.warning("%s; this load starts its own interpreter", error)
             server.restart_soon(self._nursery)
-        return await self._start_cold(environment, output)
+        return await self._start_cold(environment, output, tree=tree)
 
-    async def _start_cold(self, environment: Mapping[str, str], output: int) -> Interpreter:
+    async def _start_cold(
+        self, environment: Mapping[str, str], output: int, *, tree: Limits | None = None
+    ) -> Interpreter:
         # Created one at a time (``creating``): trio starts each process in a thread,
         # and a burst of loads would run that many fork+exec threads at once, which
         # starve the event loop of the GIL for hundreds of milliseconds. Serialized, a
@@ -482,17 +496,51 @@ class SubprocessExecution:
             strict=self.mechanism.required,
             creating=self._creating,
             keep=self._keep(),
+            # The limits are written as it resolves, not before it boots: one that it
+            # cannot boot under fails the load as the request's fault (PackageError).
+            join=None if tree is None else functools.partial(self._prepared, limits=tree),
         )
+
+    def _prepared(self, pid: int, limits: Limits) -> TreeCgroup | None:
+        """(In a worker thread.) A cgroup made for ``pid`` with it inside (see
+        :meth:`Hierarchies.prepared`), or None where that fails: T then joins one as it
+        resolves, as it would unprepared."""
+        try:
+            return self.cgroups.prepared(pid, limits)
+        except OSError as error:
+            logger.debug("no cgroup prepared for the interpreter %d: %s", pid, error)
+            return None
 
     async def _start_standby(self) -> Interpreter:
         # Output goes nowhere until the spawn message names the session's log.
         if self._server is None or not self._server.running:
-            return await self._start_cold(self._base_environment(), subprocess.DEVNULL)
-        nowhere = os.open(os.devnull, os.O_WRONLY)
+            interpreter = await self._start_cold(self._base_environment(), subprocess.DEVNULL)
+        else:
+            nowhere = os.open(os.devnull, os.O_WRONLY)
+            try:
+                interpreter = await self._start(self._base_environment(), nowhere)
+            finally:
+                os.close(nowhere)
+        if self._expected is not None and self.python == sys.executable:
+            self._join_ahead(interpreter, self._expected)
+        return interpreter
+
+    def _join_ahead(self, interpreter: Interpreter, expected: Limits) -> None:
+        """Have the standby make its cgroup, in the hierarchies the last load's limits
+        needed, and join it while it waits: the mkdirs and the move (which waits for the
+        kernel, see _cgroups) are its own, not the runner's; the load that takes it
+        writes its limits. Where that fails, the load makes it, and the standby joins it
+        as it resolves, as it would unprepared."""
+        pid = interpreter.process.pid
+        started = start_time(pid)
+        if started is None:
+            return  # it is gone: the load that takes it finds so
+        cgroup = self.cgroups.child(f"{pid}-{started}", Limits())
+        cgroup.controllers = self.cgroups.controllers(expected)
         try:
-            return await self._start(self._base_environment(), nowhere)
-        finally:
-            os.close(nowhere)
+            interpreter.join_ahead(cgroup)
+        except OSError as error:  # it is gone, and made nothing
+            logger.debug("no cgroup prepared for the standby %d: %s", pid, error)
 
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
         """Start the bootstrap for ``load``; return once it resolved the code.
@@ -519,6 +567,7 @@ class SubprocessExecution:
         self, nursery: trio.Nursery, handle: Handle, load: Load, limits: Limits
     ) -> ProcessUnit:
         self.cgroups.refuse(limits)
+        tree = limits if self.cgroups.wanted(limits) else None
         spec = self._spec(handle, load, limits)
         log = self.log_path(handle)
         # Capped output is copied through a pipe made here, so only an uncapped load
@@ -537,7 +586,7 @@ class SubprocessExecution:
         else:
             reader, writer = os.pipe()
         try:
-            interpreter = await self._start(self._environment(handle), writer)
+            interpreter = await self._start(self._environment(handle), writer, tree=tree)
         except BaseException as error:
             if reader >= 0:
                 os.close(reader)
@@ -573,15 +622,34 @@ class SubprocessExecution:
         """
         process = interpreter.process
         started = start_time(process.pid)
-        cgroup = None
-        if self.cgroups.wanted(limits):
-            # Made by the unit as it resolves; T joins it before it forks the plugin.
+        cgroup = interpreter.cgroup
+        joined = False
+        if cgroup is not None:
+            # Prepared (the standby's, or the one its maker was moved into as it booted):
+            # the unit writes only the limits as it resolves (none for a load that asks
+            # for none: the cgroup then holds the tree without limiting it), and makes
+            # the hierarchies it needs that it lacks. A standby
+            # joined it itself (and joins what was added); a started T is in it unless
+            # its maker forked it before the move.
+            wider = cgroup.cover(limits)
+            cgroup.limits = limits
+            joined = (
+                not wider
+                and cgroup.prepared_for is not None
+                and (cgroup.prepared_for == process.pid or cgroup.holds(process.pid))
+            )
+        elif self.cgroups.wanted(limits):
+            # Made by the unit as it resolves.
             cgroup = self.cgroups.child(f"{process.pid}-{started}", limits)
-            if self.python == sys.executable:
+        if cgroup is not None:
+            if joined:
+                spec = {**spec, "joined": cgroup.procs}  # for T to remove it, orphaned
+            elif self.python == sys.executable:
+                # T joins before it forks P (unless it joined these while it waited).
                 spec = {**spec, "cgroups": cgroup.procs}
             else:
                 # Another interpreter may run as another user (a wrapper that drops
-                # privileges): we move T in ourselves, which costs the kernel more.
+                # privileges): we move T in ourselves as the unit resolves.
                 cgroup.member = process.pid
         grant = None
         if self.isolated.used:
@@ -623,7 +691,11 @@ class SubprocessExecution:
                 unit.output_done,
                 name=f"output of {load.specifier}",
             )
-        return unit if await unit.resolve(spec) else None
+        if not await unit.resolve(spec):
+            return None
+        if self.cgroups.wanted(limits):
+            self._expected = limits  # the hierarchies the next standby makes
+        return unit
 
     def _release(self, grant: Grant) -> None:
         """A child is gone: its private directory goes, and its uid is free again, after
