@@ -795,13 +795,16 @@ def hide_state(isolation: dict[str, Any], *, own_pids: bool) -> None:
     mount(None, "/", None, MS_REC | MS_SLAVE, None)  # nothing goes back to the host
     pin = os.open(home, os.O_PATH)  # in this namespace, before anything covers it
     own_mounts(isolation, own_pids=own_pids)
-    if isolation["cover"]:
+    # Covered wherever it can be seen: below a fresh tmpfs too, where a path kept for the
+    # child (the interpreter's prefix, an entry path, a checkout in /tmp) may hold it.
+    if isolation["cover"] or os.path.isdir(isolation["hide"]):
         mount("tmpfs", isolation["hide"], "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711")
         os.makedirs(home, 0o700)
         mount(f"/proc/self/fd/{pin}", home, None, MS_BIND, None)
         # The cover read-only, its own directory still writable under it.
         mount(None, isolation["hide"], None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
-    # (else the state directory is below a fresh tmpfs, and own_mounts kept the home)
+    # (else the state directory is below a fresh tmpfs and out of sight, and own_mounts
+    # kept the home)
     os.close(pin)
     os.chdir(home)
     # capset(2): version 3 header for this process, and two empty sets (no capability
