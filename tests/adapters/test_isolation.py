@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -495,3 +497,43 @@ async def test_runners_sharing_a_range_never_give_one_uid_to_two_children(
             await supervisor.dispose(handle)
         left = {str(a.child.uid), str(b.child.uid)}
         await until(lambda: not left & set(os.listdir(claims)), "their claims removed")
+
+
+@pytest.mark.parametrize("kind", ["users", "namespace"])
+async def test_a_state_directory_below_an_entry_path_in_tmp_stays_out_of_sight(
+    kind: str,
+) -> None:
+    # A checkout in /tmp that holds the plugins and the state directory too: the child's
+    # fresh /tmp has the entry path mounted back, and the state directory covered in it.
+    with tempfile.TemporaryDirectory(prefix="trio-supervisor-test-", dir="/tmp") as directory:
+        base = Path(directory)
+        os.chmod(base, 0o755)  # an entry path others may read
+        for plugin in PLUGINS.glob("*.py"):
+            shutil.copy(plugin, base)
+        state = base / "state"
+        state.mkdir(mode=0o700)
+        (state / "operator-token").write_text("secret operator-token\n")
+        async with (
+            SubprocessExecution(state, entry_paths=[base], isolation=kind) as execution,  # type: ignore[arg-type]
+            open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
+        ):
+            assert str(base) in execution.isolated.keep or kind == "users"
+            other = await loaded(supervisor, "victim", "attacks:identity")
+            await until_logged(execution, other.handle, "IDENTITY", bound=BOUND)
+            home = Path(identity_line(execution, other)[3])
+            record = await attacked(
+                supervisor, execution, other, home, root_may_write=kind == "namespace"
+            )
+            await until_logged(execution, record.handle, "done", bound=BOUND)
+            outcomes = attacks(execution.logs(record.handle))
+            listing = outcomes.pop("list the state directory")
+            assert listing.startswith("refused") or listing == "SUCCEEDED ['children']"
+            assert not {
+                name: outcomes[name]
+                for name in ON_THE_STATE
+                if name in outcomes and not outcomes[name].startswith("refused")
+            }
+            assert "secret" not in execution.logs(record.handle)
+            for handle in (record.handle, other.handle):
+                with trio.fail_after(BOUND):
+                    await supervisor.dispose(handle)
