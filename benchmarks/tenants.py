@@ -154,7 +154,7 @@ def flood_round(renews: int) -> tuple[float, float]:
         tenants.write_text(
             f'[tenants.victim]\ntoken_sha256 = "{token_hash("victim")}"\nidentities = ["victim"]\n'
             f'[tenants.flood]\ntoken_sha256 = "{token_hash("flood")}"\nidentities = ["flood"]\n'
-            "fairness = { inflight = 8, rate = 20, burst = 20 }\n"
+            "fairness = { inflight = 8, rate = 10, burst = 10 }\nquota = { sessions = 10 }\n"
         )
         os.chmod(tenants, 0o600)
         with _serve(Path(scratch, "state"), tenants) as (_, url):

@@ -195,7 +195,7 @@ def p99(samples: list[float]) -> float:
 
 async def test_a_flooding_tenant_leaves_another_tenants_renewals_on_time(tmp_path: Path) -> None:
     tenants = tmp_path / "tenants.toml"
-    fairness = "fairness = { inflight = 8, rate = 20, burst = 20 }"
+    fairness = "fairness = { inflight = 8, rate = 10, burst = 10 }\nquota = { sessions = 10 }"
     write(
         tenants,
         tenant_table("victim", "victim-token", "victim")

@@ -88,7 +88,7 @@ logger = logging.getLogger(__name__)
 
 DRAIN: Final = 8 << 20  # bytes of an oversized body read (and dropped) before the 413
 RETRY_AFTER: Final = "5"  # seconds a client should wait before retrying a closing runner
-THROTTLED_HOLD: Final = 1.0  # seconds a throttled call waits for its 429, at most
+THROTTLED_HOLD: Final = 1.0  # seconds a refused tenant's call waits for its 429, at most
 
 _OPERATORS: Final = "operators"
 _T = TypeVar("_T")
@@ -201,11 +201,12 @@ def create_app(
                 answer = _problem_of(error, request, supervisor, call, caller)
                 if counted is not None:
                     counted.called(call.name, _outcome(answer), _tenant_label(caller))
-                if isinstance(error, ThrottledError) and error.retry_after is not None:
+                if isinstance(error, ThrottledError | QuotaExceededError):
                     # Answered late: a tenant that floods gets its refusals at the pace
-                    # of its own calls' slots, and its connections idle meanwhile, so its
-                    # flood costs the runner (and every other tenant) little.
-                    await trio.sleep(min(error.retry_after, THROTTLED_HOLD))
+                    # of its own calls' slots (a quota's at most one a second), and its
+                    # connections idle meanwhile, so its flood costs the runner (and
+                    # every other tenant) little.
+                    await trio.sleep(min(error.retry_after or THROTTLED_HOLD, THROTTLED_HOLD))
                 return answer
             if counted is not None:
                 counted.called(call.name, "ok", _tenant_label(caller))
