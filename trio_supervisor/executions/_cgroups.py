@@ -484,11 +484,16 @@ class TreeCgroup:
         made: list[Path] = []
         try:
             for directory in self.directories():
-                if missing and directory.exists():
-                    continue
                 # The parent too, should the last child of a run it had lost (by a
                 # closed socket) have removed it as it left (see _bootstrap.leave_cgroups).
-                directory.mkdir(parents=True)
+                try:
+                    directory.mkdir(parents=True)
+                except FileExistsError:
+                    if not missing:
+                        raise
+                    # Made meanwhile by the standby it was prepared for, which makes
+                    # its own while it waits (and joins it, or leaves it to T to join).
+                    continue
                 made.append(directory)
         except BaseException:
             for directory in reversed(made):
