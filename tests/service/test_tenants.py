@@ -32,6 +32,7 @@ from trio_supervisor import (
     ThrottledError,
 )
 from trio_supervisor.client import RemoteSupervisor, connect
+from trio_supervisor.codec import converter
 from trio_supervisor.service.admission import Admission, Capacity
 from trio_supervisor.service.tenants import Ceilings, Fairness, Quota, Tenant, Tenants, token_hash
 from trio_supervisor.service.tenants_file import Roster
@@ -204,13 +205,7 @@ async def test_a_revoked_tenant_is_refused_at_once_and_its_event_stream_sees_no_
         async with run.bare(ACME_TOKEN) as bare:
             answer = await bare.post(
                 "/v1/renew",
-                json={
-                    "handle": {
-                        "key": {"identity": "acme-web", "instance": "eu-1"},
-                        "token": record.handle.token,
-                        "generation": 1,
-                    }
-                },
+                json={"handle": converter.unstructure(record.handle)},
             )
         assert answer.status_code == 401
         # Its session stays: an operator decides what becomes of it.
@@ -334,12 +329,8 @@ async def test_a_full_runner_is_503_with_retry_after_and_the_session_stays_open(
             answer = await bare.post(
                 "/v1/load",
                 json={
-                    "handle": {
-                        "key": {"identity": "globex", "instance": "eu-1"},
-                        "token": record.handle.token,
-                        "generation": 1,
-                    },
-                    "load": {"specifier": "worker:main", "config": {}},
+                    "handle": converter.unstructure(record.handle),
+                    "load": converter.unstructure(WORKER),
                 },
             )
         assert (answer.status_code, answer.headers["retry-after"]) == (503, "5")
