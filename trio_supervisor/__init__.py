@@ -30,6 +30,8 @@ from .errors import RecordFormatError as RecordFormatError
 from .errors import RunnerAccessError as RunnerAccessError
 from .errors import RunnerClosingError as RunnerClosingError
 from .errors import RunnerFullError as RunnerFullError
+from .errors import RunnerLostError as RunnerLostError
+from .errors import RunnerUnreachableError as RunnerUnreachableError
 from .errors import SessionConflictError as SessionConflictError
 from .errors import SessionLostError as SessionLostError
 from .errors import SessionStoppedError as SessionStoppedError
@@ -116,6 +118,8 @@ __all__ = [
     "Retention",
     "RunnerClosingError",
     "RunnerFullError",
+    "RunnerLostError",
+    "RunnerUnreachableError",
     "SessionConflictError",
     "SessionRecord",
     "SessionStoppedError",

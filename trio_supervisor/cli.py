@@ -34,7 +34,7 @@ import trio
 from ._extras import needs_extra
 from ._fields import Check
 from .codec import converter
-from .errors import SupervisorError
+from .errors import RunnerUnreachableError, SupervisorError
 from .model import Key, Phase, RunnerInfo, Termination
 
 # What the command needs beyond the engine comes with the service extra.
@@ -331,6 +331,7 @@ def _problems(error: BaseException) -> list[str] | None:
 # -- the operator's commands: a runner's sessions, runners, logs, dispose, health ----------
 
 DEFAULT_URL = "http://127.0.0.1:8470"
+CONNECT_FOR: Final = 2.0  # seconds the client commands try a runner that refuses them
 
 
 def _client_options(command: Any) -> Any:
@@ -370,11 +371,14 @@ def _run_client(
     token = _operator_token(state, token_file)
 
     async def main() -> Any:
-        async with connect(url, token=token) as runner:
+        # An operator at a terminal wants to hear soon that nothing answers.
+        async with connect(url, token=token, connect_for=CONNECT_FOR) as runner:
             return await call(runner)
 
     try:
         return trio.run(main)
+    except RunnerUnreachableError as error:
+        raise click.ClickException(error.detail) from error
     except SupervisorError as error:
         raise click.ClickException(f"{error.code}: {error.detail}") from error
     except ValueError as error:

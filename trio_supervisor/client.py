@@ -57,6 +57,8 @@ from .errors import (
     QuotaExceededError,
     RunnerAccessError,
     RunnerFullError,
+    RunnerLostError,
+    RunnerUnreachableError,
     SessionLostError,
     SessionStoppedError,
     StaleSessionError,
@@ -82,6 +84,8 @@ __all__ = [
     "RemoteSupervisor",
     "RunnerAccessError",
     "RunnerFullError",
+    "RunnerLostError",
+    "RunnerUnreachableError",
     "SessionLostError",
     "ThrottledError",
     "connect",
@@ -94,6 +98,8 @@ _LOST: Final = (LeaseExpiredError, SessionStoppedError, StaleSessionError)
 FIRST_BACKOFF: Final = 0.05  # seconds before the first retry; doubled each time
 MAX_BACKOFF: Final = 2.0
 RETRY_FOR: Final = 15.0  # seconds a repeatable call made directly is retried
+CONNECT_FOR: Final = 5.0  # seconds a refused connection is tried again, any call
+MAX_HOLDERS: Final = 10_000  # sessions whose holder the client remembers
 
 
 def _error_of(response: httpx.Response) -> Exception:
@@ -111,7 +117,16 @@ def _error_of(response: httpx.Response) -> Exception:
         return ValueError(detail)
     kind = BY_CODE.get(code, SupervisorError)
     error: SupervisorError
-    if issubclass(kind, QuotaExceededError):
+    if issubclass(kind, RunnerLostError):
+        error = kind(
+            detail,
+            _retry_after(response),
+            owner=str(problem.get("owner", "")),
+            location=str(problem.get("location", "")),
+            lease_until=_seconds(problem.get("lease_until")),
+            takeover_at=_seconds(problem.get("takeover_at")),
+        )
+    elif issubclass(kind, QuotaExceededError):
         error = kind(
             detail,
             _retry_after(response),
@@ -141,6 +156,22 @@ def _retry_after(response: httpx.Response) -> float | None:
 
 def _number(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _seconds(value: object) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def _unreachable(url: str, error: httpx.TransportError, elapsed: float) -> RunnerUnreachableError:
+    """The client's error for a runner at ``url`` that did not answer for ``elapsed`` s."""
+    why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    if _refused_by_tls(error):
+        what = "refused the TLS handshake"
+    elif isinstance(error, httpx.ConnectError | httpx.ConnectTimeout):
+        what = "is not answering" + (f" (tried for {elapsed:.1f} s)" if elapsed >= 0.1 else "")
+    else:
+        what = "stopped answering the call"
+    return RunnerUnreachableError(f"the runner at {url} {what}: {why}", url=url)
 
 
 def _misdirection(response: httpx.Response) -> tuple[str, str]:
@@ -177,9 +208,19 @@ class RemoteSupervisor:
     embedded supervisor's do, and raise the same error classes.
     """
 
-    def __init__(self, client: httpx.AsyncClient, *, retry_for: float = RETRY_FOR) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        *,
+        retry_for: float = RETRY_FOR,
+        connect_for: float = CONNECT_FOR,
+    ) -> None:
         self._client = client
         self._retry_for = retry_for
+        self._connect_for = connect_for
+        # Where each session called lately lives, when another runner of the fleet holds
+        # it than the one at the client's URL: token -> that runner's URL.
+        self._holders: dict[str, str] = {}
 
     async def aclose(self) -> None:
         """Close the connections."""
@@ -194,65 +235,151 @@ class RemoteSupervisor:
     # -- the calls -----------------------------------------------------------------------
 
     async def _call(
-        self, path: str, body: Mapping[str, Any], *, retry_for: float | None = None
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        retry_for: float | None = None,
+        token: str | None = None,
     ) -> Any:
-        """POST ``body``; the answer's JSON, or the error it stands for.
-
-        A 421 (another runner of the fleet holds the session) is followed once: the same
-        call, with the same body and tokens, to the runner it names.
+        """POST ``body``; the answer's JSON, or the error it stands for (see
+        :meth:`_exchange`).
 
         Args:
-            retry_for: Seconds within which a failed connection is retried (for calls
-                that are safe to repeat); None: never retried.
+            retry_for: Seconds within which a failed call that is safe to repeat is
+                retried; None: only what nothing reached (a refused connection, a lost
+                holder) is tried again, within the client's windows.
+            token: The token of the session the call names, if it names one.
         """
-        response = await self._post(path, body, retry_for)
-        if response.status_code == 421:
-            response = await self._follow(
-                response, lambda location: self._post(location + path, body, retry_for)
-            )
-        if response.status_code != 200:
-            raise _error_of(response)
+        response = await self._exchange("POST", path, retry_for, token, json=body)
         return response.json()
 
-    async def _post(
-        self, url: str, body: Mapping[str, Any], retry_for: float | None
+    async def _get(self, path: str, *, token: str | None = None, **params: Any) -> httpx.Response:
+        query = {name: value for name, value in params.items() if value is not None}
+        return await self._exchange("GET", path, self._retry_for, token, params=query)
+
+    async def _exchange(
+        self, method: str, path: str, retry_for: float | None, token: str | None, **request: Any
     ) -> httpx.Response:
-        """POST ``body`` to ``url`` (a path of this runner's, or a whole URL), retrying a
-        failed connection within ``retry_for`` seconds."""
-        deadline = None if retry_for is None else trio.current_time() + retry_for
+        """The 200 answer of ``method path`` for the session of ``token`` (or none).
+
+        In a fleet the session's holder answers (docs/service.md section C). A 421 names
+        it: the call goes there, once, and the client remembers where the session lives,
+        so its next calls go there at once (behind a balancer, one round trip). When the
+        holder does not take the connection, the call goes back to where it came from:
+        the fleet answers ``HolderLost`` once the holder's row has expired, and that is
+        waited out (its ``Retry-After``, re-asking at most every two seconds) within the
+        call's window (``retry_for``, else the client's).
+
+        Raises:
+            RunnerLostError: The holder stayed lost for the whole window; says when the
+                takeover is due.
+            RunnerUnreachableError: This runner, or the holder it named, did not answer.
+            MisdirectedError: A 421 that cannot be followed (see :meth:`_follow`).
+            SupervisorError: Any other problem the runner answered, as its class.
+        """
+        window = self._retry_for if retry_for is None else retry_for
+        deadline = trio.current_time() + window
+        backoff = FIRST_BACKOFF
+        while True:
+            holder = self._holders.get(token, "") if token else ""
+            try:
+                response = await self._send(method, holder, path, retry_for, **request)
+            except RunnerUnreachableError:
+                if not holder:
+                    raise
+                self._holders.pop(token or "", None)
+                continue  # the holder known is gone: ask where the call came from
+            if holder and response.status_code == 421:
+                self._holders.pop(token or "", None)
+                continue  # it holds the session no more: ask where the call came from
+            if response.status_code == 421:
+                try:
+                    response = await self._follow(
+                        response,
+                        lambda location: self._send(method, location, path, retry_for, **request),
+                        token,
+                    )
+                except RunnerUnreachableError:
+                    # Named, and not answering: until the fleet tells it lost (its row
+                    # expires), ask again where the call came from.
+                    if trio.current_time() + backoff >= deadline:
+                        raise
+                    await trio.sleep(backoff)
+                    backoff = min(backoff * 2, MAX_BACKOFF)
+                    continue
+            if response.status_code == 200:
+                return response
+            error = _error_of(response)
+            if isinstance(error, RunnerLostError):
+                if token:
+                    self._holders.pop(token, None)
+                wait = min(error.retry_after or 1.0, MAX_BACKOFF)
+                if trio.current_time() + wait < deadline:
+                    await trio.sleep(wait)
+                    continue
+            raise error
+
+    async def _send(
+        self, method: str, where: str, path: str, retry_for: float | None, **request: Any
+    ) -> httpx.Response:
+        """``method path`` at the runner at ``where`` ("": the client's), its connection
+        retried with backoff: a refused one (nothing was sent) within ``connect_for``, any
+        other within ``retry_for`` (None: never).
+
+        Raises:
+            RunnerUnreachableError: No answer within those windows, or a TLS handshake
+                that failed (no retry mends that); the transport's error is its cause.
+        """
+        started = trio.current_time()
         backoff = FIRST_BACKOFF
         while True:
             try:
-                return await self._client.post(url, json=body)
+                return await self._client.request(method, where + path, **request)
             except httpx.TransportError as error:
-                if (
-                    deadline is None
-                    or trio.current_time() + backoff >= deadline
-                    or _refused_by_tls(error)
-                ):
-                    raise
-                await trio.sleep(backoff)
+                unsent = isinstance(error, httpx.ConnectError | httpx.ConnectTimeout)
+                window = self._connect_for if unsent else retry_for
+                elapsed = trio.current_time() - started
+                if window is None or elapsed >= window or _refused_by_tls(error):
+                    raise _unreachable(where or self._url, error, elapsed) from error
+                await trio.sleep(min(backoff, window - elapsed))  # the last try at its end
                 backoff = min(backoff * 2, MAX_BACKOFF)
+
+    @property
+    def _url(self) -> str:
+        """The URL of the runner the client was given."""
+        return str(self._client.base_url).rstrip("/")
 
     async def _follow(
         self,
         misdirected: httpx.Response,
         again: Callable[[str], Awaitable[httpx.Response]],
+        token: str | None,
     ) -> httpx.Response:
-        """The answer of the runner a 421 names: ``again`` at its URL, once.
+        """The answer of the runner a 421 names: ``again`` at its URL, once; that URL is
+        remembered as the holder of ``token``'s session when it answers as the holder.
 
         Raises:
             MisdirectedError: The 421 named no URL, or the runner it named answered 421
                 too (the detail names both runners).
+            RunnerUnreachableError: The runner named did not answer.
         """
-        here = str(self._client.base_url).rstrip("/")
+        here = self._url
         owner, location = _misdirection(misdirected)
         if not location:
             raise MisdirectedError(
                 f"the runner at {here} says the runner {owner!r} holds the session, but not "
                 "where it is reached (its --advertise URL)"
             )
-        answer = await again(location.rstrip("/"))
+        location = location.rstrip("/")
+        try:
+            answer = await again(location)
+        except RunnerUnreachableError as error:
+            raise RunnerUnreachableError(
+                f"the runner at {here} says the runner {owner!r} at {location} holds the "
+                f"session, and it is not answering ({error.detail})",
+                url=location,
+            ) from error
         if answer.status_code == 421:
             other, elsewhere = _misdirection(answer)
             if other == owner:
@@ -266,7 +393,16 @@ class RemoteSupervisor:
                 f"which sent it on to the runner {other!r} at {elsewhere or 'no URL'}: the "
                 "runners disagree on who holds the session; followed once only"
             )
+        if token and answer.status_code != 503:
+            self._remember(token, location)
         return answer
+
+    def _remember(self, token: str, location: str) -> None:
+        """Remember where ``token``'s session lives (the oldest forgotten past a bound)."""
+        self._holders.pop(token, None)
+        self._holders[token] = location
+        if len(self._holders) > MAX_HOLDERS:
+            del self._holders[next(iter(self._holders))]
 
     async def open(
         self,
@@ -306,14 +442,16 @@ class RemoteSupervisor:
         return await self._renew(handle, self._retry_for)
 
     async def _renew(self, handle: Handle, retry_for: float) -> float:
-        answer = await self._call("/v1/renew", _handle(handle), retry_for=retry_for)
+        answer = await self._call(
+            "/v1/renew", _handle(handle), retry_for=retry_for, token=handle.token
+        )
         return float(answer["lease"])
 
     async def load(self, handle: Handle, load: Load) -> CodeIdentity:
         """Load code into the session's child (L1-L6); see ``Supervisor.load``."""
         _check(load, Load, "load")
         body = {**_handle(handle), "load": converter.unstructure(load)}
-        answer = await self._call("/v1/load", body)
+        answer = await self._call("/v1/load", body, token=handle.token)
         code: CodeIdentity = _structure(answer["code"], CodeIdentity)
         return code
 
@@ -326,7 +464,10 @@ class RemoteSupervisor:
         return await self._dispose(handle, self._retry_for)
 
     async def _dispose(self, handle: Handle, retry_for: float) -> Termination:
-        answer = await self._call("/v1/dispose", _handle(handle), retry_for=retry_for)
+        answer = await self._call(
+            "/v1/dispose", _handle(handle), retry_for=retry_for, token=handle.token
+        )
+        self._holders.pop(handle.token, None)  # stopped: no call need find it quickly
         termination: Termination = _structure(answer["termination"], Termination)
         return termination
 
@@ -335,7 +476,9 @@ class RemoteSupervisor:
 
         Retried on a failed connection.
         """
-        answer = await self._call("/v1/status", _handle(handle), retry_for=self._retry_for)
+        answer = await self._call(
+            "/v1/status", _handle(handle), retry_for=self._retry_for, token=handle.token
+        )
         record: SessionRecord = _structure(answer["record"], SessionRecord)
         return record
 
@@ -349,17 +492,6 @@ class RemoteSupervisor:
         return None if generation is None else int(generation)
 
     # -- the operators' calls (the operators' token) -----------------------------------
-
-    async def _get(self, path: str, **params: Any) -> httpx.Response:
-        query = {name: value for name, value in params.items() if value is not None}
-        response = await self._client.get(path, params=query)
-        if response.status_code == 421:
-            response = await self._follow(
-                response, lambda location: self._client.get(location + path, params=query)
-            )
-        if response.status_code != 200:
-            raise _error_of(response)
-        return response
 
     async def sessions(
         self, *, phase: str | None = None, identity: str | None = None
@@ -414,7 +546,13 @@ class RemoteSupervisor:
         An ``{"event": "overflow"}`` item means the runner dropped some for this reader:
         list the sessions afresh. Ends when the runner shuts down.
         """
-        async with self._client.stream("GET", "/v1/events", timeout=None) as response:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                response = await stack.enter_async_context(
+                    self._client.stream("GET", "/v1/events", timeout=None)
+                )
+            except httpx.TransportError as error:
+                raise _unreachable(self._url, error, 0.0) from error
             if response.status_code != 200:
                 await response.aread()
                 raise _error_of(response)
@@ -429,7 +567,7 @@ class RemoteSupervisor:
 
     async def health(self) -> dict[str, Any]:
         """``/readyz``: ``{"status": "ready"}``, or the problem saying why not."""
-        response = await self._client.get("/readyz")
+        response = await self._send("GET", "", "/readyz", None)
         answer: dict[str, Any] = response.json()
         return answer
 
@@ -556,8 +694,13 @@ async def connect(
     verify: bool | str = True,
     transport: httpx.AsyncBaseTransport | None = None,
     retry_for: float = RETRY_FOR,
+    connect_for: float = CONNECT_FOR,
 ) -> AsyncIterator[RemoteSupervisor]:
     """Connect to a runner.
+
+    Nothing is sent until the first call. A runner that does not take the connection
+    (down, restarting, or not at ``url``) is tried again for ``connect_for`` seconds,
+    then the call raises :class:`RunnerUnreachableError` naming the URL.
 
     Args:
         url: The runner's URL, as its ``listening on`` line says.
@@ -567,16 +710,22 @@ async def connect(
         transport: An httpx transport, for tests.
         retry_for: Seconds within which a call that is safe to repeat (open by request
             id, renew, dispose, status, high-water) is retried when its connection
-            fails; 0: never. An open with a lease is retried within that lease.
+            fails mid-call; 0: never. An open with a lease is retried within that
+            lease. It is also how long a call waits out a fleet's ``HolderLost`` (its
+            session's runner is lost, and the takeover is due) before raising
+            :class:`RunnerLostError`.
+        connect_for: Seconds within which a refused connection is tried again, for any
+            call (nothing reached the runner); 0: never. The default is 5 s.
     """
     if not isinstance(token, str) or not token:
         raise ValueError("token must be a non-empty str")
-    if (
-        isinstance(retry_for, bool)
-        or not isinstance(retry_for, int | float)
-        or not 0 <= retry_for < math.inf
-    ):
-        raise ValueError(f"retry_for must be a finite number of seconds >= 0, got {retry_for!r}")
+    for name, seconds in (("retry_for", retry_for), ("connect_for", connect_for)):
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not 0 <= seconds < math.inf
+        ):
+            raise ValueError(f"{name} must be a finite number of seconds >= 0, got {seconds!r}")
     client = httpx.AsyncClient(
         base_url=url,
         headers={"Authorization": f"Bearer {token}"},
@@ -585,5 +734,5 @@ async def connect(
         verify=ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify,
         transport=transport,
     )
-    async with RemoteSupervisor(client, retry_for=retry_for) as runner:
+    async with RemoteSupervisor(client, retry_for=retry_for, connect_for=connect_for) as runner:
         yield runner

@@ -31,6 +31,8 @@ __all__ = [
     "RunnerAccessError",
     "RunnerClosingError",
     "RunnerFullError",
+    "RunnerLostError",
+    "RunnerUnreachableError",
     "SessionConflictError",
     "SessionLostError",
     "SessionStoppedError",
@@ -227,6 +229,60 @@ class MisdirectedError(SupervisorError):
     code = "Misdirected"
 
 
+class RunnerLostError(SupervisorError):
+    """The runner of the fleet that holds the session stopped renewing its row (503
+    ``HolderLost``): it is dead or cut off, and its sessions wait for their takeover.
+
+    Answered at once by any runner of the fleet, with ``Retry-After`` until the takeover
+    is due (docs/service.md section C). The client waits it out within its retry window,
+    then raises it. After the takeover the session reads as Stopped (reason Recovery).
+
+    Attributes:
+        owner: The lost runner's id.
+        location: Its advertised URL ("" if it advertised none).
+        lease_until: When its row's lease ran out, seconds since the Unix epoch (the
+            database's clock).
+        takeover_at: When another runner may take the session over: ``lease_until`` plus
+            the session's lease and the runner's stop bound (same clock).
+        retry_after: Seconds until then, as the runner answered them (None if unknown).
+    """
+
+    code = "HolderLost"
+
+    def __init__(
+        self,
+        detail: str,
+        retry_after: float | None = None,
+        *,
+        owner: str = "",
+        location: str = "",
+        lease_until: float = 0.0,
+        takeover_at: float = 0.0,
+    ) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
+        self.owner = owner
+        self.location = location
+        self.lease_until = lease_until
+        self.takeover_at = takeover_at
+
+
+class RunnerUnreachableError(SupervisorError):
+    """The client could not reach a runner within its window (no connection, or none
+    that answered): the runner is down, or not at that URL. The client's own; the
+    transport's error is its ``__cause__``.
+
+    Attributes:
+        url: The URL that did not answer.
+    """
+
+    code = "RunnerUnreachable"
+
+    def __init__(self, detail: str, *, url: str = "") -> None:
+        super().__init__(detail)
+        self.url = url
+
+
 class SessionLostError(SupervisorError):
     """A session's lease could not be kept: it expired, stopped or was superseded.
 
@@ -264,6 +320,8 @@ BY_CODE: dict[str, type[SupervisorError]] = {
         ThrottledError,
         RunnerFullError,
         MisdirectedError,
+        RunnerLostError,
+        RunnerUnreachableError,
         SessionLostError,
     )
 }

@@ -588,6 +588,9 @@ class RunnerInfo:
         max_children, allocatable: Its capacity (docs/service.md D): children at once,
             and bytes its children's memory ceilings may sum to; None where unknown
             (another runner's, or a runner without capacity).
+        stop_bound: How long past a session's lease its children may take to end (its
+            grace, confirmation and the dead-man switch's slack): with the session's
+            lease, the margin after ``lease_until`` before a takeover (0 where unknown).
     """
 
     runner_id: str
@@ -601,6 +604,7 @@ class RunnerInfo:
     memory_allocated: int = 0
     max_children: int | None = None
     allocatable: int | None = None
+    stop_bound: float = 0.0
 
 
 @attrs.frozen(kw_only=True)

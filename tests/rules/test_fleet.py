@@ -15,8 +15,11 @@ import trio
 
 from trio_supervisor import (
     Disposed,
+    Handle,
+    Limits,
     Load,
     MemoryStore,
+    OpenRecord,
     PostgresStore,
     RunnerClosingError,
     SessionStoppedError,
@@ -25,6 +28,7 @@ from trio_supervisor import (
     StoppedRecord,
     Superseded,
     Supervisor,
+    TerminationUnconfirmedError,
     open_supervisor,
 )
 from trio_supervisor.abc import FleetMember
@@ -160,6 +164,38 @@ async def test_f6_o9_an_open_that_waited_for_a_takeover_starts_its_lease_as_it_r
             with pytest.raises(ExceptionGroup) as raised:
                 await held_by_a_then_taken_over()
             assert raised.group_contains(StateStorageError, match="taken over")
+
+
+async def test_f6_an_open_whose_live_holder_never_stops_fails_and_leaves_no_generation_running(
+    database: str,
+) -> None:
+    """a's store holds generation 1 with no supervisor to stop it: its row is live and
+    nothing hears the supersede. b's open fails after the stop bound with
+    TerminationUnconfirmedError, and its generation 2, whose handle nobody got, is
+    stopped (reason Disposed), not left to run until its lease runs out."""
+    with own_schema(database) as schema:
+        async with (
+            PostgresStore(database, runner_id="a", schema=schema, runner_lease=30) as on_a,
+            PostgresStore(database, runner_id="b", schema=schema, runner_lease=30) as on_b,
+            supervise_embedded(on_b, FakeExecution()) as b,
+        ):
+            held = OpenRecord(
+                handle=Handle(key=KEY, token=uuid.uuid4().hex, generation=1),
+                request_id="held",
+                lease=60.0,
+                limits=Limits(),
+            )
+            await on_a.save(held)
+            with trio.fail_after(30), pytest.raises(TerminationUnconfirmedError, match="runner a"):
+                await b.open(KEY, "newer", expected_generation=1, lease=60.0)
+            assert b.find(KEY, 2) is not None
+
+            def stopped_record() -> StoppedRecord | None:
+                found = b.find(KEY, 2)
+                return found if isinstance(found, StoppedRecord) else None
+
+            stopped = await until(stopped_record, "generation 2 stopped")
+            assert isinstance(stopped.reason, Disposed)
 
 
 async def test_z1_a_shutdown_ends_an_open_waiting_for_an_older_generation_elsewhere(

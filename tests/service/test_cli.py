@@ -248,7 +248,9 @@ def test_a_runner_out_of_reach_exits_1_saying_where(operator: Operator) -> None:
         url = f"http://127.0.0.1:{closed.getsockname()[1]}"
         result = operator.run("health", "--url", url, reach=False)
     assert result.status == 1
-    assert result.err.startswith(f"Error: cannot reach the runner at {url}: ")
+    assert result.err.startswith(
+        f"Error: the runner at {url} is not answering (tried for 2.0 s): ConnectError: "
+    )
 
 
 def test_a_usage_error_exits_2(operator: Operator) -> None:

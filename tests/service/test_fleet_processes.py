@@ -35,6 +35,7 @@ from trio_supervisor import (
     Key,
     Load,
     LoadedRecord,
+    RunnerLostError,
     StaleSessionError,
     StoppedRecord,
     Superseded,
@@ -227,29 +228,83 @@ async def test_an_open_that_supersedes_a_session_on_another_runner_returns_once_
 async def test_a_killed_runner_is_taken_over_after_the_margin_with_its_children_gone(
     tmp_path: Path, tokens: tuple[Path, Path], database: str
 ) -> None:
-    """F7: kill -9 of a runner holding a loaded session; another runner's open of the key
-    waits for the takeover, which comes only after the margin, the child gone by then."""
-    with fleet(tmp_path, tokens, database, count=2) as (doomed, survivor):
-        async with hosts([doomed, survivor]) as (first, second):
+    """F7: kill -9 of a runner holding a loaded session. Until the takeover, which comes
+    only after the margin, its session's calls answer 503 HolderLost on the survivors.
+    A chain of opens across it (generation 2 on r2 waiting for the takeover, generation
+    3 on r3 waiting for generation 2) ends with both returned, no 500: r3 waits out the
+    takeover's bound, not r2's stop bound alone (F6)."""
+    with fleet(tmp_path, tokens, database) as (doomed, second_runner, third_runner):
+        async with hosts([doomed, second_runner, third_runner]) as (first, second, third):
             record = await first.open(KEY, "held", lease=LEASE)
             await first.load(record.handle, Load(specifier="heartbeat:main"))
             pid = await child_of(first, record.handle)
             doomed.process.kill()
             killed = time.monotonic()
             doomed.process.wait()
+            opened: dict[str, Any] = {}
+
+            async def open_on(name: str, host: RemoteSupervisor, expected: int) -> None:
+                opened[name] = await host.open(
+                    KEY, f"after-{name}", expected_generation=expected, lease=30.0
+                )
+
+            async def lost() -> dict[str, Any] | None:
+                async with second_runner.http(HOSTS_TOKEN) as bare:
+                    answer = await bare.post("/v1/renew", json={"handle": handle_json(record)})
+                if answer.status_code == 421:
+                    return None  # r1's row has not expired yet
+                assert answer.status_code == 503, answer.text
+                return {"retry-after": answer.headers["retry-after"], **answer.json()}
+
             with trio.fail_after(MARGIN + RUNNER_LEASE + 30):
-                newer = await second.open(KEY, "after", expected_generation=1, lease=30.0)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(open_on, "r2", second, 1)
+
+                    async def recorded() -> bool:
+                        return await third.high_water(KEY) == 2
+
+                    await until(recorded, "generation 2 recorded", every=0.005)
+                    nursery.start_soon(open_on, "r3", third, 2)
+                    problem = await until(lost, "the survivors tell r1 lost", bound=10)
+                    assert (problem["code"], problem["owner"], problem["location"]) == (
+                        "HolderLost",
+                        "r1",
+                        doomed.url,
+                    )
+                    assert problem["takeover_at"] > time.time() - 1
+                    assert int(problem["retry-after"]) >= 1
+                    async with connect(
+                        third_runner.url, token=HOSTS_TOKEN, retry_for=0.2
+                    ) as impatient:
+                        with pytest.raises(RunnerLostError, match="'r1' at http"):
+                            await impatient.renew(record.handle)
             waited = time.monotonic() - killed
-            assert newer.handle.generation == 2
+            assert opened["r2"].handle.generation == 2
+            assert opened["r3"].handle.generation == 3
             # Not early: the row was valid up to a runner lease past the kill, and the
             # takeover waits a session lease, grace, confirmation and slack past that.
             assert waited >= LEASE + GRACE + CONFIRMATION, waited
             assert process_state(pid) in (None, "Z"), "the dead runner's child outlived takeover"
-            taken = await fleet_record(survivor, 1)
-            assert taken is not None
-            assert taken["runner"] == "r1"
-            assert taken["reason"]["kind"] == "Recovery"
-            assert taken["termination"]["exit"]["runner_lost"] is True
+            # Generation 1's Stopped record (Recovery, runner lost: tested in
+            # test_postgres_store.py) is evicted by generation 2's (one kept per key).
+            took = "is dead past its takeover margin; took over 1 of its sessions: fleet/one#1"
+            assert any(took in runner.stderr() for runner in (second_runner, third_runner))
+            superseded = await second.status(opened["r2"].handle)
+            assert isinstance(superseded, StoppedRecord)
+            assert isinstance(superseded.reason, Superseded)
+            # After the takeover nothing points at the dead runner: its session was
+            # stopped, then evicted (404, not a 421 or a 503).
+            with pytest.raises(StaleSessionError):
+                await third.renew(record.handle)
+
+
+def handle_json(record: Any) -> dict[str, Any]:
+    handle = record.handle
+    return {
+        "key": {"identity": handle.key.identity, "instance": handle.key.instance},
+        "token": handle.token,
+        "generation": handle.generation,
+    }
 
 
 async def test_a_runner_frozen_past_its_takeover_writes_nothing_once_it_resumes(

@@ -36,7 +36,7 @@ from trio_supervisor import Handle, Key, Load, MemoryStore, PostgresStore, Super
 from trio_supervisor._background import open_background_nursery
 from trio_supervisor.abc import FleetStore
 from trio_supervisor.client import RemoteSupervisor, connect
-from trio_supervisor.errors import MisdirectedError, QuotaExceededError
+from trio_supervisor.errors import MisdirectedError, QuotaExceededError, RunnerLostError
 from trio_supervisor.service.app import create_app
 from trio_supervisor.service.fleet import Fleet
 from trio_supervisor.service.openapi import document
@@ -103,6 +103,7 @@ async def fleet_of_two(
     *,
     advertised: Mapping[str, str] | None = None,
     tenants: Tenants | None = None,
+    runner_lease: float = 10.0,
 ) -> AsyncIterator[tuple[Served, Served]]:
     """Runners ``a`` and ``b`` of one fleet, each on its own ``PostgresStore`` in
     ``schema`` and served on its own port.
@@ -112,6 +113,7 @@ async def fleet_of_two(
             own by default): a misconfigured fleet.
         tenants: The fleet's tenants (each runner is given the same); None: the hosts'
             token, whose client each Served holds.
+        runner_lease: Each runner's row's lease (renewed every third of it).
     """
     names = ("a", "b")
     sockets: dict[str, socket.socket] = {}
@@ -128,7 +130,13 @@ async def fleet_of_two(
             whose = (advertised or {}).get(name, name)
             advertise = urls[whose] if whose else ""
             store = await stack.enter_async_context(
-                PostgresStore(database, runner_id=name, schema=schema, advertise=advertise)
+                PostgresStore(
+                    database,
+                    runner_id=name,
+                    schema=schema,
+                    advertise=advertise,
+                    runner_lease=runner_lease,
+                )
             )
             assert isinstance(store, FleetStore)
             supervisor = await stack.enter_async_context(supervise_embedded(store, FakeExecution()))
@@ -280,6 +288,134 @@ async def test_a_421_without_a_location_is_an_error_naming_the_owner(
         assert (await b.host.status(record.handle)).phase.value == "Open"
 
 
+class Recording(httpx.AsyncBaseTransport):
+    """The real transport, noting each request's URL."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.urls: list[str] = []
+        self.changed = trio.Event()  # set, and made anew, at each request
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.urls.append(str(request.url))
+        self.changed.set()
+        self.changed = trio.Event()
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_the_client_remembers_the_holder_so_a_call_behind_a_balancer_is_one_round_trip(
+    database: str, schema: str
+) -> None:
+    async with fleet_of_two(database, schema) as (a, b):
+        record = await b.host.open(KEY, "req-1")
+        recording = Recording()
+        async with connect(a.url, token=HOSTS_TOKEN, transport=recording) as host:
+            await host.renew(record.handle)
+            assert recording.urls == [f"{a.url}/v1/renew", f"{b.url}/v1/renew"]
+            recording.urls.clear()
+            await host.renew(record.handle)
+            await host.load(record.handle, LOAD)
+            await host.status(record.handle)
+            assert recording.urls == [
+                f"{b.url}/v1/renew",
+                f"{b.url}/v1/load",
+                f"{b.url}/v1/status",
+            ]
+
+
+def expire(database: str, schema: str, runner: str, *, url: str | None = None) -> float:
+    """Make ``runner``'s row read as expired a second ago (as a runner killed a runner
+    lease ago leaves it), optionally advertising ``url``; its ``lease_until``."""
+    with psycopg.connect(database, autocommit=True) as connection:
+        row = connection.execute(
+            f'UPDATE "{schema}".runners SET lease_until = clock_timestamp() - interval '
+            "'1 second', advertise = coalesce(%s, advertise) WHERE runner_id = %s "
+            "RETURNING extract(epoch FROM lease_until)::double precision, stop_bound",
+            (url, runner),
+        ).fetchone()
+    assert row is not None
+    return float(row[0])
+
+
+async def test_a_call_for_a_session_whose_holder_is_lost_is_a_503_saying_when_the_takeover_is(
+    database: str, schema: str
+) -> None:
+    # b renews its row every 100 s: the row expired here stays expired for the test.
+    async with fleet_of_two(database, schema, runner_lease=300.0) as (a, b):
+        record = await b.host.open(KEY, "req-1", lease=20.0)
+        lease_until = expire(database, schema, "b")
+        async with connect(a.url, token=OPERATOR_TOKEN) as operator:
+            runners = {runner.runner_id: runner for runner in await operator.runners()}
+        assert not runners["b"].alive
+        stop_bound = runners["b"].stop_bound
+        assert stop_bound > 0
+        async with httpx.AsyncClient(base_url=a.url, headers=HOSTS) as bare:
+            answer = await bare.post("/v1/renew", json={"handle": handle_json(record.handle)})
+        assert answer.status_code == 503, answer.text
+        problem = answer.json()
+        assert (problem["code"], problem["owner"], problem["location"]) == (
+            "HolderLost",
+            "b",
+            b.url,
+        )
+        assert problem["lease_until"] == pytest.approx(lease_until, abs=0.01)
+        takeover_at = lease_until + 20.0 + stop_bound
+        assert problem["takeover_at"] == pytest.approx(takeover_at, abs=0.01)
+        assert 1 <= int(answer.headers["retry-after"]) <= takeover_at - time.time() + 1
+        assert f"'b' at {b.url}, which stopped renewing its lease" in problem["detail"]
+        # The client waits it out within its window, then says the same in one error.
+        async with connect(a.url, token=HOSTS_TOKEN, retry_for=0.5) as host:
+            with pytest.raises(RunnerLostError) as raised:
+                await host.status(record.handle)
+        lost = raised.value
+        assert (lost.owner, lost.location) == ("b", b.url)
+        assert lost.takeover_at == pytest.approx(takeover_at, abs=0.01)
+        assert lost.retry_after is not None
+        assert lost.retry_after >= 1
+
+
+async def test_a_holder_that_does_not_take_the_connection_sends_the_client_back(
+    database: str, schema: str
+) -> None:
+    # b's row names an address where nobody listens (a runner killed there): the client
+    # follows the 421 there, is refused, and asks a again, until a answers HolderLost.
+    nobody, dead = bound()
+    nobody.close()
+    async with fleet_of_two(database, schema, runner_lease=300.0) as (a, b):
+        record = await b.host.open(KEY, "req-1", lease=20.0)
+        with psycopg.connect(database, autocommit=True) as connection:
+            connection.execute(
+                f'UPDATE "{schema}".runners SET advertise = %s WHERE runner_id = %s', (dead, "b")
+            )
+        recording = Recording()
+
+        async def lose_b_after_two_tries() -> None:
+            while recording.urls.count(f"{dead}/v1/status") < 2:
+                await recording.changed.wait()
+            expire(database, schema, "b")
+
+        async with (
+            connect(
+                a.url, token=HOSTS_TOKEN, transport=recording, retry_for=5.0, connect_for=0
+            ) as host,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(lose_b_after_two_tries)
+            with pytest.raises(RunnerLostError) as raised:
+                await host.status(record.handle)
+        assert raised.value.location == dead
+        assert recording.urls[:4] == [
+            f"{a.url}/v1/status",
+            f"{dead}/v1/status",
+            f"{a.url}/v1/status",
+            f"{dead}/v1/status",
+        ]
+        assert f"{a.url}/v1/status" == recording.urls[-1]
+
+
 # -- what operators see ---------------------------------------------------------------------
 
 
@@ -306,6 +442,7 @@ async def test_runners_lists_the_fleet_for_operators_only(database: str, schema:
             "memory_allocated",
             "max_children",
             "allocatable",
+            "stop_bound",
         }
         # This runner (a) knows its own capacity alone; b's is b's to say.
         assert listed["b"]["max_children"] is None

@@ -35,6 +35,7 @@ from trio_supervisor import (
     Load,
     LoadedRecord,
     Phase,
+    RunnerUnreachableError,
     StaleSessionError,
     StoppedRecord,
 )
@@ -369,7 +370,7 @@ async def test_a_runner_killed_mid_load_recovers_on_restart_before_it_listens(
             async def load_slowly() -> None:
                 try:
                     await host.load(two.handle, Load(specifier="slow:main"))
-                except httpx.TransportError as error:
+                except RunnerUnreachableError as error:
                     failures.append(error)
 
             async with trio.open_nursery() as nursery:
@@ -505,7 +506,7 @@ async def test_tls_serves_https_to_a_client_that_verifies_the_certificate(
             assert (await host.dispose(record.handle)).kind == "exited"
         # Verification is real: without the certificate, the runner is not trusted.
         async with connect(runner.url, token=runner.token(), request_timeout=10) as stranger:
-            with pytest.raises(httpx.ConnectError):
+            with pytest.raises(RunnerUnreachableError, match="refused the TLS handshake"):
                 await stranger.status(record.handle)
         assert await runner.terminate() == 0
 

@@ -410,6 +410,18 @@ class Supervisor:
                 # Superseded by another runner while this open waited for the older
                 # generations (the notification came before the session existed: F5).
                 session.stop_soon(Superseded())
+            elif isinstance(failure, TerminationUnconfirmedError):
+                # The open fails, so its host never learns the handle: a session left
+                # running would be held by nobody until its lease ran out (F6).
+                logger.warning(
+                    "generation %d of %s/%s is stopped: its open failed (%s)",
+                    record.handle.generation,
+                    key.identity,
+                    key.instance,
+                    failure.detail,
+                    extra=log_fields(key, record.handle.generation),
+                )
+                session.stop_soon(Disposed())
         finally:
             self._opening -= 1
             if self._opened:

@@ -56,6 +56,7 @@ from ..errors import (
     OperatorsOnlyError,
     QuotaExceededError,
     RunnerClosingError,
+    RunnerLostError,
     StaleSessionError,
     SupervisorError,
     ThrottledError,
@@ -583,6 +584,13 @@ def _problem_of(
         if isinstance(error, QuotaExceededError):
             body.update(
                 quota=error.quota, requested=error.requested, used=error.used, hard=error.hard
+            )
+        if isinstance(error, RunnerLostError):
+            body.update(
+                owner=error.owner,
+                location=error.location,
+                lease_until=error.lease_until,
+                takeover_at=error.takeover_at,
             )
         if status in (401, 403, 429) or error.code == "RunnerFull":
             _log_refusal(request, caller, status, error.detail)

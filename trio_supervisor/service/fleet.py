@@ -10,8 +10,11 @@ The engine does the fleet's work (global fencing, superseding, takeover) through
   (it raised ``StaleSession``) asks ``store.owner(token)``. When another runner holds
   the session, the answer is ``421 Misdirected Request``, its problem body naming that
   runner (``owner``) and where it is reached (``location``); the client follows it
-  once. A session this runner holds (an earlier epoch's, say), or one no runner holds,
-  keeps its ``StaleSession``: a token that matches nothing still leaks nothing.
+  once. When that runner's row has expired (it died, or is cut off), sending the host
+  there would only time out: the answer is ``503 HolderLost`` instead, naming the runner,
+  when its lease ran out and when the session's takeover is due, with ``Retry-After``
+  until then. A session this runner holds (an earlier epoch's, say), or one no runner
+  holds, keeps its ``StaleSession``: a token that matches nothing still leaks nothing.
   Operator calls that name a session by key and generation (logs, admin dispose) are
   routed by the fleet's record of it.
 * **``GET /v1/runners``**: ``store.runners()``.
@@ -28,8 +31,8 @@ from collections.abc import Sequence
 from typing import Final
 
 from ..abc import FleetStore
-from ..errors import MisdirectedError
-from ..model import FleetRecord, Key, Phase, RunnerInfo, SessionRecord
+from ..errors import MisdirectedError, RunnerLostError
+from ..model import FleetRecord, Key, Phase, RunnerInfo, SessionRecord, StoppedRecord
 from .wire import Problem
 
 __all__ = ["MISDIRECTED", "Fleet"]
@@ -64,13 +67,19 @@ class Fleet:
 
         Raises:
             Problem: 421, with ``owner`` and ``location``.
+            RunnerLostError: The runner holding it no longer renews its row (503).
             StateStorageError: The store cannot say (a 503: the host retries).
         """
         if self.store is None:
             return
         owner = await self.store.owner(token)
-        if owner is not None and owner.runner_id != self.runner_id:
+        if owner is None or owner.runner_id == self.runner_id:
+            return
+        if owner.alive:
             raise misdirected(owner)
+        held = await self.store.held(token)
+        if held is not None and not isinstance(held.record, StoppedRecord):
+            raise lost(owner, held.record.lease)
 
     async def route_key(self, key: Key, generation: int) -> None:
         """:meth:`route` for a session named by key and generation (operator calls)."""
@@ -111,6 +120,26 @@ class Fleet:
             last.pop(held.record.handle.token, None)  # kept in the order of its last save
             last[held.record.handle.token] = held
         return list(last.values())
+
+
+def lost(owner: RunnerInfo, lease: float) -> RunnerLostError:
+    """The 503 answered for a session of ``lease`` held by ``owner``, whose row expired:
+    the takeover may come once its row is older than the lease and its stop bound (F7).
+    ``Retry-After`` reads the database's times against this runner's clock."""
+    takeover_at = owner.lease_until + lease + owner.stop_bound
+    left = takeover_at - time.time()
+    where = f" at {owner.advertise}" if owner.advertise else ""
+    due = f"in {left:.0f} s" if left >= 0.5 else "now"
+    return RunnerLostError(
+        f"the session is held by the runner {owner.runner_id!r}{where}, which stopped "
+        f"renewing its lease {max(time.time() - owner.lease_until, 0.0):.0f} s ago; its "
+        f"sessions are taken over {due}, and then read as stopped (reason Recovery)",
+        max(left, 1.0),
+        owner=owner.runner_id,
+        location=owner.advertise,
+        lease_until=owner.lease_until,
+        takeover_at=takeover_at,
+    )
 
 
 def misdirected(owner: RunnerInfo) -> Problem:

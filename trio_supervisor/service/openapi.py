@@ -21,7 +21,7 @@ import attrs
 from .. import __version__
 from .._fields import Check
 from ..codec import TAGGED_UNIONS
-from ..errors import SupervisorError
+from ..errors import RunnerLostError, SupervisorError
 from ..model import Phase
 from .calls import CALLS, Call
 from .fleet import MISDIRECTED
@@ -156,6 +156,7 @@ def _statuses(call: Call) -> dict[int, list[str]]:
         meanings.setdefault(422, []).append(_INVALID_QUERY)
     if call.routed:
         meanings[421] = [_MISDIRECTED]
+        meanings.setdefault(503, []).append(_meaning(RunnerLostError))
     for kind in call.errors:
         if kind in call.overrides:
             status, meaning = call.overrides[kind]
@@ -229,8 +230,19 @@ def document() -> dict[str, Any]:
             "detail": {"type": "string"},
             "code": {"type": "string"},
             "notes": {"type": "array", "items": {"type": "string"}},
-            "owner": {"type": "string", "description": "421: the runner holding the session"},
-            "location": {"type": "string", "description": "421: that runner's URL"},
+            "owner": {
+                "type": "string",
+                "description": "421, 503 HolderLost: the runner holding the session",
+            },
+            "location": {"type": "string", "description": "421, 503 HolderLost: that runner's URL"},
+            "lease_until": {
+                "type": "number",
+                "description": "503 HolderLost: when the holder's lease ran out (Unix seconds)",
+            },
+            "takeover_at": {
+                "type": "number",
+                "description": "503 HolderLost: when its sessions may be taken over (Unix seconds)",
+            },
         },
         "required": ["type", "title", "status", "detail", "code"],
     }

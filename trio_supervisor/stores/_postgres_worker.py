@@ -387,7 +387,7 @@ class Worker:
             "SELECT u.runner_id, u.epoch, u.advertise, extract(epoch FROM u.started_at), "
             "    extract(epoch FROM u.lease_until), u.lease_until > clock_timestamp(), "
             "    (SELECT count(*) FROM records r "
-            "     WHERE r.runner_id = u.runner_id AND r.stopped IS NULL) "
+            "     WHERE r.runner_id = u.runner_id AND r.stopped IS NULL), u.stop_bound "
             "FROM runners u WHERE %(only)s::text IS NULL OR u.runner_id = %(only)s "
             "ORDER BY u.runner_id",
             {"only": only},
@@ -401,8 +401,9 @@ class Worker:
                 lease_until=float(until),
                 alive=alive,
                 sessions=sessions,
+                stop_bound=stop_bound,
             )
-            for runner, epoch, advertise, started, until, alive, sessions in rows
+            for runner, epoch, advertise, started, until, alive, sessions, stop_bound in rows
         ]
 
     def _owner(self, connection: psycopg.Connection[Any], token: str) -> RunnerInfo | None:

@@ -282,7 +282,9 @@ class PostgresStore(Opening):
         another runner (O5 across the fleet).
 
         A runner dead past its takeover margin is taken over on the way; a live one gets
-        its ``stop_bound`` plus two check periods.
+        its ``stop_bound`` plus two check periods, counted from when no runner holding an
+        older generation than its own is dead (its older generation may be an open that
+        waits for that takeover).
 
         Raises:
             TerminationUnconfirmedError: A live runner did not stop its older generation
@@ -301,11 +303,15 @@ class PostgresStore(Opening):
                 return
             now = time.monotonic()
             dead: dict[str, int] = {}
+            # The lowest generation held by a runner whose row expired: a live runner's
+            # later generation may itself be an open waiting for that takeover (F6), so
+            # its stop bound starts once the takeover is done, never before.
+            lost = min((row[2] for row in older if row[5] > 0), default=None)
             for runner, epoch, held, lease, stop_bound, expired_for in older:
                 if expired_for > lease + stop_bound:
                     dead[runner] = epoch
-                elif expired_for > 0:
-                    deadlines.pop(runner, None)  # dead: its takeover margin bounds the wait
+                elif expired_for > 0 or (lost is not None and held > lost):
+                    deadlines.pop(runner, None)  # a takeover's margin bounds the wait
                 else:
                     bound = stop_bound + 2 * MOST_CHECK
                     if now > deadlines.setdefault(runner, now + bound):
