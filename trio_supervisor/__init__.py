@@ -29,6 +29,7 @@ from .errors import QuotaExceededError as QuotaExceededError
 from .errors import RecordFormatError as RecordFormatError
 from .errors import RunnerAccessError as RunnerAccessError
 from .errors import RunnerClosingError as RunnerClosingError
+from .errors import RunnerDrainingError as RunnerDrainingError
 from .errors import RunnerFullError as RunnerFullError
 from .errors import RunnerLostError as RunnerLostError
 from .errors import RunnerUnreachableError as RunnerUnreachableError
@@ -117,6 +118,7 @@ __all__ = [
     "Recovery",
     "Retention",
     "RunnerClosingError",
+    "RunnerDrainingError",
     "RunnerFullError",
     "RunnerLostError",
     "RunnerUnreachableError",

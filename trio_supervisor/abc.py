@@ -200,6 +200,10 @@ class FleetStore(BatchStore, Protocol):
         """The runner that holds the session of ``token``, if a record of it is retained."""
         ...
 
+    async def drain(self) -> None:
+        """Mark this member draining in :meth:`runners` until it starts again."""
+        ...
+
 
 @runtime_checkable
 class Unit(Protocol):

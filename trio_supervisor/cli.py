@@ -32,7 +32,7 @@ import attrs
 import trio
 
 from ._extras import needs_extra
-from ._fields import Check
+from ._fields import Check, Seconds
 from .codec import converter
 from .errors import RunnerUnreachableError, SupervisorError
 from .model import Key, Phase, RunnerInfo, Termination
@@ -61,6 +61,7 @@ with needs_extra(
         table_text,
         without_table,
     )
+    from .service.wire import DEFAULT_DRAIN_DEADLINE, DRAIN_DEADLINE
 
 __all__ = ["main"]
 
@@ -242,7 +243,7 @@ def _option(field: attrs.Attribute[Any]) -> Callable[[Any], Any]:
         )
     elif kind is bool:
         flag = f"{flag}/--no-{flag.removeprefix('--')}"
-    elif kind is float:
+    elif kind in (float, float | None):
         options["type"] = float
     elif kind in (int, int | None):
         options["type"] = int
@@ -511,10 +512,22 @@ def runners(url: str, state: Path, token_file: Path | None, as_json: bool) -> No
             info.advertise or "-",
             _moment(info.started_at),
             _moment(info.lease_until),
-            "yes" if info.alive else "no",
+            ("draining" if info.draining else "yes") if info.alive else "no",
             str(info.sessions),
         )
     _print_table(Console(), table)
+
+
+def _seconds_option(check: Seconds) -> Callable[[click.Context, click.Parameter, float], float]:
+    """An option's callback: ``check`` refuses its value as a usage error naming it."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: float) -> float:
+        try:
+            return check.seconds(f"--{param.name}", value)
+        except (TypeError, ValueError) as error:
+            raise click.UsageError(str(error), ctx) from None
+
+    return callback
 
 
 def _key(identity: str, instance: str) -> Key:
@@ -650,6 +663,36 @@ def health(url: str, state: Path, token_file: Path | None, as_json: bool) -> Non
         if not as_json:
             click.echo(f"{url}: not ready: {answer.get('detail', answer)}", err=True)
         sys.exit(1)
+
+
+@main.command()
+@_client_options
+@click.option(
+    "--deadline",
+    type=float,
+    default=DEFAULT_DRAIN_DEADLINE,
+    show_default=True,
+    callback=_seconds_option(DRAIN_DEADLINE),
+    metavar="SECONDS",
+    help="Stop the sessions still running after this many seconds.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+def drain(url: str, state: Path, token_file: Path | None, deadline: float, as_json: bool) -> None:
+    """Drain the runner: it takes no new sessions or children (and /readyz says so), its
+    sessions run on until their hosts dispose them or their leases run out, and at the
+    deadline the rest are stopped; then it exits 0. Its fleet's other runners take the
+    new work: drain one runner at a time."""
+    answer: dict[str, Any] = _run_client(
+        url, state, token_file, lambda runner: runner.drain(deadline)
+    )
+    if as_json:
+        click.echo(json.dumps(answer))
+        return
+    left = int(answer["sessions"])
+    click.echo(
+        f"{url}: draining; {left} session{'' if left == 1 else 's'} left, stopped by "
+        f"{_moment(float(answer['until']))} at the latest"
+    )
 
 
 # -- the tenants file: tenants add, list, revoke (docs/service.md section D) ---------------

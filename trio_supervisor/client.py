@@ -56,6 +56,7 @@ from .errors import (
     OperatorsOnlyError,
     QuotaExceededError,
     RunnerAccessError,
+    RunnerDrainingError,
     RunnerFullError,
     RunnerLostError,
     RunnerUnreachableError,
@@ -83,6 +84,7 @@ __all__ = [
     "RemoteSession",
     "RemoteSupervisor",
     "RunnerAccessError",
+    "RunnerDrainingError",
     "RunnerFullError",
     "RunnerLostError",
     "RunnerUnreachableError",
@@ -135,7 +137,7 @@ def _error_of(response: httpx.Response) -> Exception:
             used=_number(problem.get("used")),
             hard=_number(problem.get("hard")),
         )
-    elif issubclass(kind, ThrottledError | RunnerFullError):
+    elif issubclass(kind, ThrottledError | RunnerFullError | RunnerDrainingError):
         error = kind(detail, _retry_after(response))
     else:
         error = kind(detail)
@@ -539,6 +541,17 @@ class RemoteSupervisor:
         answer = await self._call("/v1/admin/dispose", body)
         termination: Termination = _structure(answer["termination"], Termination)
         return termination
+
+    async def drain(self, deadline: float | None = None) -> dict[str, Any]:
+        """Drain the runner (operators): no new sessions or children; it stops once its
+        sessions ended, or ``deadline`` seconds from now (an hour by default).
+
+        Returns:
+            ``{"draining": true, "until": <Unix seconds>, "sessions": <left>}``.
+        """
+        body = {} if deadline is None else {"deadline": deadline}
+        answer: dict[str, Any] = await self._call("/v1/admin/drain", body)
+        return answer
 
     async def events(self) -> AsyncGenerator[dict[str, Any], None]:
         """Each record the runner makes durable (tokens left out), as it happens.

@@ -30,6 +30,7 @@ __all__ = [
     "RecordFormatError",
     "RunnerAccessError",
     "RunnerClosingError",
+    "RunnerDrainingError",
     "RunnerFullError",
     "RunnerLostError",
     "RunnerUnreachableError",
@@ -217,6 +218,15 @@ class RunnerFullError(_Refused):
     code = "RunnerFull"
 
 
+class RunnerDrainingError(_Refused):
+    """The runner drains (503): it takes no new sessions or children, and stops once its
+    sessions have ended or its drain's deadline passed (docs/service.md section B). The
+    fleet's other runners take them; ``retry_after`` says when to try again (behind a
+    balancer, that lands elsewhere)."""
+
+    code = "RunnerDraining"
+
+
 class MisdirectedError(SupervisorError):
     """A call on a session reached a runner of a fleet that does not hold it (421), and
     the runner it named did not hold it either, or could not be named.
@@ -319,6 +329,7 @@ BY_CODE: dict[str, type[SupervisorError]] = {
         QuotaExceededError,
         ThrottledError,
         RunnerFullError,
+        RunnerDrainingError,
         MisdirectedError,
         RunnerLostError,
         RunnerUnreachableError,

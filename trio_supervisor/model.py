@@ -591,6 +591,8 @@ class RunnerInfo:
         stop_bound: How long past a session's lease its children may take to end (its
             grace, confirmation and the dead-man switch's slack): with the session's
             lease, the margin after ``lease_until`` before a takeover (0 where unknown).
+        draining: Whether it drains: it takes no new sessions, and stops once its own
+            have ended or its drain's deadline passed (docs/service.md section B).
     """
 
     runner_id: str
@@ -605,6 +607,7 @@ class RunnerInfo:
     max_children: int | None = None
     allocatable: int | None = None
     stop_bound: float = 0.0
+    draining: bool = False
 
 
 @attrs.frozen(kw_only=True)

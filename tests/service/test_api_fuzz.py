@@ -79,6 +79,8 @@ CHECKS = [
 ]
 
 EXAMPLES = examples_per_operation()
+DRAIN = "/v1/admin/drain"
+LONGEST = 30 * 86400.0  # a drain's longest deadline: the runner outlives the test
 SMALL = 128 << 20  # each child's memory ceiling, unless it asks for another
 
 # Every operation of the document, known at collection time from the package's own
@@ -87,8 +89,9 @@ OPERATIONS = [
     (method.upper(), path)
     for path, methods in document()["paths"].items()
     for method in methods
-    # The event stream never ends by design: tests/service/test_operators.py reads it instead.
-    if path != "/v1/events"
+    # The event stream never ends by design: tests/service/test_operators.py reads it
+    # instead. A drain is for good: it is fuzzed by the module's last test.
+    if path not in ("/v1/events", DRAIN)
 ]
 
 POOL = 12  # real sessions the session calls may be pointed at (the latest ones)
@@ -264,6 +267,11 @@ REAL = frozenset(
 
 @pytest.mark.parametrize(("method", "path"), OPERATIONS, ids=[f"{m} {p}" for m, p in OPERATIONS])
 def test_every_answer_holds_to_the_document(fuzz: Fuzz, method: str, path: str) -> None:
+    _fuzz(fuzz, method, path)
+
+
+def _fuzz(fuzz: Fuzz, method: str, path: str) -> None:
+    """Fuzz one operation of the live runner's document, checking every answer."""
     operation = fuzz.schema[path][method]
     label = f"{method} {path}"
     cases = st.one_of([operation.as_strategy(generation_mode=mode) for mode in GenerationMode])
@@ -271,6 +279,10 @@ def test_every_answer_holds_to_the_document(fuzz: Fuzz, method: str, path: str) 
         "operators": fuzz.runner.operator_token,
         "hosts": fuzz.runner.hosts_token,
     }
+    if path == DRAIN:
+        # A session that outlives the test, so that a drained runner does not exit.
+        fuzz.pool.call("/v1/open", {"key": {"identity": "fuzz", "instance": "anchor"},
+                                    "request_id": "anchor", "lease": 86400.0})  # fmt: skip
 
     @hypothesis.settings(
         max_examples=EXAMPLES,
@@ -282,6 +294,14 @@ def test_every_answer_holds_to_the_document(fuzz: Fuzz, method: str, path: str) 
     @hypothesis.given(case=cases, data=st.data())
     def run(case: Case, data: st.DataObject) -> None:
         _real(case, data, fuzz.pool)
+        if path == DRAIN and isinstance(case.body, dict):
+            deadline = case.body.get("deadline")
+            if (
+                isinstance(deadline, int | float)
+                and not isinstance(deadline, bool)
+                and 0 <= deadline <= LONGEST
+            ):
+                case.body["deadline"] = LONGEST  # 0 would stop the runner now
         # Mostly the operators' token (every call); the hosts' sometimes (403 on the
         # operator calls, the session calls as a host makes them).
         role = data.draw(st.sampled_from(["operators", "operators", "hosts"]), label="role")
@@ -409,3 +429,8 @@ def test_no_cpu_time_at_all_is_refused_at_open(fuzz: Fuzz) -> None:
     body = {"key": {"identity": "limits", "instance": "cpu0"}, "request_id": "r"}
     answer = _post(fuzz, "/v1/open", json.dumps({**body, "limits": {"cpu_seconds": 0}}).encode())
     _refused(answer, 422, "Limits.cpu_seconds must be None (no limit) or >= 1")
+
+
+def test_the_drain_holds_to_the_document_too(fuzz: Fuzz) -> None:
+    """Last in the module: the runner drains from here on (it takes no new work)."""
+    _fuzz(fuzz, "POST", DRAIN)

@@ -35,7 +35,9 @@ from trio_supervisor import (
     Key,
     Load,
     LoadedRecord,
+    RunnerDrainingError,
     RunnerLostError,
+    RunnerUnreachableError,
     StaleSessionError,
     StoppedRecord,
     Superseded,
@@ -371,3 +373,90 @@ async def test_a_runner_cut_off_from_the_database_poisons_drains_and_loses_nothi
             assert "cannot save" in runner.stderr() or "cannot renew" in runner.stderr()
         rows = stored(database)
         assert acknowledged <= set(rows), "an acknowledged Open record is gone"
+
+
+async def test_a_fleet_of_three_is_restarted_runner_by_runner_by_drain_while_hosts_work(
+    tmp_path: Path, tokens: tuple[Path, Path], database: str
+) -> None:
+    """The README's rolling restart: each runner in turn is drained, exits 0 once its
+    sessions ended, and is started again, while three hosts open, load, renew and
+    dispose, each on a key of its own, calling whichever runner takes the open. No open
+    is refused by the fleet as a whole, no renew finds its lease lost, and every
+    generation is handed out once, in order."""
+    names = ("r1", "r2", "r3")
+    with contextlib.ExitStack() as stack:
+        current = {
+            name: stack.enter_context(member(tmp_path, tokens, database, name)) for name in names
+        }
+        refused: list[str] = []
+        lost: list[BaseException] = []
+        opened: dict[str, list[tuple[int, str]]] = {}
+        restarted = trio.Event()
+
+        async def work(number: int) -> None:
+            key = Key(identity="roll", instance=f"host-{number}")
+            generation = 0
+            cycle = 0
+            while not restarted.is_set():
+                cycle += 1
+                done = False
+                tried: list[str] = []
+                # A runner of the fleet, then the others: as a balancer would choose.
+                for offset in range(len(names)):
+                    name = names[(number + cycle + offset) % len(names)]
+                    url = current[name].url
+                    async with connect(url, token=HOSTS_TOKEN, connect_for=0.5) as host:
+                        try:
+                            record = await host.open(
+                                key,
+                                f"h{number}-{cycle}",
+                                expected_generation=generation or None,
+                                lease=LEASE,
+                            )
+                        except (RunnerDrainingError, RunnerUnreachableError) as error:
+                            tried.append(f"{name}: {error.code}")
+                            continue
+                        done = True
+                        generation = record.handle.generation
+                        opened.setdefault(key.instance, []).append((generation, name))
+                        try:
+                            # Refused if it began to drain since the open: the session
+                            # runs on all the same.
+                            with contextlib.suppress(RunnerDrainingError):
+                                await host.load(record.handle, Load(specifier="heartbeat:main"))
+                            for _ in range(2):
+                                await trio.sleep(LEASE / 4)
+                                await host.renew(record.handle)
+                            await host.dispose(record.handle)
+                        except SupervisorError as error:
+                            lost.append(error)
+                        break
+                if not done:
+                    refused.append(f"{key.instance} cycle {cycle}: {tried}")
+
+        async def restart_each() -> None:
+            for name in names:
+                old = current[name]
+                async with connect(old.url, token=OPERATOR_TOKEN) as operator:
+                    answer = await operator.drain(30.0)
+                assert answer["draining"] is True
+                with trio.fail_after(30):
+                    assert await old.wait() == 0, old.stderr()
+                assert "drained: no session is left" in old.stderr()
+                # In a thread: waiting for its "listening on" line would stall the hosts.
+                current[name] = await trio.to_thread.run_sync(
+                    stack.enter_context, member(tmp_path, tokens, database, name)
+                )
+            restarted.set()
+
+        async with trio.open_nursery() as nursery:
+            for number in range(3):
+                nursery.start_soon(work, number)
+            nursery.start_soon(restart_each)
+    assert not refused, refused
+    assert not lost, lost
+    for instance, generations in opened.items():
+        numbers = [generation for generation, _ in generations]
+        assert numbers == list(range(1, len(numbers) + 1)), (instance, generations)
+    # Every runner took opens, before and after its restart.
+    assert {name for generations in opened.values() for _, name in generations} == set(names)

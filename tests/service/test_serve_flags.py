@@ -107,6 +107,7 @@ def samples(tmp: Path) -> dict[str, Sample]:
         "reserve_memory": Sample(
             ("--reserve-memory", "1048576"), "reserve_memory = 1048576", 1048576
         ),
+        "drain_on_sigterm": Sample(("--drain-on-sigterm", "120"), "drain_on_sigterm = 120", 120.0),
         # A table of the file's alone: no flag (docs/service.md D).
         "limits": Sample(
             (),

@@ -56,6 +56,7 @@ from ..errors import (
     OperatorsOnlyError,
     QuotaExceededError,
     RunnerClosingError,
+    RunnerDrainingError,
     RunnerLostError,
     StaleSessionError,
     SupervisorError,
@@ -64,6 +65,7 @@ from ..errors import (
 from ..model import FleetRecord, Handle, Key, Phase, SessionRecord, log_fields
 from .admission import Admission, holds_child, retry_after_header
 from .calls import CALLS, Call, by_name
+from .drain import Drain
 from .fleet import Fleet
 from .metrics import Metrics
 from .openapi import document
@@ -73,6 +75,7 @@ from .tenants_file import Roster
 from .wire import (
     MAX_BODY,
     AdminDisposeBody,
+    DrainBody,
     HandleBody,
     KeyBody,
     LoadBody,
@@ -127,6 +130,7 @@ def create_app(
     logs: Logs | None = None,
     metrics: Metrics | None = None,
     fleet: Fleet | None = None,
+    drain: Drain | None = None,
 ) -> Starlette:
     """The ASGI app serving ``supervisor``.
 
@@ -145,6 +149,8 @@ def create_app(
         fleet: The runner's fleet: where session calls it does not hold are routed,
             and what ``/v1/runners`` and ``/v1/sessions`` list. None: a fleet of one,
             named after the host (``fleet.py``).
+        drain: The runner's drain (``drain.py``), begun by ``POST /v1/admin/drain``;
+            None: one of the app's own, which nothing waits on.
     """
     if not operator_token:
         raise ValueError("the operators' token must be set")
@@ -159,6 +165,7 @@ def create_app(
     metrics = metrics if metrics is not None else Metrics()
     fleet = fleet if fleet is not None else Fleet(socket.gethostname())
     admission = admission if admission is not None else Admission(supervisor)
+    drain = drain if drain is not None else Drain(supervisor, fleet.store)
     metrics.watch_tenants(
         lambda: [
             (
@@ -268,8 +275,13 @@ def create_app(
     async def open_(request: Request) -> Response:
         body = read_body(await _body(request), OpenBody)
         with admitted(request, open_call, body.key) as tenant:
+            # An open repeated (O3) creates nothing: a drain lets it through.
+            repeated = supervisor.retained_request(body.key, body.request_id) is not None
             limits = admission.limits(tenant, body.limits)
-            with admission.opening(tenant, body.key, body.request_id):
+            with (
+                contextlib.nullcontext() if repeated else drain.admitted("sessions"),
+                admission.opening(tenant, body.key, body.request_id),
+            ):
                 record = await supervisor.open(
                     body.key,
                     body.request_id,
@@ -289,7 +301,7 @@ def create_app(
     async def load(request: Request) -> Response:
         body = read_body(await _body(request), LoadBody)
         handle = body.handle
-        with admitted(request, load_call, handle.key) as tenant:
+        with admitted(request, load_call, handle.key) as tenant, drain.admitted("children"):
             record = supervisor.find(handle.key, handle.generation)
             if record is not None and record.handle.token != handle.token:
                 record = None  # not this caller's session: the supervisor says so
@@ -378,12 +390,14 @@ def create_app(
         for info in found:
             children, memory = taken.get(info.runner_id, (0, 0))
             own = capacity if info.runner_id == fleet.runner_id else None
+            ours = info.runner_id == fleet.runner_id
             info = attrs.evolve(
                 info,
                 children=children,
                 memory_allocated=memory,
                 max_children=None if own is None else own.max_children,
                 allocatable=None if own is None else own.allocatable,
+                draining=info.draining or (ours and drain.draining),
             )
             answer.append(converter.unstructure(info))
         return JSONResponse({"runners": answer})
@@ -450,6 +464,13 @@ def create_app(
         termination = await supervisor.dispose(record.handle)
         return JSONResponse({"termination": converter.unstructure(termination)})
 
+    async def admin_drain(request: Request) -> Response:
+        body = read_body(await _body(request), DrainBody)
+        logger.info("an operator drains the runner (deadline %g s)", body.deadline)
+        until = await drain.begin(body.deadline)
+        left = len(supervisor.live_records())
+        return JSONResponse({"draining": True, "until": until, "sessions": left})
+
     # -- no token needed ----------------------------------------------------------------------
 
     async def healthz(request: Request) -> Response:
@@ -461,6 +482,10 @@ def create_app(
             return _problem(503, supervisor.poisoned.code, f"poisoned: {supervisor.poisoned}")
         if supervisor.closing:
             return _problem(503, RunnerClosingError.code, "the runner is shutting down")
+        if drain.draining:
+            return _problem(
+                503, RunnerDrainingError.code, "the runner drains: it takes no new sessions"
+            )
         return JSONResponse({"status": "ready"})
 
     openapi = document()
@@ -489,6 +514,7 @@ def create_app(
         "tenants": tenants_,
         "logs": session_logs,
         "admin_dispose": admin_dispose,
+        "admin_drain": admin_drain,
         "healthz": healthz,
         "readyz": readyz,
         "openapi": openapi_json,

@@ -29,6 +29,7 @@ from ..errors import (
     PackageError,
     QuotaExceededError,
     RunnerClosingError,
+    RunnerDrainingError,
     RunnerFullError,
     SessionConflictError,
     SessionStoppedError,
@@ -39,7 +40,16 @@ from ..errors import (
     ThrottledError,
 )
 from ..model import CodeIdentity, Phase, RunnerInfo, SessionRecord, Termination
-from .wire import AdminDisposeBody, HandleBody, KeyBody, LoadBody, OpenBody, Problem, status_of
+from .wire import (
+    AdminDisposeBody,
+    DrainBody,
+    HandleBody,
+    KeyBody,
+    LoadBody,
+    OpenBody,
+    Problem,
+    status_of,
+)
 
 __all__ = ["CALLS", "PAGE", "Call", "Param", "by_name"]
 
@@ -188,7 +198,7 @@ CALLS: Final[tuple[Call, ...]] = (
         role="hosts",
         body=OpenBody,
         answer={"record": SessionRecord},
-        errors=(*_TENANT, QuotaExceededError, *_RUNNER),
+        errors=(*_TENANT, QuotaExceededError, RunnerDrainingError, *_RUNNER),
         fairness="rated",
         overrides={
             StaleSessionError: (
@@ -219,7 +229,15 @@ CALLS: Final[tuple[Call, ...]] = (
         role="hosts",
         body=LoadBody,
         answer={"code": CodeIdentity},
-        errors=(*_TENANT, QuotaExceededError, RunnerFullError, *_HANDLE, PackageError, *_RUNNER),
+        errors=(
+            *_TENANT,
+            QuotaExceededError,
+            RunnerFullError,
+            RunnerDrainingError,
+            *_HANDLE,
+            PackageError,
+            *_RUNNER,
+        ),
         fairness="rated",
         metered=True,
         routed=True,
@@ -324,6 +342,21 @@ CALLS: Final[tuple[Call, ...]] = (
         answer={"termination": Termination},
         errors=(StaleSessionError, ExecutionError, TerminationUnconfirmedError, *_RUNNER),
         routed=True,
+    ),
+    Call(
+        name="admin_drain",
+        method="POST",
+        path="/v1/admin/drain",
+        summary="Drain the runner: no new sessions or children; it stops once its sessions "
+        "ended, or at the deadline (operators).",
+        role="operators",
+        body=DrainBody,
+        answer={
+            "draining": {"const": True},
+            "until": {"type": "number", "description": "the deadline, in Unix seconds"},
+            "sessions": {"type": "integer", "description": "the sessions left"},
+        },
+        errors=_RUNNER,
     ),
     Call(
         name="runners",

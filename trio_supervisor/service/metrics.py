@@ -270,6 +270,9 @@ class TimedFleetStore(TimedStore):
     async def owner(self, token: str) -> RunnerInfo | None:
         return await self._fleet.owner(token)
 
+    async def drain(self) -> None:
+        await self._fleet.drain()
+
 
 def timed(store: Store, histogram: Histogram) -> TimedStore:
     """``store`` with its saves timed into ``histogram``, a fleet's store still one."""

@@ -17,7 +17,9 @@ Hypercorn's Trio server with the app of ``app.py``. In order:
 4. SIGTERM or SIGINT: the server stops accepting and finishes what it serves, then the
    supervisor shuts down (Z1, Z2: every child reaped), and the process exits 0. A second
    signal during that shutdown skips the children's grace (they are killed at once,
-   still confirmed and reaped) and the process exits 1.
+   still confirmed and reaped) and the process exits 1. A drain (``drain.py``: ``POST
+   /v1/admin/drain``, or SIGTERM under ``drain_on_sigterm``) takes no new work and ends
+   the same way once its sessions have ended or its deadline passed.
 
 With a ``postgresql://`` store (``store``), the runner is a member of that database's
 fleet (docs/service.md section C): ``PostgresStore`` under ``runner_id``, advertising
@@ -64,10 +66,12 @@ from ..executions.subprocess import SubprocessExecution
 from ..stores.sqlite import SqliteStore
 from .app import create_app
 from .capacity import CHILDREN_PER_CORE, DEFAULT_RESERVE, capacity_of, runner_admission
+from .drain import Drain
 from .fleet import Fleet
 from .metrics import Metrics, timed
 from .tenants import Ceilings, Tenants, TenantsError, token_hash
 from .tenants_file import Roster
+from .wire import DRAIN_DEADLINE
 
 __all__ = ["ConfigError", "RunnerConfig", "StartupError", "run_runner"]
 
@@ -255,6 +259,8 @@ class RunnerConfig:
         max_children: Children at once; None: ``CHILDREN_PER_CORE`` per core.
         reserve_memory: Bytes of the machine's memory the children's memory ceilings
             may not take.
+        drain_on_sigterm: Seconds: SIGTERM drains the runner with this deadline
+            (``drain.py``) instead of stopping it; None: SIGTERM stops it.
     """
 
     state: Path = attrs.field(
@@ -433,6 +439,17 @@ class RunnerConfig:
         metadata=_flag(
             f"Seconds this runner's row in the fleet's database stays valid unrenewed "
             f"({RUNNER_LEASE.bounds}; a fleet only); renewed every third of it.",
+            metavar="SECONDS",
+        ),
+    )
+
+    drain_on_sigterm: float | None = attrs.field(
+        default=None,
+        validator=fields.optional(DRAIN_DEADLINE),
+        metadata=_flag(
+            "Make SIGTERM a drain with this deadline, in seconds (as a Kubernetes preStop "
+            "would): no new sessions, the ones held run on until they end or the deadline "
+            "passes, then exit 0. A second SIGTERM stops at once.",
             metavar="SECONDS",
         ),
     )
@@ -701,6 +718,7 @@ async def run_runner(
     stop_serving = trio.Event()
     exit_status = 0
     hurry: list[Supervisor] = []  # the supervisor, once it runs: a second signal hurries it
+    drains: list[Drain] = []  # its drain, once it runs: SIGTERM begins it, if so configured
 
     async def watch_signals(signals: AsyncIterator[int]) -> None:
         nonlocal exit_status
@@ -711,6 +729,18 @@ async def run_runner(
                     logger.info("SIGHUP: no tenants file to read again (no --tenants)")
                 else:
                     roster.reload()
+                continue
+            if (
+                number == signal.SIGTERM
+                and config.drain_on_sigterm is not None
+                and drains
+                and not drains[0].draining
+            ):
+                logger.info("%s: draining (--drain-on-sigterm)", name)
+                try:
+                    await drains[0].begin(config.drain_on_sigterm)
+                except StateStorageError as error:
+                    logger.warning("the fleet's row does not say it drains: %s", error)
                 continue
             if not stop_serving.is_set():
                 logger.info("%s: stopping; every child is stopped and reaped", name)
@@ -763,6 +793,8 @@ async def run_runner(
                 hurry.append(supervisor)
                 if exit_status:  # signalled twice while recovery ran
                     supervisor.skip_grace()
+                drain = Drain(supervisor, fleet.store)
+                drains.append(drain)
                 app = create_app(
                     supervisor,
                     tenants=roster,
@@ -771,7 +803,14 @@ async def run_runner(
                     logs=execution,
                     metrics=metrics,
                     fleet=fleet,
+                    drain=drain,
                 )
+
+                async def stop_once_drained() -> None:
+                    await drain.wait()
+                    stop_serving.set()
+
+                watching.start_soon(stop_once_drained)
                 # Counts until the supervisor shuts down (its events end then).
                 watching.start_soon(metrics.follow, supervisor)
 

@@ -30,6 +30,7 @@ from ..errors import (
     QuotaExceededError,
     RecordFormatError,
     RunnerClosingError,
+    RunnerDrainingError,
     RunnerFullError,
     RunnerLostError,
     SessionConflictError,
@@ -47,6 +48,7 @@ __all__ = [
     "REFINEMENTS",
     "STATUS",
     "AdminDisposeBody",
+    "DrainBody",
     "HandleBody",
     "KeyBody",
     "LoadBody",
@@ -61,6 +63,9 @@ __all__ = [
 _T = TypeVar("_T")
 
 MAX_BODY: Final = 1 << 20  # bytes: a larger body is a 413
+# A drain's deadline: 0 stops at once; by default an hour, as Nomad's node drain.
+DRAIN_DEADLINE: Final = fields.Seconds(inclusive=True, maximum=30 * 86400.0)
+DEFAULT_DRAIN_DEADLINE: Final = 3600.0
 
 
 # -- request bodies -----------------------------------------------------------------------
@@ -103,6 +108,13 @@ class KeyBody:
     """``POST /v1/high-water``."""
 
     key: Key
+
+
+@attrs.frozen(kw_only=True)
+class DrainBody:
+    """``POST /v1/admin/drain``: how long the runner's sessions may run on at most."""
+
+    deadline: float = attrs.field(default=DEFAULT_DRAIN_DEADLINE, validator=DRAIN_DEADLINE)
 
 
 @attrs.frozen(kw_only=True)
@@ -280,6 +292,7 @@ STATUS: Final[tuple[tuple[type[SupervisorError], int], ...]] = (
     (ThrottledError, 429),
     (RunnerFullError, 503),
     (RunnerLostError, 503),
+    (RunnerDrainingError, 503),
     (StaleSessionError, 404),
     (LeaseExpiredError, 410),
     (SessionStoppedError, 409),

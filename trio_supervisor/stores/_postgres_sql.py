@@ -26,7 +26,7 @@ __all__ = [
     "Kind",
 ]
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 
 # pg_advisory_xact_lock's key for creating or migrating the schema: "trio_sup" in ASCII.
 MIGRATION_LOCK: Final = 0x7472696F5F737570
@@ -419,9 +419,13 @@ _VERSION_2 = (
     _SAVE_BATCH,
 )
 
+# Version 3: whether a runner drains (it takes no new sessions), for the fleet's listing.
+_VERSION_3 = ("ALTER TABLE runners ADD COLUMN draining boolean NOT NULL DEFAULT false",)
+
 MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     # From version N - 1 to N: the statements, run in order.
     # Version 1 also created the save_batch of its day, which version 2 drops.
     1: tuple(statement for statement in _TABLES.split(";") if statement.strip()),
     2: _VERSION_2,
+    3: _VERSION_3,
 }

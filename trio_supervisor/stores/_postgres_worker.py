@@ -205,7 +205,7 @@ class Worker:
             "        clock_timestamp() + make_interval(secs => %(lease)s), 0) "
             "ON CONFLICT (runner_id) DO UPDATE SET epoch = u.epoch + 1, "
             "    advertise = excluded.advertise, started_at = excluded.started_at, "
-            "    lease_until = excluded.lease_until "
+            "    lease_until = excluded.lease_until, draining = false "
             "RETURNING epoch",
             {"runner": runner, "advertise": settings.advertise, "lease": settings.runner_lease},
         ).fetchone()
@@ -387,7 +387,8 @@ class Worker:
             "SELECT u.runner_id, u.epoch, u.advertise, extract(epoch FROM u.started_at), "
             "    extract(epoch FROM u.lease_until), u.lease_until > clock_timestamp(), "
             "    (SELECT count(*) FROM records r "
-            "     WHERE r.runner_id = u.runner_id AND r.stopped IS NULL), u.stop_bound "
+            "     WHERE r.runner_id = u.runner_id AND r.stopped IS NULL), u.stop_bound, "
+            "    u.draining "
             "FROM runners u WHERE %(only)s::text IS NULL OR u.runner_id = %(only)s "
             "ORDER BY u.runner_id",
             {"only": only},
@@ -402,8 +403,19 @@ class Worker:
                 alive=alive,
                 sessions=sessions,
                 stop_bound=stop_bound,
+                draining=draining,
             )
-            for runner, epoch, advertise, started, until, alive, sessions, stop_bound in rows
+            for (
+                runner,
+                epoch,
+                advertise,
+                started,
+                until,
+                alive,
+                sessions,
+                stop_bound,
+                draining,
+            ) in rows
         ]
 
     def _owner(self, connection: psycopg.Connection[Any], token: str) -> RunnerInfo | None:
@@ -447,6 +459,12 @@ class Worker:
             (settings.runner_lease, stop_bound, settings.runner_id, self.epoch),
         )
         return done.rowcount == 1
+
+    def _draining(self, connection: psycopg.Connection[Any]) -> None:
+        connection.execute(
+            "UPDATE runners SET draining = true WHERE runner_id = %s AND epoch = %s",
+            (self.settings.runner_id, self.epoch),
+        )
 
     def _marks(self, connection: psycopg.Connection[Any], keys: list[Key]) -> dict[Key, int]:
         rows = connection.execute(
@@ -563,6 +581,7 @@ _ACTIONS: Final = {
     "fleet_records": "list the fleet's records",
     "held": "read a session's record",
     "renew": "renew this runner's row",
+    "draining": "mark this runner draining",
     "marks": "check the high-water of live keys",
     "older": "look for older generations",
     "dead": "look for dead runners",

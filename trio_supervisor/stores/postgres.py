@@ -255,6 +255,15 @@ class PostgresStore(Opening):
         found: RunnerInfo | None = await self._ask("owner", token)
         return found
 
+    async def drain(self) -> None:
+        """Mark this runner draining in the fleet's listing (:meth:`runners`), until it
+        starts again: it takes no new sessions, and ends once its own have ended.
+
+        Raises:
+            StateStorageError: The row could not be written.
+        """
+        await self._submit(Job("draining"))
+
     async def take_over_dead(self) -> int:
         """Take over every dead runner whose margin passed; how many records that stopped.
 
