@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, typecheck, examples, conformance, fleet, api, mutants, bench."""
+"""Sessions: tests, lint, typecheck, examples, conformance, fleet, chaos, api, mutants, bench."""
 
 from __future__ import annotations
 
@@ -118,6 +118,27 @@ def api(session: nox.Session) -> None:
     # Per operation: 9 of the 12 take input (the other 3 run a few times): 200 is ~1,800.
     session.env["TRIO_SUPERVISOR_API_EXAMPLES"] = "200"
     session.run("python", "-m", "pytest", "tests/service/test_api_fuzz.py", *session.posargs)
+
+
+@nox.session
+def chaos(session: nox.Session) -> None:
+    """The fleet's chaos test at length: three runners killed, frozen and drained at
+    random for 7 minutes while hosts work (``TRIO_SUPERVISOR_CHAOS_SECONDS``; the suite
+    runs it for 10 s). ``TRIO_SUPERVISOR_CHAOS_SEED`` replays a run's choices."""
+    session.install("-e", ".[test]")
+    seconds = os.environ.get("TRIO_SUPERVISOR_CHAOS_SECONDS", "420")
+    session.env["TRIO_SUPERVISOR_CHAOS_SECONDS"] = seconds
+    session.env["PYTEST_TIMEOUT"] = "0"
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/service/test_fleet_processes.py",
+        "-k",
+        "chaos",
+        "-s",
+        *session.posargs,
+    )
 
 
 @nox.session

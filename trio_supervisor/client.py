@@ -327,7 +327,8 @@ class RemoteSupervisor:
     ) -> httpx.Response:
         """``method path`` at the runner at ``where`` ("": the client's), its connection
         retried with backoff: a refused one (nothing was sent) within ``connect_for``, any
-        other within ``retry_for`` (None: never).
+        other within ``retry_for`` (None: never). Another runner (``where``: a session's
+        holder) gets one try at a connection: where the call came from knows better.
 
         Raises:
             RunnerUnreachableError: No answer within those windows, or a TLS handshake
@@ -340,7 +341,10 @@ class RemoteSupervisor:
                 return await self._client.request(method, where + path, **request)
             except httpx.TransportError as error:
                 unsent = isinstance(error, httpx.ConnectError | httpx.ConnectTimeout)
-                window = self._connect_for if unsent else retry_for
+                if unsent:
+                    window: float | None = 0.0 if where else self._connect_for
+                else:
+                    window = retry_for
                 elapsed = trio.current_time() - started
                 if window is None or elapsed >= window or _refused_by_tls(error):
                     raise _unreachable(where or self._url, error, elapsed) from error

@@ -11,7 +11,11 @@ what the issue promises a fleet does (docs/design.md, "The fleet"):
 * F4: a runner frozen (SIGSTOP) past its takeover and then resumed writes nothing, and
   poisons itself;
 * F2: a runner cut off from the database (through a proxy of the test's) poisons,
-  drains and reaps, and nothing it acknowledged is lost.
+  drains and reaps, and nothing it acknowledged is lost;
+* failover: a dead runner's sessions answer HolderLost until the takeover, and a chain of
+  opens across it ends without a 500;
+* drain: a fleet restarted runner by runner while hosts work;
+* chaos: all of it at random while hosts work, checked from their history.
 
 Waits are bounded polls (``until``); the one timing assertion is a lower bound that
 says a takeover did not come early.
@@ -20,12 +24,16 @@ says a takeover did not come early.
 from __future__ import annotations
 
 import contextlib
+import os
+import random
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
+import httpx
 import psycopg
 import pytest
 import trio
@@ -44,6 +52,7 @@ from trio_supervisor import (
     SupervisorError,
 )
 from trio_supervisor.client import RemoteSupervisor, connect
+from trio_supervisor.executions._groups import read_stat
 
 from ..postgres import database_for
 from ..support import Runner, process_state, reap_orphans, running, serving, until
@@ -57,6 +66,7 @@ CONFIRMATION = 1.0
 # F7: a dead runner's session is taken over once its row expired by the session's lease,
 # its grace, its confirmation and the children's switch slack (2 s).
 MARGIN = LEASE + GRACE + CONFIRMATION + 2.0
+SHUTDOWN_BOUND = 30.0  # seconds a runner may take to exit once told to
 HOSTS_TOKEN = "fleet-hosts-token-for-tests"
 OPERATOR_TOKEN = "fleet-operator-token-for-tests"
 
@@ -460,3 +470,182 @@ async def test_a_fleet_of_three_is_restarted_runner_by_runner_by_drain_while_hos
         assert numbers == list(range(1, len(numbers) + 1)), (instance, generations)
     # Every runner took opens, before and after its restart.
     assert {name for generations in opened.values() for _, name in generations} == set(names)
+
+
+# -- chaos ----------------------------------------------------------------------------------
+
+CHAOS_VARIABLE = "TRIO_SUPERVISOR_CHAOS_SECONDS"  # the nox session "chaos" sets minutes
+
+
+def chaos_seconds() -> float:
+    raw = os.environ.get(CHAOS_VARIABLE, "").strip()
+    return float(raw) if raw else 10.0
+
+
+@attrs.define
+class History:
+    """Every reply a host acknowledged, and every answer a 5xx other than 503."""
+
+    opens: list[tuple[float, Key, int, str, str]] = attrs.Factory(
+        list
+    )  # t, key, gen, token, runner
+    children: dict[tuple[Key, int], tuple[int, int]] = attrs.Factory(dict)  # pid, start time
+    violations: list[str] = attrs.Factory(list)
+
+    def child_alive(self, key: Key, generation: int) -> bool:
+        child = self.children.get((key, generation))
+        if child is None:
+            return False
+        stat = read_stat(child[0])
+        return stat is not None and stat.start_time == child[1] and stat.state != "Z"
+
+
+class Statuses(httpx.AsyncBaseTransport):
+    """The real transport; an answer 500 or above, other than 503, is a violation."""
+
+    def __init__(self, history: History) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.history = history
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if response.status_code >= 500 and response.status_code != 503:
+            await response.aread()
+            self.history.violations.append(
+                f"{request.method} {request.url} answered {response.status_code}: "
+                f"{response.text[:300]}"
+            )
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_fleet_under_chaos_keeps_every_promise(
+    tmp_path: Path, tokens: tuple[Path, Path], database: str
+) -> None:
+    """Three runners; hosts open, load, renew and dispose over a handful of keys while a
+    chaos loop kills runners (-9), freezes them past their takeover (SIGSTOP, then
+    SIGCONT: fenced, they poison themselves, and are restarted), drains and restarts
+    them, one at a time. From the history of every acknowledged reply: each (key,
+    generation) handed out once; each key's generations acknowledged in increasing order;
+    at each open, no older generation of its key still running a child; every child gone
+    within the takeover margin once the hosts stop; no 5xx other than 503; nothing
+    acknowledged lost. ``TRIO_SUPERVISOR_CHAOS_SECONDS`` sets the length (10 s here;
+    the nox session ``chaos`` runs it for minutes)."""
+    seed = int(os.environ.get("TRIO_SUPERVISOR_CHAOS_SEED", "0")) or random.randrange(1 << 30)
+    print(f"chaos seed {seed} (TRIO_SUPERVISOR_CHAOS_SEED replays its choices)")
+    chance = random.Random(seed)
+    names = ("r1", "r2", "r3")
+    keys = [Key(identity="chaos", instance=f"k{number}") for number in range(3)]
+    history = History()
+    done = trio.Event()
+    actions: list[str] = []
+    with contextlib.ExitStack() as stack:
+        current = {
+            name: stack.enter_context(member(tmp_path, tokens, database, name)) for name in names
+        }
+
+        async def start(name: str) -> None:
+            current[name] = await trio.to_thread.run_sync(
+                stack.enter_context, member(tmp_path, tokens, database, name)
+            )
+
+        async def host(number: int) -> None:
+            statuses = Statuses(history)
+            cycle = 0
+            while not done.is_set():
+                cycle += 1
+                key = chance.choice(keys)
+                name = names[(number + cycle) % len(names)]
+                async with connect(
+                    current[name].url, token=HOSTS_TOKEN, connect_for=0.5, retry_for=2.0,
+                    transport=statuses,
+                ) as client:  # fmt: skip
+                    try:
+                        high = await client.high_water(key)
+                        record = await client.open(
+                            key, f"h{number}-{cycle}", expected_generation=high, lease=LEASE
+                        )
+                    except SupervisorError:
+                        continue  # refused (stale, draining, lost, ...): nothing acknowledged
+                    generation = record.handle.generation
+                    history.opens.append(
+                        (time.monotonic(), key, generation, record.handle.token, name)
+                    )
+                    for (older_key, older), _ in list(history.children.items()):
+                        if (
+                            older_key == key
+                            and older < generation
+                            and history.child_alive(key, older)
+                        ):
+                            history.violations.append(
+                                f"{key.instance}#{generation} acknowledged while #{older}'s "
+                                "child still runs"
+                            )
+                    try:
+                        await client.load(record.handle, Load(specifier="heartbeat:main"))
+                        loaded = await client.status(record.handle)
+                        if isinstance(loaded, LoadedRecord) and loaded.child.pid is not None:
+                            stat = read_stat(loaded.child.pid)
+                            if stat is not None:
+                                history.children[(key, generation)] = (
+                                    loaded.child.pid,
+                                    stat.start_time,
+                                )
+                        await trio.sleep(chance.uniform(0, LEASE / 2))
+                        await client.renew(record.handle)
+                        await client.dispose(record.handle)
+                    except SupervisorError:
+                        pass  # superseded, expired, its runner lost: said, not lost
+
+        async def chaos() -> None:
+            end = trio.current_time() + chaos_seconds()
+            while trio.current_time() < end:
+                await trio.sleep(chance.uniform(0.5, 2.0))
+                name = chance.choice(names)
+                victim = current[name]
+                action = chance.choice(["kill", "freeze", "drain"])
+                actions.append(f"{action} {name}")
+                if action == "kill":
+                    victim.process.kill()
+                    await victim.wait()
+                elif action == "freeze":
+                    victim.process.send_signal(signal.SIGSTOP)
+                    await trio.sleep(MARGIN + RUNNER_LEASE + 0.5)  # past its takeover
+                    victim.process.send_signal(signal.SIGCONT)
+                    victim.process.terminate()  # fenced: it poisoned itself, or will
+                    with trio.fail_after(SHUTDOWN_BOUND):
+                        await victim.wait()
+                else:
+                    async with connect(victim.url, token=OPERATOR_TOKEN) as operator:
+                        await operator.drain(MARGIN)
+                    with trio.fail_after(MARGIN + SHUTDOWN_BOUND):
+                        assert await victim.wait() == 0, victim.stderr()
+                await start(name)
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            for number in range(4):
+                nursery.start_soon(host, number)
+            nursery.start_soon(chaos)
+        print(f"chaos: {len(history.opens)} opens; {', '.join(actions)}")
+
+        # Every child is gone within the takeover margin, whatever became of its runner.
+        async def all_gone() -> bool:
+            return not any(history.child_alive(*which) for which in history.children)
+
+        await until(all_gone, "every child gone", bound=MARGIN + RUNNER_LEASE + 10)
+        async with connect(current["r1"].url, token=HOSTS_TOKEN) as client:
+            marks = {key: await client.high_water(key) or 0 for key in keys}
+    assert not history.violations, history.violations
+    handed: dict[tuple[Key, int], set[str]] = {}
+    for _, key, generation, token, _ in history.opens:
+        handed.setdefault((key, generation), set()).add(token)
+    assert all(len(tokens) == 1 for tokens in handed.values()), handed
+    for key in keys:
+        acknowledged = [generation for _, k, generation, _, _ in sorted(history.opens) if k == key]
+        assert acknowledged == sorted(acknowledged), (key, acknowledged)
+        # Nothing acknowledged is lost: the fleet's high-water holds every generation.
+        assert marks[key] >= max(acknowledged, default=0), (key, marks[key], acknowledged)
+    assert len(history.opens) >= 3, "the hosts got nothing done"
