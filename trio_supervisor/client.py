@@ -9,9 +9,14 @@ lease, and disposes it when the block ends, however it ends. If the lease is los
 good (expired, stopped, superseded, stale), the block is cancelled and
 :class:`SessionLostError` says why.
 
-Calls that are safe to repeat (open by request id, renew, status, dispose, high-water)
-are retried with backoff when the connection fails: a session's own renewals within its
-lease, other calls within ``connect``'s ``retry_for``. The client imports only the
+A connection the runner does not take is tried again for any call within ``connect``'s
+``connect_for`` (nothing was sent); a call cut off once sent is retried only when it is
+safe to repeat (open by request id, renew, status, dispose, high-water): a session's own
+renewals within its lease, other calls within ``retry_for``. What is not mended in time
+is one :class:`RunnerUnreachableError` naming the URL, never an httpx exception. In a
+fleet, a 421 is followed once and the session's holder remembered; a lost holder
+(``HolderLost``) is waited out within ``retry_for``, then raised as
+:class:`RunnerLostError` (docs/service.md section C). The client imports only the
 package's values, errors and codec (and its background-nursery helper), never the
 service. Its errors (:class:`SessionLostError`, :class:`RunnerAccessError`,
 :class:`ForbiddenError`, :class:`OperatorsOnlyError`) and the admission's refusals
