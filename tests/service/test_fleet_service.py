@@ -443,6 +443,7 @@ async def test_runners_lists_the_fleet_for_operators_only(database: str, schema:
             "max_children",
             "allocatable",
             "stop_bound",
+            "draining",
         }
         # This runner (a) knows its own capacity alone; b's is b's to say.
         assert listed["b"]["max_children"] is None
