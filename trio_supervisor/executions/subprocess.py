@@ -98,6 +98,7 @@ from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination
 from ..realtime import outside_the_run
 from ._cgroups import ROOT as CGROUP_ROOT
 from ._cgroups import Hierarchies, TreeCgroup, detect
+from ._claims import CGROUPS, Claims, claims_root
 from ._containment import CONTAINMENTS, Containment, Mechanism, choose
 from ._forkserver import Broken, ForkServer, check_preload
 from ._groups import become_subreaper, boot_id, group_gone, read_stat, reap_group, start_time
@@ -293,12 +294,15 @@ class SubprocessExecution:
         if self.python == sys.executable:
             self._bootstrap = await trio.to_thread.run_sync(compile_bootstrap, self.state_directory)
         self._standby = Standby(self._start_standby)  # afresh: this run may start them
-        self.cgroups = await trio.to_thread.run_sync(detect, self.cgroup_root, self.state_directory)
+        claims = await trio.to_thread.run_sync(claims_root)
+        self.cgroups = await trio.to_thread.run_sync(self._detect, claims)
         stack.callback(self.cgroups.close)
         # First, as it ends: what children ended by their dead-man switch left.
         stack.callback(self.cgroups.remove_empty_leftovers)
-        # Populated ones are left to recovery, which finds them by their records.
+        # Populated ones are left to recovery, which finds them by their records; and
+        # what runners that are gone left on other state directories goes too.
         await trio.to_thread.run_sync(self.cgroups.remove_empty_leftovers)
+        await trio.to_thread.run_sync(self.cgroups.reclaim)
         try:
             self.isolated = await prepare(
                 self.isolation,
@@ -310,6 +314,7 @@ class SubprocessExecution:
                 bootstrap=self._bootstrap if self.python == sys.executable else BOOTSTRAP,
                 entry_paths=self.entry_paths,
                 executables=self._executables(),
+                claims=claims,
             )
             stack.callback(self.isolated.close)
             if self.subreaper:
@@ -375,6 +380,19 @@ class SubprocessExecution:
             await self._standby.close()
             # Its cgroup went with it: the parents are empty only now.
             self.cgroups.close()
+            self.cgroups.let_go()
+
+    def _detect(self, claims: Path) -> Hierarchies:
+        """The cgroups children may get, this execution's parent claimed in ``claims``
+        (the machine's claims; none claimed where the runner is not root, as only root
+        may write them). Blocking."""
+        owned = None
+        if self.cgroup_root is not None and os.geteuid() == 0:
+            try:
+                owned = Claims.of(CGROUPS, claims)
+            except (OSError, ExecutionError) as error:
+                logger.warning("this execution's cgroups cannot be claimed: %s", error)
+        return detect(self.cgroup_root, self.state_directory, owned)
 
     @property
     def fork_server_pid(self) -> int | None:
@@ -654,7 +672,7 @@ class SubprocessExecution:
         grant = None
         if self.isolated.used:
             try:
-                grant = self.isolated.claim()
+                grant = await self.isolated.claim()
             except BaseException:
                 await interpreter.discard()
                 raise
