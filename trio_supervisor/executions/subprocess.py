@@ -77,14 +77,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -113,6 +112,7 @@ from ._isolation import (
     check_users,
     prepare,
 )
+from ._logs import Logs
 from ._output import copy_output
 from ._standby import BOOTSTRAP, Interpreter, Standby, compile_bootstrap, start_interpreter
 from ._trees import Tree, kill_recorded, process_table
@@ -270,6 +270,7 @@ class SubprocessExecution:
         # Until entered: the sweep, which every kernel allows.
         self.mechanism = Mechanism(kind="sweep", unshare=None, required=False, reason="")
         self._boot_id = boot_id()
+        self._logs = Logs(self.state_directory)
         self._nursery: trio.Nursery | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._bootstrap = BOOTSTRAP
@@ -291,6 +292,7 @@ class SubprocessExecution:
         stack = contextlib.AsyncExitStack()
         self._nursery = await stack.enter_async_context(open_background_nursery())
         self._stack = stack
+        self._nursery.start_soon(self._logs.remove_evicted, name="evicted records' logs")
         if self.python == sys.executable:
             self._bootstrap = await trio.to_thread.run_sync(compile_bootstrap, self.state_directory)
         self._standby = Standby(self._start_standby)  # afresh: this run may start them
@@ -377,6 +379,7 @@ class SubprocessExecution:
             return await stack.__aexit__(*exc_info)
         finally:
             # Every background task has ended, a standby being started included.
+            self._logs.flush()
             await self._standby.close()
             # Its cgroup went with it: the parents are empty only now.
             self.cgroups.close()
@@ -408,17 +411,34 @@ class SubprocessExecution:
 
     def log_path(self, handle: Handle) -> Path:
         """The log file of a session's child."""
-        key = f"{handle.key.identity}\0{handle.key.instance}".encode()
-        name = hashlib.sha256(key).hexdigest()[:16]
-        return self.state_directory / "logs" / f"{name}-{handle.generation}.log"
+        return self._logs.path(handle)
 
     def logs(self, handle: Handle, *, tail: int | None = None) -> str:
-        """What a session's child wrote (stdout and stderr), or its last ``tail`` bytes."""
+        """What a session's child wrote (stdout and stderr), or its last ``tail`` bytes;
+        "" once its record was evicted (its log goes with it: ``_logs``)."""
+        return self._logs.read(handle, tail=tail)
+
+    def evicted(self, handles: Sequence[Handle]) -> None:
+        """Retention evicted these sessions' records: their logs go (in the background)."""
+        self._logs.evicted(handles)
+        if self._nursery is None:  # not running: nothing removes them later
+            self._logs.flush()
+
+    async def retained(self, handles: Collection[Handle]) -> None:
+        """Recovery is over: remove every log but those of these sessions (an earlier
+        run's whose records are gone).
+
+        Raises:
+            ExecutionError: The logs' directory cannot be read.
+        """
         try:
-            data = self.log_path(handle).read_bytes()
-        except FileNotFoundError:
-            return ""
-        return data[-tail:].decode(errors="replace") if tail else data.decode(errors="replace")
+            with outside_the_run():
+                removed = await trio.to_thread.run_sync(self._logs.keep_only, list(handles))
+        except OSError as error:
+            message = f"cannot look at the logs in {self._logs.directory}: {error}"
+            raise ExecutionError(message) from error
+        if removed:
+            logger.info("removed %d logs of sessions whose records are not retained", removed)
 
     # -- spawn and recover ------------------------------------------------------------
 
