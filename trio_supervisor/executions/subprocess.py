@@ -31,10 +31,11 @@ Guarantees, and how:
 * ``recover`` never signals a process that is not the recorded child: a different boot
   id, or a different start time for the pid, means the child is gone. A live one is
   killed with its whole tree, as a kill does.
-* Output: stdout and stderr go to one log file per session under the state directory.
-  Without ``Limits.output_bytes`` the child writes into that file itself. With it, we
-  copy the output and keep the **head**: the first bytes, then a line saying the rest
-  was dropped.
+* Output: stdout and stderr go to one log file per session under the state directory,
+  kept for as long as the session's record is (``_logs``: the execution is
+  ``abc.Retaining``). Without ``Limits.output_bytes`` the child writes into that file
+  itself. With it, we copy the output and keep the **head**: the first bytes, then a
+  line saying the rest was dropped.
 
 Races ``recover`` guards against: the recorded pid was reused by a stranger (its start
 time differs, so it is left alone), and the pid exits and is reused between our check
@@ -45,7 +46,9 @@ Where the parts live: this module is the face (construction, spawn, recover, log
 and waits for process groups; ``_trees`` finds, freezes and kills process trees;
 ``_unit`` is a child and the control-socket protocol; ``_standby`` starts interpreters,
 and the one kept ahead of the next load; ``_forkserver`` forks them from a prepared one;
-``_output`` copies capped output.
+``_output`` copies capped output; ``_logs`` keeps the logs; ``_claims`` claims what a
+runner holds of the machine (uids, cgroups) in its name, and takes back what runners
+that are gone held.
 
 Known limits: a child that is not isolated (``isolation="none"``) sees the host's
 ``/proc`` from its namespace, so its ``os.getpid()`` (the namespace's) names another
