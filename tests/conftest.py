@@ -1,4 +1,5 @@
-"""Shared fixtures, and the guard that fails the run when a child process leaks."""
+"""Shared fixtures, and the guards that fail the run when it leaks a child process, a
+temporary file, a cgroup or a claim of the machine's."""
 
 from __future__ import annotations
 
@@ -22,7 +23,14 @@ import trio
 
 from trio_supervisor import MemoryStore, SupervisorAPI
 from trio_supervisor.executions._cgroups import PARENT
-from trio_supervisor.executions._claims import CGROUPS, Claim, ClaimError, claims_root
+from trio_supervisor.executions._claims import (
+    CGROUPS,
+    UIDS,
+    Claim,
+    ClaimError,
+    Owner,
+    claims_root,
+)
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.testing import FakeExecution
 
@@ -252,6 +260,27 @@ def no_leaked_cgroups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
     left = _cgroups_of(directories)
     if left:
         pytest.fail(f"the run left {len(left)} cgroups: {', '.join(left[:10])}", pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_claims() -> Iterator[None]:
+    """Fail the run if an execution of the test process left a claim of the machine's
+    behind (executions/_claims.py): it lets go of every uid and cgroup it claimed as it
+    ends. (What a runner killed on purpose left, any runner takes back as it starts:
+    tests/adapters/test_claims.py.)"""
+    yield
+    me = Owner.this_process()
+    left = []
+    for kind in (UIDS, CGROUPS):
+        directory = claims_root() / kind
+        with contextlib.suppress(FileNotFoundError):
+            for name in sorted(os.listdir(directory)):
+                with contextlib.suppress(OSError, ClaimError):
+                    claim = Claim.parse(os.readlink(directory / name), directory / name)
+                    if claim.owner == me:
+                        left.append(f"{kind}/{name} ({claim.holds})")
+    if left:
+        pytest.fail(f"the run left {len(left)} claims: {', '.join(left[:10])}", pytrace=False)
 
 
 @pytest.fixture

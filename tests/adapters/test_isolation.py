@@ -297,8 +297,11 @@ async def test_each_child_runs_as_a_uid_of_its_own_which_is_free_again_once_it_s
     # Its private directory goes once its termination is reported, and its uid with it.
     gone = children / str(first.child.uid)
     await until(lambda: not gone.exists(), f"{gone} removed", bound=BOUND)
+    assert execution.isolated.is_free(first.child.uid)
+    # The next it gives (other runners of the machine may claim it meanwhile: the test
+    # counts on none of theirs).
     third = await loaded(sup, "third", "attacks:identity")
-    assert third.child.uid == first.child.uid  # the lowest free uid again
+    assert third.child.uid not in (None, second.child.uid)
     for record in (second, third):
         with trio.fail_after(BOUND):
             await sup.dispose(record.handle)
