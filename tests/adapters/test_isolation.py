@@ -297,7 +297,9 @@ async def test_each_child_runs_as_a_uid_of_its_own_which_is_free_again_once_it_s
     # Its private directory goes once its termination is reported, and its uid with it.
     gone = children / str(first.child.uid)
     await until(lambda: not gone.exists(), f"{gone} removed", bound=BOUND)
-    assert execution.isolated.is_free(first.child.uid)
+    freed = first.child.uid
+    assert freed is not None
+    await until(lambda: execution.isolated.is_free(freed), f"{freed} free again", bound=BOUND)
     # The next it gives (other runners of the machine may claim it meanwhile: the test
     # counts on none of theirs).
     third = await loaded(sup, "third", "attacks:identity")
