@@ -58,7 +58,7 @@ async def main() -> None:
             claims, releases = [], []
             for _ in range(TIMES):
                 started = time.perf_counter()
-                grant = isolated.claim()
+                grant = await isolated.claim()
                 claims.append(time.perf_counter() - started)
                 started = time.perf_counter()
                 await isolated.release(grant)
@@ -69,7 +69,7 @@ async def main() -> None:
             for network, proc in (("host", True), ("none", True), ("host", False)):
                 steps = []
                 for _ in range(TIMES):
-                    grant = isolated.claim()
+                    grant = await isolated.claim()
                     spec = {**isolated.spec(grant), "network": network, "proc": proc}
                     steps.append(_isolate_in_a_child(spec))
                     await isolated.release(grant)

@@ -1,4 +1,5 @@
-"""Shared fixtures, and the guard that fails the run when a child process leaks."""
+"""Shared fixtures, and the guards that fail the run when it leaks a child process, a
+temporary file, a cgroup or a claim of the machine's."""
 
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ import pytest_timeout  # type: ignore[import-untyped]
 import trio
 
 from trio_supervisor import MemoryStore, SupervisorAPI
+from trio_supervisor.executions._cgroups import PARENT
+from trio_supervisor.executions._claims import (
+    CGROUPS,
+    UIDS,
+    Claim,
+    ClaimError,
+    Owner,
+    claims_root,
+)
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.testing import FakeExecution
 
@@ -218,23 +228,59 @@ def no_leaked_temporary_files() -> Iterator[None]:
         )
 
 
-def _our_cgroups() -> set[str]:
-    """Every cgroup under ``trio_supervisor/`` in any hierarchy (executions' parents and
-    children's cgroups)."""
-    root = Path("/sys/fs/cgroup")
-    return {str(path) for path in root.glob("*/trio_supervisor/**") if path.is_dir()}
+def _cgroups_of(directories: tuple[str, ...]) -> list[str]:
+    """Every cgroup, in any hierarchy, of the executions whose state directory lies below
+    one of ``directories`` (their parents, and their children's cgroups). Each parent is
+    told by its claim (executions/_claims.py), which names its state directory: other
+    runs of the suite on this machine, and other runners, make cgroups meanwhile."""
+    claims = claims_root() / CGROUPS
+    found: list[str] = []
+    for parent in sorted(Path("/sys/fs/cgroup").glob(f"*/{PARENT}/*")):
+        try:
+            claim = Claim.parse(os.readlink(claims / parent.name), claims / parent.name)
+        except (OSError, ClaimError):
+            continue  # no claim a runner of this version made: not this run's
+        if parent.is_dir() and claim.holds.startswith(directories):
+            found += [str(parent), *(str(path) for path in parent.rglob("*") if path.is_dir())]
+    return found
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_leaked_cgroups() -> Iterator[None]:
-    """Fail the run if it left cgroups of ours behind: every child's cgroup goes with its
-    stop, an execution's parent with its end (or, for a killed runner, with its last
-    child), and what a test kills on purpose is its to clean."""
-    before = _our_cgroups()
+def no_leaked_cgroups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Fail the run if it left cgroups of its own behind: every child's cgroup goes with
+    its stop, an execution's parent with its end (or, for a killed runner, with its last
+    child, or the next runner's start), and what a test kills on purpose is its to
+    clean. The run's own are those of state directories in its temporary directories."""
     yield
-    left = sorted(_our_cgroups() - before)
+    directories = (
+        f"{tempfile.gettempdir()}/",
+        f"{tmp_path_factory.getbasetemp()}/",
+        f"/tmp/{support.IN_SYSTEM_TMP}",
+    )
+    left = _cgroups_of(directories)
     if left:
         pytest.fail(f"the run left {len(left)} cgroups: {', '.join(left[:10])}", pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_claims() -> Iterator[None]:
+    """Fail the run if an execution of the test process left a claim of the machine's
+    behind (executions/_claims.py): it lets go of every uid and cgroup it claimed as it
+    ends. (What a runner killed on purpose left, any runner takes back as it starts:
+    tests/adapters/test_claims.py.)"""
+    yield
+    me = Owner.this_process()
+    left = []
+    for kind in (UIDS, CGROUPS):
+        directory = claims_root() / kind
+        with contextlib.suppress(FileNotFoundError):
+            for name in sorted(os.listdir(directory)):
+                with contextlib.suppress(OSError, ClaimError):
+                    claim = Claim.parse(os.readlink(directory / name), directory / name)
+                    if claim.owner == me:
+                        left.append(f"{kind}/{name} ({claim.holds})")
+    if left:
+        pytest.fail(f"the run left {len(left)} claims: {', '.join(left[:10])}", pytrace=False)
 
 
 @pytest.fixture

@@ -47,12 +47,31 @@ from trio_supervisor import (
 from trio_supervisor._background import open_background_nursery
 from trio_supervisor.abc import Store, SupervisorAPI
 from trio_supervisor.client import RemoteSupervisor, connect
+from trio_supervisor.executions import DEFAULT_CHILD_USERS
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.service import create_app
 from trio_supervisor.testing import FakeExecution
 
 KEY = Key(identity="plugin", instance="a")
 OTHER = Key(identity="plugin", instance="b")
+
+
+# A directory a test must make in the system's /tmp itself (a checkout there) takes
+# this prefix, which names the run (its pid): the run's guards (conftest.py) tell what
+# is its own from what other runs of the suite on this machine make meanwhile.
+IN_SYSTEM_TMP: Final = f"trio-supervisor-test-{os.getpid()}-"
+
+
+def uids_of_this_run(slot: int, count: int = 1) -> range:
+    """``count`` uids (at most 8) that no other test gives children, nor any other run of
+    the suite on this machine: each run has a block of 64 of its own (by its pid), above
+    the children's default range, and each test a ``slot`` (0-7) in it. For a test that
+    counts the uids its runners may give, as runners of other runs claim from ranges of
+    their own meanwhile."""
+    assert 0 <= slot < 8
+    assert 0 < count <= 8
+    start = DEFAULT_CHILD_USERS.stop + 1024 + (os.getpid() % 100_000) * 64 + slot * 8
+    return range(start, start + count)
 
 
 # How the tests of the rules reach the supervisor: "embedded" (the object itself), or

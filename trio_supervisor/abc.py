@@ -7,7 +7,7 @@ without loading any adapter.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from .model import (
@@ -31,6 +31,7 @@ __all__ = [
     "Execution",
     "FleetMember",
     "FleetStore",
+    "Retaining",
     "Store",
     "SupervisorAPI",
     "Unit",
@@ -270,6 +271,34 @@ class Execution(Protocol):
 
         Raises:
             ExecutionError: The child's end could not be confirmed.
+        """
+        ...
+
+
+@runtime_checkable
+class Retaining(Protocol):
+    """An execution that keeps something of each session after its child is gone (the
+    subprocess execution keeps its log) for exactly as long as the session's record is
+    retained. Optional: the supervisor tells an execution that has these methods which
+    records retention evicts, and which are retained once recovery is over.
+    """
+
+    def evicted(self, handles: Sequence[Handle]) -> None:
+        """Retention evicted these sessions' records: let go of what is kept of them.
+
+        Called in the supervisor's run once the store acknowledged the save that evicted
+        them; returns at once (the work may end later) and raises nothing.
+        """
+        ...
+
+    async def retained(self, handles: Collection[Handle]) -> None:
+        """Recovery is over, and these are the handles of every retained record: let go
+        of what is kept of any other session (evicted while no supervisor ran, or kept
+        by a store that held nothing across the restart, as a ``MemoryStore``).
+
+        Raises:
+            ExecutionError: What is kept could not be looked at; the supervisor logs it
+                and starts all the same.
         """
         ...
 

@@ -34,9 +34,9 @@ from trio_supervisor import (
     open_supervisor,
 )
 from trio_supervisor.executions import DEFAULT_CHILD_USERS
-from trio_supervisor.executions._isolation import claims_directory
+from trio_supervisor.executions._claims import UIDS, Claim, Owner, claims_root
 
-from ..support import until, until_logged
+from ..support import IN_SYSTEM_TMP, uids_of_this_run, until, until_logged
 
 PLUGINS = Path(__file__).parent / "plugins_isolation"
 BOUND = 20.0
@@ -297,8 +297,13 @@ async def test_each_child_runs_as_a_uid_of_its_own_which_is_free_again_once_it_s
     # Its private directory goes once its termination is reported, and its uid with it.
     gone = children / str(first.child.uid)
     await until(lambda: not gone.exists(), f"{gone} removed", bound=BOUND)
+    freed = first.child.uid
+    assert freed is not None
+    await until(lambda: execution.isolated.is_free(freed), f"{freed} free again", bound=BOUND)
+    # The next it gives (other runners of the machine may claim it meanwhile: the test
+    # counts on none of theirs).
     third = await loaded(sup, "third", "attacks:identity")
-    assert third.child.uid == first.child.uid  # the lowest free uid again
+    assert third.child.uid not in (None, second.child.uid)
     for record in (second, third):
         with trio.fail_after(BOUND):
             await sup.dispose(record.handle)
@@ -405,7 +410,7 @@ async def test_a_child_the_range_has_no_uid_for_is_refused_and_nothing_changes(
     tmp_path: Path,
 ) -> None:
     # A range of one uid, which no other test (nor runner) uses.
-    only = range(DEFAULT_CHILD_USERS.stop + 100, DEFAULT_CHILD_USERS.stop + 101)
+    only = uids_of_this_run(0)
     async with (
         SubprocessExecution(tmp_path, entry_paths=[PLUGINS], isolation_users=only) as execution,
         open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
@@ -453,14 +458,15 @@ def test_bad_isolation_options_are_refused(
         SubprocessExecution(tmp_path, **options)  # type: ignore[arg-type]
 
 
-SHARED = range(DEFAULT_CHILD_USERS.stop + 200, DEFAULT_CHILD_USERS.stop + 203)
+SHARED = uids_of_this_run(1, 3)
 
 
 @pytest.fixture
 def claims(tmp_path: Path) -> Iterator[Path]:
-    """The machine's claims of uids, with two a runner left in SHARED: one of a state
-    directory that is gone (stale), one of a runner whose state directory is there."""
-    claims = claims_directory()
+    """The machine's claims of uids, with two that name no runner (the format before
+    owners) in SHARED: one of a state directory that is gone (stale), one of a state
+    directory that is there (its runner may live)."""
+    claims = claims_root() / UIDS
     claims.mkdir(mode=0o700, parents=True, exist_ok=True)
     elsewhere = tmp_path / "elsewhere" / "children"
     elsewhere.mkdir(parents=True)
@@ -488,7 +494,8 @@ async def test_runners_sharing_a_range_never_give_one_uid_to_two_children(
         b = await loaded(two, "b", "attacks:identity")
         assert {a.child.uid, b.child.uid} == {SHARED[0], SHARED[2]}
         home = tmp_path / "a" / "children" / str(a.child.uid)
-        assert os.readlink(claims / str(a.child.uid)) == str(home)
+        claim = Claim.parse(os.readlink(claims / str(a.child.uid)), claims)
+        assert claim == Claim(Owner.this_process(), str(home))
         # Each runner believes one uid is left; the other runner has it.
         record = await one.open(Key(identity="tenant", instance="c"), "c")
         with pytest.raises(ExecutionError, match="every uid of"):
@@ -505,7 +512,7 @@ async def test_a_state_directory_below_an_entry_path_in_tmp_stays_out_of_sight(
 ) -> None:
     # A checkout in /tmp that holds the plugins and the state directory too: the child's
     # fresh /tmp has the entry path mounted back, and the state directory covered in it.
-    with tempfile.TemporaryDirectory(prefix="trio-supervisor-test-", dir="/tmp") as directory:
+    with tempfile.TemporaryDirectory(prefix=IN_SYSTEM_TMP, dir="/tmp") as directory:
         base = Path(directory)
         os.chmod(base, 0o755)  # an entry path others may read
         for plugin in PLUGINS.glob("*.py"):

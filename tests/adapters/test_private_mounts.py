@@ -36,7 +36,7 @@ from trio_supervisor import (
 from trio_supervisor.executions import _containment
 from trio_supervisor.executions._isolation import PRIVATE
 
-from ..support import until_logged
+from ..support import IN_SYSTEM_TMP, until_logged
 from .test_isolation import BOUND, PLUGINS, STARTS, attacks, loaded
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")
@@ -187,7 +187,7 @@ async def test_what_children_need_below_tmp_is_mounted_back_in_their_own(kind: s
     # The state directory and the entry path in the host's /tmp: the child's fresh /tmp
     # has them mounted back (its private directory writable, the rest read-only), and
     # nothing else of the host's.
-    with tempfile.TemporaryDirectory(prefix="trio-supervisor-test-", dir="/tmp") as directory:
+    with tempfile.TemporaryDirectory(prefix=IN_SYSTEM_TMP, dir="/tmp") as directory:
         base = Path(directory)
         plugins = base / "plugins"
         shutil.copytree(PLUGINS, plugins)

@@ -1,21 +1,32 @@
-"""The record index: retention and O(1) lookups (docs/design.md, "Persistence...")."""
+"""The record index: retention and O(1) lookups (docs/design.md, "Persistence..."), and
+what an execution that keeps something per session hears of it (``abc.Retaining``)."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Collection, Sequence
+
 import pytest
+import trio
+import trio.testing
 
 from trio_supervisor import (
     Disposed,
+    ExecutionError,
     ExitStatus,
     Handle,
     Key,
     Limits,
+    MemoryStore,
     OpenRecord,
     Retention,
     StoppedRecord,
     Termination,
+    open_supervisor,
 )
+from trio_supervisor.abc import Retaining
 from trio_supervisor.retention import RecordIndex, StopOrder
+from trio_supervisor.testing import FakeExecution
 
 DONE = Termination(kind="exited", exit=ExitStatus(code=0))
 
@@ -117,3 +128,66 @@ def test_forgetting_a_token_that_never_stopped_changes_nothing() -> None:
     stops.forget("a1")
     assert len(stops) == 0
     assert stops.evict("a", Retention(stopped_per_key=1, stopped_total=1)) == []
+
+
+# -- an execution that keeps something per session (abc.Retaining) ----------------------
+
+
+class Keeping(FakeExecution):
+    """A fake that keeps something of each session, and hears what retention evicts and,
+    once recovery is over, what is retained."""
+
+    def __init__(self, *, failing: bool = False) -> None:
+        super().__init__()
+        self.evictions: list[list[Handle]] = []
+        self.retained_at_start: list[set[Handle]] = []
+        self.failing = failing
+
+    def evicted(self, handles: Sequence[Handle]) -> None:
+        self.evictions.append(list(handles))
+
+    async def retained(self, handles: Collection[Handle]) -> None:
+        await trio.lowlevel.checkpoint()
+        self.retained_at_start.append(set(handles))
+        if self.failing:
+            raise ExecutionError("the logs' directory is gone")
+
+
+KEPT = Key(identity="p", instance="kept")
+
+
+async def test_the_execution_hears_which_records_retention_evicts_and_which_it_retains(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    store = MemoryStore(retention=Retention(stopped_per_key=1, stopped_total=100))
+    execution = Keeping()
+    assert isinstance(execution, Retaining)
+    async with open_supervisor(store, execution, grace=1.0) as supervisor:
+        assert execution.retained_at_start == [set()]
+        first = await supervisor.open(KEPT, "1")
+        await supervisor.dispose(first.handle)
+        second = await supervisor.open(KEPT, "2", expected_generation=1)
+        await supervisor.dispose(second.handle)  # generation 1's record goes now
+        assert execution.evictions == [[first.handle]]
+        third = await supervisor.open(KEPT, "3", expected_generation=2)
+    # A restart on what the store retained (generation 3 stopped by the shutdown; it
+    # evicted generation 2): the execution hears what is retained, once recovered.
+    again = Keeping()
+    async with open_supervisor(store, again, grace=1.0):
+        assert again.retained_at_start == [{third.handle}]
+        assert again.evictions == []
+    assert execution.evictions == [[first.handle], [second.handle]]
+
+
+async def test_an_execution_that_cannot_look_at_what_it_keeps_does_not_stop_the_start(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    execution = Keeping(failing=True)
+    with caplog.at_level(logging.WARNING, "trio_supervisor.supervisor"):
+        async with open_supervisor(MemoryStore(), execution) as supervisor:
+            record = await supervisor.open(KEPT, "1")
+            assert record.handle.generation == 1
+    [said] = [record.getMessage() for record in caplog.records]
+    assert said == (
+        "what the execution keeps of sessions is left as it is: the logs' directory is gone"
+    )

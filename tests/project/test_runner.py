@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from trio_supervisor.executions._cgroups import PARENT, detect, execution_name
 from trio_supervisor.executions._cgroups import ROOT as CGROUP_ROOT
-from trio_supervisor.executions._cgroups import detect
+from trio_supervisor.executions._claims import CGROUPS, Claims, claims_root
 
 from ..support import descendants, launched, reap_orphans, running, settled, survivors
 
@@ -113,14 +114,19 @@ def test_a_killed_runner_leaves_no_child_or_grandchild_behind(
     left = survivors(pids, LEASE + 2)
     assert not left, f"outlived their runner: {sorted(left)}"
     # Killed between a child's end (the hungry one's OOM kill, say) and the removal of
-    # its cgroup, the runner leaves that cgroup empty; the next start on its state
-    # directory removes it (the test below restarts it). None restarts here: remove what
-    # that start would, and nothing that still holds a process.
-    hierarchies = detect(CGROUP_ROOT, tmp_path)
+    # its cgroup, the runner may leave that cgroup empty, and its claim of their parent:
+    # now that it is gone, any runner's start takes them back. One on another state
+    # directory does here (the next start on the same one would too: the test below).
+    claims = Claims.of(CGROUPS) if os.geteuid() == 0 else None
+    another = detect(CGROUP_ROOT, tmp_path / "another", claims)
     try:
-        hierarchies.remove_empty_leftovers()
+        another.reclaim()
     finally:
-        hierarchies.close()
+        another.close()
+        another.let_go()
+    name = execution_name(tmp_path)
+    assert not list(CGROUP_ROOT.glob(f"*/{PARENT}/{name}"))
+    assert not (claims_root() / CGROUPS / name).is_symlink()
 
 
 def test_a_restarted_runner_recovers_and_generations_continue(

@@ -22,13 +22,16 @@ from pathlib import Path
 from typing import Any, Final
 
 import attrs
+import httpx
 import pytest
 import trio
 
+from trio_supervisor import Handle, Key, Load
 from trio_supervisor.cli import DEFAULT_URL
 from trio_supervisor.client import connect
+from trio_supervisor.executions._logs import Logs
 
-from ..support import NotReady, Runner, open_sessions, serving, settled
+from ..support import LEASE, NotReady, Runner, open_sessions, serving, settled, until
 
 DEFAULT_LISTEN: Final = "127.0.0.1:8470"
 COMMAND_TIMEOUT: Final = 60.0  # seconds one command may take
@@ -113,6 +116,11 @@ def cells(line: str) -> list[str]:
     return [cell.strip() for cell in line.replace("┃", "│").strip("│ ").split("│")]
 
 
+def acme(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the fixture's sessions (of the identity ``acme``)."""
+    return [record for record in records if record["handle"]["key"]["identity"] == "acme"]
+
+
 def rows(table: str) -> dict[str, str]:
     """The lines of a printed table, by the key each begins with."""
     return {
@@ -126,8 +134,9 @@ def rows(table: str) -> dict[str, str]:
 def test_sessions_with_no_flags_prints_a_table_of_every_session(operator: Operator) -> None:
     result = operator.run("sessions")
     assert result.status == 0, result.err
-    listed = operator.listed()
-    assert f"{len(listed)} sessions at {operator.runner.url}" in result.out
+    everything = operator.listed()
+    assert f"{len(everything)} sessions at {operator.runner.url}" in result.out
+    listed = acme(everything)  # a test of logs keeps a key of its own beside them
     header = next(line for line in result.out.splitlines() if "key" in line)
     assert cells(header) == [
         "key",
@@ -159,8 +168,8 @@ def test_sessions_json_prints_the_same_rows(operator: Operator) -> None:
     result = operator.run("sessions", "--json")
     assert result.status == 0, result.err
     records = json.loads(result.out)
-    assert len(records) == len(table)
-    for record in records:
+    assert len(acme(records)) == len(table)
+    for record in acme(records):
         key = record["handle"]["key"]
         line = table[f"{key['identity']}/{key['instance']}"]
         assert cells(line)[1:3] == [str(record["handle"]["generation"]), record["phase"]]
@@ -198,6 +207,55 @@ def test_logs_prints_what_the_child_wrote(operator: Operator) -> None:
     tail = operator.run("logs", "acme", "eu-1", "1", "--tail", "30")
     assert tail.status == 0, tail.err
     assert 0 < len(tail.out.encode()) <= 30
+
+
+def test_logs_prints_every_retained_generation_and_names_an_evicted_one(
+    operator: Operator,
+) -> None:
+    # A key of its own, beside acme's: generation 2 supersedes generation 1, and with one
+    # Stopped record kept per key, generation 1 is retained until generation 2 stops.
+    key = Key(identity="logs", instance="x")
+    runner = operator.runner
+
+    async def open_two() -> list[Handle]:
+        handles = []
+        async with runner.host() as host, runner.operator() as operators:
+            for generation in (1, 2):
+                record = await host.open(
+                    key, str(generation), expected_generation=generation - 1 or None, lease=LEASE
+                )
+                await host.load(record.handle, Load(specifier="heartbeat:main"))
+                beat = f"beat 1 of logs/x #{generation}\n"
+
+                async def said(generation: int = generation, beat: str = beat) -> bool:
+                    return beat in await operators.logs(key, generation)
+
+                await until(said, f"{beat!r} in the log")
+                handles.append(record.handle)
+        return handles
+
+    first, second = trio.run(open_two)
+    printed = operator.run("logs", "logs", "x", "1")  # generation 2 is open
+    assert printed.status == 0, printed.err
+    assert printed.out.startswith("beat 1 of logs/x #1\n")
+
+    async def dispose_second() -> tuple[httpx.Response, str]:
+        async with runner.host() as host, runner.http() as operators:
+            await host.dispose(second)
+            query = {"identity": "logs", "instance": "x", "generation": "1"}
+            evicted = await operators.get("/v1/logs", params=query)
+            retained = await operators.get("/v1/logs", params={**query, "generation": "2"})
+            return evicted, retained.text
+
+    answer, retained = trio.run(dispose_second)
+    assert (answer.status_code, answer.json()["code"]) == (404, "StaleSession")
+    assert "stopping after" in retained
+    printed = operator.run("logs", "logs", "x", "1")
+    assert (printed.status, printed.out) == (1, "")
+    assert printed.err == "Error: StaleSession: logs/x has no retained generation 1\n"
+    # Its log went with its record.
+    path = Logs(runner.state).path(first)
+    assert settled(lambda: not path.exists(), 20), f"{path} is still there"
 
 
 def test_dispose_by_key_and_generation_then_show_says_stopped_disposed(

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import trio
 
 from .._fields import LEASE
-from ..abc import Execution, FleetStore, Store
+from ..abc import Execution, FleetStore, Retaining, Store
 from ..errors import (
     RunnerClosingError,
     SessionStoppedError,
@@ -96,6 +96,8 @@ class Supervisor:
         retention: Retention,
     ) -> None:
         self._execution = execution
+        # Told what retention evicts, where it keeps something per session (its logs).
+        self._retaining: Retaining | None = execution if isinstance(execution, Retaining) else None
         self._lease = lease
         self._grace = grace
         self._confirmation = confirmation_timeout
@@ -679,13 +681,21 @@ class Supervisor:
     async def _persist(self, record: SessionRecord, quota: QuotaClaim | None = None) -> None:
         """Make ``record`` durable (O8, H1), counted against ``quota`` in a fleet (F9); a
         session whose record is evicted retires (O10)."""
-        for gone in await self._records.save(record, quota):
-            self._sessions.pop(gone.handle.token, None)
+        self._evicted(await self._records.save(record, quota))
 
     async def _persist_together(self, records: Sequence[SessionRecord]) -> None:
         """Make ``records`` durable at once where the store can (H1, O10)."""
-        for gone in await self._records.save_together(records):
+        self._evicted(await self._records.save_together(records))
+
+    def _evicted(self, records: Sequence[SessionRecord]) -> None:
+        """Retention evicted ``records``: their sessions retire (O10), and the execution
+        lets go of what it keeps of them."""
+        if not records:
+            return
+        for gone in records:
             self._sessions.pop(gone.handle.token, None)
+        if self._retaining is not None:
+            self._retaining.evicted([gone.handle for gone in records])
 
     def _stopped(self, session: Session) -> None:
         """The session's Stopped record is durable: its record answers from now on (P5)."""
@@ -804,6 +814,14 @@ class Lifetime:
         await recover(
             supervisor._records, supervisor._execution, confirmation=supervisor._confirmation
         )
+        if supervisor._retaining is not None:
+            # What it keeps of sessions whose records are gone goes (what recovery's own
+            # saves evicted, and what was evicted while no supervisor ran).
+            handles = [record.handle for record in supervisor._records.index]
+            try:
+                await supervisor._retaining.retained(handles)
+            except Exception as error:
+                logger.warning("what the execution keeps of sessions is left as it is: %s", error)
 
     async def join(self, nursery: trio.Nursery) -> None:
         """Be a member of the fleet from now on, when the store is shared (F1, F2)."""

@@ -55,6 +55,19 @@ A prepared cgroup that no load takes is removed with its process: a standby disc
 killed runner's prepared cgroups held ends with it (a standby sees its socket close),
 and the next start on the same state directory removes them empty.
 
+Whose they are. The parents are machine-wide, and a runner killed with ``kill -9``
+may leave one behind, with empty cgroups in it, for good where no runner starts on its
+state directory again. So each execution claims its parent's name (``_claims``:
+``cgroups/<execution>``, naming the runner and the state directory) before it makes it,
+and lets go of the claim once it removed the parent as it ended. Any runner, as it
+starts, reclaims the parents of runners that are gone (:meth:`Hierarchies.reclaim`):
+the empty cgroups in them, then each parent once it is empty, then the claim once
+nothing of its parent is left (a cgroup that still holds a process stays, and its
+parent and claim with it: the tree ends by its dead-man switch, or by recovery on its
+state directory, and a later start takes what is left). A parent that no claim names
+(made by an earlier version, or by a runner that may not write the claims) is left
+alone, and the log says so.
+
 Rules that never bend:
 
 * A cgroup is removed only once its ``cgroup.procs`` is empty: a zombie has left it
@@ -68,6 +81,7 @@ Rules that never bend:
   by anyone else does not raise it.
 * Nothing outside ``trio_supervisor/`` is ever touched: a recorded path that leads
   elsewhere is refused.
+* Another runner's parent is touched only once its claim says its runner is gone.
 """
 
 from __future__ import annotations
@@ -75,7 +89,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import os
+import re
 import signal
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -86,9 +102,12 @@ import trio
 
 from ..errors import PackageError
 from ..model import Limits
+from ._claims import ClaimError, Claims
 from ._groups import start_time
 
 __all__ = ["PARENT", "ROOT", "Hierarchies", "TreeCgroup", "detect"]
+
+logger = logging.getLogger(__name__)
 
 ROOT: Final = Path("/sys/fs/cgroup")
 PARENT: Final = "trio_supervisor"
@@ -99,6 +118,8 @@ CFS_PERIOD_US: Final = 100_000
 # is empty (the kernel may take a moment to let go of the last exited task).
 POLL: Final = 0.005
 REMOVE_TRIES: Final = 200
+# An execution's parent: a digest of its state directory (execution_name).
+EXECUTION: Final = re.compile(r"[0-9a-f]{16}")
 
 
 def _write(path: Path, value: str) -> None:
@@ -121,6 +142,8 @@ class Hierarchies:
         kill: A cgroup2 hierarchy with ``cgroup.kill``, or None.
         memsw: v1 only: whether swap is accounted (``memory.memsw.limit_in_bytes``).
         reason: Why a part is missing, for the log; empty when nothing is.
+        claims: The machine's claims of parents, where this execution holds the claim
+            of its own (None: it holds none, and reclaims nothing).
     """
 
     parent: str
@@ -129,6 +152,12 @@ class Hierarchies:
     kill: Path | None = None
     memsw: bool = False
     reason: str = ""
+    claims: Claims | None = None
+
+    @property
+    def name(self) -> str:
+        """This execution's name: its parent's, below ``trio_supervisor``."""
+        return self.parent.rpartition("/")[2]
 
     @property
     def used(self) -> bool:
@@ -275,6 +304,70 @@ class Hierarchies:
             removed += 1
         return removed
 
+    def reclaim(self) -> list[str]:
+        """Remove what the executions of runners that are gone left, in every hierarchy
+        used: their empty cgroups, their parents once empty, their claims once nothing
+        of their parent is left (see the module's docs). Blocking: call it in a worker
+        thread. Returns the cgroups removed, and logs them.
+        """
+        if self.claims is None:
+            return []
+        claims = self.claims
+        removed: list[str] = []
+        unclaimed: list[str] = []
+        with claims.reclaiming():
+            names = set(claims.names())
+            for root in self.roots():
+                with contextlib.suppress(OSError):
+                    names.update(
+                        entry.name
+                        for entry in os.scandir(root / PARENT)
+                        if entry.is_dir(follow_symlinks=False)
+                    )
+            names.discard(self.name)
+            for name in sorted(names):
+                if not EXECUTION.fullmatch(name):
+                    continue  # no execution's: nothing of ours
+                try:
+                    claim = claims.read(name)
+                except ClaimError as error:
+                    logger.warning("%s; the cgroups of %s/%s are left alone", error, PARENT, name)
+                    continue
+                if claim is None:
+                    unclaimed.append(name)
+                    continue
+                if not claims.gone(claim, claims.owner.boot_id):
+                    continue
+                left = False
+                for root in self.roots():
+                    found, gone = _remove_empty(root / PARENT / name)
+                    removed += gone
+                    left = left or found
+                if not left:
+                    claims.remove(name, claim)
+        if removed:
+            logger.info(
+                "removed %d cgroups that runners which are gone left: %s",
+                len(removed),
+                ", ".join(removed[:10]),
+            )
+        if unclaimed:
+            logger.info(
+                "cgroups of %s that no runner claims are left alone (made by an earlier "
+                "version, or by a runner that may not write the claims): %s",
+                PARENT,
+                ", ".join(unclaimed[:10]),
+            )
+        return removed
+
+    def let_go(self) -> None:
+        """Drop this execution's claim of its parent, once its parent is gone from every
+        hierarchy (else a reclaim takes it once its runner is gone)."""
+        if self.claims is None:
+            return
+        if not any((root / self.parent).exists() for root in self.roots()):
+            self.claims.drop(self.name)
+
     def close(self) -> None:
         """Remove this execution's parents, if they are empty (best effort), and the
         shared ``trio_supervisor`` above them where the last execution left it empty. A
@@ -287,12 +380,40 @@ class Hierarchies:
                     os.rmdir(root / PARENT)
 
 
+def _remove_empty(parent: Path) -> tuple[bool, list[str]]:
+    """Remove the empty cgroups below ``parent``, then ``parent`` if it is empty: whether
+    anything of it is left, and what was removed."""
+    removed: list[str] = []
+    left = False
+    try:
+        entries = [
+            entry.path for entry in os.scandir(parent) if entry.is_dir(follow_symlinks=False)
+        ]
+    except FileNotFoundError:
+        return False, removed
+    except OSError:
+        return True, removed
+    for path in [*entries, str(parent)]:
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            left = True  # it still holds a process (or, the parent, such a cgroup)
+            continue
+        removed.append(path)
+    return left, removed
+
+
 def execution_name(state_directory: Path) -> str:
     return hashlib.sha256(str(state_directory).encode()).hexdigest()[:16]
 
 
-def detect(root: Path | None, state_directory: Path) -> Hierarchies:
+def detect(root: Path | None, state_directory: Path, claims: Claims | None = None) -> Hierarchies:
     """Find and prepare what this process may write below ``root``; None: no cgroups.
+
+    With ``claims`` (the machine's claims of parents), claims this execution's parent
+    first (taking it from a runner on the same state directory that is gone).
 
     Makes this execution's parent in each hierarchy to learn whether it may (v2 keeps
     it, with its controllers enabled; v1 removes it again, a child's cgroup making it
@@ -301,6 +422,35 @@ def detect(root: Path | None, state_directory: Path) -> Hierarchies:
     parent = f"{PARENT}/{execution_name(state_directory)}"
     if root is None:
         return Hierarchies(parent=parent, reason="turned off")
+    claims = _claim(claims, execution_name(state_directory), state_directory)
+    found = _detect(root, parent)
+    if not found.used and claims is not None:
+        claims.drop(found.name)  # nothing to hold
+        claims = None
+    return attrs.evolve(found, claims=claims)
+
+
+def _claim(claims: Claims | None, name: str, state_directory: Path) -> Claims | None:
+    """``claims``, once this execution's parent is claimed in it; None where it cannot be."""
+    if claims is None:
+        return None
+    try:
+        holder = claims.take(name, state_directory)
+    except (ClaimError, OSError) as error:
+        logger.warning("the cgroups of %s cannot be claimed: %s", state_directory, error)
+        return None
+    if holder is not None:
+        logger.warning(
+            "the cgroups of %s are claimed by a runner that still runs, %s: two runners "
+            "on one state directory?",
+            state_directory,
+            holder.describe(),
+        )
+        return None
+    return claims
+
+
+def _detect(root: Path, parent: str) -> Hierarchies:
     reasons: list[str] = []
     v2_root: Path | None = root if (root / "cgroup.controllers").exists() else root / "unified"
     if v2_root is not None and not (v2_root / "cgroup.controllers").exists():

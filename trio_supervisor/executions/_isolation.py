@@ -35,14 +35,13 @@ environment are not in it. Where the kernel refuses a PID namespace, or its ``/p
 children keep the host's ``/proc``, and the log says so.
 
 Runners of one machine may share a range: a uid is claimed machine-wide, atomically,
-by a symbolic link ``<claims>/<uid>`` to the child's private directory (which names the
-runner's state directory), and given back once its child is gone; ``<claims>`` is
-``/run/trio-supervisor/uids``, or ``/dev/shm/trio-supervisor/uids`` where only that is
-in memory (:func:`claims_directory`). A killed run's claims are removed at the next
-start on the same state directory, or, while processes of its uid still run, by
-recovery once it has killed them (the uid is recorded in the child's identity). A uid
-of the range that some other process already runs as is left alone, and the log says
-so.
+by a claim ``uids/<uid>`` that names the runner (its pid, start time and boot id) and
+the child's private directory, and given back once its child is gone (``_claims``).
+A killed runner's claims are reclaimed by any runner: as it starts, and again when it
+runs short of uids, before it refuses a load for want of one; a uid that a process
+still runs as stays taken meanwhile (a killed runner's tree ends by its dead-man
+switch, or by recovery, which frees the uid it recorded in the child's identity). A
+uid of the range that some other process runs as is never given, and the log says so.
 
 A runner that is not root cannot give uids away. Its children get the next best thing
 (``"namespace"``, which "auto" picks there): each makes a user namespace and a mount
@@ -75,6 +74,7 @@ import trio
 
 from ..errors import ExecutionError
 from ..realtime import bounded, outside_the_run
+from ._claims import UIDS, ClaimError, Claims, survey_uids
 
 __all__ = ["DEFAULT_CHILD_USERS", "ISOLATIONS", "NETWORKS", "Grant", "Isolated", "Isolation"]
 
@@ -90,12 +90,6 @@ DEFAULT_CHILD_USERS = range(2_000_000_000, 2_000_000_000 + 1024)
 UID_MAX = 2**32 - 2  # (uid_t)-1 means "unchanged" to the kernel
 VIEW_TIMEOUT = 10.0
 CHILDREN = "children"
-# Which uid each running child of any runner of this machine holds: a symbolic link
-# named after the uid, to the child's private directory (so it names its runner's
-# state directory). Made atomically, or not at all: two runners sharing a range of uids
-# never give one to two children. In memory where one is found (see claims_directory):
-# a link made and removed per child on a journaling file system costs a load 0.6 ms.
-CLAIMS = (Path("/run/trio-supervisor/uids"), Path("/dev/shm/trio-supervisor/uids"))
 # Where any process may write: each isolated child gets a fresh tmpfs over each (as
 # systemd's PrivateTmp), so no two children meet there and none leaves files behind.
 PRIVATE = ("/tmp", "/var/tmp", "/dev/shm")
@@ -154,7 +148,7 @@ class Isolated:
         children: Where the private directories are, as children see it
             (``STATE/children``).
         covered: What the view covers, for the log.
-        claims: Where uids are claimed machine-wide (see ``CLAIMS``).
+        claims: Where uids are claimed machine-wide (``_claims``), by this runner.
         private: The directories of ``PRIVATE`` a child gets a fresh tmpfs over (those
             that are directories here, as their real paths).
         keep: What children need below one of them (the interpreter, the entry paths,
@@ -173,7 +167,7 @@ class Isolated:
     homes: int = -1
     children: Path | None = None
     covered: tuple[str, ...] = ()
-    claims: Path | None = None
+    claims: Claims | None = None
     reason: str = ""
     private: tuple[str, ...] = ()
     keep: tuple[str, ...] = ()
@@ -182,6 +176,9 @@ class Isolated:
     _free: list[int] = attrs.field(factory=list)
     _held: set[int] = attrs.field(factory=set)
     _made: Iterator[int] = attrs.field(factory=lambda: itertools.count(1))  # namespace homes
+    # One survey of the claims at a time: loads that run short together share one.
+    _surveying: trio.Lock = attrs.field(factory=trio.Lock)
+    _looked: int = 0
 
     @property
     def used(self) -> bool:
@@ -191,6 +188,10 @@ class Isolated:
     def free_uids(self) -> int:
         """How many uids a child may get now."""
         return len(self._free)
+
+    def is_free(self, uid: int) -> bool:
+        """Whether a child may get ``uid`` now (this runner knows it free)."""
+        return uid in self._free
 
     def describe(self) -> str:
         """One line for the log."""
@@ -260,41 +261,80 @@ class Isolated:
         assert self.children is not None
         return self.reachable(Grant(uid, self.children / str(uid)))
 
-    def claim(self) -> Grant:
+    async def claim(self) -> Grant:
         """A free uid, claimed, with its private directory made (owned by it, mode 0700).
+
+        Where none is left, the claims are looked at again first: those of runners that
+        are gone since are reclaimed (``_claims``).
 
         Raises:
             ExecutionError: Every uid of the range is taken.
         """
         assert self.children is not None
         if self.kind == "namespace":
+            await trio.lowlevel.checkpoint()
             home = self.children / f"n{next(self._made)}"
             home.mkdir(mode=0o700)
             return Grant(None, home)
         assert self.users is not None
-        assert self.claims is not None
-        while self._free:
-            uid = self._free.pop()
-            name, claim = str(uid), self.claims / str(uid)
-            try:
-                os.symlink(self.children / name, claim)
-            except FileExistsError:
-                continue  # another runner's child has it now
-            try:
-                os.mkdir(name, 0o700, dir_fd=self.homes)
-            except FileExistsError:  # a child of this run that has not gone yet
-                os.unlink(claim)
-                continue
-            os.chown(name, uid, uid, dir_fd=self.homes, follow_symlinks=False)
-            self._held.add(uid)
-            return Grant(uid, self.children / name)
+        grant = self._take()
+        if grant is not None:
+            await trio.lowlevel.checkpoint()
+            return grant
+        await self.reclaim()
+        grant = self._take()
+        if grant is not None:
+            return grant
         raise ExecutionError(
             f"every uid of {self.users.start}-{self.users.stop - 1} is in use by a "
             "running child: widen isolation_users (serve --child-users)"
         )
 
+    def _take(self) -> Grant | None:
+        """The next free uid, claimed, or None where none is left."""
+        assert self.claims is not None
+        assert self.children is not None
+        while self._free:
+            uid = self._free.pop()
+            name = str(uid)
+            if not self.claims.make(name, self.children / name):
+                continue  # another runner's child has it now
+            try:
+                os.mkdir(name, 0o700, dir_fd=self.homes)
+            except FileExistsError:  # a child of this run that has not gone yet
+                self.claims.drop(name)
+                continue
+            os.chown(name, uid, uid, dir_fd=self.homes, follow_symlinks=False)
+            self._held.add(uid)
+            return Grant(uid, self.children / name)
+        return None
+
+    async def reclaim(self) -> None:
+        """Look at the claims again: reclaim those of runners that are gone, and take
+        every uid of the range that is free now (in a worker thread; one look at a time,
+        which loads short of a uid together share)."""
+        assert self.claims is not None
+        assert self.users is not None
+        assert self.children is not None
+        looked = self._looked
+        async with self._surveying:
+            if self._looked != looked:
+                return  # looked at while this waited
+            with outside_the_run():
+                survey = await trio.to_thread.run_sync(
+                    survey_uids, self.claims, self.users, self.children
+                )
+            self._looked += 1
+        survey.log(quiet=True)
+        free = set(self._free)
+        # Highest first, as claims pop the lowest; those of this run's children that
+        # are still going are its own to give back.
+        found = [uid for uid in survey.free if uid not in free and uid not in self._held]
+        self._free = sorted([*self._free, *found], reverse=True)
+
     async def release(self, grant: Grant) -> None:
-        """Remove a gone child's private directory, and make its uid free again."""
+        """Remove a gone child's private directory, and make its uid free again (its
+        claim let go of even where this is cancelled: the execution ends, say)."""
         if grant.uid is None:  # on the host's file system: not on the event loop
             with outside_the_run():
                 await trio.to_thread.run_sync(_remove_home, grant.home)
@@ -306,32 +346,57 @@ class Isolated:
         except OSError:
             with outside_the_run():
                 await trio.to_thread.run_sync(_remove_home, self.reachable(grant))
+        finally:
+            self._give_back(grant.uid)
         await trio.lowlevel.checkpoint()
-        self._give_back(grant.uid, grant.home)
 
-    def _give_back(self, uid: int, home: Path) -> None:
+    def _give_back(self, uid: int) -> None:
         assert self.claims is not None
         self._held.discard(uid)
-        with contextlib.suppress(OSError):
-            if os.readlink(self.claims / str(uid)) == str(home):
-                os.unlink(self.claims / str(uid))
+        self.claims.drop(str(uid))
         self._free.append(uid)
 
     async def recovered(self, uid: int) -> None:
-        """Free the uid of a child an earlier run left, now that recovery ended it (its
-        private directory went with that run's view)."""
-        await trio.lowlevel.checkpoint()
-        if self.users is None or self.children is None or uid not in self.users:
+        """Free the uid of a child an earlier run on this state directory left, now that
+        recovery ended it (its private directory went with that run's view): its claim,
+        of that run's dead runner, is reclaimed, unless another runner reclaimed it and
+        claimed the uid since."""
+        if self.users is None or self.children is None or self.claims is None:
+            await trio.lowlevel.checkpoint()
             return
-        if uid in self._held or uid in self._free:  # ours already
+        if uid not in self.users or uid in self._held or uid in self._free:  # ours already
+            await trio.lowlevel.checkpoint()
             return
-        self._give_back(uid, self.children / str(uid))
+        with outside_the_run():
+            free = await trio.to_thread.run_sync(
+                _reclaim_recovered, self.claims, uid, self.children / str(uid)
+            )
+        if free and uid not in self._held and uid not in self._free:
+            self._free.append(uid)
 
     def close(self) -> None:
         for fd in (self.view, self.homes):
             if fd >= 0:
                 os.close(fd)
         self.view = self.homes = -1
+
+
+def _reclaim_recovered(claims: Claims, uid: int, home: Path) -> bool:
+    """Reclaim the claim of ``uid`` that a dead run left for ``home`` (recovery ended its
+    child); whether the uid is free of claims now."""
+    with claims.reclaiming():
+        try:
+            claim = claims.read(str(uid))
+        except ClaimError as error:
+            logger.warning("%s; the uid %d stays taken", error, uid)
+            return False
+        if claim is None:
+            return True
+        if claim.holds != str(home) or not (
+            claim.owner is None or claims.gone(claim, claims.owner.boot_id)
+        ):
+            return False  # claimed again since, by a runner that lives
+        return claims.remove(str(uid), claim)
 
 
 def _remove_home(home: Path) -> bool:
@@ -357,7 +422,9 @@ async def prepare(
     claims: Path | None = None,
 ) -> Isolated:
     """Find what this runner can do, and prepare it: the private directories' parent,
-    the free uids, the view.
+    the free uids (the claims of runners that are gone reclaimed), the view.
+
+    ``claims`` is where the machine's claims are (``_claims.claims_root()`` by default).
 
     Raises:
         ExecutionError: Children cannot be isolated here (and ``isolation`` is "auto"),
@@ -402,9 +469,10 @@ async def prepare(
     needed = [*await _interpreter_paths(python), *entry_paths, *executables]
     for path in entry_paths:
         _check_readable(Path(path))
-    if claims is None:
-        claims = await trio.to_thread.run_sync(claims_directory)
-    free = await trio.to_thread.run_sync(_prepare_children, children, users, claims)
+    uids = await trio.to_thread.run_sync(Claims.of, UIDS, claims)
+    with outside_the_run():
+        survey = await trio.to_thread.run_sync(survey_uids, uids, users, children)
+    survey.log()
     covers = _covers([*needed, str(children)], state)
     private, keep = await trio.to_thread.run_sync(_private_directories, needed, covers)
     homes_kept = await trio.to_thread.run_sync(_kept, children, private)
@@ -413,13 +481,13 @@ async def prepare(
     return Isolated(
         "users",
         users=users,
-        claims=claims,
+        claims=uids,
         network=network,
         view=view,
         homes=homes,
         children=children,
         covered=tuple(covers),
-        free=free,
+        free=survey.free,
         private=private,
         keep=keep,
         homes_kept=homes_kept,
@@ -536,40 +604,6 @@ def _covers(needed: Iterable[str], state: Path) -> list[str]:
     return sorted(covers, key=len)
 
 
-def claims_directory() -> Path:
-    """Where this machine's runners claim uids: the first of CLAIMS on a tmpfs, else the
-    first (``/run`` is a tmpfs on most systems)."""
-    mounts: dict[str, str] = {}
-    with contextlib.suppress(OSError), open("/proc/self/mounts") as file:
-        for line in file:
-            fields = line.split()
-            if len(fields) > 2:
-                mounts[fields[1]] = fields[2]
-
-    def kind(path: Path) -> str:
-        for place in (path, *path.parents):
-            if str(place) in mounts:
-                return mounts[str(place)]
-        return ""
-
-    return next((path for path in CLAIMS if kind(path) == "tmpfs"), CLAIMS[0])
-
-
-def _own_directory(path: Path) -> None:
-    """Make ``path`` (and its parent) root's alone, or refuse one someone else made
-    (``/dev/shm`` is anyone's to write)."""
-    for directory in (path.parent, path):
-        with contextlib.suppress(FileExistsError):
-            directory.mkdir(mode=0o700)
-        found = directory.lstat()
-        if not stat.S_ISDIR(found.st_mode) or found.st_uid != 0 or found.st_mode & 0o077:
-            raise ExecutionError(
-                f"{directory} is not a directory that root alone may write "
-                f"(mode {found.st_mode:o}, owner {found.st_uid}): remove it, so that "
-                "the runner makes it anew"
-            )
-
-
 def _private_parent(children: Path) -> None:
     """``STATE/children`` on the host, for children in namespaces of their own, without
     the private directories an earlier run on it left (its children died with it)."""
@@ -578,39 +612,6 @@ def _private_parent(children: Path) -> None:
     for entry in os.listdir(children):
         if entry.startswith("n") and entry[1:].isdigit():
             _remove_home(children / entry)
-
-
-def _prepare_children(children: Path, users: range, claims: Path) -> list[int]:
-    """Make the claims' directory; remove the claims an earlier run on this state
-    directory left whose uid runs nothing, and those of state directories that are gone;
-    return the free uids, highest first (claims pop the lowest)."""
-    running: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                running.setdefault(os.stat(f"/proc/{entry}").st_uid, int(entry))
-    taken: set[int] = set()
-    _own_directory(claims)
-    for entry in os.listdir(claims):
-        uid, claim = int(entry), claims / entry
-        target = Path(os.readlink(claim))
-        if uid in running:
-            taken.add(uid)  # recovery frees it once it has ended what runs
-        elif target.parent == children:  # this state directory's, from a dead run
-            claim.unlink()  # its private directory went with that run's view
-        elif not target.parent.parent.is_dir():  # a state directory that is gone
-            claim.unlink()
-        else:
-            taken.add(uid)  # another runner's child, about to start
-    strangers = sorted(uid for uid in users if uid in running and uid not in taken)
-    if strangers:
-        logger.warning(
-            "processes that no runner claimed run as uids of the children's range "
-            "(%s, e.g. pid %d); those uids are left alone",
-            ", ".join(map(str, strangers[:5])),
-            running[strangers[0]],
-        )
-    return sorted((uid for uid in users if uid not in taken and uid not in running), reverse=True)
 
 
 async def _make_view(

@@ -31,10 +31,11 @@ Guarantees, and how:
 * ``recover`` never signals a process that is not the recorded child: a different boot
   id, or a different start time for the pid, means the child is gone. A live one is
   killed with its whole tree, as a kill does.
-* Output: stdout and stderr go to one log file per session under the state directory.
-  Without ``Limits.output_bytes`` the child writes into that file itself. With it, we
-  copy the output and keep the **head**: the first bytes, then a line saying the rest
-  was dropped.
+* Output: stdout and stderr go to one log file per session under the state directory,
+  kept for as long as the session's record is (``_logs``: the execution is
+  ``abc.Retaining``). Without ``Limits.output_bytes`` the child writes into that file
+  itself. With it, we copy the output and keep the **head**: the first bytes, then a
+  line saying the rest was dropped.
 
 Races ``recover`` guards against: the recorded pid was reused by a stranger (its start
 time differs, so it is left alone), and the pid exits and is reused between our check
@@ -45,7 +46,9 @@ Where the parts live: this module is the face (construction, spawn, recover, log
 and waits for process groups; ``_trees`` finds, freezes and kills process trees;
 ``_unit`` is a child and the control-socket protocol; ``_standby`` starts interpreters,
 and the one kept ahead of the next load; ``_forkserver`` forks them from a prepared one;
-``_output`` copies capped output.
+``_output`` copies capped output; ``_logs`` keeps the logs; ``_claims`` claims what a
+runner holds of the machine (uids, cgroups) in its name, and takes back what runners
+that are gone held.
 
 Known limits: a child that is not isolated (``isolation="none"``) sees the host's
 ``/proc`` from its namespace, so its ``os.getpid()`` (the namespace's) names another
@@ -77,14 +80,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -98,6 +100,7 @@ from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination
 from ..realtime import outside_the_run
 from ._cgroups import ROOT as CGROUP_ROOT
 from ._cgroups import Hierarchies, TreeCgroup, detect
+from ._claims import CGROUPS, Claims, claims_root
 from ._containment import CONTAINMENTS, Containment, Mechanism, choose
 from ._forkserver import Broken, ForkServer, check_preload
 from ._groups import become_subreaper, boot_id, group_gone, read_stat, reap_group, start_time
@@ -112,6 +115,7 @@ from ._isolation import (
     check_users,
     prepare,
 )
+from ._logs import Logs
 from ._output import copy_output
 from ._standby import BOOTSTRAP, Interpreter, Standby, compile_bootstrap, start_interpreter
 from ._trees import Tree, kill_recorded, process_table
@@ -269,6 +273,7 @@ class SubprocessExecution:
         # Until entered: the sweep, which every kernel allows.
         self.mechanism = Mechanism(kind="sweep", unshare=None, required=False, reason="")
         self._boot_id = boot_id()
+        self._logs = Logs(self.state_directory)
         self._nursery: trio.Nursery | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._bootstrap = BOOTSTRAP
@@ -290,15 +295,19 @@ class SubprocessExecution:
         stack = contextlib.AsyncExitStack()
         self._nursery = await stack.enter_async_context(open_background_nursery())
         self._stack = stack
+        self._nursery.start_soon(self._logs.remove_evicted, name="evicted records' logs")
         if self.python == sys.executable:
             self._bootstrap = await trio.to_thread.run_sync(compile_bootstrap, self.state_directory)
         self._standby = Standby(self._start_standby)  # afresh: this run may start them
-        self.cgroups = await trio.to_thread.run_sync(detect, self.cgroup_root, self.state_directory)
+        claims = await trio.to_thread.run_sync(claims_root)
+        self.cgroups = await trio.to_thread.run_sync(self._detect, claims)
         stack.callback(self.cgroups.close)
         # First, as it ends: what children ended by their dead-man switch left.
         stack.callback(self.cgroups.remove_empty_leftovers)
-        # Populated ones are left to recovery, which finds them by their records.
+        # Populated ones are left to recovery, which finds them by their records; and
+        # what runners that are gone left on other state directories goes too.
         await trio.to_thread.run_sync(self.cgroups.remove_empty_leftovers)
+        await trio.to_thread.run_sync(self.cgroups.reclaim)
         try:
             self.isolated = await prepare(
                 self.isolation,
@@ -310,6 +319,7 @@ class SubprocessExecution:
                 bootstrap=self._bootstrap if self.python == sys.executable else BOOTSTRAP,
                 entry_paths=self.entry_paths,
                 executables=self._executables(),
+                claims=claims,
             )
             stack.callback(self.isolated.close)
             if self.subreaper:
@@ -372,9 +382,23 @@ class SubprocessExecution:
             return await stack.__aexit__(*exc_info)
         finally:
             # Every background task has ended, a standby being started included.
+            self._logs.flush()
             await self._standby.close()
             # Its cgroup went with it: the parents are empty only now.
             self.cgroups.close()
+            self.cgroups.let_go()
+
+    def _detect(self, claims: Path) -> Hierarchies:
+        """The cgroups children may get, this execution's parent claimed in ``claims``
+        (the machine's claims; none claimed where the runner is not root, as only root
+        may write them). Blocking."""
+        owned = None
+        if self.cgroup_root is not None and os.geteuid() == 0:
+            try:
+                owned = Claims.of(CGROUPS, claims)
+            except (OSError, ExecutionError) as error:
+                logger.warning("this execution's cgroups cannot be claimed: %s", error)
+        return detect(self.cgroup_root, self.state_directory, owned)
 
     @property
     def fork_server_pid(self) -> int | None:
@@ -390,17 +414,34 @@ class SubprocessExecution:
 
     def log_path(self, handle: Handle) -> Path:
         """The log file of a session's child."""
-        key = f"{handle.key.identity}\0{handle.key.instance}".encode()
-        name = hashlib.sha256(key).hexdigest()[:16]
-        return self.state_directory / "logs" / f"{name}-{handle.generation}.log"
+        return self._logs.path(handle)
 
     def logs(self, handle: Handle, *, tail: int | None = None) -> str:
-        """What a session's child wrote (stdout and stderr), or its last ``tail`` bytes."""
+        """What a session's child wrote (stdout and stderr), or its last ``tail`` bytes;
+        "" once its record was evicted (its log goes with it: ``_logs``)."""
+        return self._logs.read(handle, tail=tail)
+
+    def evicted(self, handles: Sequence[Handle]) -> None:
+        """Retention evicted these sessions' records: their logs go (in the background)."""
+        self._logs.evicted(handles)
+        if self._nursery is None:  # not running: nothing removes them later
+            self._logs.flush()
+
+    async def retained(self, handles: Collection[Handle]) -> None:
+        """Recovery is over: remove every log but those of these sessions (an earlier
+        run's whose records are gone).
+
+        Raises:
+            ExecutionError: The logs' directory cannot be read.
+        """
         try:
-            data = self.log_path(handle).read_bytes()
-        except FileNotFoundError:
-            return ""
-        return data[-tail:].decode(errors="replace") if tail else data.decode(errors="replace")
+            with outside_the_run():
+                removed = await trio.to_thread.run_sync(self._logs.keep_only, list(handles))
+        except OSError as error:
+            message = f"cannot look at the logs in {self._logs.directory}: {error}"
+            raise ExecutionError(message) from error
+        if removed:
+            logger.info("removed %d logs of sessions whose records are not retained", removed)
 
     # -- spawn and recover ------------------------------------------------------------
 
@@ -654,7 +695,7 @@ class SubprocessExecution:
         grant = None
         if self.isolated.used:
             try:
-                grant = self.isolated.claim()
+                grant = await self.isolated.claim()
             except BaseException:
                 await interpreter.discard()
                 raise

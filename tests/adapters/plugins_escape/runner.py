@@ -7,7 +7,8 @@ python runner.py STATE CONTAINMENT hold NONCE
     come from the fork server, whose pid is printed first as "child server PID"
 python runner.py STATE CONTAINMENT recover
     start on the same store (which recovers what the killed runner left) and print each
-    recovered session as "recovered NAME TERMINATION", then "free uids N"
+    recovered session as "recovered NAME TERMINATION", then "free uids UID..." (those
+    of the recovered children that are free again)
 """
 
 from __future__ import annotations
@@ -87,11 +88,15 @@ async def recover(state: Path, containment: str) -> None:
         ) as execution,
         open_supervisor(store, execution, lease=LEASE) as _,
     ):
+        uids = []
         for record in await store.list():
             assert isinstance(record, StoppedRecord)
             instance, termination = record.handle.key.instance, record.termination
             print(f"recovered {instance} {termination.describe()}", flush=True)
-        print(f"free uids {execution.isolated.free_uids}", flush=True)
+            if isinstance(record.previous, LoadedRecord) and record.previous.child.uid:
+                uids.append(record.previous.child.uid)
+        free = [str(uid) for uid in sorted(uids) if execution.isolated.is_free(uid)]
+        print("free uids", *free, flush=True)
 
 
 if __name__ == "__main__":
