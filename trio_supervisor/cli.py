@@ -389,6 +389,11 @@ def _run_client(
 
 
 def _termination(record: dict[str, Any]) -> str:
+    """How the session's child ended, as the runner described it (the dashboard shows
+    the same words); from an older runner that sent no words, as this one describes it."""
+    described = record.get("described")
+    if isinstance(described, str):
+        return described
     termination = record.get("termination")
     if termination is None:
         return ""

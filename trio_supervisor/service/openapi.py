@@ -275,6 +275,11 @@ def _public_record(schemas: _Schemas) -> dict[str, Any]:
         "properties": {
             "phase": {"enum": [phase.value for phase in Phase]},
             "runner": {"type": "string", "description": "The runner holding the session."},
+            "described": {
+                "anyOf": [{"type": "string"}, {"type": "null"}],
+                "description": "How its child ended, in one line (Termination.describe()); "
+                "null until it stopped.",
+            },
             "handle": {
                 "type": "object",
                 "properties": {name: handle["properties"][name] for name in ("key", "generation")},

@@ -41,7 +41,7 @@ from ..errors import (
     TerminationUnconfirmedError,
     ThrottledError,
 )
-from ..model import Handle, Key, Limits, Load, SessionRecord
+from ..model import Handle, Key, Limits, Load, SessionRecord, StoppedRecord
 
 __all__ = [
     "MAX_BODY",
@@ -268,9 +268,16 @@ def _keys(body: object) -> list[tuple[str, Key]]:
 
 
 def public_record(record: SessionRecord) -> dict[str, Any]:
-    """A record as an operator sees it: the session tokens are left out."""
+    """A record as an operator sees it: the session tokens are left out, and its
+    termination, if it has one, is ``described`` in the words of
+    :meth:`~trio_supervisor.model.Termination.describe` (null while it has none), so
+    that the dashboard shows what the command line shows, and needs no copy of them."""
     data: dict[str, Any] = converter.unstructure(record, SessionRecord)
     _drop_tokens(data)
+    if isinstance(record, StoppedRecord):
+        data["described"] = record.termination.describe()
+    else:
+        data["described"] = None
     return data
 
 
