@@ -104,6 +104,12 @@ class FleetMember(Protocol):
         """The lowest generation of every key with an unfinished session here."""
         ...
 
+    def times(self) -> Mapping[str, tuple[float, float]]:
+        """How long each session running here has existed and how long its lease has
+        left, in seconds, by its token: what the fleet's other runners show operators
+        (the store publishes them with each renewal of this member's row)."""
+        ...
+
     def superseded(self, key: Key, high_water: int) -> None:
         """Stop, with reason Superseded, every session here of ``key`` below ``high_water``.
 

@@ -512,7 +512,7 @@ class RemoteSupervisor:
 
         Each is the record's JSON (``handle`` without its token), with ``runner`` (the
         id of the runner holding it), and ``age`` and ``lease_left`` in seconds while its
-        session runs on the runner asked (else null).
+        session runs (else null; docs/service.md section A).
         """
         found: list[dict[str, Any]] = []
         after: str | None = None

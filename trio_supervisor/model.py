@@ -618,8 +618,16 @@ class FleetRecord:
         record: The record.
         runner_id: The runner that holds the session (wrote its last record).
         epoch: The incarnation of that runner that wrote it.
+        age: How long the session has existed, in seconds, by the database's clock,
+            while it is not Stopped and its runner has published its times (with each
+            renewal of its row); else None. Not part of the record: left out of
+            comparisons.
+        lease_left: How long its lease has left, in seconds, likewise, as of its
+            runner's last renewal: a renewal of the session since then makes it longer.
     """
 
     record: SessionRecord
     runner_id: str
     epoch: int
+    age: float | None = attrs.field(default=None, eq=False)
+    lease_left: float | None = attrs.field(default=None, eq=False)

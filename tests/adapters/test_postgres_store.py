@@ -44,6 +44,7 @@ from trio_supervisor import (
     codec,
 )
 from trio_supervisor.abc import BatchStore, FleetMember, FleetStore, Store
+from trio_supervisor.model import FleetRecord
 from trio_supervisor.stores._jobs import Job
 from trio_supervisor.stores._postgres_sql import SCHEMA_VERSION
 from trio_supervisor.testing import FakeExecution
@@ -96,15 +97,25 @@ def key(instance: str) -> Key:
 
 
 class Member:
-    """A supervisor as run_member sees it: live keys, and the supersedes it was told."""
+    """A supervisor as run_member sees it: live keys, its sessions' times, and the
+    supersedes it was told."""
 
-    def __init__(self, live: Mapping[Key, int] | None = None, stop_bound: float = 0.5) -> None:
+    def __init__(
+        self,
+        live: Mapping[Key, int] | None = None,
+        stop_bound: float = 0.5,
+        times: Mapping[str, tuple[float, float]] | None = None,
+    ) -> None:
         self.stop_bound = stop_bound
         self.alive = dict(live or {})
+        self.ages_and_leases = dict(times or {})
         self.calls: list[tuple[Key, int]] = []
 
     def live(self) -> Mapping[Key, int]:
         return dict(self.alive)
+
+    def times(self) -> Mapping[str, tuple[float, float]]:
+        return dict(self.ages_and_leases)
 
     def superseded(self, key: Key, high_water: int) -> None:
         self.calls.append((key, high_water))
@@ -746,6 +757,37 @@ async def test_run_member_keeps_the_row_alive_and_writes_its_stop_bound(
         (info,) = await a.runners()
         assert info.alive
         assert run(in_schema(database, schema), "SELECT stop_bound FROM runners") == [(3.25,)]
+        nursery.cancel_scope.cancel()
+
+
+async def test_run_member_publishes_its_sessions_times_and_any_runner_reads_them(
+    database: str, schema: str
+) -> None:
+    """A renewal of a session's lease writes nothing (R6): its runner's renewals of its
+    own row carry its sessions' age and lease left, which every runner of the fleet reads
+    as they are now by the database's clock, for the sessions that are not Stopped."""
+    live, unpublished, ended = record("live", 1), record("new", 1), record("ended", 1)
+    async with (
+        two_runners(database, schema, runner_lease=1.0) as (a, b),
+        trio.open_nursery() as nursery,
+    ):
+        for saved in (live, unpublished, ended, stopped(ended)):
+            await a.save(saved)
+        times = {live.handle.token: (2.0, 8.0), ended.handle.token: (1.0, 4.0)}
+        nursery.start_soon(a.run_member, Member(times=times))
+
+        async def read() -> dict[str, FleetRecord] | None:
+            found = {f.record.handle.key.instance: f for f in await b.fleet_records()}
+            return found if found["live"].age is not None else None
+
+        found = await until(read, "a's sessions' times published", bound=5)
+        # Read a moment after a published them: a little older, a little less left.
+        assert 2.0 <= (found["live"].age or 0) < 2.5, found["live"]
+        assert 7.5 < (found["live"].lease_left or 0) <= 8.0, found["live"]
+        assert (found["new"].age, found["new"].lease_left) == (None, None)  # not yet told
+        assert (found["ended"].age, found["ended"].lease_left) == (None, None)  # Stopped
+        # Neither is part of the record: a record compares as it did.
+        assert found["live"] == FleetRecord(record=live, runner_id="a", epoch=a.epoch)
         nursery.cancel_scope.cancel()
 
 

@@ -10,6 +10,7 @@ host opens a session on one runner and reaches it through another: the raw answe
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 import uuid
@@ -25,10 +26,11 @@ from trio_supervisor import Key, Load, cli
 from trio_supervisor.client import connect
 
 from ..postgres import database_for, with_parts
-from ..support import ROOT, Runner, serving
+from ..support import ROOT, Runner, serving, until
 
 KEY: Final = Key(identity="acme", instance="eu-1")
 TIMEOUT: Final = 60.0  # seconds a command may take
+RUNNER_LEASE: Final = 3.0  # each runner's row's, renewed every third of it
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,9 @@ def fleet(tmp_path: Path, dsn: str) -> Iterator[tuple[Runner, Runner]]:
             state.mkdir(mode=0o700)
             (state / "token").write_text(hosts + "\n")
             (state / "operator-token").write_text(operators + "\n")
-            flags = ("--store", dsn, "--runner-id", f"{name}-{suffix}", "--no-standby")
+            # Renewed every second: what a runner publishes with its row is that fresh.
+            lease = ("--runner-lease", str(RUNNER_LEASE))
+            flags = ("--store", dsn, "--runner-id", f"{name}-{suffix}", "--no-standby", *lease)
             runners.append(stack.enter_context(serving(state, *flags, "--no-fork-server")))
         yield runners[0], runners[1]
 
@@ -109,13 +113,30 @@ async def test_runners_and_sessions_list_the_fleet_on_any_runner(
         one for one in listed if one["handle"]["key"]["instance"] == record.handle.key.instance
     )
     assert session["runner"] == holder
-    assert session["age"] is None  # it runs on the first runner, not the one asked
 
-    # The command runs trio.run of its own: in a thread, beside this test's run.
-    arguments = ["runners", "--url", second.url, "--state", str(second.state)]
-    result = await trio.to_thread.run_sync(CliRunner().invoke, cli.main, arguments)
-    assert result.exit_code == 0, result.output
-    assert holder in result.output
+    # The commands run trio.run of their own: in a thread, beside this test's run.
+    async def command(*arguments: str) -> str:
+        flags = ["--url", second.url, "--state", str(second.state)]
+        result = await trio.to_thread.run_sync(CliRunner().invoke, cli.main, [*arguments, *flags])
+        assert result.exit_code == 0, result.output
+        return str(result.output)
+
+    assert holder in await command("runners")
+    # The second runner shows the session's age and lease left, as its holder published
+    # them with its row (a session opened since its last renewal has none yet).
+    instance = record.handle.key.instance
+
+    async def timed() -> list[str] | None:
+        (line,) = (line for line in (await command("sessions")).splitlines() if instance in line)
+        row = [cell.strip() for cell in line.strip("│ ").split("│")]
+        return row if row[3] != "-" else None
+
+    row = await until(timed, "the second runner shows the session's age", bound=RUNNER_LEASE + 5)
+    key, generation, phase, age, lease_left, *_, runner = row
+    assert (key, generation, phase, runner) == (f"acme/{instance}", "1", "Open", holder)
+    assert re.fullmatch(r"\d+\.\ds", age), age
+    assert re.fullmatch(r"\d+\.\ds", lease_left), lease_left
+    assert 0 < float(lease_left[:-1]) <= 15.0  # serve's --lease
 
 
 def test_a_fleet_store_out_of_reach_exits_1_saying_so(tmp_path: Path, dsn: str) -> None:

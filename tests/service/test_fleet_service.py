@@ -463,21 +463,31 @@ async def test_runners_lists_the_fleet_for_operators_only(database: str, schema:
 async def test_sessions_on_any_runner_lists_the_fleet_s_sessions_each_with_its_runner(
     database: str, schema: str
 ) -> None:
-    async with fleet_of_two(database, schema) as (a, b):
+    # Renewed every half second: each runner's sessions' times are published that often.
+    async with fleet_of_two(database, schema, runner_lease=1.5) as (a, b):
         await a.host.open(KEY, "req-1")
         other = Key(identity="acme", instance="eu-2")
         record = await b.host.open(other, "req-2")
         await b.host.load(record.handle, LOAD)
-        for runner in (a, b):
+        listings: dict[str, list[dict[str, Any]]] = {}
+        for runner in (b, a):  # the holder first: a reads b's session's times after b
             async with connect(runner.url, token=OPERATOR_TOKEN) as operator:
-                listed = await operator.sessions()
+
+                async def timed(operator: RemoteSupervisor = operator) -> Any:
+                    listed = await operator.sessions()
+                    return listed if all(one["age"] is not None for one in listed) else None
+
+                listed = await support.until(timed, f"{runner.name} lists every age", bound=5)
+            listings[runner.name] = listed
             assert [
                 (one["handle"]["key"]["instance"], one["phase"], one["runner"]) for one in listed
             ] == [("eu-1", "Open", "a"), ("eu-2", "Loaded", "b")]
             assert all("token" not in one["handle"] for one in listed)
-            # Times are known where the session runs only.
-            mine = {one["runner"]: one["age"] is not None for one in listed}
-            assert mine == {"a": runner.name == "a", "b": runner.name == "b"}
+        # Every runner knows every running session's age and lease left: its own runner
+        # from the session itself, the others as that runner last published them.
+        held, seen = listings["b"][1], listings["a"][1]
+        assert held["age"] - 0.1 <= seen["age"] <= held["age"] + 5, (held, seen)
+        assert 0 < seen["lease_left"] <= held["lease_left"] + 0.1, (held, seen)
 
 
 async def test_a_runner_of_its_own_lists_itself_and_its_sessions_as_its_own() -> None:

@@ -254,7 +254,8 @@ class Supervisor:
         """How long the session has existed and how long its lease has left, in seconds.
 
         For operators. None once the session's task is over (stopped, or found by
-        recovery): records carry no times, and leases are not persisted (R6).
+        recovery): records carry no times, and leases are not persisted (R6); a fleet's
+        store publishes a member's (F2), for the other runners' operators.
         """
         session = self._sessions.get(handle.token)
         if session is None or session.handle != handle:
@@ -790,6 +791,15 @@ class _Member:
 
     def live(self) -> dict[Key, int]:
         return self._supervisor._live()
+
+    def times(self) -> dict[str, tuple[float, float]]:
+        supervisor = self._supervisor
+        found = {}
+        for token, session in supervisor._sessions.items():
+            times = supervisor.times(session.handle)
+            if times is not None:
+                found[token] = times
+        return found
 
     def superseded(self, key: Key, high_water: int) -> None:
         self._supervisor._superseded(key, high_water)

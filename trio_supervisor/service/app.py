@@ -332,10 +332,10 @@ def create_app(
 
     def _listed(held: FleetRecord) -> dict[str, Any]:
         """A record as operators see it, with its runner, and its age and lease left
-        while it runs here (None for a session another runner holds)."""
+        while it runs: this runner's own, or as the fleet's store has them."""
         record = held.record
         times = supervisor.times(record.handle)
-        age, lease_left = times if times is not None else (None, None)
+        age, lease_left = times if times is not None else (held.age, held.lease_left)
         return {
             **public_record(record),
             "runner": held.runner_id,

@@ -26,7 +26,7 @@ __all__ = [
     "Kind",
 ]
 
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 
 # pg_advisory_xact_lock's key for creating or migrating the schema: "trio_sup" in ASCII.
 MIGRATION_LOCK: Final = 0x7472696F5F737570
@@ -422,10 +422,17 @@ _VERSION_2 = (
 # Version 3: whether a runner drains (it takes no new sessions), for the fleet's listing.
 _VERSION_3 = ("ALTER TABLE runners ADD COLUMN draining boolean NOT NULL DEFAULT false",)
 
+# Version 4: each runner's row holds the times of the sessions it runs, as of its last
+# renewal (token -> [opened, lease ends], seconds since the Unix epoch by the database's
+# clock): renewals of a session's lease write nothing (R6), so the fleet's other runners
+# read its age and lease left from here (GET /v1/sessions).
+_VERSION_4 = ("ALTER TABLE runners ADD COLUMN session_times jsonb NOT NULL DEFAULT '{}'",)
+
 MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     # From version N - 1 to N: the statements, run in order.
     # Version 1 also created the save_batch of its day, which version 2 drops.
     1: tuple(statement for statement in _TABLES.split(";") if statement.strip()),
     2: _VERSION_2,
     3: _VERSION_3,
+    4: _VERSION_4,
 }

@@ -441,22 +441,58 @@ class Worker:
         )
 
     def _fleet_records(self, connection: psycopg.Connection[Any]) -> list[FleetRecord]:
+        # An unstopped session's age and lease left, from the moments its runner last
+        # published (its opening, its lease's end), by the database's clock now.
         rows = connection.execute(
-            "SELECT token, identity, instance, body, runner_id, epoch FROM records ORDER BY saved"
+            "SELECT r.token, r.identity, r.instance, r.body, r.runner_id, r.epoch, "
+            "    n.e - (u.session_times -> r.token ->> 0)::double precision, "
+            "    (u.session_times -> r.token ->> 1)::double precision - n.e "
+            "FROM records r LEFT JOIN runners u "
+            "    ON u.runner_id = r.runner_id AND r.stopped IS NULL, "
+            "    (SELECT extract(epoch FROM clock_timestamp())::double precision AS e) AS n "
+            "ORDER BY r.saved"
         ).fetchall()
         return [
             FleetRecord(
-                record=self._decode(token, identity, instance, body), runner_id=runner, epoch=epoch
+                record=self._decode(token, identity, instance, body),
+                runner_id=runner,
+                epoch=epoch,
+                age=age,
+                lease_left=None if lease_left is None else max(lease_left, 0.0),
             )
-            for token, identity, instance, body, runner, epoch in rows
+            for token, identity, instance, body, runner, epoch, age, lease_left in rows
         ]
 
-    def _renew(self, connection: psycopg.Connection[Any], stop_bound: float) -> bool:
+    def _renew(
+        self,
+        connection: psycopg.Connection[Any],
+        stop_bound: float,
+        times: Mapping[str, tuple[float, float]] | None = None,
+    ) -> bool:
+        """Renew this runner's row, publishing its sessions' ``times`` (by token: age and
+        lease left, in seconds) as moments of the database's clock."""
         settings = self.settings
+        tokens = list(times or {})
+        ages = [times[token][0] for token in tokens] if times else []
+        left = [times[token][1] for token in tokens] if times else []
         done = connection.execute(
             "UPDATE runners SET lease_until = clock_timestamp() + make_interval(secs => %s), "
-            "    stop_bound = %s WHERE runner_id = %s AND epoch = %s",
-            (settings.runner_lease, stop_bound, settings.runner_id, self.epoch),
+            "    stop_bound = %s, session_times = ("
+            "        SELECT coalesce("
+            "            jsonb_object_agg(w.t, jsonb_build_array(n.e - w.a, n.e + w.l)), '{}') "
+            "        FROM unnest(%s::text[], %s::double precision[], %s::double precision[]) "
+            "            AS w (t, a, l), "
+            "        (SELECT extract(epoch FROM clock_timestamp())::double precision AS e) AS n) "
+            "WHERE runner_id = %s AND epoch = %s",
+            (
+                settings.runner_lease,
+                stop_bound,
+                tokens,
+                ages,
+                left,
+                settings.runner_id,
+                self.epoch,
+            ),
         )
         return done.rowcount == 1
 

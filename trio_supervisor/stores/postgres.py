@@ -369,7 +369,8 @@ class PostgresStore(Opening):
             # over meanwhile, its epoch says.
             bound = (sent + trust if trusted_until is None else trusted_until) - sent
             with realtime.bounded(max(bound, 0.0)) as scope:
-                alive = await self._ask("renew", member.stop_bound)
+                # Its sessions' times go with it: the fleet's other runners show them.
+                alive = await self._ask("renew", member.stop_bound, member.times())
             if scope.cancelled_caught:
                 raise StateStorageError(
                     f"{self.dsn}: runner {self.member} could not renew its row within "
