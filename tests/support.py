@@ -569,7 +569,11 @@ class Runner(Launched):
 
     async def sessions(self) -> list[dict[str, Any]]:
         """Every record the runner holds, as ``GET /v1/sessions`` lists it."""
-        async with self.http() as operator:
+        return await self.sessions_as(self.operator_token)
+
+    async def sessions_as(self, token: str) -> list[dict[str, Any]]:
+        """:meth:`sessions`, asked with ``token`` (an operators' token kept elsewhere)."""
+        async with self.http(token) as operator:
             answer = await operator.get("/v1/sessions", params={"limit": 1000})
         assert answer.status_code == 200, answer.text
         sessions: list[dict[str, Any]] = answer.json()["sessions"]

@@ -3,10 +3,13 @@
 An operator opens the runner's page, signs in once with the operators' token, sees the
 sessions live, opens one to read its record and its log tail, and disposes one with its
 button; on a runner with tenants (section D), each tenant's usage against its quota and
-the runner's children and memory against its capacity. The browser is Debian's Chromium
-(``/usr/bin/chromium``), driven by Playwright's sync API; Playwright never downloads a
-browser here, and a machine without Chromium fails this test rather than skip it: the
-page is only known to work where it ran.
+the runner's children and memory against its capacity; on a runner of a fleet (section
+C, two ``serve`` processes on this module's PostgreSQL database), the sessions another
+runner holds, with their times, and a link to that runner's dashboard where this page
+would get a 421, and every termination in the words of ``Termination.describe()``.
+The browser is Debian's Chromium (``/usr/bin/chromium``), driven by Playwright's sync
+API; Playwright never downloads a browser here, and a machine without Chromium fails
+this test rather than skip it: the page is only known to work where it ran.
 
 The page may reach nothing but the runner (no external assets), and logs no error.
 """
@@ -17,26 +20,44 @@ import contextlib
 import functools
 import re
 import shutil
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
+import attrs
 import pytest
 import trio
 from playwright.sync_api import (
     ConsoleMessage,
     Page,
     Request,
+    Response,
     ViewportSize,
     expect,
     sync_playwright,
 )
 
-from trio_supervisor import Key, Load
+from trio_supervisor import (
+    ExitStatus,
+    Fault,
+    Handle,
+    Key,
+    Limits,
+    Load,
+    OpenRecord,
+    PostgresStore,
+    Recovery,
+    StoppedRecord,
+    Termination,
+)
+from trio_supervisor.client import connect
 from trio_supervisor.service.tenants import token_hash
+from trio_supervisor.stores._postgres_worker import RUNNER_LOST
 
-from ..support import LEASE, Runner, open_sessions, serving
+from ..postgres import database_for
+from ..support import LEASE, Runner, open_sessions, serving, settled
 
 CHROMIUM_ARGS: Final = (
     "--headless",
@@ -76,10 +97,11 @@ def chromium() -> str:
     return path
 
 
-def sign_in(page: Page, runner: Runner) -> None:
+def sign_in(page: Page, runner: Runner, token: str | None = None) -> None:
+    """Sign in to ``runner``'s page with ``token`` (its state directory's by default)."""
     page.goto(runner.url + "/")
     expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
-    page.get_by_label("Operator token").fill(runner.operator_token)
+    page.get_by_label("Operator token").fill(token or runner.operator_token)
     page.get_by_role("button", name="Sign in").click()
 
 
@@ -130,6 +152,10 @@ def test_an_operator_signs_in_sees_the_sessions_reads_one_and_disposes_one(
     with serving(tmp_path / "state", "--runner-id", "dash-1") as runner:
         trio.run(functools.partial(open_sessions, runner, 3, loaded=3))
         with browsing(runner) as page:
+            page.goto(runner.url + "/")
+            # The sign-in says where the token is: the runner's --state has it.
+            hint = page.get_by_role("region", name="Sign in").locator("code")
+            expect(hint).to_have_text(str(tmp_path / "state" / "operator-token"))
             sign_in(page, runner)
             sessions = page.get_by_role("row").filter(has_text="acme/")
             expect(sessions).to_have_count(3, timeout=WAIT)
@@ -229,3 +255,171 @@ def test_the_tenants_usage_against_their_quotas_and_the_runners_against_its_capa
             expect(cells.nth(2)).to_have_class(re.compile(r"\bfull\b"))
             expect(cells.nth(3)).to_have_text("1 / 2")  # an Open session holds no child
             expect(page.locator("#tenants-count")).to_have_text("2 tenants · 1 at a quota")
+
+
+# -- a fleet of two: the page of a runner that does not hold every session -----------------
+
+FLEET_HOSTS: Final = "fleet-hosts-token-for-the-dashboard"
+FLEET_OPERATORS: Final = "fleet-operators-token-for-the-dashboard"
+ON_A: Final = Key(identity="acme", instance="on-a")
+ON_B: Final = Key(identity="acme", instance="on-b")
+SIGNAL_NONE: Final = 200  # a number no signal has
+PROBLEMS: Final = (Fault(type="OSError", message="gone"), Fault(type="ValueError", message="x"))
+# One of each way Termination.describe() words an ending (each of its branches), as the
+# records of a runner of the fleet that is gone ("dash-gone") hold them.
+TERMINATIONS: Final = {
+    "no-child": Termination(kind="none", exit=ExitStatus()),
+    "no-child-with-problems": Termination(kind="none", exit=ExitStatus(), cause=PROBLEMS[:1]),
+    "exit-code": Termination(kind="exited", exit=ExitStatus(code=3)),
+    "signal": Termination(kind="exited", exit=ExitStatus(signal=signal.SIGTERM)),
+    "unnamed-signal": Termination(kind="killed", exit=ExitStatus(signal=SIGNAL_NONE)),
+    "killed-with-descendants": Termination(
+        kind="killed", exit=ExitStatus(signal=signal.SIGKILL, descendants_killed=2)
+    ),
+    "out-of-memory": Termination(
+        kind="killed", exit=ExitStatus(signal=signal.SIGKILL, oom_limit=256 << 20)
+    ),
+    "cancelled": Termination(kind="exited", exit=ExitStatus(cancelled=True)),
+    "cancelled-late": Termination(kind="killed", exit=ExitStatus(cancelled=True)),
+    "already-gone": Termination(kind="exited", exit=ExitStatus()),
+    "runner-lost": RUNNER_LOST,
+    "one-descendant-two-problems": Termination(
+        kind="exited", exit=ExitStatus(code=0, descendants_killed=1), cause=PROBLEMS
+    ),
+}
+
+
+@attrs.frozen
+class Fleet:
+    """Runners ``dash-a`` and ``dash-b`` of one fleet, and the operators' token file each
+    was given (a path of the test's, not a state directory's)."""
+
+    a: Runner
+    b: Runner
+    operator_token_file: Path
+
+
+def ended(name: str, termination: Termination) -> StoppedRecord:
+    """The Stopped record of session ``acme-ended/NAME`` #1, which ended so."""
+    handle = Handle(
+        key=Key(identity="acme-ended", instance=name), token=str(uuid.uuid4()), generation=1
+    )
+    opened = OpenRecord(handle=handle, request_id=f"open-{name}", lease=LEASE, limits=Limits())
+    return StoppedRecord.of(opened, Recovery(), termination)
+
+
+async def held_sessions(store: str, a: Runner, b: Runner) -> None:
+    """A session held by each runner (a's loaded, so that it has a log), and the ended
+    sessions of TERMINATIONS, left by a runner that is gone."""
+    async with PostgresStore(store, runner_id="dash-gone") as gone:
+        await gone.save_many([ended(name, one) for name, one in TERMINATIONS.items()])
+    async with connect(b.url, token=FLEET_HOSTS) as on_b:
+        await on_b.open(ON_B, "open-on-b", lease=LEASE)
+    async with connect(a.url, token=FLEET_HOSTS) as on_a:
+        record = await on_a.open(ON_A, "open-on-a", lease=LEASE)
+        await on_a.load(record.handle, Load(specifier="heartbeat:main"))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Two ``serve`` processes on this module's database, their tokens in files of the
+    test's (``--token-file``, ``--operator-token-file``), each renewing its row every
+    second; b's session's times already published once the fixture yields."""
+    root = tmp_path_factory.mktemp("fleet")
+    hosts, operators = root / "hosts-token", root / "operators" / "fleet-operator-token"
+    operators.parent.mkdir(mode=0o700)
+    for path, token in ((hosts, FLEET_HOSTS), (operators, FLEET_OPERATORS)):
+        path.write_text(token + "\n")
+        path.chmod(0o600)
+    with database_for(__name__) as store, contextlib.ExitStack() as stack:
+        a, b = (
+            stack.enter_context(
+                serving(
+                    root / name,
+                    *("--store", store, "--runner-id", f"dash-{name}", "--runner-lease", "3"),
+                    *("--token-file", hosts, "--operator-token-file", operators),
+                    *("--no-standby", "--no-fork-server"),
+                )
+            )
+            for name in ("a", "b")
+        )
+        trio.run(held_sessions, store, a, b)
+
+        def published() -> bool:
+            listed = trio.run(functools.partial(a.sessions_as, FLEET_OPERATORS))
+            return any(one["runner"] == "dash-b" and one["age"] is not None for one in listed)
+
+        assert settled(published, 10.0, every=0.2), "b's session's times were not published"
+        yield Fleet(a, b, operators)
+
+
+def test_a_session_held_by_another_runner_shows_its_times_links_there_and_nothing_answers_421(
+    fleet: Fleet,
+) -> None:
+    a, b = fleet.a, fleet.b
+    with browsing(a) as page:
+        answers: list[Response] = []
+        page.on("response", lambda response: answers.append(response))
+        page.goto(a.url + "/")
+        # The sign-in names the operators' token file the runner was given.
+        hint = page.get_by_role("region", name="Sign in").locator("code")
+        expect(hint).to_have_text(str(fleet.operator_token_file))
+        sign_in(page, a, FLEET_OPERATORS)
+
+        # b's session, listed on a: its age and lease left, as b published them; no
+        # Dispose button (only b disposes it) but a link to b's dashboard.
+        held = page.locator(f'tr[data-session="{ON_B.identity}/{ON_B.instance}#1"]')
+        expect(held.get_by_text("dash-b", exact=True)).to_be_visible()
+        expect(held.locator("td.age")).to_have_text(re.compile(r"^\d"))
+        expect(held.locator("td.lease")).to_have_text(re.compile(r"^\d"))
+        expect(held.get_by_role("button", name="Dispose")).to_be_hidden()
+        expect(held.get_by_role("link", name="held by dash-b")).to_have_attribute(
+            "href", b.url + "/"
+        )
+        # Its panel says who holds it and links there, and reads no log of a.
+        held.click()
+        detail = page.get_by_role("region", name="acme/on-b #1")
+        expect(detail.locator("#detail-elsewhere")).to_have_text(
+            "Held by runner dash-b: its log and its Dispose button are on its dashboard."
+        )
+        expect(detail.get_by_role("link", name="its dashboard")).to_have_attribute(
+            "href", b.url + "/"
+        )
+        expect(detail.get_by_label("Log tail")).to_be_hidden()
+        expect(detail.get_by_role("button", name="Dispose")).to_be_hidden()
+        expect(detail).to_contain_text(re.compile(r"Lease left\s*\d"))
+
+        # a's own session: no note, its log tail and its Dispose button, as before.
+        own = page.locator(f'tr[data-session="{ON_A.identity}/{ON_A.instance}#1"]')
+        expect(own.get_by_role("button", name="Dispose")).to_be_visible()
+        own.click()
+        detail = page.get_by_role("region", name="acme/on-a #1")
+        expect(detail.get_by_label("Log tail")).to_contain_text("beat 1 of acme/on-a #1")
+        expect(detail.locator("#detail-elsewhere")).to_be_hidden()
+        # The runners: a, by its id, is this one.
+        here = page.get_by_role("table", name="Runners").locator("tr.here")
+        expect(here).to_have_count(1)
+        expect(here.get_by_role("cell").first).to_have_text("dash-a")
+
+    misdirected = [(one.status, one.url) for one in answers if one.status == 421]
+    assert not misdirected, misdirected
+    asked = [one.url for one in answers if "/v1/logs" in one.url]
+    assert asked, "the page read no log at all"
+    assert all(f"instance={ON_A.instance}" in url for url in asked), asked
+
+
+def test_every_termination_reads_as_the_model_describes_it(fleet: Fleet) -> None:
+    with browsing(fleet.a) as page:
+        sign_in(page, fleet.a, FLEET_OPERATORS)
+        for name, termination in TERMINATIONS.items():
+            row = page.locator(f'tr[data-session="acme-ended/{name}#1"]')
+            expect(row.locator("td.termination-cell")).to_have_text(termination.describe())
+        # The panel of a session a dead runner held and the fleet took over.
+        page.locator('tr[data-session="acme-ended/runner-lost#1"]').click()
+        detail = page.get_by_role("region", name="acme-ended/runner-lost #1")
+        expect(
+            detail.get_by_text("exited (runner lost; exit status unknown)", exact=True)
+        ).to_be_visible()
+        expect(detail.locator("#detail-elsewhere")).to_have_text(
+            "Held by runner dash-gone, which is gone: its log stayed on its machine."
+        )

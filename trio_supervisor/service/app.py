@@ -39,6 +39,7 @@ import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -131,6 +132,7 @@ def create_app(
     metrics: Metrics | None = None,
     fleet: Fleet | None = None,
     drain: Drain | None = None,
+    operator_token_file: Path | None = None,
 ) -> Starlette:
     """The ASGI app serving ``supervisor``.
 
@@ -151,6 +153,8 @@ def create_app(
             named after the host (``fleet.py``).
         drain: The runner's drain (``drain.py``), begun by ``POST /v1/admin/drain``;
             None: one of the app's own, which nothing waits on.
+        operator_token_file: Where the operators' token is kept, which the dashboard's
+            sign-in names; None: the token was given otherwise.
     """
     if not operator_token:
         raise ValueError("the operators' token must be set")
@@ -372,6 +376,7 @@ def create_app(
             {
                 "sessions": [_listed(one) for one in page],
                 "next": _encode_cursor(_order(page[-1])) if more else None,
+                "runner": fleet.runner_id,  # who answers: the sessions it does not hold
             }
         )
 
@@ -501,7 +506,9 @@ def create_app(
             error.detail,
         )
 
-    extra, end_streams = operator_handlers(supervisor, metrics, fleet.runner_id, sees)
+    extra, end_streams = operator_handlers(
+        supervisor, metrics, fleet.runner_id, sees, token_file=operator_token_file
+    )
     handlers: dict[str, Endpoint] = {
         "open": open_,
         "renew": renew,

@@ -289,6 +289,7 @@ CALLS: Final[tuple[Call, ...]] = (
         answer={
             "sessions": {"type": "array", "items": {"$ref": "#/components/schemas/PublicRecord"}},
             "next": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "runner": {"type": "string", "description": "The id of the runner answering."},
         },
         params=(
             Param(name="phase", schema={"enum": _PHASES}),

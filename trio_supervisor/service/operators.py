@@ -8,14 +8,17 @@
   waits).
 * ``GET /metrics`` (operators): the Prometheus text format of ``metrics.py``.
 * ``GET /``: the dashboard, one page with no external assets; it asks for the
-  operators' token once and keeps it in the tab's ``sessionStorage``.
+  operators' token once (saying which file of the runner's holds it) and keeps it in the
+  tab's ``sessionStorage``.
 """
 
 from __future__ import annotations
 
+import html
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
+from pathlib import Path
 from typing import Final
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -27,15 +30,27 @@ from .._core.supervisor import Supervisor
 from .metrics import Metrics
 from .wire import public_record
 
-__all__ = ["operator_handlers"]
+__all__ = ["dashboard_page", "operator_handlers"]
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 EVENT_BUFFER: Final = 1024  # records one events reader may fall behind before overflow
 HEARTBEAT: Final = 15.0  # seconds between comments that keep an idle stream open
 
 
-def _dashboard() -> str:
-    return resources.files(__package__).joinpath("dashboard.html").read_text(encoding="utf-8")
+# Where the dashboard's sign-in says the operators' token is (once, in its markup).
+_TOKEN_WHERE: Final = "<!-- where the operators' token is -->"
+
+
+def dashboard_page(token_file: Path | None = None) -> str:
+    """The dashboard's page, its sign-in naming ``token_file`` (None: a token given
+    otherwise, which the runner's owner has)."""
+    page = resources.files(__package__).joinpath("dashboard.html").read_text(encoding="utf-8")
+    assert page.count(_TOKEN_WHERE) == 1, "the dashboard says once where the token is"
+    if token_file is None:
+        where = "the runner's owner has it"
+    else:
+        where = f"it is in <code>{html.escape(str(token_file))}</code> on the runner's machine"
+    return page.replace(_TOKEN_WHERE, where)
 
 
 def operator_handlers(
@@ -43,6 +58,8 @@ def operator_handlers(
     metrics: Metrics,
     runner_id: str,
     sees: Callable[[Request], Callable[[str], bool]] | None = None,
+    *,
+    token_file: Path | None = None,
 ) -> tuple[dict[str, Endpoint], Callable[[], None]]:
     """The handlers of events, metrics and the dashboard, by their calls' names
     (``calls.py`` says where each is served, and to whom), and what ends the event
@@ -54,8 +71,9 @@ def operator_handlers(
         runner_id: This runner's id in its fleet: every record it publishes is its own.
         sees: For a request, whether its caller may see a key of an identity (a tenant
             reads the events of its own keys alone); None: every caller sees every key.
+        token_file: Where the operators' token is kept: the dashboard's sign-in says so.
     """
-    page = _dashboard()
+    page = dashboard_page(token_file)
     streams: set[Watch] = set()
 
     def end_streams() -> None:

@@ -804,6 +804,7 @@ async def run_runner(
                     metrics=metrics,
                     fleet=fleet,
                     drain=drain,
+                    operator_token_file=config.operator_token_path.absolute(),
                 )
 
                 async def stop_once_drained() -> None:
