@@ -106,9 +106,10 @@ def sign_in(page: Page, runner: Runner, token: str | None = None) -> None:
 
 
 @contextlib.contextmanager
-def browsing(runner: Runner) -> Iterator[Page]:
+def browsing(runner: Runner, *, tolerated: tuple[str, ...] = ()) -> Iterator[Page]:
     """A page in a headless Chromium, for ``runner``; on the way out, fails if the page
-    reached anything but the runner or logged an error."""
+    reached anything but the runner or logged an error (each error names its URL; one
+    that holds a ``tolerated`` text is expected)."""
     executable = chromium()
     elsewhere: list[str] = []
     errors: list[str] = []
@@ -119,7 +120,9 @@ def browsing(runner: Runner) -> Iterator[Page]:
 
     def logged(message: ConsoleMessage) -> None:
         if message.type == "error":
-            errors.append(message.text)
+            text = f"{message.text} at {message.location.get('url', '?')}"
+            if not any(expected in text for expected in tolerated):
+                errors.append(text)
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
@@ -151,7 +154,9 @@ def test_an_operator_signs_in_sees_the_sessions_reads_one_and_disposes_one(
 ) -> None:
     with serving(tmp_path / "state", "--runner-id", "dash-1") as runner:
         trio.run(functools.partial(open_sessions, runner, 3, loaded=3))
-        with browsing(runner) as page:
+        # Drained at the end, the runner's /readyz answers 503, as a balancer must see.
+        drained = f"status of 503 () at {runner.url}/readyz"
+        with browsing(runner, tolerated=(drained,)) as page:
             page.goto(runner.url + "/")
             # The sign-in says where the token is: the runner's --state has it.
             hint = page.get_by_role("region", name="Sign in").locator("code")
@@ -213,7 +218,19 @@ def test_an_operator_signs_in_sees_the_sessions_reads_one_and_disposes_one(
             page.screenshot(path=tmp_path / "dashboard.png", full_page=True)
             assert runner.operator_token not in page.content()
             assert runner.operator_token not in page.url
+
+            # Drained (it holds sessions still: it runs on), the runner says so.
+            trio.run(drain, runner)
+            expect(this_one.get_by_text("draining", exact=True)).to_be_visible(timeout=WAIT)
+            expect(page.get_by_text("1 alive (1 draining) · 0 gone")).to_be_visible()
+            expect(page.get_by_role("status")).to_contain_text("draining")
+            expect(page.get_by_text("The runner is poisoned")).to_be_hidden()
     assert (tmp_path / "dashboard.png").stat().st_size > 0
+
+
+async def drain(runner: Runner) -> None:
+    async with runner.operator() as operator:
+        await operator.drain(3600)
 
 
 def test_the_tenants_usage_against_their_quotas_and_the_runners_against_its_capacity(
