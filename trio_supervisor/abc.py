@@ -35,6 +35,7 @@ __all__ = [
     "Store",
     "SupervisorAPI",
     "Unit",
+    "switch_slack",
 ]
 
 
@@ -279,6 +280,18 @@ class Execution(Protocol):
             ExecutionError: The child's end could not be confirmed.
         """
         ...
+
+
+def switch_slack(execution: Execution) -> float:
+    """Seconds past its lease a child of ``execution`` may go on by itself when its runner
+    is gone: its ``switch_slack`` attribute, which an execution whose children outlive
+    their runner (processes with a dead-man switch) sets; 0 for one whose children end
+    with it (tasks). A fleet waits this much more before it takes a dead runner's
+    sessions over (docs/design.md, F7)."""
+    slack = getattr(execution, "switch_slack", 0.0)
+    if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack >= 0:
+        raise TypeError(f"an execution's switch_slack must be seconds >= 0, not {slack!r}")
+    return float(slack)
 
 
 @runtime_checkable

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import trio
 
 from .._fields import LEASE
-from ..abc import Execution, FleetStore, Retaining, Store
+from ..abc import Execution, FleetStore, Retaining, Store, switch_slack
 from ..errors import (
     RunnerClosingError,
     SessionStoppedError,
@@ -61,11 +61,12 @@ from ..model import (
 from ..realtime import bounded
 from ..retention import Retention
 from .events import DEFAULT_BUFFER, Watch
+from .fleet import Alone, Fleet, Member
 from .health import Health
 from .keylocks import KeyLocks
 from .leases import Leases
 from .lifecycle import stop_error
-from .records import Records, storage_call
+from .records import Records
 from .recovery import recover
 from .session import SAVE_BOUND, Services, Session
 
@@ -73,12 +74,6 @@ __all__ = ["Supervisor"]
 
 # The public name, not the private module's.
 logger = logging.getLogger("trio_supervisor.supervisor")
-
-# Seconds past its lease a child's own dead-man switch may take to end it: the
-# subprocess execution's switch fires 1 s after the lease (executions/_bootstrap.py,
-# LEASE_SLACK), and its kill takes a moment more. Another runner of a fleet waits this
-# much longer before it takes a dead runner's sessions over (docs/design.md, F7).
-SWITCH_SLACK = 2.0
 
 
 class Supervisor:
@@ -104,10 +99,22 @@ class Supervisor:
         self._limits = limits
         self._health = Health()
         self._records = Records(store, retention, self._health)
-        # A store shared by a fleet of supervisors (docs/service.md section C): opens
-        # claim generations in it, and sessions superseded elsewhere stop here.
-        self._fleet: FleetStore | None = store if isinstance(store, FleetStore) else None
-        self._fleet_waits: set[trio.CancelScope] = set()  # opens waiting on older generations
+        # Alone, or a member of the fleet that shares the store (fleet.py): chosen once.
+        self._fleet: Fleet = (
+            Member(
+                store,
+                self._records,
+                self._health,
+                # F7's margin past a lease: a child's own dead-man switch ends it then.
+                stop_bound=grace + confirmation_timeout + switch_slack(execution),
+                live=self._live,
+                superseded=self._superseded,
+                times=self._all_times,
+                closing=lambda: self._closing,
+            )
+            if isinstance(store, FleetStore)
+            else Alone(self._records)
+        )
         # Sessions by token, and the unfinished ones by key (usually one; more while an
         # open supersedes). A session leaves the first once its Stopped record is
         # durable, the second once its stop is over.
@@ -161,18 +168,17 @@ class Supervisor:
         try:
             return self._record_of(handle)
         except StaleSessionError:
-            return await self._stopped_elsewhere(handle)
+            elsewhere = await self._fleet.stopped_elsewhere(handle)
+            if elsewhere is None:
+                raise
+            return elsewhere
 
     async def high_water(self, key: Key) -> int | None:
         """Return the highest generation ever opened for ``key``, or None (S2)."""
         await trio.lowlevel.checkpoint()
         if not isinstance(key, Key):
             raise TypeError(f"key must be a Key, not {type(key).__name__}")
-        if self._fleet is not None:
-            # Another runner of the fleet may have opened it since: the store knows.
-            high, _ = await self._fleet_lookup(key, None)
-            return high or None
-        return self._records.high_water(key) or None
+        return await self._fleet.high_water(key) or None
 
     async def wait_failed(self) -> None:
         """Block until the supervisor is poisoned, then raise the poisoning error (H3)."""
@@ -358,13 +364,11 @@ class Supervisor:
         if prior is not None:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return prior
-        if self._fleet is not None:
-            # The fleet's high-water, and a retry of an open another runner answered.
-            mark, prior = await self._fleet_lookup(key, request_id)
-            if prior is not None:
-                return prior
-            self._records.index.raise_high_water(key, mark)
-            self._check_usable()
+        # In a fleet: its high-water, and a retry of an open another runner answered.
+        prior = await self._fleet.before_open(key, request_id)
+        if prior is not None:
+            return prior
+        self._check_usable()
         high = self._records.high_water(key)
         if (expected_generation or 0) != high:
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -397,7 +401,7 @@ class Supervisor:
             # (F6; deviation (m)); whatever ends that wait, the session then exists.
             # No other checkpoint stands between here and its existence. Its lease starts
             # then, not during the wait, which may be long (O9).
-            failure = None if self._fleet is None else await self._wait_older(record.handle)
+            failure = await self._fleet.wait_older(record.handle)
             session = Session(record, trio.current_time() + seconds, self._services)
             self._sessions[record.handle.token] = session
             of_key = self._by_key.get(key)
@@ -432,29 +436,6 @@ class Supervisor:
         if failure is not None:
             raise failure
         return record
-
-    async def _wait_older(self, handle: Handle) -> BaseException | None:
-        """Wait until no older generation of the key runs on another runner (F6); what
-        ended the wait otherwise (a cancellation included), to raise once the session
-        exists."""
-        assert self._fleet is not None
-        # A shutdown does not wait for this wait (it may last a takeover margin): it
-        # cancels it, and the session, once it exists, stops with the others (Z2).
-        with trio.CancelScope() as scope:
-            self._fleet_waits.add(scope)
-            if self._closing:
-                scope.cancel()
-            try:
-                await self._fleet.wait_older_stopped(handle)
-            except trio.Cancelled as cancelled:
-                if scope.cancel_called:
-                    return RunnerClosingError("the supervisor is shutting down")
-                return cancelled  # the caller's: raised again in the caller's scope
-            except BaseException as error:
-                return error
-            finally:
-                self._fleet_waits.discard(scope)
-        return None
 
     async def _supersede(self, key: Key) -> None:
         """Stop every unfinished session of ``key`` and wait for their ends (O5)."""
@@ -525,13 +506,9 @@ class Supervisor:
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_usable()
         session = await self._fleet_session_of(handle)
-        if self._fleet is not None:
-            # A generation opened on another runner supersedes this one; a lost
-            # notification costs at most one renew period (docs/service.md section C).
-            high, _ = await self._fleet_lookup(handle.key, None)
-            if high > handle.generation:
-                session.stop_soon(Superseded())
-            self._check_usable()
+        if await self._fleet.superseded_elsewhere(handle):
+            session.stop_soon(Superseded())  # a later generation opened elsewhere (F5)
+        self._check_usable()
         return await session.renew()
 
     async def load(
@@ -588,7 +565,10 @@ class Supervisor:
         try:
             record = self._record_of(handle)
         except StaleSessionError:
-            record = await self._stopped_elsewhere(handle)
+            elsewhere = await self._fleet.stopped_elsewhere(handle)
+            if elsewhere is None:
+                raise
+            record = elsewhere
         if isinstance(record, StoppedRecord):
             await trio.lowlevel.cancel_shielded_checkpoint()
             return record.termination
@@ -598,15 +578,6 @@ class Supervisor:
         return await session.stop(Disposed())
 
     # -- the fleet --------------------------------------------------------------------
-
-    async def _fleet_lookup(
-        self, key: Key, request_id: str | None
-    ) -> tuple[int, SessionRecord | None]:
-        """The key's high-water in the fleet's store, and the record of ``request_id``."""
-        assert self._fleet is not None
-        return await storage_call(
-            self._fleet.lookup(key, request_id), "the fleet's store could not be read"
-        )
 
     def _live(self) -> dict[Key, int]:
         """The lowest generation of every key with an unfinished session."""
@@ -632,50 +603,24 @@ class Supervisor:
                 )
                 session.stop_soon(Superseded())
 
-    async def _stopped_elsewhere(self, handle: Handle) -> StoppedRecord:
-        """The Stopped record of a session this supervisor does not hold, from the fleet.
-
-        A Stopped record never changes, so any member may answer for it: a session
-        another member stopped, or took over from a dead one (F7), is reported as the
-        host's own runner would. A live session held elsewhere stays unknown here (the
-        runner service sends the host to its holder: F8).
-
-        Raises:
-            StaleSessionError: No member holds a Stopped record of this handle.
-        """
-        if self._fleet is not None:
-            held = await storage_call(
-                self._fleet.held(handle.token), "the fleet's store could not be read"
-            )
-            record = None if held is None else held.record
-            if isinstance(record, StoppedRecord) and record.handle == handle:
-                return record
-        raise StaleSessionError("no retained session has this token, key and generation")
+    def _all_times(self) -> dict[str, tuple[float, float]]:
+        """:meth:`times` of every session running here, by token (for the fleet)."""
+        found = {}
+        for token, session in self._sessions.items():
+            times = self.times(session.handle)
+            if times is not None:
+                found[token] = times
+        return found
 
     async def _fleet_session_of(self, handle: Handle) -> Session:
         """:meth:`_session_of`, and in a fleet, a session stopped elsewhere says why (R3)."""
         try:
             return self._session_of(handle)
         except StaleSessionError:
-            if self._fleet is None:
+            elsewhere = await self._fleet.stopped_elsewhere(handle)
+            if elsewhere is None:
                 raise
-            record = await self._stopped_elsewhere(handle)
-            raise stop_error(record.reason) from None
-
-    async def _run_member(self, *, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
-        """Be a member of the fleet until the supervisor is done (docs/service.md C)."""
-        assert self._fleet is not None
-        with trio.CancelScope() as scope:
-            task_status.started(scope)
-            try:
-                await self._fleet.run_member(_Member(self))
-            except trio.Cancelled:
-                return  # as _run_leases: the block's own Cancelled carries it out
-            except Exception as error:
-                # Its row is lost or taken: no write of this runner may land any more
-                # (H1); its children end by their leases (H2).
-                logger.error("this runner left the fleet: %s", error)
-                self._health.poison(error)
+            raise stop_error(elsewhere.reason) from None
 
     # -- what the sessions tell the supervisor ------------------------------------------
 
@@ -749,8 +694,7 @@ class Supervisor:
             problems behind any termination's cause.
         """
         self._closing = True
-        for scope in self._fleet_waits:
-            scope.cancel()
+        self._fleet.close()
         reported: list[Exception] = []
         # Every session stops once; each is reported once, on the round it ended in.
         while self._by_key or self._opening:
@@ -772,37 +716,6 @@ class Supervisor:
             if all(problem is not known for known in problems):
                 problems.append(problem)
         return problems
-
-
-class _Member:
-    """The supervisor as its fleet's store sees it (:class:`~trio_supervisor.abc.FleetMember`)."""
-
-    __slots__ = ("_supervisor",)
-
-    def __init__(self, supervisor: Supervisor) -> None:
-        self._supervisor = supervisor
-
-    @property
-    def stop_bound(self) -> float:
-        """How long a child may take to end once its lease ran out: a stop's grace and
-        confirmation, and the slack a child's own dead-man switch allows past its lease
-        (a runner that hangs rather than dies is not there to stop it)."""
-        return self._supervisor._grace + self._supervisor._confirmation + SWITCH_SLACK
-
-    def live(self) -> dict[Key, int]:
-        return self._supervisor._live()
-
-    def times(self) -> dict[str, tuple[float, float]]:
-        supervisor = self._supervisor
-        found = {}
-        for token, session in supervisor._sessions.items():
-            times = supervisor.times(session.handle)
-            if times is not None:
-                found[token] = times
-        return found
-
-    def superseded(self, key: Key, high_water: int) -> None:
-        self._supervisor._superseded(key, high_water)
 
 
 class Lifetime:
@@ -837,8 +750,7 @@ class Lifetime:
         """Be a member of the fleet from now on, when the store is shared (F1, F2)."""
         supervisor = self._supervisor
         supervisor._nursery = nursery
-        if supervisor._fleet is not None:
-            self._tasks.append(await nursery.start(supervisor._run_member))
+        self._tasks.append(await nursery.start(supervisor._fleet.run))
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Run the lease timer in ``nursery``: the supervisor is about to be used."""

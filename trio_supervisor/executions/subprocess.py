@@ -88,7 +88,7 @@ import subprocess
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import attrs
 import trio
@@ -98,6 +98,7 @@ from ..abc import Unit
 from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination, thaw
 from ..realtime import outside_the_run
+from ._bootstrap import LEASE_SLACK
 from ._cgroups import ROOT as CGROUP_ROOT
 from ._cgroups import Hierarchies, TreeCgroup, detect
 from ._claims import CGROUPS, Claims, claims_root
@@ -204,6 +205,10 @@ class SubprocessExecution:
             without ``subreaper``, ``isolation``, ``isolation_users`` or ``network`` is
             not valid, or ``network="none"`` is asked for without isolation.
     """
+
+    # A child's own dead-man switch fires LEASE_SLACK past its lease, and its kill takes
+    # a moment more: a fleet waits this much past a lease before a takeover (F7).
+    switch_slack: ClassVar[float] = LEASE_SLACK + 1.0
 
     def __init__(
         self,
