@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+from .. import _defaults as defaults
 from .._background import open_background_nursery
 from .._fields import GRACE, LEASE, TIMEOUT
 from ..abc import Execution, FleetStore, Store
@@ -30,9 +31,9 @@ async def open_supervisor(
     store: Store,
     execution: Execution,
     *,
-    lease: float = 15.0,
-    grace: float = 5.0,
-    confirmation_timeout: float = 5.0,
+    lease: float = defaults.LEASE,
+    grace: float = defaults.GRACE,
+    confirmation_timeout: float = defaults.CONFIRMATION,
     limits: Limits | None = None,
     retention: Retention | None = None,
 ) -> AsyncIterator[Supervisor]:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import Final
 
+from .._defaults import takeover_margin
 from ..abc import FleetStore
 from ..errors import MisdirectedError, RunnerLostError
 from ..model import FleetRecord, Key, Phase, RunnerInfo, SessionRecord, StoppedRecord
@@ -126,7 +127,7 @@ def lost(owner: RunnerInfo, lease: float) -> RunnerLostError:
     """The 503 answered for a session of ``lease`` held by ``owner``, whose row expired:
     the takeover may come once its row is older than the lease and its stop bound (F7).
     ``Retry-After`` reads the database's times against this runner's clock."""
-    takeover_at = owner.lease_until + lease + owner.stop_bound
+    takeover_at = owner.lease_until + takeover_margin(lease, owner.stop_bound)
     left = takeover_at - time.time()
     where = f" at {owner.advertise}" if owner.advertise else ""
     due = f"in {left:.0f} s" if left >= 0.5 else "now"

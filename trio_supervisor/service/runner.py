@@ -56,6 +56,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from hypercorn.utils import repr_socket_addr
 
+from .. import _defaults as defaults
 from .. import _fields as fields
 from .._core.lifetime import open_supervisor
 from .._core.supervisor import Supervisor
@@ -172,7 +173,7 @@ def _flag(
 
 
 STORE_SCHEMES: Final = ("postgresql", "postgres")  # a --store URL's: the fleet's database
-DEFAULT_RUNNER_LEASE: Final = 10.0
+DEFAULT_RUNNER_LEASE: Final = defaults.RUNNER_LEASE
 # A runner's row: renewed every third of it, so a second is a database round trip every
 # third of a second at least; an hour is past any takeover anyone wants to wait for.
 RUNNER_LEASE: Final = fields.Seconds(minimum=1.0, inclusive=True, maximum=3600.0)
@@ -296,14 +297,14 @@ class RunnerConfig:
         ),
     )
     lease: float = attrs.field(
-        default=15.0,
+        default=defaults.LEASE,
         validator=fields.LEASE,
         metadata=_flag(
             f"The default lease, in seconds ({fields.MIN_LEASE:g} at least).", metavar="SECONDS"
         ),
     )
     grace: float = attrs.field(
-        default=5.0,
+        default=defaults.GRACE,
         validator=fields.GRACE,
         metadata=_flag(
             "Seconds a child has to exit after its interrupt, before it is killed.",
@@ -311,7 +312,7 @@ class RunnerConfig:
         ),
     )
     confirmation_timeout: float = attrs.field(
-        default=5.0,
+        default=defaults.CONFIRMATION,
         validator=fields.TIMEOUT,
         metadata=_flag("Seconds to wait for a killed child's exit to be seen.", metavar="SECONDS"),
     )

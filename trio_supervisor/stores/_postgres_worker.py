@@ -57,6 +57,10 @@ __all__ = ["Worker", "migrate"]
 
 logger = logging.getLogger("trio_supervisor.stores.postgres")
 
+# When a dead runner's record may be taken over (F7): _defaults.takeover_margin, in SQL,
+# by the database's clock (u: the runner's row, r: the record).
+TAKEOVER_DUE: Final = "u.lease_until + make_interval(secs => r.lease + u.stop_bound)"
+
 # What a dead runner's sessions are stopped with when another runner takes them over.
 RUNNER_LOST: Final = Termination(kind="exited", exit=ExitStatus(runner_lost=True))
 
@@ -535,8 +539,7 @@ class Worker:
             "SELECT u.runner_id, u.epoch FROM runners u "
             "WHERE u.runner_id <> %s AND u.lease_until < clock_timestamp() AND EXISTS ("
             "    SELECT 1 FROM records r WHERE r.runner_id = u.runner_id "
-            "    AND r.stopped IS NULL AND u.lease_until "
-            "        + make_interval(secs => r.lease + u.stop_bound) < clock_timestamp())",
+            f"    AND r.stopped IS NULL AND {TAKEOVER_DUE} < clock_timestamp())",
             (self.settings.runner_id,),
         ).fetchall()
         return [(runner, epoch) for runner, epoch in rows]
@@ -555,8 +558,7 @@ class Worker:
         rows = connection.execute(
             "SELECT r.token, r.identity, r.instance, r.body "
             "FROM records r JOIN runners u ON u.runner_id = r.runner_id "
-            "WHERE r.runner_id = %s AND r.stopped IS NULL AND u.lease_until "
-            "    + make_interval(secs => r.lease + u.stop_bound) < clock_timestamp() "
+            f"WHERE r.runner_id = %s AND r.stopped IS NULL AND {TAKEOVER_DUE} < clock_timestamp() "
             "ORDER BY r.saved",
             (runner,),
         ).fetchall()

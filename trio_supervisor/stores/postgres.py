@@ -51,7 +51,9 @@ from typing import Any, Final
 
 import trio
 
+from .. import _defaults as defaults
 from .. import realtime
+from .._defaults import takeover_margin
 from ..abc import FleetMember
 from ..codec import encode
 from ..errors import StateStorageError, TerminationUnconfirmedError
@@ -103,7 +105,7 @@ class PostgresStore(Opening):
         *,
         runner_id: str | None = None,
         advertise: str = "",
-        runner_lease: float = 10.0,
+        runner_lease: float = defaults.RUNNER_LEASE,
         retention: Retention | None = None,
         connect_timeout: float = 5.0,
         statement_timeout: float = 10.0,
@@ -317,7 +319,7 @@ class PostgresStore(Opening):
             # its stop bound starts once the takeover is done, never before.
             lost = min((row[2] for row in older if row[5] > 0), default=None)
             for runner, epoch, held, lease, stop_bound, expired_for in older:
-                if expired_for > lease + stop_bound:
+                if expired_for > takeover_margin(lease, stop_bound):
                     dead[runner] = epoch
                 elif expired_for > 0 or (lost is not None and held > lost):
                     deadlines.pop(runner, None)  # a takeover's margin bounds the wait
