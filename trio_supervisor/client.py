@@ -55,6 +55,7 @@ from ._background import open_background_nursery
 from .codec import converter
 from .errors import (
     BY_CODE,
+    REFUSED_AS_INVALID,
     ForbiddenError,
     LeaseExpiredError,
     MisdirectedError,
@@ -120,7 +121,7 @@ def _error_of(response: httpx.Response) -> Exception:
         return RunnerAccessError(detail)
     if response.status_code == 403:
         return (OperatorsOnlyError if problem.get("operators_only") else ForbiddenError)(detail)
-    if code in ("InvalidRequest", "MalformedRequest", "RequestTooLarge"):
+    if code in REFUSED_AS_INVALID:
         return ValueError(detail)
     kind = BY_CODE.get(code, SupervisorError)
     error: SupervisorError

@@ -16,6 +16,7 @@ the client could not keep.
 
 from __future__ import annotations
 
+import enum
 from typing import ClassVar, Self
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "MisdirectedError",
     "OperatorsOnlyError",
     "PackageError",
+    "ProblemCode",
     "QuotaExceededError",
     "RecordFormatError",
     "RunnerAccessError",
@@ -337,3 +339,24 @@ BY_CODE: dict[str, type[SupervisorError]] = {
     )
 }
 """Every error class by its wire code, for a client that gets the code back."""
+
+
+class ProblemCode(enum.StrEnum):
+    """The wire's codes that are no error class's: what the service refuses before a call
+    reaches the supervisor (docs/service.md section A, "Errors"). The app answers them,
+    the OpenAPI document lists them and the client reads them, all from here."""
+
+    MALFORMED = "MalformedRequest"  # 400: not JSON, nested too deeply, a bad length
+    INVALID = "InvalidRequest"  # 422: a body or query parameter that is not valid
+    TOO_LARGE = "RequestTooLarge"  # 413
+    NOT_FOUND = "NotFound"  # 404: no such path
+    METHOD_NOT_ALLOWED = "MethodNotAllowed"  # 405
+    INTERNAL = "InternalError"  # 500: the runner failed, not the call
+
+
+REFUSED_AS_INVALID: tuple[ProblemCode, ...] = (
+    ProblemCode.INVALID,
+    ProblemCode.MALFORMED,
+    ProblemCode.TOO_LARGE,
+)
+"""The codes a client raises as ``ValueError``, as the embedded call would."""

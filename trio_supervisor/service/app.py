@@ -55,7 +55,9 @@ from ..codec import converter
 from ..errors import (
     ForbiddenError,
     OperatorsOnlyError,
+    ProblemCode,
     QuotaExceededError,
+    RunnerAccessError,
     RunnerClosingError,
     RunnerDrainingError,
     RunnerLostError,
@@ -202,7 +204,9 @@ def create_app(
                 if call.role is not None:
                     caller = caller_of(request)
                     if caller is None:
-                        raise Problem(401, "Unauthorized", "a valid bearer token is required")
+                        raise Problem(
+                            401, RunnerAccessError.code, "a valid bearer token is required"
+                        )
                     if call.role == _OPERATORS and not (
                         caller is OPERATORS or call.tenants_see_own
                     ):
@@ -502,7 +506,7 @@ def create_app(
         assert isinstance(error, HTTPException)
         return _problem(
             error.status_code,
-            "NotFound" if error.status_code == 404 else "MethodNotAllowed",
+            ProblemCode.NOT_FOUND if error.status_code == 404 else ProblemCode.METHOD_NOT_ALLOWED,
             error.detail,
         )
 
@@ -563,9 +567,9 @@ async def _body(request: Request) -> bytes:
         try:
             size = int(declared)
         except ValueError:
-            raise Problem(400, "MalformedRequest", "Content-Length is not a number") from None
+            raise Problem(400, ProblemCode.MALFORMED, "Content-Length is not a number") from None
         if size > DRAIN:
-            raise Problem(413, "RequestTooLarge", f"the body is over {MAX_BODY} bytes")
+            raise Problem(413, ProblemCode.TOO_LARGE, f"the body is over {MAX_BODY} bytes")
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
@@ -575,7 +579,7 @@ async def _body(request: Request) -> bytes:
         if size <= MAX_BODY:
             chunks.append(chunk)
     if size > MAX_BODY:
-        raise Problem(413, "RequestTooLarge", f"the body is over {MAX_BODY} bytes")
+        raise Problem(413, ProblemCode.TOO_LARGE, f"the body is over {MAX_BODY} bytes")
     return b"".join(chunks)
 
 
@@ -635,9 +639,9 @@ def _problem_of(
         )
     if isinstance(error, ValueError | TypeError):
         # The supervisor refused an argument; the message names it.
-        return _problem(422, "InvalidRequest", str(error))
+        return _problem(422, ProblemCode.INVALID, str(error))
     logger.exception("%s %s failed", request.method, request.url.path)
-    return _problem(500, "InternalError", f"the runner failed: {type(error).__name__}")
+    return _problem(500, ProblemCode.INTERNAL, f"the runner failed: {type(error).__name__}")
 
 
 def _log_refusal(request: Request, caller: Caller | None, status: int, detail: str) -> None:
@@ -663,7 +667,7 @@ def _key(identity: str, instance: str) -> Key:
     try:
         return Key(identity=identity, instance=instance)
     except (ValueError, TypeError) as error:
-        raise Problem(422, "InvalidRequest", f"{error} (query parameters)") from None
+        raise Problem(422, ProblemCode.INVALID, f"{error} (query parameters)") from None
 
 
 def _phase(value: str | None) -> Phase | None:
@@ -694,6 +698,8 @@ def _cursor(value: str | None) -> _Order | None:
             raise ValueError(value)
     except (ValueError, TypeError, binascii.Error):
         raise Problem(
-            422, "InvalidRequest", "the query parameter 'after' is not a cursor this runner gave"
+            422,
+            ProblemCode.INVALID,
+            "the query parameter 'after' is not a cursor this runner gave",
         ) from None
     return (identity, instance, generation)

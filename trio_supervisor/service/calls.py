@@ -27,6 +27,7 @@ from ..errors import (
     ForbiddenError,
     LeaseExpiredError,
     PackageError,
+    ProblemCode,
     QuotaExceededError,
     RunnerClosingError,
     RunnerDrainingError,
@@ -107,7 +108,7 @@ class Param:
         return number
 
     def _refused(self, must: str) -> Problem:
-        return Problem(422, "InvalidRequest", f"the query parameter {self.name!r} {must}")
+        return Problem(422, ProblemCode.INVALID, f"the query parameter {self.name!r} {must}")
 
 
 # Every /v1 call may meet a runner that is poisoned or shutting down.

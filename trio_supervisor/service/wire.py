@@ -27,6 +27,7 @@ from ..errors import (
     ForbiddenError,
     LeaseExpiredError,
     PackageError,
+    ProblemCode,
     QuotaExceededError,
     RecordFormatError,
     RunnerClosingError,
@@ -171,19 +172,21 @@ def read_body(raw: bytes, kind: type[_T]) -> _T:
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
-        raise Problem(400, "MalformedRequest", f"the body is not JSON: {error}") from error
+        raise Problem(400, ProblemCode.MALFORMED, f"the body is not JSON: {error}") from error
     except RecursionError:
         # ``[[[...]]]`` a thousand deep was a 500 (RecursionError).
-        raise Problem(400, "MalformedRequest", "the body is nested too deeply") from None
+        raise Problem(400, ProblemCode.MALFORMED, "the body is nested too deeply") from None
     if not isinstance(data, dict):
         raise Problem(
-            422, "InvalidRequest", f"the body must be a JSON object @ $, not {data!r:.40}"
+            422,
+            ProblemCode.INVALID,
+            f"the body must be a JSON object @ $, not {data!r:.40}",
         )
     unencodable = _lone_surrogate(data)
     if unencodable is not None:
         raise Problem(
             422,
-            "InvalidRequest",
+            ProblemCode.INVALID,
             f"a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
             f"Unicode text @ {unencodable}",
         )
@@ -191,14 +194,14 @@ def read_body(raw: bytes, kind: type[_T]) -> _T:
         body = converter.structure(data, kind)
     except Exception as error:
         problems = cattrs.transform_error(error, "$", describe_error)
-        raise Problem(422, "InvalidRequest", "; ".join(problems)) from error
+        raise Problem(422, ProblemCode.INVALID, "; ".join(problems)) from error
     for where, value in _keys(body):
         for (kind, name), check in REFINEMENTS.items():
             if isinstance(value, kind):
                 try:
                     check.check(f"{kind.__name__}.{name}", getattr(value, name))
                 except ValueError as error:
-                    raise Problem(422, "InvalidRequest", f"{error} @ {where}.{name}") from None
+                    raise Problem(422, ProblemCode.INVALID, f"{error} @ {where}.{name}") from None
     return body
 
 
