@@ -52,6 +52,7 @@ with needs_extra("client", "trio_supervisor.client", "httpx"):
     import httpx
 
 from ._background import open_background_nursery
+from ._routes import ROUTES
 from .codec import converter
 from .errors import (
     BY_CODE,
@@ -244,14 +245,14 @@ class RemoteSupervisor:
 
     async def _call(
         self,
-        path: str,
+        name: str,
         body: Mapping[str, Any],
         *,
         retry_for: float | None = None,
         token: str | None = None,
     ) -> Any:
-        """POST ``body``; the answer's JSON, or the error it stands for (see
-        :meth:`_exchange`).
+        """The call ``name`` (``_routes.ROUTES``) with ``body``; the answer's JSON, or the
+        error it stands for (see :meth:`_exchange`).
 
         Args:
             retry_for: Seconds within which a failed call that is safe to repeat is
@@ -259,12 +260,15 @@ class RemoteSupervisor:
                 holder) is tried again, within the client's windows.
             token: The token of the session the call names, if it names one.
         """
-        response = await self._exchange("POST", path, retry_for, token, json=body)
+        method, path = ROUTES[name]
+        response = await self._exchange(method, path, retry_for, token, json=body)
         return response.json()
 
-    async def _get(self, path: str, *, token: str | None = None, **params: Any) -> httpx.Response:
-        query = {name: value for name, value in params.items() if value is not None}
-        return await self._exchange("GET", path, self._retry_for, token, params=query)
+    async def _get(self, name: str, **params: Any) -> httpx.Response:
+        """The call ``name`` with its query ``params`` (None: left out)."""
+        method, path = ROUTES[name]
+        query = {key: value for key, value in params.items() if value is not None}
+        return await self._exchange(method, path, self._retry_for, None, params=query)
 
     async def _exchange(
         self, method: str, path: str, retry_for: float | None, token: str | None, **request: Any
@@ -441,7 +445,7 @@ class RemoteSupervisor:
             "limits": None if limits is None else converter.unstructure(limits),
         }
         answer = await self._call(
-            "/v1/open", body, retry_for=lease if lease is not None else self._retry_for
+            "open", body, retry_for=lease if lease is not None else self._retry_for
         )
         record: SessionRecord = _structure(answer["record"], SessionRecord)
         return record
@@ -454,16 +458,14 @@ class RemoteSupervisor:
         return await self._renew(handle, self._retry_for)
 
     async def _renew(self, handle: Handle, retry_for: float) -> float:
-        answer = await self._call(
-            "/v1/renew", _handle(handle), retry_for=retry_for, token=handle.token
-        )
+        answer = await self._call("renew", _handle(handle), retry_for=retry_for, token=handle.token)
         return float(answer["lease"])
 
     async def load(self, handle: Handle, load: Load) -> CodeIdentity:
         """Load code into the session's child (L1-L6); see ``Supervisor.load``."""
         _check(load, Load, "load")
         body = {**_handle(handle), "load": converter.unstructure(load)}
-        answer = await self._call("/v1/load", body, token=handle.token)
+        answer = await self._call("load", body, token=handle.token)
         code: CodeIdentity = _structure(answer["code"], CodeIdentity)
         return code
 
@@ -477,7 +479,7 @@ class RemoteSupervisor:
 
     async def _dispose(self, handle: Handle, retry_for: float) -> Termination:
         answer = await self._call(
-            "/v1/dispose", _handle(handle), retry_for=retry_for, token=handle.token
+            "dispose", _handle(handle), retry_for=retry_for, token=handle.token
         )
         self._holders.pop(handle.token, None)  # stopped: no call need find it quickly
         termination: Termination = _structure(answer["termination"], Termination)
@@ -489,7 +491,7 @@ class RemoteSupervisor:
         Retried on a failed connection.
         """
         answer = await self._call(
-            "/v1/status", _handle(handle), retry_for=self._retry_for, token=handle.token
+            "status", _handle(handle), retry_for=self._retry_for, token=handle.token
         )
         record: SessionRecord = _structure(answer["record"], SessionRecord)
         return record
@@ -498,7 +500,9 @@ class RemoteSupervisor:
         """The highest generation ever opened for ``key`` (S2)."""
         _check(key, Key, "key")
         answer = await self._call(
-            "/v1/high-water", {"key": converter.unstructure(key)}, retry_for=self._retry_for
+            "high_water",
+            {"key": converter.unstructure(key)},
+            retry_for=self._retry_for,
         )
         generation = answer["generation"]
         return None if generation is None else int(generation)
@@ -518,9 +522,7 @@ class RemoteSupervisor:
         found: list[dict[str, Any]] = []
         after: str | None = None
         while True:
-            page = (
-                await self._get("/v1/sessions", phase=phase, identity=identity, after=after)
-            ).json()
+            page = (await self._get("sessions", phase=phase, identity=identity, after=after)).json()
             found.extend(page["sessions"])
             after = page["next"]
             if after is None:
@@ -528,7 +530,7 @@ class RemoteSupervisor:
 
     async def runners(self) -> list[RunnerInfo]:
         """The fleet's runners (this runner alone when it has no fleet), by id."""
-        answer = (await self._get("/v1/runners")).json()
+        answer = (await self._get("runners")).json()
         found: list[RunnerInfo] = _structure(answer["runners"], list[RunnerInfo])
         return found
 
@@ -536,7 +538,7 @@ class RemoteSupervisor:
         """What a session's child wrote (its last ``tail`` bytes)."""
         _check(key, Key, "key")
         response = await self._get(
-            "/v1/logs",
+            "logs",
             identity=key.identity,
             instance=key.instance,
             generation=generation,
@@ -548,7 +550,7 @@ class RemoteSupervisor:
         """Dispose a session by key and generation, without its token (operators)."""
         _check(key, Key, "key")
         body = {"key": converter.unstructure(key), "generation": generation}
-        answer = await self._call("/v1/admin/dispose", body)
+        answer = await self._call("admin_dispose", body)
         termination: Termination = _structure(answer["termination"], Termination)
         return termination
 
@@ -560,7 +562,7 @@ class RemoteSupervisor:
             ``{"draining": true, "until": <Unix seconds>, "sessions": <left>}``.
         """
         body = {} if deadline is None else {"deadline": deadline}
-        answer: dict[str, Any] = await self._call("/v1/admin/drain", body)
+        answer: dict[str, Any] = await self._call("admin_drain", body)
         return answer
 
     async def events(self) -> AsyncGenerator[dict[str, Any], None]:
@@ -572,7 +574,7 @@ class RemoteSupervisor:
         async with contextlib.AsyncExitStack() as stack:
             try:
                 response = await stack.enter_async_context(
-                    self._client.stream("GET", "/v1/events", timeout=None)
+                    self._client.stream(*ROUTES["events"], timeout=None)
                 )
             except httpx.TransportError as error:
                 raise _unreachable(self._url, error, 0.0) from error
@@ -590,7 +592,8 @@ class RemoteSupervisor:
 
     async def health(self) -> dict[str, Any]:
         """``/readyz``: ``{"status": "ready"}``, or the problem saying why not."""
-        response = await self._send("GET", "", "/readyz", None)
+        method, path = ROUTES["readyz"]
+        response = await self._send(method, "", path, None)
         answer: dict[str, Any] = response.json()
         return answer
 

@@ -20,7 +20,7 @@ PACKAGE = Path(trio_supervisor.__file__).parent
 # What each layer may import of the package (by first component after the package).
 BOTTOM = {
     *("abc", "model", "codec", "errors", "retention", "realtime"),
-    *("_fields", "_defaults", "_background", "_lazy", "_extras"),
+    *("_fields", "_defaults", "_routes", "_background", "_lazy", "_extras"),
 }
 MAY_IMPORT = {
     "bottom": BOTTOM,

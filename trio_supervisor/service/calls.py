@@ -22,6 +22,7 @@ from typing import Any, Final, Literal
 import attrs
 
 from .. import _fields as fields
+from .._routes import ROUTES
 from ..errors import (
     ExecutionError,
     ForbiddenError,
@@ -130,10 +131,8 @@ class Call:
     """One call of the runner (SERVICE.md section A).
 
     Attributes:
-        name: The app's name for its handler; also its label in the calls metric, when
-            ``metered``.
-        method: ``GET`` or ``POST``.
-        path: Where it is served.
+        name: The app's name for its handler, and its route's (``_routes.ROUTES``: its
+            method and path); also its label in the calls metric, when ``metered``.
         summary: One line for the document.
         role: Who may call it: the hosts (and the operators), the operators only, or
             anyone (None: no token needed).
@@ -153,8 +152,6 @@ class Call:
     """
 
     name: str
-    method: Literal["GET", "POST"]
-    path: str
     summary: str
     role: Role | None
     body: type | None = None
@@ -167,6 +164,16 @@ class Call:
     routed: bool = False
     tenants_see_own: bool = False
     fairness: Fairness = "bounded"
+
+    @property
+    def method(self) -> Literal["GET", "POST"]:
+        """Its HTTP method (``_routes.py``)."""
+        return ROUTES[self.name].method
+
+    @property
+    def path(self) -> str:
+        """Where it is served (``_routes.py``)."""
+        return ROUTES[self.name].path
 
     def status(self, error: SupervisorError, *, poisoned: bool) -> int:
         """The HTTP status of ``error`` answered by this call."""
@@ -193,8 +200,6 @@ CALLS: Final[tuple[Call, ...]] = (
     # -- the session calls: one each per supervisor method --------------------------------
     Call(
         name="open",
-        method="POST",
-        path="/v1/open",
         summary="Open the next generation of a key (O1-O11).",
         role="hosts",
         body=OpenBody,
@@ -211,8 +216,6 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="renew",
-        method="POST",
-        path="/v1/renew",
         summary="Renew a session's lease (R1-R6).",
         role="hosts",
         body=HandleBody,
@@ -224,8 +227,6 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="load",
-        method="POST",
-        path="/v1/load",
         summary="Load code into a session (L1-L6).",
         role="hosts",
         body=LoadBody,
@@ -245,8 +246,6 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="dispose",
-        method="POST",
-        path="/v1/dispose",
         summary="Stop a session and say how its child ended (D1-D5).",
         role="hosts",
         body=HandleBody,
@@ -258,8 +257,6 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="status",
-        method="POST",
-        path="/v1/status",
         summary="A session's last durable record (S1).",
         role="hosts",
         body=HandleBody,
@@ -270,8 +267,6 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="high_water",
-        method="POST",
-        path="/v1/high-water",
         summary="The highest generation ever opened for a key, or null (S2).",
         role="hosts",
         body=KeyBody,
@@ -282,8 +277,6 @@ CALLS: Final[tuple[Call, ...]] = (
     # -- the operator calls -------------------------------------------------------------
     Call(
         name="sessions",
-        method="GET",
-        path="/v1/sessions",
         summary="Every retained record of the fleet, with its runner, tokens left out, in "
         "pages (operators; a tenant sees its own keys).",
         role="operators",
@@ -307,8 +300,6 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="logs",
-        method="GET",
-        path="/v1/logs",
         summary="The tail of a child's log (operators; a tenant, of its own keys).",
         role="operators",
         media="text/plain",
@@ -324,8 +315,6 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="events",
-        method="GET",
-        path="/v1/events",
         summary="Each record the runner makes durable, as server-sent events (operators; a "
         "tenant sees its own keys).",
         role="operators",
@@ -336,8 +325,6 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="admin_dispose",
-        method="POST",
-        path="/v1/admin/dispose",
         summary="Dispose a session by key and generation, with no session token (operators).",
         role="operators",
         body=AdminDisposeBody,
@@ -347,8 +334,6 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="admin_drain",
-        method="POST",
-        path="/v1/admin/drain",
         summary="Drain the runner: no new sessions or children; it stops once its sessions "
         "ended, or at the deadline (operators).",
         role="operators",
@@ -362,8 +347,6 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="runners",
-        method="GET",
-        path="/v1/runners",
         summary="The fleet's runners; this one alone when it has no fleet (operators).",
         role="operators",
         answer={"runners": tuple[RunnerInfo, ...]},
@@ -371,8 +354,6 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="tenants",
-        method="GET",
-        path="/v1/tenants",
         summary="Each tenant's identities, quota, ceilings and fairness, and what it uses "
         "(operators; a tenant sees itself).",
         role="operators",
@@ -382,8 +363,6 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="metrics",
-        method="GET",
-        path="/metrics",
         summary="The runner's metrics in Prometheus' text format (operators).",
         role="operators",
         media="text/plain",
@@ -392,16 +371,12 @@ CALLS: Final[tuple[Call, ...]] = (
     # -- no token needed ----------------------------------------------------------------
     Call(
         name="healthz",
-        method="GET",
-        path="/healthz",
         summary="The process answers.",
         role=None,
         answer={"status": {"const": "ok"}},
     ),
     Call(
         name="readyz",
-        method="GET",
-        path="/readyz",
         summary="The runner takes work.",
         role=None,
         answer={"status": {"const": "ready"}},
@@ -409,16 +384,12 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="openapi",
-        method="GET",
-        path="/openapi.json",
         summary="This document.",
         role=None,
         answer={},
     ),
     Call(
         name="dashboard",
-        method="GET",
-        path="/",
         summary="The dashboard: a page for operators (it asks for their token).",
         role=None,
         media="text/html",
@@ -432,3 +403,7 @@ def by_name(name: str) -> Call:
         if call.name == name:
             return call
     raise KeyError(name)
+
+
+# One call per route, and no other.
+assert {call.name for call in CALLS} == set(ROUTES), {call.name for call in CALLS} ^ set(ROUTES)
