@@ -35,7 +35,7 @@ from ._extras import needs_extra
 from ._fields import Check, Seconds
 from .codec import converter
 from .errors import RunnerUnreachableError, SupervisorError
-from .model import Key, Phase, RunnerInfo, Termination
+from .model import LOG_FIELDS, Key, Phase, RunnerInfo, Termination
 
 # What the command needs beyond the engine comes with the service extra.
 with needs_extra(
@@ -69,7 +69,7 @@ __all__ = ["main"]
 class _JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, and the session's key."""
 
-    FIELDS = ("identity", "instance", "generation", "pid")
+    FIELDS = LOG_FIELDS
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {

@@ -14,7 +14,7 @@ import enum
 import signal
 import types
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal, TypeAlias
+from typing import Any, ClassVar, Final, Literal, TypeAlias
 
 import attrs
 
@@ -23,6 +23,7 @@ from ._fields import JSON, MAX_KEY_LENGTH, MAX_LEASE, MIN_LEASE, thaw
 
 __all__ = [
     "JSON",
+    "LOG_FIELDS",
     "MAX_KEY_LENGTH",
     "MAX_LEASE",
     "MIN_LEASE",
@@ -368,6 +369,27 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+LOG_FIELDS: Final = (
+    # A session's (log_fields).
+    "identity",
+    "instance",
+    "generation",
+    # A child's tree killed at recovery (executions/subprocess.py).
+    "pid",
+    "pgid",
+    "descendants_killed",
+    # What an execution found at start: its containment, cgroups and isolation.
+    "containment",
+    "cgroups",
+    "isolation",
+    # A caller refused (service/app.py).
+    "tenant",
+    "status",
+)
+"""Every field the package's log records carry (``extra=``), in the order
+``serve --log-format json`` prints them; a test holds every ``extra=`` to this list."""
 
 
 def log_fields(key: Key, generation: int) -> dict[str, object]:

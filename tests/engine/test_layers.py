@@ -100,3 +100,25 @@ def test_the_face_loads_an_adapter_when_it_is_named() -> None:
     assert "SqliteStore" in dir(trio_supervisor)
     with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
         trio_supervisor.Nothing  # noqa: B018
+
+
+def test_every_log_field_the_package_sets_is_one_the_json_log_prints() -> None:
+    """Each ``extra={...}`` key of a log call is in ``model.LOG_FIELDS``, the list
+    ``serve --log-format json`` prints; ``log_fields()``'s too."""
+    from trio_supervisor.model import LOG_FIELDS, Key, log_fields
+
+    used: set[str] = set(log_fields(Key(identity="i", instance="n"), 1))
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.keyword)
+                and node.arg == "extra"
+                and isinstance(node.value, ast.Dict)
+            ):
+                used |= {
+                    key.value
+                    for key in node.value.keys
+                    if isinstance(key, ast.Constant) and isinstance(key.value, str)
+                }
+    assert used, "no extra= found: the scan is broken"
+    assert used <= set(LOG_FIELDS), used - set(LOG_FIELDS)
