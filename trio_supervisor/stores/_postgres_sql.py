@@ -52,6 +52,14 @@ class Kind:
     SUPERSEDED: Final = 3  # Stopped with reason Superseded: an opener may wait for it
 
 
+def _named(sql: str) -> str:
+    """``sql`` with the Python names it uses put in: ``KIND_OPEN`` (and the other kinds)
+    and ``SQLSTATE_FENCED``, so that the numbers and the code are written once, here."""
+    for name in ("OTHER", "OPEN", "STOPPED", "SUPERSEDED"):
+        sql = sql.replace(f"KIND_{name}", str(getattr(Kind, name)))
+    return sql.replace("SQLSTATE_FENCED", FENCED)
+
+
 _TABLES = """
 CREATE TABLE runners (
     runner_id   text PRIMARY KEY,
@@ -96,7 +104,7 @@ CREATE TABLE high_water (
 # jobs of the batch land either way: they are other callers' saves. A job may carry a
 # tenant's quota claim (p_claims, by job number: quota_refusal says what it holds), and
 # is refused whole, the same way, when the claim would pass its quota.
-_SAVE_BATCH = """
+_SAVE_BATCH = _named("""
 CREATE FUNCTION save_batch(
     p_runner text, p_epoch bigint, p_per_key integer, p_total integer,
     p_jobs integer[], p_tokens text[], p_identities text[], p_instances text[],
@@ -130,22 +138,22 @@ BEGIN
     -- (FOR UPDATE) waits for this transaction, and this one for a takeover.
     SELECT r.epoch INTO held FROM runners r WHERE r.runner_id = p_runner FOR SHARE;
     IF held IS DISTINCT FROM p_epoch THEN
-        RAISE EXCEPTION USING ERRCODE = 'TS001', MESSAGE = format(
+        RAISE EXCEPTION USING ERRCODE = 'SQLSTATE_FENCED', MESSAGE = format(
             'runner %s: its epoch %s was taken over (the row holds %s)',
             p_runner, p_epoch, coalesce(held::text, 'no epoch'));
     END IF;
     -- The high-water rows of every key an Open claims exist and are locked, in one
     -- order for every writer (no deadlock between two runners' batches).
-    IF 1 = ANY (p_kinds) THEN
+    IF KIND_OPEN = ANY (p_kinds) THEN
         INSERT INTO high_water (identity, instance, generation)
             SELECT DISTINCT u.i, u.n, 0
             FROM unnest(p_identities, p_instances, p_kinds) AS u (i, n, k)
-            WHERE u.k = 1 ORDER BY 1, 2
+            WHERE u.k = KIND_OPEN ORDER BY 1, 2
             ON CONFLICT DO NOTHING;
         PERFORM 1 FROM high_water h
             WHERE (h.identity, h.instance) IN (
                 SELECT u.i, u.n FROM unnest(p_identities, p_instances, p_kinds) AS u (i, n, k)
-                WHERE u.k = 1)
+                WHERE u.k = KIND_OPEN)
             ORDER BY h.identity, h.instance FOR UPDATE;
     END IF;
     -- The tenants whose quota a job claims: one advisory lock each, held to the commit,
@@ -172,7 +180,7 @@ BEGIN
         -- (b) Global fencing of generations: each Open must be its key's mark + 1, the
         -- job's own earlier rows counted. A job that loses is refused whole.
         refused := false;
-        IF 1 = ANY (p_kinds[job_first:job_last]) THEN
+        IF KIND_OPEN = ANY (p_kinds[job_first:job_last]) THEN
             marks := '{}';
             FOR j IN job_first .. job_last LOOP
                 named := p_identities[j] || chr(31) || p_instances[j];
@@ -183,7 +191,7 @@ BEGIN
                         WHERE h.identity = p_identities[j] AND h.instance = p_instances[j];
                     mark := coalesce(mark, 0);
                 END IF;
-                IF p_kinds[j] = 1 AND p_generations[j] <> mark + 1 THEN
+                IF p_kinds[j] = KIND_OPEN AND p_generations[j] <> mark + 1 THEN
                     refused_job := p_jobs[j];
                     refused_identity := p_identities[j];
                     refused_instance := p_instances[j];
@@ -224,7 +232,7 @@ BEGIN
             CONTINUE WHEN refused;
         END IF;
         FOR j IN job_first .. job_last LOOP
-            IF p_kinds[j] = 1 THEN
+            IF p_kinds[j] = KIND_OPEN THEN
                 -- (e) Another runner's live older generation: tell its runner. Only
                 -- here, not on the common path: NOTIFY serializes commits.
                 PERFORM pg_notify(current_schema(), json_build_object(
@@ -250,7 +258,7 @@ BEGIN
                     ON CONFLICT (identity, instance) DO UPDATE
                     SET generation = greatest(h.generation, excluded.generation);
             END IF;
-            IF p_kinds[j] < 2 AND stopped_count IS NOT NULL THEN
+            IF p_kinds[j] < KIND_STOPPED AND stopped_count IS NOT NULL THEN
                 -- A Stopped record saved as not Stopped (only a caller that un-stops
                 -- one): count again at the next stop.
                 PERFORM 1 FROM records r WHERE r.token = p_tokens[j] AND r.stopped IS NOT NULL;
@@ -258,7 +266,7 @@ BEGIN
                     stopped_count := NULL;
                 END IF;
             END IF;
-            fresh := CASE WHEN p_kinds[j] >= 2 THEN nextval('stop_order') END;
+            fresh := CASE WHEN p_kinds[j] >= KIND_STOPPED THEN nextval('stop_order') END;
             INSERT INTO records AS r (
                 token, identity, instance, generation, request_id, runner_id, epoch,
                 saved, stopped, lease, body, phase, memory_bytes, cpu_percent
@@ -280,7 +288,7 @@ BEGIN
             -- Only a new stop evicts, as retention.StopOrder has it (a record saved
             -- Stopped again keeps its place, and evicts nothing).
             IF kept = fresh THEN
-                IF p_kinds[j] = 3 THEN
+                IF p_kinds[j] = KIND_SUPERSEDED THEN
                     -- An opener on another runner may wait for this stop (O5 across
                     -- the fleet): tell it, and only it (NOTIFY serializes commits).
                     PERFORM pg_notify(current_schema(), json_build_object(
@@ -320,7 +328,7 @@ BEGIN
     END LOOP;
 END
 $$
-"""
+""")
 
 
 # What a job's claim (a QuotaClaim, as the worker sends it: tenant, pattern (the
@@ -330,7 +338,7 @@ $$
 # row takes a session, unless an older generation of its key is live (it supersedes
 # it); a Loading or Loaded row takes a child, unless its session counted one already.
 # Live rows (not Stopped) are counted: the partial index records_live finds them.
-_QUOTA_REFUSAL = """
+_QUOTA_REFUSAL = _named("""
 CREATE FUNCTION quota_refusal(
     p_claim jsonb, p_token text, p_identity text, p_instance text, p_generation bigint,
     p_kind smallint, p_phase text, p_memory bigint, p_cpu bigint
@@ -344,7 +352,7 @@ DECLARE
     memory numeric;
     cpu numeric;
 BEGIN
-    IF p_kind = 1 THEN
+    IF p_kind = KIND_OPEN THEN
         hard := (p_claim ->> 'sessions')::numeric;
         IF hard IS NULL OR EXISTS (
             SELECT 1 FROM records r
@@ -398,7 +406,7 @@ BEGIN
     END IF;
 END
 $$
-"""
+""")
 
 # Version 2: what the quotas count (each record's phase and the limits it holds) in
 # columns, read from the records already written; save_batch writes them, and counts
