@@ -49,7 +49,8 @@ with needs_extra(
     from rich.table import Table
 
     from .client import RemoteSupervisor, connect
-    from .service.runner import FLAG, ConfigError, RunnerConfig, StartupError, run_runner
+    from .service.config import FLAG, ConfigError, RunnerConfig
+    from .service.runner import StartupError, run_runner
     from .service.tenants import Quota, Tenant, TenantsError, token_hash
     from .service.tenants_file import (
         ceilings_of,

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 from trio_supervisor import Limits, cli
 from trio_supervisor.service import runner
-from trio_supervisor.service.runner import RunnerConfig
+from trio_supervisor.service.config import RunnerConfig
 from trio_supervisor.service.tenants import Ceilings
 
 ROOT: Final = Path(__file__).parents[2]

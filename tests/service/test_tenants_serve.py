@@ -159,7 +159,7 @@ async def test_a_runner_with_no_configuration_gives_every_child_a_ceiling(tmp_pa
 
 
 async def test_a_store_url_with_a_password_is_refused(tmp_path: Path) -> None:
-    from trio_supervisor.service.runner import ConfigError, RunnerConfig
+    from trio_supervisor.service.config import ConfigError, RunnerConfig
 
     config = RunnerConfig(
         state=tmp_path / "state", store="postgresql://postgres:secret@127.0.0.1:5432/x"

@@ -374,6 +374,17 @@ class Isolated:
         if free and uid not in self._held and uid not in self._free:
             self._free.append(uid)
 
+    def let_go(self) -> None:
+        """The execution ends: let go of the claims of children whose end it was never
+        shown (a child killed by :meth:`recover` while its unit of this run was dropped
+        unwaited, say). A uid some process still runs as is never claimed again (the
+        survey's rule), so this frees nothing in use."""
+        if self.claims is None:
+            return
+        for uid in sorted(self._held):
+            logger.info("uid %d: let go of as the execution ends (its child's end unseen)", uid)
+            self._give_back(uid)
+
     def close(self) -> None:
         for fd in (self.view, self.homes):
             if fd >= 0:

@@ -392,6 +392,7 @@ class SubprocessExecution:
             # Its cgroup went with it: the parents are empty only now.
             self.cgroups.close()
             self.cgroups.let_go()
+            self.isolated.let_go()
 
     def _detect(self, claims: Path) -> Hierarchies:
         """The cgroups children may get, this execution's parent claimed in ``claims``

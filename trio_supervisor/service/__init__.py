@@ -9,5 +9,5 @@ with needs_extra(
     "service", "trio_supervisor.service", "hypercorn", "starlette", "prometheus_client"
 ):
     from .app import create_app as create_app
-    from .runner import RunnerConfig as RunnerConfig
+    from .config import RunnerConfig as RunnerConfig
     from .runner import run_runner as run_runner

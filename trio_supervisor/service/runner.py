@@ -2,6 +2,7 @@
 
 Theory of operation
 -------------------
+The configuration, its flags and its checks are ``config.py``'s (:class:`RunnerConfig`).
 One ``trio.run`` holds everything (docs/service.md section A): the SQLite store in the state
 directory, a subprocess execution over the configured entry paths and named commands
 (whose children run isolated unless ``isolation`` is "none": each as a uid of its own
@@ -38,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import ipaddress
 import logging
 import os
 import secrets
@@ -46,18 +46,15 @@ import signal
 import socket
 import sys
 import urllib.parse
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any, Final, Literal, Protocol, TextIO
+from typing import Any, Final, Protocol, TextIO
 
-import attrs
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 from hypercorn.utils import repr_socket_addr
 
-from .. import _defaults as defaults
-from .. import _fields as fields
 from .._core.lifetime import open_supervisor
 from .._core.supervisor import Supervisor
 from .._extras import needs_extra
@@ -66,24 +63,19 @@ from ..errors import StateStorageError
 from ..executions.subprocess import SubprocessExecution
 from ..stores.sqlite import SqliteStore
 from .app import create_app
-from .capacity import CHILDREN_PER_CORE, DEFAULT_RESERVE, capacity_of, runner_admission
+from .capacity import capacity_of, runner_admission
+from .config import ConfigError, RunnerConfig
 from .drain import Drain
 from .fleet import Fleet
 from .metrics import Metrics, timed
-from .tenants import Ceilings, Tenants, TenantsError, token_hash
+from .tenants import Tenants, TenantsError, token_hash
 from .tenants_file import Roster
-from .wire import DRAIN_DEADLINE
 
-__all__ = ["ConfigError", "RunnerConfig", "StartupError", "run_runner"]
+__all__ = ["StartupError", "run_runner"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LISTEN: Final = "127.0.0.1:8470"
 GRACEFUL_SECONDS: Final = 5.0  # how long the server lets requests in flight finish
-
-
-class ConfigError(ValueError):
-    """The runner's configuration cannot work; the message says why."""
 
 
 class StartupError(Exception):
@@ -149,413 +141,6 @@ async def _open_store(config: RunnerConfig, advertise: str) -> _RunnerStore:
     return store
 
 
-FLAG: Final = "trio_supervisor.flag"  # a RunnerConfig field's metadata: its serve flag
-
-
-def _flag(
-    text: str,
-    *,
-    flag: str | None = None,
-    metavar: str | None = None,
-    path: Literal["dir", "file"] | None = None,
-    exists: bool = False,
-) -> dict[str, dict[str, Any]]:
-    """A field's ``serve`` flag, as attrs metadata: the CLI makes the flag from it.
-
-    Args:
-        text: The flag's help text.
-        flag: Its name, when not ``--`` and the field's name with dashes.
-        metavar: What its value is called in the help.
-        path: Whether its value is a directory or a file.
-        exists: Whether that path must exist.
-    """
-    return {FLAG: {"help": text, "flag": flag, "metavar": metavar, "path": path, "exists": exists}}
-
-
-STORE_SCHEMES: Final = ("postgresql", "postgres")  # a --store URL's: the fleet's database
-DEFAULT_RUNNER_LEASE: Final = defaults.RUNNER_LEASE
-# A runner's row: renewed every third of it, so a second is a database round trip every
-# third of a second at least; an hour is past any takeover anyone wants to wait for.
-RUNNER_LEASE: Final = fields.Seconds(minimum=1.0, inclusive=True, maximum=3600.0)
-
-
-UID_MAX: Final = 2**32 - 2  # uids are 32 bits, and (uid_t) -1 is "unchanged" to setuid()
-
-
-def _refuse_child_users(name: str, value: object) -> None:
-    if value is None:
-        return  # the execution's own uids
-    if not isinstance(value, range) or value.step != 1:
-        raise TypeError(f"{name} must be a range of uids (step 1) or None, not {value!r}")
-    first, last = value.start, value.stop - 1
-    given = f"{first}-{last}"
-    if first < 0 or last < 0:
-        raise ValueError(f"{name} must be two uids FIRST-LAST, neither negative, got {given}")
-    if first == 0:
-        raise ValueError(f"{name} must not start at 0, root's uid, got {given}")
-    if first > last:
-        raise ValueError(f"{name} must be FIRST-LAST with FIRST <= LAST, got {given}")
-    if last > UID_MAX:
-        raise ValueError(
-            f"{name} must end at {UID_MAX} at most (uids are 32 bits, and {UID_MAX + 1} "
-            f"means 'unchanged' to setuid), got {given}"
-        )
-
-
-# The uids isolated children run as: None for the execution's own range.
-CHILD_USERS: Final = fields.Check(_refuse_child_users)
-ISOLATIONS: Final = ("auto", "users", "namespace", "none")
-NETWORKS: Final = ("host", "none")
-
-
-def _paths(value: Iterable[str | os.PathLike[str]]) -> tuple[Path, ...]:
-    # A lone path is a sequence of characters: never read it as one path per character.
-    if isinstance(value, str | os.PathLike):
-        raise TypeError(f"RunnerConfig.plugins must be a sequence of paths, not {value!r}")
-    return tuple(Path(path) for path in value)
-
-
-@attrs.frozen(kw_only=True)
-class RunnerConfig:
-    """What ``trio-supervisor serve`` is told: each field is a flag of ``serve`` and a key
-    of its TOML file (the CLI makes both from these fields and their metadata).
-
-    Attributes:
-        state: The state directory: the store, the children's logs, the token files.
-        listen: ``HOST:PORT`` to bind; port 0 picks a free one.
-        plugins: Entry paths for ``module:function`` specifiers.
-        commands: Named commands, ``name -> argv``.
-        lease, grace, confirmation_timeout: The supervisor's, in seconds.
-        token_file: The hosts' token; ``state/token`` by default.
-        operator_token_file: The operators' token; ``state/operator-token`` by default.
-        certfile, keyfile: TLS; both or neither.
-        insecure_http: Allow plain HTTP on an address that is not loopback.
-        standby: Keep one interpreter started ahead of the next load.
-        fork_server: Fork each load's child from a fork server (see
-            ``SubprocessExecution``); the standby serves loads while it restarts.
-        isolation: "users": each child runs as a uid of its own, with no new
-            privileges, a private working directory and ``TMPDIR``, in a view of the file
-            system without the state directory (the runner must be root); "namespace":
-            each child hides the state directory in user and mount namespaces of its
-            own and drops every capability, but keeps the runner's uid; "auto": "users"
-            as root, else "namespace"; "none": children run as the runner's user.
-        child_users: The uids isolated children run as, one per running child; None
-            for the execution's own (``DEFAULT_CHILD_USERS``).
-        child_network: "host": children share the runner's network; "none": each
-            isolated child has a network namespace with loopback alone.
-        log_format: How the runner's log lines look on stderr (``text`` or ``json``);
-            the CLI sets logging up, :func:`run_runner` leaves it to its caller.
-        store: A ``postgresql://`` (or ``postgres://``) URL: the fleet's database; None:
-            SQLite in ``state/runner.db``, a runner of its own.
-        runner_id: This runner's id in its fleet, stable across its restarts (the host
-            name by default); also how a runner of its own names itself to operators.
-        advertise: Where hosts and other runners reach this runner (a fleet only); ""
-            for the ``listening on`` URL.
-        runner_lease: Seconds this runner's row in the fleet's database stays valid
-            without a renewal (a fleet only); renewed every third of it.
-        tenants: The tenants file (``tenants.py``); None: the hosts' token is tenant
-            ``default``.
-        limits: The runner's ceilings (``[limits]`` in TOML), over the ones every child
-            gets out of the box (:func:`out_of_the_box`).
-        max_children: Children at once; None: ``CHILDREN_PER_CORE`` per core.
-        reserve_memory: Bytes of the machine's memory the children's memory ceilings
-            may not take.
-        drain_on_sigterm: Seconds: SIGTERM drains the runner with this deadline
-            (``drain.py``) instead of stopping it; None: SIGTERM stops it.
-    """
-
-    state: Path = attrs.field(
-        default=Path("runner-state"),
-        converter=Path,
-        metadata=_flag(
-            "The state directory: store, children's logs, tokens (made 0700).",
-            metavar="DIR",
-            path="dir",
-        ),
-    )
-    listen: str = attrs.field(
-        default=DEFAULT_LISTEN,
-        metadata=_flag("HOST:PORT to listen on; port 0 picks a free one.", metavar="HOST:PORT"),
-    )
-    plugins: tuple[Path, ...] = attrs.field(
-        default=(),
-        converter=_paths,
-        metadata=_flag(
-            "An entry path for module:function specifiers (repeatable; it must exist).",
-            metavar="DIR",
-            path="dir",
-            exists=True,
-        ),
-    )
-    commands: Mapping[str, tuple[str, ...]] = attrs.field(
-        factory=dict,
-        metadata=_flag(
-            "A named command a host may load by NAME (repeatable; split like a shell "
-            "would, run with no shell). In TOML: a [commands] table, NAME = [ARGV...].",
-            flag="--command",
-            metavar="NAME=ARGV",
-        ),
-    )
-    lease: float = attrs.field(
-        default=defaults.LEASE,
-        validator=fields.LEASE,
-        metadata=_flag(
-            f"The default lease, in seconds ({fields.MIN_LEASE:g} at least).", metavar="SECONDS"
-        ),
-    )
-    grace: float = attrs.field(
-        default=defaults.GRACE,
-        validator=fields.GRACE,
-        metadata=_flag(
-            "Seconds a child has to exit after its interrupt, before it is killed.",
-            metavar="SECONDS",
-        ),
-    )
-    confirmation_timeout: float = attrs.field(
-        default=defaults.CONFIRMATION,
-        validator=fields.TIMEOUT,
-        metadata=_flag("Seconds to wait for a killed child's exit to be seen.", metavar="SECONDS"),
-    )
-    token_file: Path | None = attrs.field(
-        default=None,
-        metadata=_flag("The hosts' token [default: STATE/token]; made if absent.", path="file"),
-    )
-    operator_token_file: Path | None = attrs.field(
-        default=None,
-        metadata=_flag(
-            "The operators' token [default: STATE/operator-token]; made if absent.",
-            path="file",
-        ),
-    )
-    certfile: Path | None = attrs.field(
-        default=None, metadata=_flag("TLS: the certificate chain (PEM).", path="file")
-    )
-    keyfile: Path | None = attrs.field(
-        default=None, metadata=_flag("TLS: the certificate's private key (PEM).", path="file")
-    )
-    insecure_http: bool = attrs.field(
-        default=False,
-        metadata=_flag("Allow plain HTTP on an address that is not loopback."),
-    )
-    standby: bool = attrs.field(
-        default=True,
-        metadata=_flag("Keep one interpreter started ahead of the next load."),
-    )
-    fork_server: bool = attrs.field(
-        default=True,
-        metadata=_flag("Fork each load's child from a fork server, not a fresh interpreter."),
-    )
-    isolation: Literal["auto", "users", "namespace", "none"] = attrs.field(
-        default="auto",
-        validator=attrs.validators.in_(ISOLATIONS),
-        metadata=_flag(
-            "users: each child runs as a uid of its own (--child-users), with no new "
-            "privileges, a private working directory, and the state directory out of "
-            "sight; the runner must be root. namespace: the state directory out of sight "
-            "and no capabilities, as the runner's uid. auto: users as root, else "
-            "namespace. none: children run as the runner's user."
-        ),
-    )
-    child_users: range | None = attrs.field(
-        default=None,
-        validator=CHILD_USERS,
-        metadata=_flag(
-            "The uids isolated children run as, one each while it runs; nothing else may "
-            "use them [default: the execution's 1024 uids].",
-            metavar="FIRST-LAST",
-        ),
-    )
-    child_network: Literal["host", "none"] = attrs.field(
-        default="host",
-        validator=attrs.validators.in_(NETWORKS),
-        metadata=_flag(
-            "host: children share the runner's network; none: each isolated child has "
-            "loopback alone."
-        ),
-    )
-    log_format: Literal["text", "json"] = attrs.field(
-        default="text",
-        validator=attrs.validators.in_(("text", "json")),
-        metadata=_flag("How stderr logging looks: text, or one JSON object per line."),
-    )
-    store: str | None = attrs.field(
-        default=None,
-        validator=fields.optional_text,
-        metadata=_flag(
-            "A postgresql:// URL: this runner joins the fleet on that database "
-            "[default: STATE/runner.db, SQLite: a runner of its own].",
-            metavar="URL",
-        ),
-    )
-    runner_id: str = attrs.field(
-        factory=socket.gethostname,
-        validator=fields.text,
-        metadata=_flag(
-            "This runner's id in its fleet, stable across restarts [default: the host name].",
-            metavar="ID",
-        ),
-    )
-    advertise: str = attrs.field(
-        default="",
-        metadata=_flag(
-            "Where hosts and other runners reach this runner (a fleet only) "
-            "[default: the 'listening on' URL].",
-            metavar="URL",
-        ),
-    )
-    tenants: Path | None = attrs.field(
-        default=None,
-        metadata=_flag(
-            "A TOML file of tenants: each one's token hash, key identities, quota, "
-            "ceilings and fairness; reread on SIGHUP. Without it, the hosts' token is one "
-            "tenant that may use every key.",
-            path="file",
-            exists=True,
-        ),
-    )
-    limits: Ceilings | None = attrs.field(
-        default=None,
-        validator=attrs.validators.optional(attrs.validators.instance_of(Ceilings)),
-    )  # TOML only: [limits] default = {...}, max = {...}; within the out-of-the-box ones
-    max_children: int | None = attrs.field(
-        default=None,
-        validator=fields.optional(fields.at_least(1)),
-        metadata=_flag(
-            f"Children at once, at most [default: {CHILDREN_PER_CORE} per core].",
-            metavar="N",
-        ),
-    )
-    reserve_memory: int = attrs.field(
-        default=DEFAULT_RESERVE,
-        validator=fields.count,
-        metadata=_flag(
-            "Bytes of the machine's memory kept from the children: their memory ceilings "
-            "sum to the rest at most.",
-            metavar="BYTES",
-        ),
-    )
-    runner_lease: float = attrs.field(
-        default=DEFAULT_RUNNER_LEASE,
-        validator=RUNNER_LEASE,
-        metadata=_flag(
-            f"Seconds this runner's row in the fleet's database stays valid unrenewed "
-            f"({RUNNER_LEASE.bounds}; a fleet only); renewed every third of it.",
-            metavar="SECONDS",
-        ),
-    )
-
-    drain_on_sigterm: float | None = attrs.field(
-        default=None,
-        validator=fields.optional(DRAIN_DEADLINE),
-        metadata=_flag(
-            "Make SIGTERM a drain with this deadline, in seconds (as a Kubernetes preStop "
-            "would): no new sessions, the ones held run on until they end or the deadline "
-            "passes, then exit 0. A second SIGTERM stops at once.",
-            metavar="SECONDS",
-        ),
-    )
-
-    @property
-    def hosts_token_path(self) -> Path:
-        return self.token_file or self.state / "token"
-
-    @property
-    def operator_token_path(self) -> Path:
-        return self.operator_token_file or self.state / "operator-token"
-
-    @property
-    def tls(self) -> bool:
-        return self.certfile is not None
-
-    @property
-    def fleet(self) -> bool:
-        """Whether this runner is a member of a fleet (its store is PostgreSQL)."""
-        return self.store is not None
-
-    def check(self) -> tuple[str, int]:
-        """The host and port to bind, once the configuration is known to work.
-
-        Raises:
-            ConfigError: The listen address is malformed, TLS is half configured,
-                plain HTTP would leave loopback without ``insecure_http``, the store is
-                not a PostgreSQL URL, a fleet's setting is given without a fleet, or an
-                isolated child's setting is given with ``isolation`` "none", the hosts'
-                token file is given with a tenants file, or the store's URL holds a
-                password.
-        """
-        host, port = parse_listen(self.listen)
-        self._check_fleet(host)
-        self._check_isolation()
-        self._check_tenants()
-        if (self.certfile is None) != (self.keyfile is None):
-            raise ConfigError("--certfile and --keyfile go together")
-        if not self.tls and not self.insecure_http and not _is_loopback(host):
-            raise ConfigError(
-                f"refusing plain HTTP on {host}, which is not a loopback address: the "
-                "bearer tokens would cross the network in the clear. Give --certfile and "
-                "--keyfile, or --insecure-http if something else encrypts the traffic"
-            )
-        return host, port
-
-    def _check_tenants(self) -> None:
-        if self.tenants is not None and self.token_file is not None:
-            raise ConfigError(
-                "--token-file is the hosts' single token, which --tenants replaces: give "
-                "each host a tenant (trio-supervisor tenants add) and leave --token-file out"
-            )
-        if self.store is not None and urllib.parse.urlsplit(self.store).password is not None:
-            # Not repeated: it may be seen by anyone who lists the machine's processes.
-            raise ConfigError(
-                "--store must not hold a password: a command line is visible to every "
-                "process of the machine. Put it in libpq's password file (PGPASSFILE, "
-                "~/.pgpass) or PGPASSWORD"
-            )
-
-    def _check_isolation(self) -> None:
-        # Children that are not isolated run as the runner's user, on its network: a
-        # setting for isolated ones would be silently ignored.
-        if self.isolation == "namespace" and self.child_users is not None:
-            raise ConfigError(
-                "--child-users is for children with uids of their own: it needs "
-                "--isolation users or auto (namespace keeps the runner's uid)"
-            )
-        if self.isolation != "none":
-            return
-        if self.child_users is not None:
-            raise ConfigError("--child-users is for isolated children: it needs --isolation auto")
-        if self.child_network != "host":
-            raise ConfigError(
-                f"--child-network {self.child_network} is for isolated children: it needs "
-                "--isolation auto (with --isolation none, children use the runner's network)"
-            )
-
-    def _check_fleet(self, host: str) -> None:
-        if self.store is not None:
-            scheme = urllib.parse.urlsplit(self.store).scheme
-            if scheme not in STORE_SCHEMES:
-                # The URL itself is not repeated: it may hold a password.
-                raise ConfigError(
-                    "--store must be a postgresql://... or postgres://... URL (the fleet's "
-                    "database); leave it out for SQLite in STATE/runner.db"
-                    + (f"; got a {scheme}: URL" if scheme else "; got no URL scheme")
-                )
-        elif self.advertise:
-            raise ConfigError("--advertise is for a fleet: it needs --store postgresql://...")
-        elif self.runner_lease != DEFAULT_RUNNER_LEASE:
-            raise ConfigError("--runner-lease is for a fleet: it needs --store postgresql://...")
-        if self.fleet and not self.advertise and _is_wildcard(host):
-            raise ConfigError(
-                f"--listen {self.listen} is every address of this machine, which is no URL "
-                "another runner or a host can reach: give --advertise URL"
-            )
-        if self.advertise:
-            url = urllib.parse.urlsplit(self.advertise)
-            if url.scheme not in ("http", "https") or not url.netloc:
-                raise ConfigError(
-                    f"--advertise must be an http:// or https:// URL, got {self.advertise!r}"
-                )
-
-
 def _execution(config: RunnerConfig) -> SubprocessExecution:
     """The runner's execution, not yet started: its children's uids are its own default
     unless ``child_users`` is given."""
@@ -582,30 +167,6 @@ def _without_password(url: str) -> str:
     host = parts.netloc.rpartition("@")[2]
     user = parts.username or ""
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-
-
-def parse_listen(listen: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) as a host and a port."""
-    host, colon, port_text = listen.rpartition(":")
-    if not colon or not host or not port_text.isdigit() or int(port_text) > 65535:
-        raise ConfigError(f"--listen must be HOST:PORT, got {listen!r}")
-    return host.strip("[]"), int(port_text)
-
-
-def _is_wildcard(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def read_or_make_token(path: Path) -> str:
