@@ -1,5 +1,5 @@
 """``python -m trio_supervisor``: the operator's command, as ``trio-supervisor``."""
 
-from .cli import main
+from ._command import main
 
 main()

@@ -12,7 +12,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-__all__ = ["needs_extra"]
+__all__ = ["MissingExtraError", "needs_extra"]
+
+
+class MissingExtraError(ModuleNotFoundError):
+    """An optional part's module is not installed; the message says which extra brings it."""
 
 
 @contextlib.contextmanager
@@ -37,7 +41,7 @@ def needs_extra(extra: str, what: str, *modules: str) -> Iterator[None]:
         missing = (error.name or "").partition(".")[0]
         if missing not in modules:
             raise
-        raise ModuleNotFoundError(
+        raise MissingExtraError(
             f"{what} needs {missing}, which is not installed; it comes with the "
             f"[{extra}] extra: pip install 'trio_supervisor[{extra}]'",
             name=error.name,

@@ -65,7 +65,7 @@ def test_only_four_packages_are_required_unconditionally() -> None:
 # then try each optional part; print what happened as JSON.
 PROBE = textwrap.dedent(
     """
-    import importlib, json, runpy, sys
+    import contextlib, importlib, io, json, runpy, sys
 
     BLOCKED = set(sys.argv[1].split(","))
 
@@ -102,7 +102,14 @@ PROBE = textwrap.dedent(
         try:
             if part == "the command":
                 sys.argv = ["trio-supervisor", "--help"]
-                runpy.run_module("trio_supervisor", run_name="__main__")
+                said = io.StringIO()
+                with contextlib.redirect_stderr(said):
+                    try:
+                        runpy.run_module("trio_supervisor", run_name="__main__")
+                    except SystemExit as exit:
+                        if exit.code:
+                            raise SystemExit(f"{exit.code}: {said.getvalue()}") from None
+                        raise
             else:
                 importlib.import_module(part)
         except ImportError as error:
@@ -138,7 +145,7 @@ def test_with_no_extra_the_engine_runs_and_the_optional_parts_name_their_pip_com
     assert report["adapters"] == ["SqliteStore", "SubprocessExecution"]
     parts = report["parts"]
     assert parts["trio_supervisor.client"] == (
-        "ModuleNotFoundError: trio_supervisor.client needs httpx, which is not installed; "
+        "MissingExtraError: trio_supervisor.client needs httpx, which is not installed; "
         "it comes with the [client] extra: pip install 'trio_supervisor[client]'"
     )
     # Which module is missed first is the import order's business.
@@ -149,11 +156,12 @@ def test_with_no_extra_the_engine_runs_and_the_optional_parts_name_their_pip_com
         r"pip install 'trio_supervisor\[service\]'"
     )
     assert re.fullmatch(
-        rf"ModuleNotFoundError: trio_supervisor\.service needs {service}{then}",
+        rf"MissingExtraError: trio_supervisor\.service needs {service}{then}",
         parts["trio_supervisor.service"],
     )
+    # One line, and exit status 1: no traceback.
     assert re.fullmatch(
-        rf"ModuleNotFoundError: the trio-supervisor command needs {command}{then}",
+        rf"exit 1: Error: the trio-supervisor command needs {command}{then}\n",
         parts["the command"],
     )
     assert report["loaded"] == []
@@ -165,7 +173,7 @@ def test_with_the_client_extra_only_the_client_imports_and_the_service_names_its
     parts = report["parts"]
     assert parts["trio_supervisor.client"] == "imported"
     assert parts["trio_supervisor.service"].endswith("pip install 'trio_supervisor[service]'")
-    assert parts["the command"].endswith("pip install 'trio_supervisor[service]'")
+    assert parts["the command"].endswith("pip install 'trio_supervisor[service]'\n")
     assert report["loaded"] == []
 
 
