@@ -161,7 +161,8 @@ async def test_an_expired_lease_says_so_before_and_after_the_stop(
     assert isinstance(await sup.status(handle), StoppedRecord)
     with pytest.raises(LeaseExpiredError) as late:
         await sup.renew(handle)  # stopped by the timer: the stop reason says so
-    assert early.value.detail == late.value.detail == "the session's lease has expired"
+    said = f"the lease of {handle.key.identity}/{handle.key.instance} generation 1 has expired"
+    assert early.value.detail == late.value.detail == said
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,7 @@ from ..model import (
     CodeIdentity,
     ExitStatus,
     Expired,
+    Handle,
     Load,
     LoadedRecord,
     LoadingRecord,
@@ -95,11 +96,16 @@ _TRANSITIONS: Final[Mapping[tuple[Phase, Event], Phase]] = {
 }
 
 
-def stop_error(reason: StopReason) -> SupervisorError:
-    """The error a caller gets from a session that stopped for ``reason`` (R3)."""
+def stop_error(reason: StopReason, handle: Handle) -> SupervisorError:
+    """The error a caller gets from ``handle``'s session, which stopped for ``reason``
+    (R3); it names the session."""
     if isinstance(reason, Expired):
-        return LeaseExpiredError("the session's lease has expired")
-    return SessionStoppedError(f"the session is stopping or stopped ({reason.kind})")
+        return LeaseExpiredError(f"the lease of {_named(handle)} has expired")
+    return SessionStoppedError(f"{_named(handle)} is stopping or stopped ({reason.kind})")
+
+
+def _named(handle: Handle) -> str:
+    return f"{handle.key.identity}/{handle.key.instance} generation {handle.generation}"
 
 
 class Lifecycle:
@@ -178,9 +184,9 @@ class Lifecycle:
             SessionStoppedError: The session stops for another reason.
         """
         if self.reason is not None:
-            raise stop_error(self.reason)
+            raise stop_error(self.reason, self._open.handle)
         if now >= self.deadline:
-            raise LeaseExpiredError("the session's lease has expired")
+            raise LeaseExpiredError(f"the lease of {_named(self._open.handle)} has expired")
 
     def remaining(self, now: float) -> float:
         """Seconds left on the lease."""
@@ -314,7 +320,7 @@ class Lifecycle:
         if phase is not None:
             return phase
         if self.reason is not None and event is not Event.STOPPED:
-            raise stop_error(self.reason)
+            raise stop_error(self.reason, self._open.handle)
         if event in (Event.REGISTER, Event.LOADED):
             raise ExecutionError(
                 f"the execution adapter reported {event.value!r} while the session is "

@@ -435,7 +435,7 @@ class Session:
         reason = self.lifecycle.reason
         if reply is None or reply.done or reason is None:
             return
-        error = self.load_failure or stop_error(reason)
+        error = self.load_failure or stop_error(reason, self.handle)
         poison = self._services.health.error
         if poison is not None and poison is not error:
             error.add_note(f"the supervisor is poisoned: {poison!r}")

@@ -620,7 +620,7 @@ class Supervisor:
             elsewhere = await self._fleet.stopped_elsewhere(handle)
             if elsewhere is None:
                 raise
-            raise stop_error(elsewhere.reason) from None
+            raise stop_error(elsewhere.reason, handle) from None
 
     # -- what the sessions tell the supervisor ------------------------------------------
 
@@ -681,7 +681,7 @@ class Supervisor:
         if session is not None:
             return session
         if isinstance(record, StoppingRecord | StoppedRecord):
-            raise stop_error(record.reason)
+            raise stop_error(record.reason, handle)
         raise SessionStoppedError("the session was retired by recovery or eviction")
 
     # -- shutdown ---------------------------------------------------------------------
