@@ -258,7 +258,8 @@ def _option(field: attrs.Attribute[Any]) -> Callable[[Any], Any]:
         options["multiple"] = True
         default = tuple(default.items() if isinstance(default, Mapping) else default)
     options["default"] = default
-    options["show_default"] = default not in (None, ())
+    # A default the help text names already ("[default: the host name]") is not repeated.
+    options["show_default"] = default not in (None, ()) and "[default:" not in meta["help"]
     return click.option(flag, field.name, callback=_checked(field, flag), **options)
 
 
@@ -488,7 +489,12 @@ def sessions(
     if as_json:
         click.echo(json.dumps(found, indent=2))
         return
-    _print_table(Console(), _table(found, title=f"{len(found)} sessions at {url}"))
+    _print_table(Console(), _table(found, title=f"{_count(len(found), 'session')} at {url}"))
+
+
+def _count(number: int, noun: str) -> str:
+    """``1 session``, ``3 sessions``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _moment(seconds: float) -> str:
@@ -508,7 +514,7 @@ def runners(url: str, state: Path, token_file: Path | None, as_json: bool) -> No
     if as_json:
         click.echo(json.dumps([converter.unstructure(info) for info in found], indent=2))
         return
-    table = Table(title=f"{len(found)} runners seen from {url}", header_style="bold")
+    table = Table(title=f"{_count(len(found), 'runner')} seen from {url}", header_style="bold")
     for column in _RUNNER_COLUMNS:
         table.add_column(column, no_wrap=column in ("runner", "advertise"))
     for info in found:
@@ -847,7 +853,7 @@ def list_tenants(path: Path, as_json: bool) -> None:
         ]
         click.echo(json.dumps(shown, indent=2))
         return
-    table = Table(title=f"{len(found)} tenants in {path}", header_style="bold")
+    table = Table(title=f"{_count(len(found), 'tenant')} in {path}", header_style="bold")
     for column in ("tenant", "identities", "quota", "limits", "fairness"):
         table.add_column(column, no_wrap=column == "tenant")
     for tenant in found:

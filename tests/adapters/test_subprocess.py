@@ -186,8 +186,13 @@ async def test_a_crashing_plugin_ends_its_session_as_exited(
             "^cannot load 'heartbeat:absent': heartbeat defines no 'absent'; name a function "
             "that it defines$",
         ),
-        ("heartbeat", "neither a configured command nor"),
-        ("../etc:passwd", "neither a configured command nor"),
+        (
+            "heartbeat",
+            r"^'heartbeat' is neither a configured command \(configured: [^)]*\) nor a "
+            r"package\.module:function entry point whose function is a public name \(did you "
+            r"mean heartbeat:main, a function main in the module heartbeat\?\)$",
+        ),
+        ("../etc:passwd", "neither a configured command .* nor"),
         # A remote host picks the specifier: only public names the plugin defines.
         ("heartbeat:__class__", "whose function is a public name"),
         ("heartbeat:_private", "whose function is a public name"),

@@ -603,7 +603,7 @@ def test_a_runner_serves_its_own_runners_list_under_its_runner_id(tmp_path: Path
         )
         assert result.exit_code == 0, result.output
         assert "r-one" in result.output
-        assert "1 runners seen from" in result.output
+        assert "1 runner seen from" in result.output
         as_json = CliRunner().invoke(
             cli.main,
             ["runners", "--url", runner.url, "--state", str(runner.state), "--json"],

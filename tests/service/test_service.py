@@ -137,18 +137,17 @@ async def test_bad_bodies_are_400_413_or_422_naming_the_field(fake: FakeExecutio
             "$.key": open_body(instance=""),
             "extra fields found (colour)": open_body(colour="red"),
             "$.expected_generation": open_body(expected_generation="1"),
-            "OpenBody.lease must be a finite number of seconds >= 0.1 and <= 1000000000, "
-            "got -1.0 @ $": open_body(lease=-1),
-            "OpenBody.lease must be a finite number of seconds >= 0.1 and <= 1000000000, "
-            "got 0.05 @ $": open_body(lease=0.05),
-            "Key.identity must be at most 128 characters, got 129 @ $.key": {
+            "lease must be a finite number of seconds >= 0.1 and <= 1000000000, "
+            "got -1.0 @ $.lease": open_body(lease=-1),
+            "lease must be a finite number of seconds >= 0.1 and <= 1000000000, "
+            "got 0.05 @ $.lease": open_body(lease=0.05),
+            "identity must be at most 128 characters, got 129 @ $.key.identity": {
                 "key": {"identity": "i" * 129, "instance": "a"},
                 "request_id": "r1",
             },
             "required field missing @ $.request_id": {"key": {"identity": "a", "instance": "b"}},
-            "Limits.memory_bytes must be None (no limit) or >= 0": open_body(
-                limits={"memory_bytes": -1}
-            ),
+            "memory_bytes must be None (no limit) or >= 0, got -1 "
+            "@ $.limits.memory_bytes": open_body(limits={"memory_bytes": -1}),
         }
         for named, body in cases.items():
             detail = problem(

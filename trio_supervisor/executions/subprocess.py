@@ -461,9 +461,16 @@ class SubprocessExecution:
                     f"no entry paths are configured, so {specifier!r} cannot be loaded"
                 )
             return {"kind": "python", "paths": list(self.entry_paths)}
+        commands = ", ".join(sorted(self.commands)) or "none"
+        hint = (
+            f" (did you mean {specifier}:main, a function main in the module {specifier}?)"
+            if ":" not in specifier and specifier.replace(".", "").replace("_", "").isalnum()
+            else ""
+        )
         raise PackageError(
-            f"{specifier!r} is neither a configured command "
+            f"{specifier!r} is neither a configured command (configured: {commands}) "
             "nor a package.module:function entry point whose function is a public name"
+            f"{hint}"
         )
 
     def _spec(self, handle: Handle, load: Load, limits: Limits) -> dict[str, Any]:

@@ -204,9 +204,7 @@ def create_app(
                 if call.role is not None:
                     caller = caller_of(request)
                     if caller is None:
-                        raise Problem(
-                            401, RunnerAccessError.code, "a valid bearer token is required"
-                        )
+                        raise Problem(401, RunnerAccessError.code, UNAUTHORIZED)
                     if call.role == _OPERATORS and not (
                         caller is OPERATORS or call.tenants_see_own
                     ):
@@ -581,6 +579,13 @@ async def _body(request: Request) -> bytes:
     if size > MAX_BODY:
         raise Problem(413, ProblemCode.TOO_LARGE, f"the body is over {MAX_BODY} bytes")
     return b"".join(chunks)
+
+
+UNAUTHORIZED: Final = (
+    "a valid bearer token is required (Authorization: Bearer TOKEN): a host's is its "
+    "tenant's, or the runner's --token-file (STATE/token by default); an operator's is "
+    "the runner's --operator-token-file (STATE/operator-token)"
+)
 
 
 def _problem(

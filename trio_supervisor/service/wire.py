@@ -14,6 +14,7 @@ each error class to its HTTP status, as docs/service.md section A says.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, Final, TypeVar
 
@@ -193,16 +194,33 @@ def read_body(raw: bytes, kind: type[_T]) -> _T:
     try:
         body = converter.structure(data, kind)
     except Exception as error:
-        problems = cattrs.transform_error(error, "$", describe_error)
+        problems = [
+            _at_field(problem) for problem in cattrs.transform_error(error, "$", describe_error)
+        ]
         raise Problem(422, ProblemCode.INVALID, "; ".join(problems)) from error
     for where, value in _keys(body):
         for (kind, name), check in REFINEMENTS.items():
             if isinstance(value, kind):
                 try:
-                    check.check(f"{kind.__name__}.{name}", getattr(value, name))
+                    check.check(name, getattr(value, name))
                 except ValueError as error:
                     raise Problem(422, ProblemCode.INVALID, f"{error} @ {where}.{name}") from None
     return body
+
+
+# A validator names its field as "Class.field" (the class may be the wire's own, as
+# OpenBody), and cattrs puts the path of the object it was building after "@".
+_FIELD_PROBLEM: Final = re.compile(r"^[A-Za-z_]\w*\.(?P<field>\w+) (?P<rest>.*) @ (?P<path>\S+)$")
+
+
+def _at_field(problem: str) -> str:
+    """A problem as the caller wrote the body: ``lease must be ... @ $.lease``, not
+    ``OpenBody.lease must be ... @ $``."""
+    found = _FIELD_PROBLEM.match(problem)
+    if found is None:
+        return problem
+    field = found["field"]
+    return f"{field} {found['rest']} @ {found['path']}.{field}"
 
 
 def _lone_surrogate(data: Any) -> str | None:
