@@ -1,9 +1,12 @@
-"""Sessions: tests, lint, typecheck, examples, conformance, fleet, chaos, api, mutants, bench."""
+"""Sessions: tests, lint, typecheck, build, examples, conformance, fleet, chaos, api, mutants,
+bench."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+from pathlib import Path
 
 import nox
 
@@ -13,6 +16,17 @@ nox.options.sessions = ["tests", "lint", "typecheck"]
 # CI starts from a fresh clone (and .ci/run removes .nox), so it always builds afresh.
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
+
+
+class _NoUvNotice(logging.Filter):
+    """nox looks for uv on every virtualenv it makes and says so when it is absent; the
+    sessions use pip, so that line is only noise to someone running the tests."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "uv binary not found."
+
+
+logging.getLogger("nox").addFilter(_NoUvNotice())
 
 
 # What the tests need from the machine, beyond Python: Debian's package for each command.
@@ -29,7 +43,11 @@ def install_machine_needs(session: nox.Session) -> None:
     if not missing:
         return
     if shutil.which("apt-get") and os.geteuid() == 0:
-        session.log(f"installing {', '.join(missing)} with apt-get (the tests need them)")
+        session.log(
+            f"installing {' and '.join(missing)} with apt-get: the tests need "
+            f"{'them' if len(missing) > 1 else 'it'} (chromium is some 100 MB, a minute or "
+            "more; apt's own output is shown only if it fails)"
+        )
         # Silent: apt's progress is long; nox prints it all if a step fails.
         session.run("apt-get", "update", "-qq", external=True, silent=True)
         session.run(
@@ -56,6 +74,31 @@ def tests(session: nox.Session) -> None:
     install_machine_needs(session)
     session.install("-e", ".[test]")  # the test extra pulls [service,client]
     session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build the wheel into dist/, then install it (with the service extra) in this
+    session's fresh environment and run it from there, away from the source tree."""
+    session.run("python", "-m", "pip", "wheel", "--no-deps", "-w", "dist", ".", silent=True)
+    wheels = sorted(
+        Path("dist").glob("trio_supervisor-*.whl"), key=lambda path: path.stat().st_mtime
+    )
+    if not wheels:
+        session.error("pip made no wheel in dist/")
+    wheel = wheels[-1].resolve()
+    session.install(f"{wheel}[service,client]")
+    with session.chdir(session.create_tmp()):  # not the clone: the installed package
+        session.run("trio-supervisor", "--version")
+        session.run("trio-supervisor", "serve", "--help", silent=True)
+        session.run(
+            "python",
+            "-c",
+            "import trio_supervisor, trio_supervisor.client, trio_supervisor.service; "
+            "assert 'site-packages' in trio_supervisor.__file__, trio_supervisor.__file__; "
+            "print('installed from the wheel:', trio_supervisor.__file__)",
+        )
+    session.log(f"built and tried {wheel.name}: pip install {wheel}")
 
 
 @nox.session
