@@ -1,7 +1,9 @@
 """The package's layers: the core imports no adapter, and the face loads adapters on use.
 
-STYLE's layers, bottom up: values and protocols (``abc``, ``model``, ``codec``,
-``errors``, ...), then adapters and the core, each importing only what is below it.
+The layers of docs/design.md ("Where things are"), bottom up: values and protocols
+(``abc``, ``model``, ``codec``, ``errors``, ...); then the core and the adapters; then the
+conformance kit (``testing``), the client and the service; then the command. Each
+module imports only what is below it (or beside it, in its own folder).
 """
 
 from __future__ import annotations
@@ -22,11 +24,19 @@ BOTTOM = {
     *("abc", "model", "codec", "errors", "retention", "realtime"),
     *("_fields", "_defaults", "_routes", "_background", "_lazy", "_extras"),
 }
+ADAPTERS = {"stores", "executions"}
 MAY_IMPORT = {
     "bottom": BOTTOM,
     "_core": BOTTOM | {"_core"},
     "stores": BOTTOM | {"stores"},
     "executions": BOTTOM | {"executions"},
+    # Above the core and the adapters: the conformance kit, the client, the service,
+    # and the command over both (the service reads the package's version too).
+    "testing": BOTTOM | ADAPTERS | {"_core", "testing"},
+    "client": BOTTOM | {"client"},
+    "service": BOTTOM | ADAPTERS | {"_core", "service", "__version__"},
+    "cli": BOTTOM | {"cli", "client", "service"},
+    "_command": BOTTOM | {"cli"},
 }
 
 
