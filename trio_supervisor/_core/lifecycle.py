@@ -8,7 +8,7 @@ A session moves through five phases::
     | ^----- refused -----'  |                  /
     +---------- stop --------+-----------------+--> Stopping --stopped--> Stopped
 
-The driver (``supervisor.py``) feeds events in and gets records out; it persists the
+The driver (``session.py``, one per session) feeds events in and gets records out; it persists the
 records, signals and waits, and comes back with the next event. Two kinds of event
 exist, and the difference is the whole design:
 

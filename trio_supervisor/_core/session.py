@@ -42,7 +42,7 @@ Stopped record, so both are saved in one transaction (the project's decision on 
 docs/design.md, deviations): a crash can leave it Open or Stopped, never running.
 
 A requester's own task is cancellable. When it is cancelled during the save, the store
-wrote nothing (``stores/base.py``: a cancelled save either completes or writes nothing),
+wrote nothing (``abc.Store.save``: a cancelled save either completes or writes nothing),
 so a task of the supervisor's takes the stop over, and the cancellation goes on out.
 
 The lifecycle (:class:`~trio_supervisor._core.lifecycle.Lifecycle`) decides which move is
