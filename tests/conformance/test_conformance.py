@@ -21,7 +21,7 @@ from trio_supervisor.testing import (
     SubprocessHarness,
     conformance_machine,
 )
-from trio_supervisor.testing.model import Ending
+from trio_supervisor.testing.reference import Ending
 
 # Where the SQLite machine's stores go: the machine calls ``sqlite`` for each, no fixture
 # reaches it, so this module's directory is set before its tests run.

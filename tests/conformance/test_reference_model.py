@@ -7,8 +7,8 @@ import uuid
 
 from trio_supervisor import ExitStatus, Handle, Key
 from trio_supervisor.testing.interleavings import Planned, interleave, plan_call
-from trio_supervisor.testing.model import Ending, Model, error, ok
-from trio_supervisor.testing.model_store import Durable, ModelStore, SessionId, refusing
+from trio_supervisor.testing.reference import Ending, Model, error, ok
+from trio_supervisor.testing.reference_store import Durable, ModelStore, SessionId, refusing
 
 A, B, C = (Key(identity="model", instance=name) for name in "abc")
 

@@ -5,7 +5,7 @@ step the machine observes the run (the store's records and high-water marks, whi
 children still live, the calls logged on each) and holds it against the model:
 
 * the store holds exactly the records the model says were acknowledged, compared as
-  :class:`~.model_store.Durable` (phase, child, request id, the phase it stopped from,
+  :class:`~.reference_store.Durable` (phase, child, request id, the phase it stopped from,
   the reason, and the termination with its exit status), with retention applied per
   key and in all; and every key's high-water mark, never evicted;
 * at most one live record per key;
@@ -31,8 +31,8 @@ from typing import NoReturn
 
 from ..model import Key, SessionRecord, StoppedRecord, StoppingRecord, Termination
 from .incarnation import Log
-from .model import Model, Outcome
-from .model_store import Durable, SessionId
+from .reference import Model, Outcome
+from .reference_store import Durable, SessionId
 from .world import Observation, Operation
 
 __all__ = [
@@ -105,7 +105,7 @@ def agreement(seen: Observation) -> Callable[[Model], bool]:
     """Whether a model state agrees with what was seen: store, marks, children, calls.
 
     The model state takes the store's choice of evictions first, where the model could
-    not know the order of the saves (:meth:`~.model_store.ModelStore.resolve`).
+    not know the order of the saves (:meth:`~.reference_store.ModelStore.resolve`).
     """
     kept = stored(seen.records)
 

@@ -3,7 +3,7 @@
 ``conformance_machine(store_factory, harness_factory)`` returns a Hypothesis
 ``RuleBasedStateMachine`` that drives a real supervisor on your store and execution,
 and holds every result against the reference model of docs/design.md
-(:mod:`.model`). The pieces:
+(:mod:`.reference`). The pieces:
 
 * :mod:`.world`: one example's Trio run on a virtual clock, in a background thread;
   the rules call into it. An operation that waits on virtual time stays pending; the
@@ -59,8 +59,8 @@ from .checks import (
 )
 from .harnesses import FakeHarness, Harness
 from .interleavings import interleave, plan_burst
-from .model import Ending, Model, Outcome, Pending, SessionId, ok
-from .model_store import refusing
+from .reference import Ending, Model, Outcome, Pending, SessionId, ok
+from .reference_store import refusing
 from .world import CONFIRMATION, GRACE, LEASE, RECORDS, Operation, StoreFactory, World
 
 __all__ = ["KEYS", "PROFILE", "ConformanceMachine", "StoreFactory", "conformance_machine"]

@@ -96,7 +96,7 @@ class FleetBackend:
     let_through: Callable[[str], None] | None = None
 
 
-class _World:
+class _FleetWorld:
     """One Trio run on a thread; the machine's rules call into it and wait."""
 
     def __init__(self) -> None:
@@ -198,7 +198,7 @@ class FleetMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         type(self).backend.reset()
-        self.world = _World()
+        self.world = _FleetWorld()
         self.runners: dict[str, _Runner] = {}
         self.requests = itertools.count(1)
         # What the calls returned: every generation handed out, by key, with its token.

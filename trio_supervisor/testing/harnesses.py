@@ -26,7 +26,7 @@ from ..executions.inprocess import InProcessExecution, PluginContext
 from ..executions.subprocess import SubprocessExecution
 from ..model import ChildIdentity, ExitStatus, Handle
 from .fakes import FakeExecution
-from .model import Ending
+from .reference import Ending
 
 __all__ = ["FakeHarness", "Harness", "InProcessHarness", "SubprocessHarness"]
 

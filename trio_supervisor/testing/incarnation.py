@@ -45,7 +45,7 @@ from ..model import (
     Termination,
 )
 from ..retention import Retention
-from .model import SessionId
+from .reference import SessionId
 
 __all__ = ["ClockGuard", "Entry", "Incarnation", "Log"]
 

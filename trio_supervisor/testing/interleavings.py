@@ -18,7 +18,7 @@ for one whose outcomes are the ones the supervisor gave and whose final state ma
 what the machine observed (the store, the children's lives, the calls on them). The
 machine adopts the model state it finds; if there is none, the burst is unexplained and
 the machine fails. The saves of a burst count as made at one instant
-(:meth:`~.model_store.ModelStore.together`): no outcome tells in which order they
+(:meth:`~.reference_store.ModelStore.together`): no outcome tells in which order they
 landed, so which records the cap in all evicted is taken from the store.
 
 Independent steps reach the same state in different orders, so the search remembers
@@ -38,7 +38,7 @@ from .._core.supervisor import Supervisor
 from ..model import Handle, Key
 from ..model import Load as LoadRequest
 from .checks import key_name, session_name
-from .model import Model, Outcome, SessionId
+from .reference import Model, Outcome, SessionId
 
 __all__ = [
     "Planned",

@@ -51,7 +51,7 @@ from ..retention import Retention
 from ..stores.memory import MemoryStore
 from .harnesses import Harness
 from .incarnation import ClockGuard, Faults, Incarnation, Log
-from .model import Outcome, SessionId, ok
+from .reference import Outcome, SessionId, ok
 
 __all__ = [
     "CALLS",

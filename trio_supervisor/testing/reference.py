@@ -7,7 +7,7 @@ ignores its interrupt waits for the grace to pass); :meth:`Model.advance` moves 
 clock, fires every deadline in order and resumes whatever waited.
 
 For each operation the model predicts the result or the error class, and after every
-step it knows what the store must hold (:mod:`.model_store`): each record's phase,
+step it knows what the store must hold (:mod:`.reference_store`): each record's phase,
 whether it names a child, its stop reason and its whole termination, and each key's
 high-water generation, with retention applied per key and in all.
 
@@ -19,8 +19,8 @@ that it was cancelled), so the model asks ``exit_status``, which the harness pro
 for the :class:`~trio_supervisor.model.ExitStatus` of each way a child ends (``Ending``).
 
 Sessions are named by ``(key, generation)``; tokens are random and the model never needs
-them. What the model holds of each session and child is in :mod:`.model_state`, what it
-holds of the store in :mod:`.model_store`.
+them. What the model holds of each session and child is in :mod:`.reference_state`, what it
+holds of the store in :mod:`.reference_store`.
 
 Where the run may order events at one virtual instant either way (stops whose deadlines
 coincide, a shutdown stopping everything at once, concurrent operations), the model
@@ -36,7 +36,7 @@ from collections.abc import Callable, Generator, Iterable
 from typing import Literal
 
 from ..model import ExitStatus, Key, Termination
-from .model_state import (
+from .reference_state import (
     NO_CHILD,
     STORAGE,
     UNCONFIRMED,
@@ -48,7 +48,7 @@ from .model_state import (
     error,
     ok,
 )
-from .model_store import Durable, ModelStore, SessionId
+from .reference_store import Durable, ModelStore, SessionId
 
 __all__ = [
     "Child",

@@ -20,7 +20,7 @@ from collections.abc import Generator
 from typing import Literal, TypeAlias
 
 from ..model import ExitStatus, Key, Termination
-from .model_store import SessionId
+from .reference_store import SessionId
 
 __all__ = [
     "NO_CHILD",
