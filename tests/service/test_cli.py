@@ -27,7 +27,7 @@ import pytest
 import trio
 
 from trio_supervisor import Handle, Key, Load
-from trio_supervisor.cli import DEFAULT_URL
+from trio_supervisor.cli._operate import DEFAULT_URL
 from trio_supervisor.client import connect
 from trio_supervisor.executions._logs import Logs
 

@@ -35,6 +35,7 @@ from hypercorn.trio import serve
 from trio_supervisor import Handle, Key, Load, MemoryStore, PostgresStore, Supervisor, cli
 from trio_supervisor._background import open_background_nursery
 from trio_supervisor.abc import FleetStore
+from trio_supervisor.cli import _serve as cli_serve
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.errors import MisdirectedError, QuotaExceededError, RunnerLostError
 from trio_supervisor.service.app import create_app
@@ -573,7 +574,7 @@ def test_a_bad_fleet_flag_is_a_usage_error_naming_it(
     async def never(config: Any) -> int:  # pragma: no cover - a usage error comes first
         raise AssertionError(config)
 
-    monkeypatch.setattr(cli, "run_runner", never)
+    monkeypatch.setattr(cli_serve, "run_runner", never)
     status, output = serve_flags(*flags)
     assert status == 2, output
     assert words in " ".join(output.split()), output

@@ -23,6 +23,7 @@ import trio
 from click.testing import CliRunner
 
 from trio_supervisor import Limits, cli
+from trio_supervisor.cli import _serve as cli_serve
 from trio_supervisor.service import runner
 from trio_supervisor.service.config import RunnerConfig
 from trio_supervisor.service.tenants import Ceilings
@@ -134,8 +135,8 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Started:
         seen.configs.append(config)
         return 0
 
-    monkeypatch.setattr(cli, "run_runner", run_runner)
-    monkeypatch.setattr(cli, "configure_logging", seen.log_formats.append)
+    monkeypatch.setattr(cli_serve, "run_runner", run_runner)
+    monkeypatch.setattr(cli_serve, "configure_logging", seen.log_formats.append)
     return seen
 
 
