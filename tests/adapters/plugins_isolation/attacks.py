@@ -11,6 +11,7 @@ import os
 import resource
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +78,9 @@ def everything(context: Any) -> int:
     # The control: what it may do.
     _try("write in its TMPDIR", lambda: _write(os.path.join(os.environ["TMPDIR"], "mine")))
     print("done", flush=True)
+    # It stays until its session stops: a plugin that returned at once could end before
+    # its load was acknowledged, and the load would then fail (its session Exited).
+    threading.Event().wait()
     return 0
 
 
