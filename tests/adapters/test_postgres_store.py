@@ -552,7 +552,7 @@ async def test_a_lost_open_writes_nothing_and_the_rest_of_its_batch_lands(
 # -- incarnations, fencing, takeover ---------------------------------------------------
 
 
-async def test_a_restart_is_a_new_epoch_that_lists_the_old_records(
+async def test_f1_a_restart_is_a_new_epoch_that_lists_the_old_records(
     database: str, schema: str
 ) -> None:
     """F1: a restart under the same id is a new epoch, and lists its earlier records."""

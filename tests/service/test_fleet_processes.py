@@ -237,7 +237,7 @@ async def test_an_open_that_supersedes_a_session_on_another_runner_returns_once_
             assert (await first.status(newer.handle)).handle == newer.handle
 
 
-async def test_a_killed_runner_is_taken_over_after_the_margin_with_its_children_gone(
+async def test_f7_a_killed_runner_is_taken_over_after_the_margin_with_its_children_gone(
     tmp_path: Path, tokens: tuple[Path, Path], database: str
 ) -> None:
     """F7: kill -9 of a runner holding a loaded session. Until the takeover, which comes
@@ -319,7 +319,7 @@ def handle_json(record: Any) -> dict[str, Any]:
     }
 
 
-async def test_a_runner_frozen_past_its_takeover_writes_nothing_once_it_resumes(
+async def test_f4_a_runner_frozen_past_its_takeover_writes_nothing_once_it_resumes(
     tmp_path: Path, tokens: tuple[Path, Path], database: str
 ) -> None:
     """F4: SIGSTOP past the takeover, then SIGCONT: every write refused, and poisoned."""
@@ -347,7 +347,7 @@ async def test_a_runner_frozen_past_its_takeover_writes_nothing_once_it_resumes(
             assert after == before, "a runner taken over still wrote"
 
 
-async def test_a_runner_cut_off_from_the_database_poisons_drains_and_loses_nothing(
+async def test_f2_a_runner_cut_off_from_the_database_poisons_drains_and_loses_nothing(
     tmp_path: Path, tokens: tuple[Path, Path], database: str
 ) -> None:
     """F2: the connection cut (resets, then refused) and restored through a proxy."""
