@@ -360,6 +360,10 @@ async def until_stopped(
 
 ROOT: Final = Path(__file__).parents[1]
 PLUGINS: Final = ROOT / "examples" / "plugins"
+# The isolation tests' plugins (entry path): attacks on the runner and on other children.
+ISOLATION: Final = ROOT / "tests" / "adapters" / "plugins_isolation"
+# Seconds a test waits for what a real child does (starts, writes, exits) before failing.
+BOUND: Final = 20.0
 STARTUP: Final = 30.0  # seconds a process may take to say it is ready (a loaded machine is slow)
 SHUTDOWN: Final = 30.0  # seconds a runner may take to exit on SIGTERM
 LISTENING: Final = re.compile(

@@ -46,12 +46,18 @@ from trio_supervisor.executions._claims import (
 )
 from trio_supervisor.executions._groups import boot_id, read_stat
 
-from ..support import launched, reap_orphans, settled, uids_of_this_run, until
+from ..support import (
+    BOUND,
+    ISOLATION,
+    launched,
+    reap_orphans,
+    settled,
+    uids_of_this_run,
+    until,
+)
 
-PLUGINS = Path(__file__).parent / "plugins_isolation"
-HOLDER = PLUGINS / "holder.py"
+HOLDER = ISOLATION / "holder.py"
 SLEEP = shutil.which("sleep") or "/bin/sleep"
-BOUND = 20.0
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")
 
@@ -217,7 +223,7 @@ async def test_a_killed_runner_s_claims_are_reclaimed_by_a_runner_on_another_sta
         # A runner on another state directory never takes a uid a process runs as, nor
         # a cgroup that holds one, though their runner is gone.
         async with SubprocessExecution(
-            tmp_path / "second", entry_paths=[PLUGINS], isolation_users=users
+            tmp_path / "second", entry_paths=[ISOLATION], isolation_users=users
         ) as second:
             assert second.isolated.free_uids == 0
         assert [claim_of(UIDS, uid) is not None for uid in users] == [True, True]
@@ -231,7 +237,7 @@ async def test_a_killed_runner_s_claims_are_reclaimed_by_a_runner_on_another_sta
     # Once they are gone, any runner's start takes back what the dead runner held.
     with caplog.at_level(logging.INFO, "trio_supervisor.executions"):
         async with SubprocessExecution(
-            tmp_path / "third", entry_paths=[PLUGINS], isolation_users=users
+            tmp_path / "third", entry_paths=[ISOLATION], isolation_users=users
         ) as third:
             assert third.isolated.free_uids == 2
             assert [claim_of(UIDS, uid) for uid in users] == [None, None]
@@ -250,7 +256,7 @@ async def test_a_runner_short_of_uids_reclaims_a_killed_runner_s_before_it_refus
 ) -> None:
     users = uids_of_this_run(4, 1)
     async with (
-        SubprocessExecution(tmp_path / "b", entry_paths=[PLUGINS], isolation_users=users) as b,
+        SubprocessExecution(tmp_path / "b", entry_paths=[ISOLATION], isolation_users=users) as b,
         open_supervisor(MemoryStore(), b, grace=1.0) as supervisor,
     ):
         with holding(tmp_path / "a", users, 1) as (_, children):

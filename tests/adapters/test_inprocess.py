@@ -66,7 +66,7 @@ async def crashes(context: PluginContext) -> None:
 
 not_a_function = 42
 
-PLUGINS = {
+FUNCTIONS = {
     "idle": idle,
     "polite": polite,
     "stubborn": stubborn,
@@ -80,7 +80,7 @@ async def test_a_plugin_runs_as_a_task_with_its_context(
 ) -> None:
     seen.clear()
     async with (
-        InProcessExecution(PLUGINS) as execution,
+        InProcessExecution(FUNCTIONS) as execution,
         supervise(MemoryStore(), execution, limits=Limits(open_files=5)) as sup,
     ):
         handle = await opened(sup)
@@ -102,7 +102,10 @@ async def test_a_plugin_runs_as_a_task_with_its_context(
 async def test_an_interrupted_plugin_may_clean_up_and_return(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with InProcessExecution(PLUGINS) as execution, supervise(MemoryStore(), execution) as sup:
+    async with (
+        InProcessExecution(FUNCTIONS) as execution,
+        supervise(MemoryStore(), execution) as sup,
+    ):
         handle = await opened(sup)
         await sup.load(handle, Load(specifier="polite"))
         started = trio.current_time()
@@ -114,7 +117,7 @@ async def test_a_plugin_ignoring_the_interrupt_is_killed(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with (
-        InProcessExecution(PLUGINS) as execution,
+        InProcessExecution(FUNCTIONS) as execution,
         supervise(MemoryStore(), execution, grace=1.0, confirmation_timeout=2.0) as sup,
     ):
         handle = await opened(sup)
@@ -149,7 +152,10 @@ async def test_a_plugin_that_shields_itself_forever_is_unconfirmed(
 async def test_a_plugin_that_returns_or_raises_exits_by_itself(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async with InProcessExecution(PLUGINS) as execution, supervise(MemoryStore(), execution) as sup:
+    async with (
+        InProcessExecution(FUNCTIONS) as execution,
+        supervise(MemoryStore(), execution) as sup,
+    ):
         quitting = await opened(sup)
         crashing = await opened(sup, key=Key(identity="p", instance="crash"))
         await sup.load(quitting, Load(specifier="quits"))
@@ -210,7 +216,7 @@ async def test_importable_specifiers_resolve_only_when_allowed() -> None:
 
 
 async def test_spawn_needs_the_execution_running() -> None:
-    execution = InProcessExecution(PLUGINS)
+    execution = InProcessExecution(FUNCTIONS)
     async with supervise(MemoryStore(), execution) as sup:
         handle = await opened(sup)
         with pytest.raises(ExecutionError, match="async with"):
@@ -226,7 +232,7 @@ def test_bad_plugin_tables_are_refused() -> None:
 
 async def test_recovery_kills_a_task_a_crashed_supervisor_left_running() -> None:
     store = MemoryStore()
-    async with InProcessExecution(PLUGINS) as execution, supervise(store, execution) as first:
+    async with InProcessExecution(FUNCTIONS) as execution, supervise(store, execution) as first:
         handle = await opened(first)
         await first.load(handle, Load(specifier="idle"))
         async with supervise(store.copy(), execution) as second:
@@ -238,7 +244,7 @@ async def test_recovery_kills_a_task_a_crashed_supervisor_left_running() -> None
 
 
 async def test_recover_of_a_gone_or_foreign_child() -> None:
-    async with InProcessExecution(PLUGINS) as execution:
+    async with InProcessExecution(FUNCTIONS) as execution:
         gone = await execution.recover(ChildIdentity(adapter="inprocess", ref="nope"))
         assert gone == Termination(kind="exited", exit=ExitStatus(code=None, signal=None))
         assert gone.describe() == "exited (already gone; exit status unknown)"
@@ -248,7 +254,7 @@ async def test_recover_of_a_gone_or_foreign_child() -> None:
 
 async def test_leaving_the_execution_cancels_what_still_runs() -> None:
     handle = Handle(key=Key(identity="p", instance="a"), token="t" * 32, generation=1)
-    async with InProcessExecution(PLUGINS) as execution:
+    async with InProcessExecution(FUNCTIONS) as execution:
         unit = await execution.spawn(handle, Load(specifier="idle"), Limits())
         await unit.start()
         assert execution.running == 1

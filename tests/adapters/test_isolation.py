@@ -36,10 +36,7 @@ from trio_supervisor import (
 from trio_supervisor.executions import DEFAULT_CHILD_USERS
 from trio_supervisor.executions._claims import UIDS, Claim, Owner, claims_root
 
-from ..support import IN_SYSTEM_TMP, uids_of_this_run, until, until_logged
-
-PLUGINS = Path(__file__).parent / "plugins_isolation"
-BOUND = 20.0
+from ..support import BOUND, IN_SYSTEM_TMP, ISOLATION, uids_of_this_run, until, until_logged
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")
 
@@ -104,7 +101,10 @@ async def execution(tmp_path: Path, start: dict[str, bool]) -> AsyncIterator[Sub
         (state / name).write_text(f"secret {name}\n")
         (state / name).chmod(0o600)
     async with SubprocessExecution(
-        state, entry_paths=[PLUGINS], fork_server=start["fork_server"], standby=start["standby"]
+        state,
+        entry_paths=[ISOLATION],
+        fork_server=start["fork_server"],
+        standby=start["standby"],
     ) as subprocess_execution:
         yield subprocess_execution
         assert (subprocess_execution.fork_server_forks > 0) == start["fork_server"]
@@ -202,7 +202,7 @@ async def test_a_swept_child_cannot_signal_the_runner_either(tmp_path: Path) -> 
     # In a PID namespace the runner's pid does not even exist for the child; swept, it
     # does, and the child's own uid is what refuses the signal.
     async with (
-        SubprocessExecution(tmp_path, entry_paths=[PLUGINS], containment="sweep") as execution,
+        SubprocessExecution(tmp_path, entry_paths=[ISOLATION], containment="sweep") as execution,
         open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
     ):
         with signals_to_the_runner() as received:
@@ -234,7 +234,7 @@ async def test_in_namespaces_of_its_own_a_child_sees_nothing_of_the_state_direct
     async with (
         SubprocessExecution(
             state,
-            entry_paths=[PLUGINS],
+            entry_paths=[ISOLATION],
             fork_server=start["fork_server"],
             standby=start["standby"],
             isolation="namespace",
@@ -350,7 +350,7 @@ async def test_without_a_network_a_child_cannot_reach_the_runners_port(
             async with (
                 SubprocessExecution(
                     tmp_path / network,
-                    entry_paths=[PLUGINS],
+                    entry_paths=[ISOLATION],
                     fork_server=start["fork_server"],
                     standby=start["standby"],
                     network=network,  # type: ignore[arg-type]
@@ -374,7 +374,7 @@ async def test_the_isolation_in_use_is_logged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, "trio_supervisor.executions.subprocess"):
-        async with SubprocessExecution(tmp_path / "on", entry_paths=[PLUGINS]):
+        async with SubprocessExecution(tmp_path / "on", entry_paths=[ISOLATION]):
             pass
         async with SubprocessExecution(tmp_path / "off", isolation="none"):
             pass
@@ -396,7 +396,7 @@ async def test_without_isolation_a_child_runs_as_the_runner_in_the_state_directo
     tmp_path: Path,
 ) -> None:
     async with (
-        SubprocessExecution(tmp_path, entry_paths=[PLUGINS], isolation="none") as execution,
+        SubprocessExecution(tmp_path, entry_paths=[ISOLATION], isolation="none") as execution,
         open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
     ):
         record = await loaded(supervisor, "plain", "attacks:identity")
@@ -412,7 +412,7 @@ async def test_a_child_the_range_has_no_uid_for_is_refused_and_nothing_changes(
     # A range of one uid, which no other test (nor runner) uses.
     only = uids_of_this_run(0)
     async with (
-        SubprocessExecution(tmp_path, entry_paths=[PLUGINS], isolation_users=only) as execution,
+        SubprocessExecution(tmp_path, entry_paths=[ISOLATION], isolation_users=only) as execution,
         open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
     ):
         first = await loaded(supervisor, "first", "attacks:identity")
@@ -481,9 +481,11 @@ async def test_runners_sharing_a_range_never_give_one_uid_to_two_children(
     tmp_path: Path, claims: Path
 ) -> None:
     async with (
-        SubprocessExecution(tmp_path / "a", entry_paths=[PLUGINS], isolation_users=SHARED) as first,
         SubprocessExecution(
-            tmp_path / "b", entry_paths=[PLUGINS], isolation_users=SHARED
+            tmp_path / "a", entry_paths=[ISOLATION], isolation_users=SHARED
+        ) as first,
+        SubprocessExecution(
+            tmp_path / "b", entry_paths=[ISOLATION], isolation_users=SHARED
         ) as second,
         open_supervisor(MemoryStore(), first, grace=1.0) as one,
         open_supervisor(MemoryStore(), second, grace=1.0) as two,
@@ -515,7 +517,7 @@ async def test_a_state_directory_below_an_entry_path_in_tmp_stays_out_of_sight(
     with tempfile.TemporaryDirectory(prefix=IN_SYSTEM_TMP, dir="/tmp") as directory:
         base = Path(directory)
         os.chmod(base, 0o755)  # an entry path others may read
-        for plugin in PLUGINS.glob("*.py"):
+        for plugin in ISOLATION.glob("*.py"):
             shutil.copy(plugin, base)
         state = base / "state"
         state.mkdir(mode=0o700)

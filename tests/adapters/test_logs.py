@@ -27,13 +27,11 @@ from trio_supervisor import (
 )
 from trio_supervisor.abc import Store
 
-from ..support import until, until_logged
+from ..support import BOUND, PLUGINS, until, until_logged
 
-PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"
 HEARTBEAT = Load(specifier="heartbeat:main")
 KEY = Key(identity="logs", instance="a")
 RETENTION = Retention(stopped_per_key=1)
-BOUND = 20.0
 
 Stores = Callable[[], contextlib.AbstractAsyncContextManager[Store]]
 

@@ -36,8 +36,8 @@ from trio_supervisor import (
 from trio_supervisor.executions import _containment
 from trio_supervisor.executions._isolation import PRIVATE
 
-from ..support import IN_SYSTEM_TMP, until_logged
-from .test_isolation import BOUND, PLUGINS, STARTS, attacks, loaded
+from ..support import BOUND, IN_SYSTEM_TMP, ISOLATION, until_logged
+from .test_isolation import STARTS, attacks, loaded
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")
 
@@ -102,7 +102,7 @@ async def test_two_children_see_neither_each_other_nor_the_runner(
     async with (
         SubprocessExecution(
             tmp_path / "state",
-            entry_paths=[PLUGINS],
+            entry_paths=[ISOLATION],
             fork_server=start["fork_server"],
             standby=start["standby"],
             isolation=kind,  # type: ignore[arg-type]
@@ -190,7 +190,7 @@ async def test_what_children_need_below_tmp_is_mounted_back_in_their_own(kind: s
     with tempfile.TemporaryDirectory(prefix=IN_SYSTEM_TMP, dir="/tmp") as directory:
         base = Path(directory)
         plugins = base / "plugins"
-        shutil.copytree(PLUGINS, plugins)
+        shutil.copytree(ISOLATION, plugins)
         marks = {"a": f"trio-supervisor-{uuid.uuid4().hex}", "b": "none"}
         async with (
             SubprocessExecution(base / "state", entry_paths=[plugins], isolation=kind) as execution,  # type: ignore[arg-type]
@@ -214,7 +214,7 @@ async def test_a_child_in_a_user_namespace_mounts_its_own_proc_too(tmp_path: Pat
     # user namespace of its own ("user"), forced here for children started from now on.
     marks = {"a": f"trio-supervisor-{uuid.uuid4().hex}", "b": "none"}
     async with (
-        SubprocessExecution(tmp_path, entry_paths=[PLUGINS], isolation="namespace") as execution,
+        SubprocessExecution(tmp_path, entry_paths=[ISOLATION], isolation="namespace") as execution,
         open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
     ):
         execution.mechanism = attrs.evolve(execution.mechanism, unshare="user")
@@ -232,9 +232,9 @@ async def test_a_child_in_a_user_namespace_mounts_its_own_proc_too(tmp_path: Pat
 
 async def test_a_step_that_fails_fails_the_load_naming_it(tmp_path: Path) -> None:
     async with (
-        SubprocessExecution(tmp_path / "on", entry_paths=[PLUGINS]) as execution,
+        SubprocessExecution(tmp_path / "on", entry_paths=[ISOLATION]) as execution,
         SubprocessExecution(
-            tmp_path / "swept", entry_paths=[PLUGINS], containment="sweep"
+            tmp_path / "swept", entry_paths=[ISOLATION], containment="sweep"
         ) as swept,
         open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
         open_supervisor(MemoryStore(), swept, grace=1.0) as swept_supervisor,
@@ -270,7 +270,7 @@ async def test_where_the_kernel_refuses_their_own_proc_the_log_says_so_and_they_
     marks = {"a": f"trio-supervisor-{uuid.uuid4().hex}", "b": "none"}
     with caplog.at_level(logging.INFO, "trio_supervisor.executions.subprocess"):
         async with (
-            SubprocessExecution(tmp_path, entry_paths=[PLUGINS]) as execution,
+            SubprocessExecution(tmp_path, entry_paths=[ISOLATION]) as execution,
             open_supervisor(MemoryStore(), execution, grace=1.0) as supervisor,
         ):
             assert execution.mechanism.kind == "namespace"

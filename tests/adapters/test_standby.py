@@ -30,10 +30,7 @@ from trio_supervisor import (
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.executions._standby import ForkedProcess
 
-from ..support import opened, process_state, report_in, running, until, until_logged
-
-PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"
-BOUND = 20.0
+from ..support import BOUND, PLUGINS, opened, process_state, report_in, running, until, until_logged
 
 
 def bootstraps() -> set[int]:

@@ -39,11 +39,9 @@ from trio_supervisor.executions._bootstrap import LEASE_SLACK
 from trio_supervisor.executions._groups import boot_id, start_time
 from trio_supervisor.executions._unit import ProcessUnit
 
-from ..support import opened, report_in, running, until_logged, until_stopped
+from ..support import BOUND, PLUGINS, opened, report_in, running, until_logged, until_stopped
 from .test_containment import MECHANISMS
 
-PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"
-BOUND = 20.0
 RECOVERY_LOGGER = "trio_supervisor.executions.subprocess"
 
 

@@ -34,7 +34,7 @@ from trio_supervisor import (
 from trio_supervisor._core import session
 from trio_supervisor.realtime import outside_the_run
 
-from ..support import until_logged
+from ..support import PLUGINS, until_logged
 
 KEY = Key(identity="app", instance="virtual")
 OTHER = Key(identity="app", instance="other")
@@ -118,9 +118,6 @@ async def test_a_bound_on_a_store_s_thread_is_real_time_under_autojump(
             await dispose_on_a_hanging_thread()
     finally:
         store.release.set()
-
-
-PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"
 
 
 @pytest.mark.parametrize("fork_server", [False, True], ids=["started", "forked"])

@@ -95,7 +95,7 @@ OPERATIONS = [
 ]
 
 POOL = 12  # real sessions the session calls may be pointed at (the latest ones)
-PLUGINS = ("heartbeat:main", "crasher:main", "inspector:main")
+SPECIFIERS = ("heartbeat:main", "crasher:main", "inspector:main")
 LEASE = 5.0  # seconds: the pool's own sessions (and their children) do not linger
 TIMEOUT = 30.0  # seconds for one call (a dispose waits for its child to end)
 # Limits that become setrlimit calls or cgroup limits of the child. A load under limits
@@ -247,7 +247,7 @@ def _real(case: Case, data: st.DataObject, pool: Pool) -> None:
         body["handle"] = json.loads(json.dumps(handle))
     load = body.get("load")
     if isinstance(load, dict) and data.draw(st.booleans(), label="real plugin"):
-        load["specifier"] = data.draw(st.sampled_from(PLUGINS), label="plugin")
+        load["specifier"] = data.draw(st.sampled_from(SPECIFIERS), label="plugin")
 
 
 # The calls whose examples may be pointed at real sessions.

@@ -17,9 +17,8 @@ import pytest
 
 from trio_supervisor import Key, Load
 
-from ..support import serving, until
+from ..support import ISOLATION, serving, until
 
-PLUGINS = Path(__file__).parents[1] / "adapters" / "plugins_isolation"
 BOUND = 30.0
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")
@@ -41,7 +40,7 @@ async def test_a_hostile_plugin_gets_nothing_of_the_runners(
     tmp_path: Path, fork: tuple[str, ...]
 ) -> None:
     state = tmp_path / "state"
-    with serving(state, *fork, plugins=[PLUGINS]) as runner:
+    with serving(state, *fork, plugins=[ISOLATION]) as runner:
         async with runner.host() as host:
             victim = await host.open(Key(identity="other", instance="v"), "v", lease=60.0)
             await host.load(victim.handle, Load(specifier="attacks:identity"))
@@ -76,7 +75,7 @@ async def _done(log: object) -> bool:
 
 
 async def test_without_a_network_a_child_cannot_reach_the_runners_port(tmp_path: Path) -> None:
-    with serving(tmp_path / "state", "--child-network", "none", plugins=[PLUGINS]) as runner:
+    with serving(tmp_path / "state", "--child-network", "none", plugins=[ISOLATION]) as runner:
         port = urllib.parse.urlsplit(runner.url).port
         async with runner.host() as host, runner.operator() as operator:
             record = await host.open(Key(identity="evil", instance="net"), "n", lease=60.0)
