@@ -268,7 +268,10 @@ async def test_a_runner_short_of_uids_reclaims_a_killed_runner_s_before_it_refus
         # Killed: its child ends by its dead-man switch; its claim is left behind.
         await until(lambda: nothing_runs_as(users), "the killed runner's tree gone", bound=BOUND)
         reap_orphans()
-        assert claim_of(UIDS, users.start) is not None
+        # Left behind, unless a runner of another run of the suite, starting meanwhile,
+        # reclaimed it first (as any runner may): then the load must not be refused all
+        # the same, and there is nothing for this runner to reclaim.
+        left = claim_of(UIDS, users.start) is not None
         with caplog.at_level(logging.INFO, "trio_supervisor.executions"):
             record = await supervisor.open(Key(identity="short", instance="2"), "2")
             await supervisor.load(record.handle, Load(specifier="attacks:identity"))
@@ -278,7 +281,7 @@ async def test_a_runner_short_of_uids_reclaims_a_killed_runner_s_before_it_refus
         claim = claim_of(UIDS, users.start)
         assert claim is not None
         assert claim.owner == Owner.this_process()
-        assert any(
+        assert not left or any(
             record.getMessage().startswith("reclaimed 1 uids whose runners are gone")
             for record in caplog.records
         )
