@@ -63,6 +63,7 @@ from ..support import (
     until_logged,
     until_stopped,
 )
+from .children import MECHANISMS, NAMESPACES
 
 PLUGINS = Path(__file__).parent / "plugins_escape"
 RUNNER = PLUGINS / "runner.py"
@@ -73,23 +74,6 @@ BOUND = 20.0
 # sleep another; while it forks, a child or two of it are running as well.
 LEAVES = {"daemon": 1, "regroup": 1, "storm": 60, "vanish": 1, "hydra": 2}
 SLEEP = shutil.which("sleep") or "/bin/sleep"
-
-
-def _namespaces_allowed() -> bool:
-    try:
-        return subprocess.run(["unshare", "--pid", "--fork", "true"], check=False).returncode == 0
-    except OSError:
-        return False
-
-
-NAMESPACES = _namespaces_allowed()
-MECHANISMS = [
-    pytest.param(
-        "namespace",
-        marks=pytest.mark.skipif(not NAMESPACES, reason="the kernel allows no PID namespace"),
-    ),
-    "sweep",
-]
 
 
 # -- the marker -----------------------------------------------------------------------

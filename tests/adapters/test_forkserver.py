@@ -31,7 +31,7 @@ from trio_supervisor import (
 from trio_supervisor.executions._groups import read_stat
 
 from ..support import opened, report_in, until, until_logged
-from .test_standby import bootstraps
+from .children import bootstraps
 
 PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"
 BOUND = 20.0

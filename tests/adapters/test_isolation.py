@@ -37,6 +37,7 @@ from trio_supervisor.executions import DEFAULT_CHILD_USERS
 from trio_supervisor.executions._claims import UIDS, Claim, Owner, claims_root
 
 from ..support import BOUND, IN_SYSTEM_TMP, ISOLATION, uids_of_this_run, until, until_logged
+from .children import STARTS, attacks, loaded
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")
 
@@ -54,19 +55,6 @@ ON_THE_STATE = {
 }
 
 
-def attacks(log: str) -> dict[str, str]:
-    """Each attack's outcome: "refused ..." or "SUCCEEDED ..."."""
-    found = {}
-    for line in log.splitlines():
-        if line.startswith("ATTACK "):
-            rest = line.removeprefix("ATTACK ")
-            for outcome in (" refused ", " SUCCEEDED "):
-                name, said, detail = rest.partition(outcome)
-                if said:
-                    found[name] = said.strip() + " " + detail
-    return found
-
-
 @contextlib.contextmanager
 def signals_to_the_runner() -> Iterator[list[int]]:
     """Every SIGUSR2 this process (the runner) gets meanwhile: the attack's signal."""
@@ -80,11 +68,6 @@ def signals_to_the_runner() -> Iterator[list[int]]:
 
 # How a child is started: its own interpreter, forked by the fork server, or taken
 # from the standby (an interpreter started ahead, before its session was known).
-STARTS = {
-    "started": {"fork_server": False, "standby": False},
-    "forked": {"fork_server": True, "standby": False},
-    "standby": {"fork_server": False, "standby": True},
-}
 
 
 @pytest.fixture(params=list(STARTS))
@@ -118,14 +101,6 @@ async def sup(execution: SubprocessExecution) -> AsyncIterator[Supervisor]:
         open_supervisor(store, execution, lease=30.0, grace=1.0) as supervisor,
     ):
         yield supervisor
-
-
-async def loaded(sup: Supervisor, instance: str, specifier: str, **config: object) -> LoadedRecord:
-    record = await sup.open(Key(identity="tenant", instance=instance), instance)
-    await sup.load(record.handle, Load(specifier=specifier, config=config))
-    loaded = await sup.status(record.handle)
-    assert isinstance(loaded, LoadedRecord)
-    return loaded
 
 
 async def attacked(

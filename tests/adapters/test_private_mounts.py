@@ -37,7 +37,7 @@ from trio_supervisor.executions import _containment
 from trio_supervisor.executions._isolation import PRIVATE
 
 from ..support import BOUND, IN_SYSTEM_TMP, ISOLATION, until_logged
-from .test_isolation import STARTS, attacks, loaded
+from .children import STARTS, attacks, loaded
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")
 

@@ -27,29 +27,10 @@ from trio_supervisor import (
     Supervisor,
     open_supervisor,
 )
-from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.executions._standby import ForkedProcess
 
 from ..support import BOUND, PLUGINS, opened, process_state, report_in, running, until, until_logged
-
-
-def bootstraps() -> set[int]:
-    """Our live child processes that run the bootstrap."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        stat = read_stat(int(entry.name)) if entry.name.isdigit() else None
-        if stat is None or stat.ppid != os.getpid() or not stat.running:
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue  # it exited meanwhile
-        arguments = command.rstrip(b"\0").split(b"\0")
-        # Not the containment probe (``_bootstrap.py probe``), which runs as the
-        # execution starts, at the same time as the first standby.
-        if b"bootstrap" in command and arguments[-1] != b"probe":
-            found.add(int(entry.name))
-    return found
+from .children import bootstraps
 
 
 async def standby_other_than(execution: SubprocessExecution, *taken: int) -> int:

@@ -40,7 +40,7 @@ from trio_supervisor.executions._groups import boot_id, start_time
 from trio_supervisor.executions._unit import ProcessUnit
 
 from ..support import BOUND, PLUGINS, opened, report_in, running, until_logged, until_stopped
-from .test_containment import MECHANISMS
+from .children import MECHANISMS
 
 RECOVERY_LOGGER = "trio_supervisor.executions.subprocess"
 
