@@ -35,6 +35,7 @@ from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.testing import FakeExecution
 
 from . import support
+from .postgres import database  # noqa: F401  (the fixture, for every module)
 from .support import supervise
 
 # The tests of these rules run twice: on the embedded supervisor, and over the wire

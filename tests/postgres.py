@@ -74,3 +74,12 @@ def with_parts(url: str, *, path: str | None = None, port: int | None = None) ->
     if path is not None:
         parts = parts._replace(path=path)
     return urllib.parse.urlunsplit(parts)
+
+
+@pytest.fixture(scope="module")
+def database(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A PostgreSQL database of the requesting test module's own (``database_for``),
+    dropped once the module's tests are done: the one fixture every module that needs
+    PostgreSQL uses (registered in conftest.py)."""
+    with database_for(request.module.__name__) as url:
+        yield url

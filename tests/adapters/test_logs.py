@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +34,6 @@ KEY = Key(identity="logs", instance="a")
 RETENTION = Retention(stopped_per_key=1)
 
 Stores = Callable[[], contextlib.AbstractAsyncContextManager[Store]]
-
-
-@pytest.fixture(scope="module")
-def database() -> Iterator[str]:
-    from ..postgres import database_for
-
-    with database_for(__name__) as dsn:
-        yield dsn
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgres"])

@@ -34,14 +34,6 @@ from trio_supervisor.model import carried
 from trio_supervisor.stores._postgres_patterns import identity_regex
 from trio_supervisor.stores._postgres_sql import MIGRATIONS, SCHEMA_VERSION
 
-from ..postgres import database_for
-
-
-@pytest.fixture(scope="module")
-def database() -> Iterator[str]:
-    with database_for(__name__) as url:
-        yield url
-
 
 @pytest.fixture(scope="module")
 def connection(database: str) -> Iterator[psycopg.Connection[Any]]:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import psycopg
@@ -50,18 +50,10 @@ from trio_supervisor.stores._postgres_sql import SCHEMA_VERSION
 from trio_supervisor.testing import FakeExecution
 from trio_supervisor.testing.contracts import StoreContract, StoreFactory
 
-from ..postgres import database_for
 from ..support import KEY, supervise_embedded, until, until_stopped
 from ..tcp_proxy import TcpProxy
 
 DONE = Termination(kind="exited", exit=ExitStatus(code=0))
-
-
-@pytest.fixture(scope="module")
-def database() -> Iterator[str]:
-    """A database of this module's own; each test works in a schema of its own in it."""
-    with database_for(__name__) as dsn:
-        yield dsn
 
 
 def fresh_schema() -> str:

@@ -13,19 +13,16 @@ from trio_supervisor import PostgresStore, Retention
 from trio_supervisor.abc import Store
 from trio_supervisor.testing import conformance_machine
 
-from ..postgres import database_for
-
 # Where the machine's stores go: it calls ``postgres`` for each, no fixture reaches it,
 # so this module's database is set before its tests run.
 DATABASE: list[str] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _database() -> Iterator[None]:
-    with database_for(__name__) as dsn:
-        DATABASE.append(dsn)
-        yield
-        DATABASE.clear()
+def _database(database: str) -> Iterator[None]:
+    DATABASE.append(database)
+    yield
+    DATABASE.clear()
 
 
 def postgres(previous: Store | None, retention: Retention) -> Store:

@@ -16,7 +16,6 @@ from trio_supervisor import PostgresStore, Retention
 from trio_supervisor.abc import FleetStore
 from trio_supervisor.testing.fleet import FleetBackend, fleet_machine
 
-from ..postgres import database_for
 from ..tcp_proxy import TcpProxy
 
 DATABASE: list[str] = []  # the module's database, set by the fixture below
@@ -24,16 +23,15 @@ PROXIES: dict[str, TcpProxy] = {}  # each member's way to the database
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _database() -> Iterator[None]:
-    with database_for(__name__) as url:
-        DATABASE.append(url)
-        try:
-            yield
-        finally:
-            for proxy in PROXIES.values():
-                proxy.close()
-            PROXIES.clear()
-            DATABASE.clear()
+def _database(database: str) -> Iterator[None]:
+    DATABASE.append(database)
+    try:
+        yield
+    finally:
+        for proxy in PROXIES.values():
+            proxy.close()
+        PROXIES.clear()
+        DATABASE.clear()
 
 
 def proxy(member: str) -> TcpProxy:

@@ -34,15 +34,8 @@ from trio_supervisor import (
 from trio_supervisor.abc import FleetMember
 from trio_supervisor.testing import FakeExecution
 
-from ..postgres import database_for
 from ..support import KEY, OTHER, supervise_embedded, until
 from ..tcp_proxy import TcpProxy
-
-
-@pytest.fixture(scope="module")
-def database() -> Iterator[str]:
-    with database_for(__name__) as url:
-        yield url
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import psycopg
 import pytest
@@ -29,17 +29,10 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution
 
-from ..postgres import database_for
 from ..support import supervise_embedded
 
 ACME = ("acme-*", "shared")  # the tenant's identities
 LOAD = Load(specifier="x")
-
-
-@pytest.fixture(scope="module")
-def database() -> Iterator[str]:
-    with database_for(__name__) as url:
-        yield url
 
 
 @contextlib.asynccontextmanager

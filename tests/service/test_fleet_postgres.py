@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from trio_supervisor import Key, Load, cli
 from trio_supervisor.client import connect
 
-from ..postgres import database_for, with_parts
+from ..postgres import with_parts
 from ..support import ROOT, Runner, serving, until
 
 KEY: Final = Key(identity="acme", instance="eu-1")
@@ -33,14 +33,8 @@ TIMEOUT: Final = 60.0  # seconds a command may take
 RUNNER_LEASE: Final = 3.0  # each runner's row's, renewed every third of it
 
 
-@pytest.fixture(scope="module")
-def dsn() -> Iterator[str]:
-    with database_for(__name__) as url:
-        yield url
-
-
 @pytest.fixture
-def fleet(tmp_path: Path, dsn: str) -> Iterator[tuple[Runner, Runner]]:
+def fleet(tmp_path: Path, database: str) -> Iterator[tuple[Runner, Runner]]:
     """Two runners of one fleet, named uniquely (the module's database outlives a test)."""
     hosts, operators = f"hosts-{uuid.uuid4()}", f"operators-{uuid.uuid4()}"
     suffix = uuid.uuid4().hex[:6]
@@ -53,7 +47,7 @@ def fleet(tmp_path: Path, dsn: str) -> Iterator[tuple[Runner, Runner]]:
             (state / "operator-token").write_text(operators + "\n")
             # Renewed every second: what a runner publishes with its row is that fresh.
             lease = ("--runner-lease", str(RUNNER_LEASE))
-            flags = ("--store", dsn, "--runner-id", f"{name}-{suffix}", "--no-standby", *lease)
+            flags = ("--store", database, "--runner-id", f"{name}-{suffix}", "--no-standby", *lease)
             runners.append(stack.enter_context(serving(state, *flags, "--no-fork-server")))
         yield runners[0], runners[1]
 
@@ -139,8 +133,8 @@ async def test_runners_and_sessions_list_the_fleet_on_any_runner(
     assert 0 < float(lease_left[:-1]) <= 15.0  # serve's --lease
 
 
-def test_a_fleet_store_out_of_reach_exits_1_saying_so(tmp_path: Path, dsn: str) -> None:
-    unreachable = with_parts(dsn, port=1)
+def test_a_fleet_store_out_of_reach_exits_1_saying_so(tmp_path: Path, database: str) -> None:
+    unreachable = with_parts(database, port=1)
     done = subprocess.run(
         [
             *(sys.executable, "-m", "trio_supervisor", "serve", "--state", tmp_path / "s"),

@@ -54,7 +54,6 @@ from trio_supervisor import (
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.executions._groups import read_stat
 
-from ..postgres import database_for
 from ..support import Runner, process_state, reap_orphans, running, serving, until
 from ..tcp_proxy import TcpProxy
 
@@ -71,18 +70,12 @@ HOSTS_TOKEN = "fleet-hosts-token-for-tests"
 OPERATOR_TOKEN = "fleet-operator-token-for-tests"
 
 
-@pytest.fixture(scope="module")
-def module_database() -> Iterator[str]:
-    with database_for(__name__) as url:
-        yield url
-
-
 @pytest.fixture
-def database(module_database: str) -> str:
-    """The module's database, empty: each test's fleet starts afresh."""
-    with psycopg.connect(module_database, autocommit=True) as connection:
+def database(database: str) -> str:
+    """The module's database (conftest.py), empty: each test's fleet starts afresh."""
+    with psycopg.connect(database, autocommit=True) as connection:
         connection.execute("DROP SCHEMA IF EXISTS trio_supervisor CASCADE")
-    return module_database
+    return database
 
 
 @pytest.fixture

@@ -46,7 +46,6 @@ from trio_supervisor.service.tenants_file import Roster
 from trio_supervisor.testing import FakeExecution
 
 from .. import support
-from ..postgres import database_for
 from ..support import HOSTS_TOKEN, OPERATOR_TOKEN, supervise_embedded
 
 HOSTS: Final = {"Authorization": f"Bearer {HOSTS_TOKEN}"}
@@ -56,12 +55,6 @@ LOAD: Final = Load(specifier="fake:ok")
 
 
 # -- a fleet of two, on PostgreSQL ----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def database() -> Iterator[str]:
-    with database_for(__name__) as url:
-        yield url
 
 
 @pytest.fixture
