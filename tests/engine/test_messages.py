@@ -132,7 +132,7 @@ async def test_an_unknown_handle_and_a_retired_session_say_so(sup: Supervisor) -
     """Defensive, for the retired half: reachable only by removing the session object.
 
     A retained record that is not Stopped always has its session object (docs/design.md,
-    deviation (g)); the test pops it from ``sup._sessions`` to read the message of R2
+    deviation (g)); the test pops it from ``sup._running._by_token`` to read the message of R2
     and D4, and puts it back.
     """
     handle = await opened(sup)
@@ -140,14 +140,14 @@ async def test_an_unknown_handle_and_a_retired_session_say_so(sup: Supervisor) -
     with pytest.raises(StaleSessionError) as stale:
         await sup.status(stranger)
     assert stale.value.detail == "no retained session has this token, key and generation"
-    session = sup._sessions.pop(handle.token)  # as recovery or eviction would leave it
+    session = sup._running._by_token.pop(handle.token)  # as recovery or eviction would leave it
     try:
         for call in (sup.dispose(handle), sup.renew(handle)):
             with pytest.raises(SessionStoppedError) as retired:
                 await call
             assert retired.value.detail == "the session was retired by recovery or eviction"
     finally:
-        sup._sessions[handle.token] = session
+        sup._running._by_token[handle.token] = session
 
 
 async def test_an_expired_lease_says_so_before_and_after_the_stop(
@@ -369,7 +369,7 @@ async def test_key_locks_are_dropped_once_nobody_holds_or_waits(
 
     Defensive pokes: neither is visible through the public API (a kept lock or session
     object changes no answer, only memory), so the test reads ``sup._locks`` and
-    ``sup._sessions``.
+    ``sup._running._by_token``.
     """
     fake.behave("slow", exit_delay=0.8)
     first = await opened(sup)
@@ -387,7 +387,7 @@ async def test_key_locks_are_dropped_once_nobody_holds_or_waits(
     assert record.handle.generation == 3
     assert sup._locks._held == {}
     await sup.dispose(record.handle)
-    assert record.handle.token not in sup._sessions  # P5: its record answers from now on
+    assert record.handle.token not in sup._running._by_token  # P5: its record answers from now on
 
 
 async def test_a_troubled_supersede_is_logged_with_the_session(

@@ -136,7 +136,7 @@ async def test_r4_renew_at_the_deadline_fails_even_before_the_timer_fired(
     """The renew must be refused by the deadline check, not by the stop the timer starts.
 
     Defensive poke: that the timer has not fired yet (the session is still live in
-    memory) is visible only through ``sup._sessions``; no public call can ask without a
+    memory) is visible only through ``sup._running._by_token``; no public call can ask without a
     checkpoint, and a checkpoint would let the timer fire.
     """
     store = FaultyStore(MemoryStore())
@@ -144,7 +144,7 @@ async def test_r4_renew_at_the_deadline_fails_even_before_the_timer_fired(
         handle = await opened(sup)
         mock_clock.jump(5.0)
         # No checkpoint since the jump: the session task has not seen its deadline.
-        assert sup._sessions[handle.token].lifecycle.live
+        assert sup._running._by_token[handle.token].lifecycle.live
         with pytest.raises(LeaseExpiredError):
             await sup.renew(handle)
         # The refused renew moved nothing: the timer (same clock, no autojump) fires at

@@ -155,10 +155,10 @@ async def test_d4_dispose_of_a_known_record_without_a_session_object_is_stopped(
 
     A retained record that is not Stopped always has its session object (docs/design.md,
     deviation (g)), so no public sequence of calls reaches D4; the test pops the object
-    from ``sup._sessions`` and puts it back.
+    from ``sup._running._by_token`` and puts it back.
     """
     handle = await opened(sup)
-    session = sup._sessions.pop(handle.token)
+    session = sup._running._by_token.pop(handle.token)
     try:
         with pytest.raises(SessionStoppedError, match="retired"):
             await sup.dispose(handle)
@@ -166,7 +166,7 @@ async def test_d4_dispose_of_a_known_record_without_a_session_object_is_stopped(
         assert isinstance(await sup.status(handle), OpenRecord)
         assert len(await store.list()) == 1
     finally:
-        sup._sessions[handle.token] = session
+        sup._running._by_token[handle.token] = session
 
 
 async def test_d5_dispose_stops_the_session_or_joins_the_stop_in_progress(

@@ -68,6 +68,7 @@ from .leases import Leases
 from .lifecycle import stop_error
 from .records import Records
 from .recovery import recover
+from .running import Running
 from .session import SAVE_BOUND, Services, Session
 
 __all__ = ["Supervisor"]
@@ -99,6 +100,8 @@ class Supervisor:
         self._limits = limits
         self._health = Health()
         self._records = Records(store, retention, self._health)
+        self._running = Running()  # the sessions, by token and (unfinished) by key
+        self._closing = False
         # Alone, or a member of the fleet that shares the store (fleet.py): chosen once.
         self._fleet: Fleet = (
             Member(
@@ -107,19 +110,14 @@ class Supervisor:
                 self._health,
                 # F7's margin past a lease: a child's own dead-man switch ends it then.
                 stop_bound=grace + confirmation_timeout + switch_slack(execution),
-                live=self._live,
+                live=self._running.live,
                 superseded=self._superseded,
-                times=self._all_times,
+                times=self._running.all_times,
                 closing=lambda: self._closing,
             )
             if isinstance(store, FleetStore)
             else Alone(self._records)
         )
-        # Sessions by token, and the unfinished ones by key (usually one; more while an
-        # open supersedes). A session leaves the first once its Stopped record is
-        # durable, the second once its stop is over.
-        self._sessions: dict[str, Session] = {}
-        self._by_key: dict[Key, list[Session]] = {}
         self._locks = KeyLocks()
         self._leases = Leases()
         self._services = Services(
@@ -133,7 +131,6 @@ class Supervisor:
             stopped=self._stopped,
             ended=self._ended,
         )
-        self._closing = False
         # Opens past their last check, whose session does not exist yet (see _shutdown).
         self._opening = 0
         self._opened = trio.lowlevel.ParkingLot()
@@ -204,7 +201,7 @@ class Supervisor:
         Costs the number of live sessions, not of retained records.
         """
         index = self._records.index
-        found = (index.get(token) for token in self._sessions)
+        found = (index.get(token) for token in self._running.tokens())
         return [
             record for record in found if record is not None and record.phase is not Phase.STOPPED
         ]
@@ -216,7 +213,7 @@ class Supervisor:
 
     def holds_key(self, key: Key) -> bool:
         """Whether a session of ``key`` runs here: an open of the key stops it (O5)."""
-        return bool(self._by_key.get(key))
+        return bool(self._running.of_key(key))
 
     def find(self, key: Key, generation: int) -> SessionRecord | None:
         """The retained record of ``key``'s ``generation``, if any: for operators.
@@ -224,7 +221,7 @@ class Supervisor:
         Live sessions are found at once; a stopped one by a scan of the retained
         records (operator calls are rare; the hosts' calls carry a handle).
         """
-        for session in self._by_key.get(key, ()):
+        for session in self._running.of_key(key):
             if session.handle.generation == generation:
                 record = self._records.index.get(session.handle.token)
                 if record is not None:
@@ -263,11 +260,7 @@ class Supervisor:
         recovery): records carry no times, and leases are not persisted (R6); a fleet's
         store publishes a member's (F2), for the other runners' operators.
         """
-        session = self._sessions.get(handle.token)
-        if session is None or session.handle != handle:
-            return None
-        now = trio.current_time()
-        return now - session.opened_at, session.lifecycle.remaining(now)
+        return self._running.times(handle)
 
     def skip_grace(self) -> None:
         """Stop waiting for children to end by themselves: every stop kills at once.
@@ -403,12 +396,7 @@ class Supervisor:
             # then, not during the wait, which may be long (O9).
             failure = await self._fleet.wait_older(record.handle)
             session = Session(record, trio.current_time() + seconds, self._services)
-            self._sessions[record.handle.token] = session
-            of_key = self._by_key.get(key)
-            if of_key is None:
-                self._by_key[key] = [session]
-            else:
-                of_key.append(session)
+            self._running.add(session)
             self._leases.add(session)
             if self._closing:
                 # Opened while the shutdown began: it stops like every other (Z2).
@@ -439,7 +427,7 @@ class Supervisor:
 
     async def _supersede(self, key: Key) -> None:
         """Stop every unfinished session of ``key`` and wait for their ends (O5)."""
-        for session in list(self._by_key.get(key, ())):
+        for session in self._running.of_key(key):
             generation = session.handle.generation
             extra = log_fields(key, generation)
             try:
@@ -572,25 +560,18 @@ class Supervisor:
         if isinstance(record, StoppedRecord):
             await trio.lowlevel.cancel_shielded_checkpoint()
             return record.termination
-        session = self._sessions.get(handle.token)
+        session = self._running.get(handle.token)
         if session is None:
             raise SessionStoppedError("the session was retired by recovery or eviction")
         return await session.stop(Disposed())
 
     # -- the fleet --------------------------------------------------------------------
 
-    def _live(self) -> dict[Key, int]:
-        """The lowest generation of every key with an unfinished session."""
-        return {
-            key: min(session.handle.generation for session in of_key)
-            for key, of_key in self._by_key.items()
-        }
-
     def _superseded(self, key: Key, high_water: int) -> None:
         """Stop every session of ``key`` below ``high_water``: another runner of the fleet
         opened a later generation (O5)."""
         self._records.index.raise_high_water(key, high_water)
-        for session in self._by_key.get(key, ()):
+        for session in self._running.of_key(key):
             if session.handle.generation < high_water:
                 logger.info(
                     "generation %d of %s/%s is superseded by generation %d, opened on "
@@ -602,15 +583,6 @@ class Supervisor:
                     extra=log_fields(key, session.handle.generation),
                 )
                 session.stop_soon(Superseded())
-
-    def _all_times(self) -> dict[str, tuple[float, float]]:
-        """:meth:`times` of every session running here, by token (for the fleet)."""
-        found = {}
-        for token, session in self._sessions.items():
-            times = self.times(session.handle)
-            if times is not None:
-                found[token] = times
-        return found
 
     async def _fleet_session_of(self, handle: Handle) -> Session:
         """:meth:`_session_of`, and in a fleet, a session stopped elsewhere says why (R3)."""
@@ -639,23 +611,17 @@ class Supervisor:
         if not records:
             return
         for gone in records:
-            self._sessions.pop(gone.handle.token, None)
+            self._running.retire(gone.handle.token)
         if self._retaining is not None:
             self._retaining.evicted([gone.handle for gone in records])
 
     def _stopped(self, session: Session) -> None:
         """The session's Stopped record is durable: its record answers from now on (P5)."""
-        self._sessions.pop(session.handle.token, None)
+        self._running.retire(session.handle.token)
 
     def _ended(self, session: Session) -> None:
         """The session's stop is over; it is no longer one of its key's sessions."""
-        key = session.handle.key
-        of_key = self._by_key.get(key)
-        if of_key is not None and session in of_key:
-            if len(of_key) == 1:
-                del self._by_key[key]
-            else:
-                of_key.remove(session)
+        self._running.ended(session)
         self._leases.stopped()
 
     # -- checks and lookups -----------------------------------------------------------
@@ -677,7 +643,7 @@ class Supervisor:
     def _session_of(self, handle: Handle) -> Session:
         """R2 (and R3 for sessions whose object is gone)."""
         record = self._record_of(handle)
-        session = self._sessions.get(handle.token)
+        session = self._running.get(handle.token)
         if session is not None:
             return session
         if isinstance(record, StoppingRecord | StoppedRecord):
@@ -697,8 +663,8 @@ class Supervisor:
         self._fleet.close()
         reported: list[Exception] = []
         # Every session stops once; each is reported once, on the round it ended in.
-        while self._by_key or self._opening:
-            sessions = [session for of_key in self._by_key.values() for session in of_key]
+        while self._running or self._opening:
+            sessions = self._running.unfinished()
             if not sessions:
                 # An open is saving its record; its session stops as soon as it exists.
                 await self._opened.park()

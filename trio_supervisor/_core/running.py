@@ -1,0 +1,95 @@
+"""The sessions that run in one supervisor: by token, and the unfinished ones by key.
+
+A session is found by its token until its Stopped record is durable (P5), or retention
+evicts its record (O10); it stays one of its key's sessions until its stop is over, so
+that an open of the key waits for it (O5) and a shutdown stops it (Z2). Usually a key
+has one; more while an open supersedes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import trio
+
+from ..model import Handle, Key
+from .session import Session
+
+__all__ = ["Running"]
+
+
+class Running:
+    """The supervisor's sessions (see the module docs)."""
+
+    __slots__ = ("_by_key", "_by_token")
+
+    def __init__(self) -> None:
+        self._by_token: dict[str, Session] = {}
+        self._by_key: dict[Key, list[Session]] = {}
+
+    def add(self, session: Session) -> None:
+        """A session exists: it is found by its token, and is one of its key's."""
+        self._by_token[session.handle.token] = session
+        of_key = self._by_key.get(session.handle.key)
+        if of_key is None:
+            self._by_key[session.handle.key] = [session]
+        else:
+            of_key.append(session)
+
+    def get(self, token: str) -> Session | None:
+        """The session of ``token``, while it is found by its token."""
+        return self._by_token.get(token)
+
+    def tokens(self) -> Iterator[str]:
+        """The tokens of the sessions found by their tokens."""
+        return iter(self._by_token)
+
+    def retire(self, token: str) -> None:
+        """The session is found by its token no more (its record answers, or is gone)."""
+        self._by_token.pop(token, None)
+
+    def ended(self, session: Session) -> None:
+        """The session's stop is over: it is no longer one of its key's sessions."""
+        key = session.handle.key
+        of_key = self._by_key.get(key)
+        if of_key is not None and session in of_key:
+            if len(of_key) == 1:
+                del self._by_key[key]
+            else:
+                of_key.remove(session)
+
+    def of_key(self, key: Key) -> list[Session]:
+        """The unfinished sessions of ``key`` (a copy)."""
+        return list(self._by_key.get(key, ()))
+
+    def unfinished(self) -> list[Session]:
+        """Every unfinished session."""
+        return [session for of_key in self._by_key.values() for session in of_key]
+
+    def __bool__(self) -> bool:
+        """Whether any session is unfinished."""
+        return bool(self._by_key)
+
+    def live(self) -> dict[Key, int]:
+        """The lowest generation of every key with an unfinished session."""
+        return {
+            key: min(session.handle.generation for session in of_key)
+            for key, of_key in self._by_key.items()
+        }
+
+    def times(self, handle: Handle) -> tuple[float, float] | None:
+        """How long ``handle``'s session has existed and how long its lease has left, in
+        seconds; None once it is found by its token no more."""
+        session = self._by_token.get(handle.token)
+        if session is None or session.handle != handle:
+            return None
+        now = trio.current_time()
+        return now - session.opened_at, session.lifecycle.remaining(now)
+
+    def all_times(self) -> dict[str, tuple[float, float]]:
+        """:meth:`times` of every session found by its token, by token."""
+        now = trio.current_time()
+        return {
+            token: (now - session.opened_at, session.lifecycle.remaining(now))
+            for token, session in self._by_token.items()
+        }
