@@ -281,8 +281,12 @@ def create_app(
     async def open_(request: Request) -> Response:
         body = read_body(await _body(request), OpenBody)
         with admitted(request, open_call, body.key) as tenant:
-            # An open repeated (O3) creates nothing: a drain lets it through.
-            repeated = supervisor.retained_request(body.key, body.request_id) is not None
+            # An open repeated (O3) creates nothing: a drain lets it through (looked up
+            # only while draining: the common open pays nothing for it).
+            repeated = (
+                drain.draining
+                and supervisor.retained_request(body.key, body.request_id) is not None
+            )
             limits = admission.limits(tenant, body.limits)
             with (
                 contextlib.nullcontext() if repeated else drain.admitted("sessions"),
