@@ -15,13 +15,12 @@ of a :class:`Fleet` chosen once, when the supervisor is made (as trio's
   older generations held by other runners (F6); a renew asks whether another runner
   opened a later generation (F5); a session this supervisor does not hold may be
   Stopped elsewhere (F8); and a task keeps the runner's row and hears of supersedes
-  (F1, F2), telling the supervisor through the three callables it was given.
+  (F1, F2), stopping the sessions a later generation opened elsewhere supersedes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import trio
 
@@ -30,6 +29,7 @@ from ..errors import RunnerClosingError, StaleSessionError
 from ..model import Handle, Key, SessionRecord, StoppedRecord
 from .health import Health
 from .records import Records, storage_call
+from .running import Running
 
 __all__ = ["Alone", "Fleet", "Member"]
 
@@ -111,10 +111,8 @@ class Member(Fleet):
         health: Poisoned when the runner leaves the fleet (H1).
         stop_bound: How long past its lease a session's child may take to end: its grace,
             confirmation and the execution's switch slack (F7's margin, with the lease).
-        live: The lowest generation of every key with an unfinished session here.
-        superseded: Stop the sessions of a key below a generation opened elsewhere.
-        times: How long each running session has existed and has left, by token.
-        closing: Whether the supervisor's shutdown has begun.
+        running: The supervisor's sessions: what the store's member is told of them,
+            and what a later generation opened elsewhere stops.
     """
 
     def __init__(
@@ -124,19 +122,15 @@ class Member(Fleet):
         health: Health,
         *,
         stop_bound: float,
-        live: Callable[[], dict[Key, int]],
-        superseded: Callable[[Key, int], None],
-        times: Callable[[], dict[str, tuple[float, float]]],
-        closing: Callable[[], bool],
+        running: Running,
     ) -> None:
         self._store = store
         self._records = records
         self._health = health
         self.stop_bound = stop_bound
-        self.live = live
-        self.superseded = superseded
-        self.times = times
-        self._closing = closing
+        self._running = running
+        self.live = running.live
+        self.times = running.all_times
         self._waits: set[trio.CancelScope] = set()  # opens waiting on older generations
 
     async def _lookup(self, key: Key, request_id: str | None) -> tuple[int, SessionRecord | None]:
@@ -158,7 +152,7 @@ class Member(Fleet):
         # cancels it, and the session, once it exists, stops with the others (Z2).
         with trio.CancelScope() as scope:
             self._waits.add(scope)
-            if self._closing():
+            if self._running.closing:
                 scope.cancel()
             try:
                 await self._store.wait_older_stopped(handle)
@@ -171,6 +165,11 @@ class Member(Fleet):
             finally:
                 self._waits.discard(scope)
         return None
+
+    def superseded(self, key: Key, high_water: int) -> None:
+        # Another runner of the fleet opened a later generation (F5, O5).
+        self._records.index.raise_high_water(key, high_water)
+        self._running.stop_below(key, high_water)
 
     async def superseded_elsewhere(self, handle: Handle) -> bool:
         # A lost notification costs at most one renew period (docs/service.md C).

@@ -4,28 +4,42 @@ A session is found by its token until its Stopped record is durable (P5), or ret
 evicts its record (O10); it stays one of its key's sessions until its stop is over, so
 that an open of the key waits for it (O5) and a shutdown stops it (Z2). Usually a key
 has one; more while an open supersedes.
+
+An open that saved its record but whose session does not exist yet is counted too
+(:meth:`Running.opening`): the shutdown waits for it, and stops its session once it
+exists (Z2).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Iterator
 
 import trio
 
-from ..model import Handle, Key
+from ..errors import SupervisorError
+from ..model import Handle, Key, Shutdown, Superseded, log_fields
 from .session import Session
 
 __all__ = ["Running"]
+
+logger = logging.getLogger("trio_supervisor.supervisor")
 
 
 class Running:
     """The supervisor's sessions (see the module docs)."""
 
-    __slots__ = ("_by_key", "_by_token")
+    __slots__ = ("_by_key", "_by_token", "_opened", "_opening", "closing")
 
     def __init__(self) -> None:
         self._by_token: dict[str, Session] = {}
         self._by_key: dict[Key, list[Session]] = {}
+        # Opens past their last check, whose session does not exist yet.
+        self._opening = 0
+        self._opened = trio.lowlevel.ParkingLot()
+        #: True once the shutdown began (Z1): new work is refused.
+        self.closing = False
 
     def add(self, session: Session) -> None:
         """A session exists: it is found by its token, and is one of its key's."""
@@ -93,3 +107,76 @@ class Running:
             token: (now - session.opened_at, session.lifecycle.remaining(now))
             for token, session in self._by_token.items()
         }
+
+    # -- stopping ---------------------------------------------------------------------
+
+    async def supersede(self, key: Key) -> None:
+        """Stop every unfinished session of ``key`` and wait for their ends (O5)."""
+        for session in self.of_key(key):
+            generation = session.handle.generation
+            where = f"the superseded generation {generation} of {key.identity}/{key.instance}"
+            try:
+                termination = await session.stop(Superseded())
+            except SupervisorError as error:
+                logger.warning(
+                    "%s did not terminate cleanly: %s",
+                    where,
+                    error,
+                    extra=log_fields(key, generation),
+                )
+            else:
+                if termination.cause:
+                    logger.warning(
+                        "terminating %s had problems: %s",
+                        where,
+                        "; ".join(f"{fault.type}: {fault.message}" for fault in termination.cause),
+                        extra=log_fields(key, generation),
+                    )
+
+    def stop_below(self, key: Key, high_water: int) -> None:
+        """Stop every session of ``key`` below ``high_water``: another runner of the fleet
+        opened a later generation (O5, F5)."""
+        for session in self.of_key(key):
+            if session.handle.generation < high_water:
+                logger.info(
+                    "generation %d of %s/%s is superseded by generation %d, opened on "
+                    "another runner of the fleet",
+                    session.handle.generation,
+                    key.identity,
+                    key.instance,
+                    high_water,
+                    extra=log_fields(key, session.handle.generation),
+                )
+                session.stop_soon(Superseded())
+
+    @contextlib.contextmanager
+    def opening(self) -> Iterator[None]:
+        """Count an open from the save of its record until its session exists."""
+        self._opening += 1
+        try:
+            yield
+        finally:
+            self._opening -= 1
+            if self._opened:
+                self._opened.unpark_all()
+
+    async def stop_all(self) -> list[Exception]:
+        """Stop every session with reason Shutdown and wait for all (Z2), once
+        :attr:`closing`; return what went wrong, each problem on the round its session
+        ended in."""
+        reported: list[Exception] = []
+        while self._by_key or self._opening:
+            sessions = self.unfinished()
+            if not sessions:
+                # An open is saving its record; its session stops as soon as it exists.
+                await self._opened.park()
+                continue
+            for session in sessions:
+                session.stop_soon(Shutdown())
+            for session in sessions:
+                with contextlib.suppress(SupervisorError):
+                    await session.outcome.wait()
+                if session.outcome.error is not None:
+                    reported.append(session.outcome.error)
+                reported.extend(session.problems)
+        return reported

@@ -16,22 +16,21 @@ the rest to it:
   move its lease, load, or stop (R1-R6, L1-L6, D1-D5);
 * entering ``open_supervisor`` (``lifetime.py``) recovers what an earlier run left
   (``recovery.py``, V1-V5); leaving it stops every session with reason Shutdown and
-  reaps every child (Z1-Z3: :meth:`Supervisor._shutdown`).
+  reaps every child (Z1-Z3: ``lifetime.Lifetime``).
 
 The rules are in docs/design.md, "Semantics"; the ids in comments cite them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import trio
 
 from .._fields import LEASE
-from ..abc import Execution, FleetStore, Retaining, Store, switch_slack
 from ..errors import (
     RunnerClosingError,
     SessionStoppedError,
@@ -58,18 +57,13 @@ from ..model import (
     log_fields,
     negotiate,
 )
-from ..realtime import bounded
-from ..retention import Retention
 from .events import DEFAULT_BUFFER, Watch
-from .fleet import Alone, Fleet, Member
-from .health import Health
 from .keylocks import KeyLocks
-from .leases import Leases
 from .lifecycle import stop_error
-from .records import Records
-from .recovery import recover
-from .running import Running
-from .session import SAVE_BOUND, Services, Session
+from .session import Services, Session
+
+if TYPE_CHECKING:
+    from .lifetime import Parts
 
 __all__ = ["Supervisor"]
 
@@ -82,59 +76,32 @@ class Supervisor:
 
     def __init__(
         self,
-        store: Store,
-        execution: Execution,
+        parts: Parts,
         *,
+        spawn: Callable[[Callable[[], Awaitable[object]], str], None],
         lease: float,
-        grace: float,
-        confirmation_timeout: float,
         limits: Limits,
-        retention: Retention,
     ) -> None:
-        self._execution = execution
-        # Told what retention evicts, where it keeps something per session (its logs).
-        self._retaining: Retaining | None = execution if isinstance(execution, Retaining) else None
         self._lease = lease
-        self._grace = grace
-        self._confirmation = confirmation_timeout
         self._limits = limits
-        self._health = Health()
-        self._records = Records(store, retention, self._health)
-        self._running = Running()  # the sessions, by token and (unfinished) by key
-        self._closing = False
-        # Alone, or a member of the fleet that shares the store (fleet.py): chosen once.
-        self._fleet: Fleet = (
-            Member(
-                store,
-                self._records,
-                self._health,
-                # F7's margin past a lease: a child's own dead-man switch ends it then.
-                stop_bound=grace + confirmation_timeout + switch_slack(execution),
-                live=self._running.live,
-                superseded=self._superseded,
-                times=self._running.all_times,
-                closing=lambda: self._closing,
-            )
-            if isinstance(store, FleetStore)
-            else Alone(self._records)
-        )
+        self._health = parts.health
+        self._records = parts.records
+        self._running = parts.running
+        self._leases = parts.leases
+        self._fleet = parts.fleet  # alone, or a member of a fleet: chosen once
+        self._retaining = parts.retaining
         self._locks = KeyLocks()
-        self._leases = Leases()
         self._services = Services(
-            execution=execution,
-            health=self._health,
+            execution=parts.execution,
+            health=parts.health,
             persist=self._persist,
             persist_together=self._persist_together,
-            spawn=self._spawn,
-            grace=grace,
-            confirmation=confirmation_timeout,
+            spawn=spawn,
+            grace=parts.grace,
+            confirmation=parts.confirmation,
             stopped=self._stopped,
             ended=self._ended,
         )
-        # Opens past their last check, whose session does not exist yet (see _shutdown).
-        self._opening = 0
-        self._opened = trio.lowlevel.ParkingLot()
-        self._nursery: trio.Nursery | None = None
 
     # -- reading ----------------------------------------------------------------------
 
@@ -184,7 +151,7 @@ class Supervisor:
     @property
     def closing(self) -> bool:
         """True once the shutdown began (Z1)."""
-        return self._closing
+        return self._running.closing
 
     def records(self) -> list[SessionRecord]:
         """Every retained record, in the order it was last saved: for operators.
@@ -375,7 +342,7 @@ class Supervisor:
                 f"generation is {high}; pass expected_generation={high or None} to open "
                 "the next one"
             )
-        await self._supersede(key)
+        await self._running.supersede(key)
         self._check_usable()
         record = OpenRecord(
             handle=Handle(key=key, token=str(uuid.uuid4()), generation=high + 1),
@@ -383,8 +350,7 @@ class Supervisor:
             lease=seconds,
             limits=negotiated,
         )
-        self._opening += 1
-        try:
+        with self._running.opening():
             # In a fleet, the tenant's quota is counted with the save (F9); a refusal
             # wrote nothing, as a lost compare-and-set (F3) does.
             await self._persist(record, quota)
@@ -398,7 +364,7 @@ class Supervisor:
             session = Session(record, trio.current_time() + seconds, self._services)
             self._running.add(session)
             self._leases.add(session)
-            if self._closing:
+            if self._running.closing:
                 # Opened while the shutdown began: it stops like every other (Z2).
                 session.stop_soon(Shutdown())
             elif self._records.high_water(key) > record.handle.generation:
@@ -417,64 +383,9 @@ class Supervisor:
                     extra=log_fields(key, record.handle.generation),
                 )
                 session.stop_soon(Disposed())
-        finally:
-            self._opening -= 1
-            if self._opened:
-                self._opened.unpark_all()
         if failure is not None:
             raise failure
         return record
-
-    async def _supersede(self, key: Key) -> None:
-        """Stop every unfinished session of ``key`` and wait for their ends (O5)."""
-        for session in self._running.of_key(key):
-            generation = session.handle.generation
-            extra = log_fields(key, generation)
-            try:
-                termination = await session.stop(Superseded())
-            except SupervisorError as error:
-                logger.warning(
-                    "the superseded generation %d of %s/%s did not terminate cleanly: %s",
-                    generation,
-                    key.identity,
-                    key.instance,
-                    error,
-                    extra=extra,
-                )
-            else:
-                if termination.cause:
-                    logger.warning(
-                        "terminating the superseded generation %d of %s/%s had problems: %s",
-                        generation,
-                        key.identity,
-                        key.instance,
-                        "; ".join(f"{fault.type}: {fault.message}" for fault in termination.cause),
-                        extra=extra,
-                    )
-
-    def _spawn(self, function: Callable[[], Awaitable[object]], name: str) -> None:
-        """Start a task of the supervisor's: a session's, or a stop's."""
-        nursery = self._nursery
-        if nursery is None:
-            raise RuntimeError("the supervisor's nursery is gone")
-        # A task started this way always runs: if the supervisor is cancelled first, it
-        # meets the cancellation inside and still runs its stop, shielded (O11, Z2).
-        nursery.start_soon(function, name=name)
-
-    async def _run_leases(self, *, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
-        """The lease timer (T1), until the supervisor is done with it."""
-        with trio.CancelScope() as scope:
-            task_status.started(scope)
-            try:
-                await self._leases.run()
-            except trio.Cancelled:
-                # The supervisor's nursery is cancelled from outside (its block was). Not
-                # re-raised, as the session tasks do not: the block's own Cancelled
-                # carries the cancellation out, and this copy would wrap its errors in a
-                # group of the nursery's.
-                return
-            except Exception as error:  # a bug: the supervisor can vouch for no lease
-                self._health.poison(error)
 
     # -- renew, load, dispose ---------------------------------------------------------
 
@@ -567,23 +478,6 @@ class Supervisor:
 
     # -- the fleet --------------------------------------------------------------------
 
-    def _superseded(self, key: Key, high_water: int) -> None:
-        """Stop every session of ``key`` below ``high_water``: another runner of the fleet
-        opened a later generation (O5)."""
-        self._records.index.raise_high_water(key, high_water)
-        for session in self._running.of_key(key):
-            if session.handle.generation < high_water:
-                logger.info(
-                    "generation %d of %s/%s is superseded by generation %d, opened on "
-                    "another runner of the fleet",
-                    session.handle.generation,
-                    key.identity,
-                    key.instance,
-                    high_water,
-                    extra=log_fields(key, session.handle.generation),
-                )
-                session.stop_soon(Superseded())
-
     async def _fleet_session_of(self, handle: Handle) -> Session:
         """:meth:`_session_of`, and in a fleet, a session stopped elsewhere says why (R3)."""
         try:
@@ -629,7 +523,7 @@ class Supervisor:
     def _check_usable(self) -> None:
         """O1: refuse new work when poisoned or closing."""
         self._health.check()
-        if self._closing:
+        if self._running.closing:
             raise RunnerClosingError("the supervisor is shutting down")
 
     def _record_of(self, handle: Handle) -> SessionRecord:
@@ -649,107 +543,3 @@ class Supervisor:
         if isinstance(record, StoppingRecord | StoppedRecord):
             raise stop_error(record.reason, handle)
         raise SessionStoppedError("the session was retired by recovery or eviction")
-
-    # -- shutdown ---------------------------------------------------------------------
-
-    async def _shutdown(self) -> list[Exception]:
-        """Stop every session with reason Shutdown and wait for all (Z1-Z3).
-
-        Returns:
-            What went wrong: the poisoning failures, the stops that failed, and the
-            problems behind any termination's cause.
-        """
-        self._closing = True
-        self._fleet.close()
-        reported: list[Exception] = []
-        # Every session stops once; each is reported once, on the round it ended in.
-        while self._running or self._opening:
-            sessions = self._running.unfinished()
-            if not sessions:
-                # An open is saving its record; its session stops as soon as it exists.
-                await self._opened.park()
-                continue
-            for session in sessions:
-                session.stop_soon(Shutdown())
-            for session in sessions:
-                with contextlib.suppress(SupervisorError):
-                    await session.outcome.wait()
-                if session.outcome.error is not None:
-                    reported.append(session.outcome.error)
-                reported.extend(session.problems)
-        problems: list[Exception] = list(self._health.failures)
-        for problem in reported:
-            if all(problem is not known for known in problems):
-                problems.append(problem)
-        return problems
-
-
-class Lifetime:
-    """The supervisor's side of its lifetime: all that :func:`open_supervisor` needs.
-
-    Its steps are the rules of entering and leaving (V1-V5, Z1-Z3); the supervisor's
-    users never see it, and ``lifetime.py`` reaches nothing of the supervisor but this.
-    """
-
-    __slots__ = ("_supervisor", "_tasks")
-
-    def __init__(self, supervisor: Supervisor) -> None:
-        self._supervisor = supervisor
-        self._tasks: list[trio.CancelScope] = []
-
-    async def recover(self) -> None:
-        """Stop every session an earlier run left behind, with reason Recovery (V1-V5)."""
-        supervisor = self._supervisor
-        await recover(
-            supervisor._records, supervisor._execution, confirmation=supervisor._confirmation
-        )
-        if supervisor._retaining is not None:
-            # What it keeps of sessions whose records are gone goes (what recovery's own
-            # saves evicted, and what was evicted while no supervisor ran).
-            handles = [record.handle for record in supervisor._records.index]
-            try:
-                await supervisor._retaining.retained(handles)
-            except Exception as error:
-                logger.warning("what the execution keeps of sessions is left as it is: %s", error)
-
-    async def join(self, nursery: trio.Nursery) -> None:
-        """Be a member of the fleet from now on, when the store is shared (F1, F2)."""
-        supervisor = self._supervisor
-        supervisor._nursery = nursery
-        self._tasks.append(await nursery.start(supervisor._fleet.run))
-
-    async def start(self, nursery: trio.Nursery) -> None:
-        """Run the lease timer in ``nursery``: the supervisor is about to be used."""
-        self._tasks.append(await nursery.start(self._supervisor._run_leases))
-
-    def detach(self) -> None:
-        """Every session has stopped: end the supervisor's own tasks, forget the nursery.
-
-        A fleet's member keeps its row until here, so that no other runner takes its
-        sessions over while they stop.
-        """
-        for scope in self._tasks:
-            scope.cancel()
-        self._supervisor._nursery = None
-
-    async def shut_down(self) -> list[Exception]:
-        """Stop every session with reason Shutdown, bounded; return what went wrong.
-
-        Shielded, so that a cancelled block still reaps every child. Every session's stop
-        is bounded by the same sum (session.py); they run concurrently, and an open
-        caught in its save waits at most one save. Past that bound something broke a
-        promise: it is reported, and the block is left rather than held forever.
-        """
-        supervisor = self._supervisor
-        bound = supervisor._grace + 2 * supervisor._confirmation + 3 * SAVE_BOUND
-        problems: list[Exception] = []
-        with bounded(bound, shield=True) as scope:
-            problems = await supervisor._shutdown()
-        if scope.cancelled_caught:
-            problems.append(
-                TerminationUnconfirmedError(
-                    f"the shutdown took longer than {bound:g} s; some children may still run"
-                )
-            )
-        supervisor._records.watchers.close()
-        return problems
