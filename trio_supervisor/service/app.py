@@ -98,7 +98,6 @@ RETRY_AFTER: Final = "5"  # seconds a client should wait before retrying a closi
 THROTTLED_HOLD: Final = 1.0  # seconds a refused tenant's call waits for its 429, at most
 
 _OPERATORS: Final = "operators"
-_T = TypeVar("_T")
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
@@ -212,6 +211,8 @@ def create_app(
                     request.state.caller = caller
                 answer = await handler(request)
             except Exception as error:
+                if call.routed and isinstance(error, StaleSessionError):
+                    error = await holder_of(request, error)
                 answer = _problem_of(error, request, supervisor, call, caller)
                 if counted is not None:
                     counted.called(call.name, _outcome(answer), _tenant_label(caller))
@@ -260,14 +261,19 @@ def create_app(
 
         return visible
 
-    async def routed(handle: Handle, work: Awaitable[_T]) -> _T:
-        """``work``, a call on ``handle``'s session: if this runner does not know the
-        session and another runner of the fleet holds it, a 421 naming that runner."""
+    async def holder_of(request: Request, stale: StaleSessionError) -> Exception:
+        """A routed call's session is unknown here (``Call.routed``): the 421 naming the
+        runner of the fleet that holds it (or the 503 if that runner is lost); ``stale``
+        when no other runner holds it. The handler named the session (:func:`names`)."""
+        named: Handle | tuple[Key, int] | None = getattr(request.state, "session", None)
         try:
-            return await work
-        except StaleSessionError:
-            await fleet.route(handle.token)
-            raise
+            if isinstance(named, Handle):
+                await fleet.route(named.token)
+            elif named is not None:
+                await fleet.route_key(*named)
+        except Exception as error:
+            return error
+        return stale
 
     # -- the session calls: one each per supervisor method -------------------------------
 
@@ -305,7 +311,7 @@ def create_app(
     async def renew(request: Request) -> Response:
         body = read_body(await _body(request), HandleBody)
         with admitted(request, renew_call, body.handle.key):
-            lease = await routed(body.handle, supervisor.renew(body.handle))
+            lease = await supervisor.renew(names(request, body.handle))
         return JSONResponse({"lease": lease})
 
     async def load(request: Request) -> Response:
@@ -316,20 +322,20 @@ def create_app(
             if record is not None and record.handle.token != handle.token:
                 record = None  # not this caller's session: the supervisor says so
             with admission.loading(tenant, record):
-                work = supervisor.load(handle, body.load, quota=admission.claim(tenant))
-                code = await routed(handle, work)
+                claim = admission.claim(tenant)
+                code = await supervisor.load(names(request, handle), body.load, quota=claim)
         return JSONResponse({"code": converter.unstructure(code)})
 
     async def dispose(request: Request) -> Response:
         body = read_body(await _body(request), HandleBody)
         with admitted(request, dispose_call, body.handle.key):
-            termination = await routed(body.handle, supervisor.dispose(body.handle))
+            termination = await supervisor.dispose(names(request, body.handle))
         return JSONResponse({"termination": converter.unstructure(termination)})
 
     async def status(request: Request) -> Response:
         body = read_body(await _body(request), HandleBody)
         with admitted(request, status_call, body.handle.key):
-            record = await routed(body.handle, supervisor.status(body.handle))
+            record = await supervisor.status(names(request, body.handle))
         return JSONResponse({"record": _record(record)})
 
     async def high_water(request: Request) -> Response:
@@ -446,9 +452,8 @@ def create_app(
         generation = logs_call.param("generation").read(query)
         tail = logs_call.param("tail").read(query) or None
         with admitted(request, logs_call, key):
-            record = supervisor.find(key, generation)
+            record = supervisor.find(*names(request, (key, generation)))
             if record is None:
-                await fleet.route_key(key, generation)
                 raise StaleSessionError(
                     f"{key.identity}/{key.instance} has no retained generation {generation}"
                 )
@@ -458,9 +463,8 @@ def create_app(
 
     async def admin_dispose(request: Request) -> Response:
         body = read_body(await _body(request), AdminDisposeBody)
-        record = supervisor.find(body.key, body.generation)
+        record = supervisor.find(*names(request, (body.key, body.generation)))
         if record is None:
-            await fleet.route_key(body.key, body.generation)
             raise StaleSessionError(
                 f"{body.key.identity}/{body.key.instance} has no retained generation "
                 f"{body.generation}"
@@ -555,6 +559,16 @@ def _outcome(answer: Response) -> str:
 
 def _record(record: SessionRecord) -> Any:
     return converter.unstructure(record, SessionRecord)
+
+
+_Named = TypeVar("_Named", Handle, tuple[Key, int])
+
+
+def names(request: Request, session: _Named) -> _Named:
+    """Say which session a routed call names (by handle, or by key and generation), so
+    that one this runner does not know is looked for in the fleet; returns it."""
+    request.state.session = session
+    return session
 
 
 async def _body(request: Request) -> bytes:
