@@ -64,6 +64,8 @@ __all__ = [
     "WRITE_SCHEMA_VERSION",
     "Kind",
     "create_schema",
+    "listen",
+    "session_settings",
 ]
 
 SCHEMA_VERSION: Final = 4
@@ -484,6 +486,23 @@ MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     3: _VERSION_3,
     4: _VERSION_4,
 }
+
+# -- every connection: its settings, and the listener's channel ------------------------
+
+
+def session_settings(timeout: str, schema: str) -> sql.Composed:
+    """A new connection's settings: ``timeout`` (a PostgreSQL interval, ``"10000ms"``) for
+    every statement and every wait for a lock, and the store's schema as the search path."""
+    return sql.SQL(
+        "SET statement_timeout = {timeout}; SET lock_timeout = {timeout}; "
+        "SET search_path = {schema}"
+    ).format(timeout=sql.Literal(timeout), schema=sql.Identifier(schema))
+
+
+def listen(schema: str) -> sql.Composed:
+    """LISTEN on the fleet's channel: its name is the schema's (save_batch notifies it)."""
+    return sql.SQL("LISTEN {}").format(sql.Identifier(schema))
+
 
 # -- migrating: under MIGRATION_LOCK, in one transaction (_postgres_worker.migrate) -----
 
