@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from .._extras import needs_extra
-from ..codec import decode, encode
-from ..errors import QuotaExceededError, RecordFormatError, StaleSessionError, StateStorageError
+from ..codec import encode
+from ..errors import QuotaExceededError, StaleSessionError, StateStorageError
 from ..model import (
     ExitStatus,
     FleetRecord,
@@ -80,6 +80,7 @@ from ._postgres_sql import (
     Kind,
     create_schema,
 )
+from ._rows import key_of, record_of
 
 with needs_extra("postgres", "trio_supervisor.stores.postgres", "psycopg"):
     import psycopg
@@ -360,12 +361,13 @@ class Worker:
 
     def _list(self, connection: psycopg.Connection[Any]) -> list[SessionRecord]:
         rows = connection.execute(LIST, (self.settings.runner_id,)).fetchall()
-        return [self._decode(*row) for row in rows]
+        return [record_of(self.settings.shown, *row) for row in rows]
 
     def _high_water(self, connection: psycopg.Connection[Any]) -> dict[Key, int]:
         rows = connection.execute(HIGH_WATER).fetchall()
         return {
-            self._key(identity, instance): generation for identity, instance, generation in rows
+            key_of(self.settings.shown, identity, instance): generation
+            for identity, instance, generation in rows
         }
 
     def _lookup(
@@ -376,7 +378,11 @@ class Worker:
         ).fetchone()
         assert row is not None
         mark, token, body = row
-        record = None if token is None else self._decode(token, key.identity, key.instance, body)
+        record = (
+            None
+            if token is None
+            else record_of(self.settings.shown, token, key.identity, key.instance, body)
+        )
         return mark or 0, record
 
     def _runners(
@@ -421,14 +427,16 @@ class Worker:
             return None
         token, identity, instance, body, runner, epoch = row
         return FleetRecord(
-            record=self._decode(token, identity, instance, body), runner_id=runner, epoch=epoch
+            record=record_of(self.settings.shown, token, identity, instance, body),
+            runner_id=runner,
+            epoch=epoch,
         )
 
     def _fleet_records(self, connection: psycopg.Connection[Any]) -> list[FleetRecord]:
         rows = connection.execute(FLEET_RECORDS).fetchall()
         return [
             FleetRecord(
-                record=self._decode(token, identity, instance, body),
+                record=record_of(self.settings.shown, token, identity, instance, body),
                 runner_id=runner,
                 epoch=epoch,
                 age=age,
@@ -472,7 +480,8 @@ class Worker:
             ([key.identity for key in keys], [key.instance for key in keys]),
         ).fetchall()
         return {
-            self._key(identity, instance): generation for identity, instance, generation in rows
+            key_of(self.settings.shown, identity, instance): generation
+            for identity, instance, generation in rows
         }
 
     def _older(
@@ -502,7 +511,7 @@ class Worker:
         rows = connection.execute(DUE, (runner,)).fetchall()
         # Its epoch moves on first: whatever its old incarnation still tries is refused.
         connection.execute(NEXT_EPOCH, (runner,))
-        stopped = [recovered(self._decode(*row), RUNNER_LOST) for row in rows]
+        stopped = [recovered(record_of(self.settings.shown, *row), RUNNER_LOST) for row in rows]
         self._write(runner, seen + 1, [[(record, encode(record)) for record in stopped]])
         logger.warning(
             "%s: runner %s (epoch %d) is dead past its takeover margin; took over %d of its "
@@ -518,34 +527,6 @@ class Worker:
             or "none",
         )
         return stopped
-
-    # -- rows --------------------------------------------------------------------------
-
-    def _key(self, identity: str, instance: str) -> Key:
-        try:
-            return Key(identity=identity, instance=instance)
-        except (TypeError, ValueError) as error:
-            raise RecordFormatError(
-                f"{self.settings.shown}: a high-water row is malformed: {error}"
-            ) from error
-
-    def _decode(self, token: str, identity: str, instance: str, body: str) -> SessionRecord:
-        row = f"{self.settings.shown}: the record of {identity}/{instance} (token {token[:8]}...)"
-        try:
-            record = decode(body)
-        except RecordFormatError as error:
-            raise RecordFormatError(f"{row} is unreadable: {error.detail}") from error
-        handle = record.handle
-        if (
-            handle.token != token
-            or handle.key.identity != identity
-            or handle.key.instance != instance
-        ):
-            raise RecordFormatError(
-                f"{row} holds the record of another session "
-                f"({handle.key.identity}/{handle.key.instance}, token {handle.token[:8]}...)"
-            )
-        return record
 
 
 _ACTIONS: Final = {
