@@ -53,7 +53,7 @@ from trio_supervisor import (
     codec,
     open_supervisor,
 )
-from trio_supervisor.stores._postgres_sql import SAVE_BATCH, Kind
+from trio_supervisor.stores._postgres_sql import LOOKUP, OLDER, SAVE_BATCH, Kind
 from trio_supervisor.stores._postgres_worker import columns
 from trio_supervisor.testing import FakeExecution
 
@@ -63,24 +63,6 @@ VARIABLE: Final = "TRIO_SUPERVISOR_BENCH_DSN"
 DEFAULT_DSN: Final = "postgresql://postgres@127.0.0.1:5432/test"
 CLIENTS: Final = 100
 LEASE: Final = 1e6
-
-# The store's statements (trio_supervisor/stores/_postgres_worker.py), word for word;
-# save_batch's call and its row arrays are imported from the store itself.
-LOOKUP: Final = (
-    "SELECT (SELECT generation FROM high_water "
-    "        WHERE identity = %(i)s AND instance = %(n)s), r.token, r.body "
-    "FROM (SELECT 1) AS one LEFT JOIN LATERAL ("
-    "    SELECT token, body FROM records WHERE identity = %(i)s "
-    "    AND instance = %(n)s AND request_id = %(r)s ORDER BY saved DESC LIMIT 1"
-    ") AS r ON true"
-)
-OLDER: Final = (
-    "SELECT r.runner_id, u.epoch, r.generation, r.lease, u.stop_bound, "
-    "    extract(epoch FROM clock_timestamp() - u.lease_until)::double precision "
-    "FROM records r JOIN runners u ON u.runner_id = r.runner_id "
-    "WHERE r.identity = %s AND r.instance = %s AND r.generation < %s "
-    "AND r.stopped IS NULL AND r.runner_id <> %s"
-)
 
 
 # -- the server ------------------------------------------------------------------------

@@ -21,5 +21,5 @@ def takeover_margin(lease: float, stop_bound: float) -> float:
     """How long after a dead runner's row expired its session of ``lease`` may be taken
     over (docs/design.md, F7): the session's lease, then its runner's ``stop_bound``
     (grace, confirmation, and its children's switch slack). The database applies the
-    same sum in ``_postgres_worker`` (``TAKEOVER_DUE``)."""
+    same sum in ``stores/_postgres_sql`` (``TAKEOVER_DUE``)."""
     return lease + stop_bound

@@ -23,10 +23,10 @@ from typing import Any, Final
 
 from .._extras import needs_extra
 from ..retention import Retention
+from ._postgres_sql import listen, session_settings
 
 with needs_extra("postgres", "trio_supervisor.stores.postgres", "psycopg"):
     import psycopg
-    from psycopg import sql
     from psycopg.conninfo import conninfo_to_dict
 
 __all__ = ["Listener", "Settings", "Watchdog", "describe"]
@@ -95,13 +95,8 @@ class Settings:
             application_name=f"trio_supervisor {self.runner_id}"[:63],
         )
         try:
-            timeout = sql.Literal(f"{max(1, round(self.statement_timeout * 1000))}ms")
-            connection.execute(
-                sql.SQL(
-                    "SET statement_timeout = {timeout}; SET lock_timeout = {timeout}; "
-                    "SET search_path = {schema}"
-                ).format(timeout=timeout, schema=sql.Identifier(self.schema))
-            )
+            timeout = f"{max(1, round(self.statement_timeout * 1000))}ms"
+            connection.execute(session_settings(timeout, self.schema))
             if not autocommit:
                 connection.commit()
         except BaseException:
@@ -208,9 +203,7 @@ class Listener:
         while not self.stopping.is_set():
             try:
                 with self.settings.connect(autocommit=True) as connection:
-                    connection.execute(
-                        sql.SQL("LISTEN {}").format(sql.Identifier(self.settings.schema))
-                    )
+                    connection.execute(listen(self.settings.schema))
                     self._listening()
                     while not self.stopping.is_set():
                         for note in connection.notifies(timeout=self.POLL):

@@ -11,19 +11,61 @@ makes it one statement): the function fences the writer, claims the generations 
 Open records, writes the rows, raises the marks, applies retention and notifies, in the
 transaction of its caller. A save that carries a tenant's quota claim is counted there
 too, by ``quota_refusal``, once the batch holds its tenants' advisory locks.
+
+Every other statement the store runs is here too, after the migrations, grouped by what
+runs it: migrating, this runner's row, saving, the reads, and membership (renewal, the
+checks, takeover). A statement that names an identifier (the schema, as a channel too)
+is built by a function, which quotes it; the others are constants, each with the
+parameters of its ``%s`` or ``%(name)s`` placeholders in order. The worker
+(:mod:`._postgres_worker`) and the connections (:mod:`._postgres_connection`) hold no
+SQL of their own.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
+from .._extras import needs_extra
+
+with needs_extra("postgres", "trio_supervisor.stores.postgres", "psycopg"):
+    from psycopg import sql
+
 __all__ = [
+    "CLEAR_SCHEMA_VERSION",
+    "CREATE_SCHEMA_VERSION",
+    "DEAD",
+    "DEAD_ROW",
+    "DRAINING",
+    "DUE",
+    "EXPIRE",
     "FENCED",
+    "FLEET_RECORDS",
+    "HELD",
+    "HIGH_WATER",
+    "LANDED",
+    "LIST",
+    "LOOKUP",
+    "MARKS",
     "MIGRATIONS",
     "MIGRATION_LOCK",
+    "NEXT_EPOCH",
+    "OLDER",
+    "OTHERS_ALIVE",
+    "OWNER",
+    "OWN_ROW",
+    "REGISTER",
+    "RENEW",
+    "RUNNERS",
     "SAVE_BATCH",
     "SCHEMA_VERSION",
+    "SCHEMA_VERSIONS",
+    "TAKEOVER_DUE",
+    "TAKE_MIGRATION_LOCK",
+    "WRITE_SCHEMA_VERSION",
     "Kind",
+    "create_schema",
+    "listen",
+    "session_settings",
 ]
 
 SCHEMA_VERSION: Final = 4
@@ -444,3 +486,172 @@ MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     3: _VERSION_3,
     4: _VERSION_4,
 }
+
+# -- every connection: its settings, and the listener's channel ------------------------
+
+
+def session_settings(timeout: str, schema: str) -> sql.Composed:
+    """A new connection's settings: ``timeout`` (a PostgreSQL interval, ``"10000ms"``) for
+    every statement and every wait for a lock, and the store's schema as the search path."""
+    return sql.SQL(
+        "SET statement_timeout = {timeout}; SET lock_timeout = {timeout}; "
+        "SET search_path = {schema}"
+    ).format(timeout=sql.Literal(timeout), schema=sql.Identifier(schema))
+
+
+def listen(schema: str) -> sql.Composed:
+    """LISTEN on the fleet's channel: its name is the schema's (save_batch notifies it)."""
+    return sql.SQL("LISTEN {}").format(sql.Identifier(schema))
+
+
+# -- migrating: under MIGRATION_LOCK, in one transaction (_postgres_worker.migrate) -----
+
+TAKE_MIGRATION_LOCK: Final = "SELECT pg_advisory_xact_lock(%s)"
+
+
+def create_schema(schema: str) -> sql.Composed:
+    """The store's schema, made if it does not exist (its name is an identifier)."""
+    return sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema))
+
+
+CREATE_SCHEMA_VERSION: Final = (
+    "CREATE TABLE IF NOT EXISTS schema_version (version integer NOT NULL)"
+)
+SCHEMA_VERSIONS: Final = "SELECT version FROM schema_version"
+CLEAR_SCHEMA_VERSION: Final = "DELETE FROM schema_version"
+WRITE_SCHEMA_VERSION: Final = "INSERT INTO schema_version VALUES (%s)"
+
+# -- this runner's row: registered as the store opens, expired as it closes ------------
+
+# Its row as it was (locked until the registration commits): its epoch, and whether it
+# was still within its lease (another process may be running under this id).
+OWN_ROW: Final = (
+    "SELECT epoch, lease_until > clock_timestamp() FROM runners WHERE runner_id = %s FOR UPDATE"
+)
+# A new row at epoch 1, or the next epoch of the one there: the new incarnation.
+REGISTER: Final = (
+    "INSERT INTO runners AS u "
+    "(runner_id, epoch, advertise, started_at, lease_until, stop_bound) "
+    "VALUES (%(runner)s, 1, %(advertise)s, clock_timestamp(), "
+    "        clock_timestamp() + make_interval(secs => %(lease)s), 0) "
+    "ON CONFLICT (runner_id) DO UPDATE SET epoch = u.epoch + 1, "
+    "    advertise = excluded.advertise, started_at = excluded.started_at, "
+    "    lease_until = excluded.lease_until, draining = false "
+    "RETURNING epoch"
+)
+# The other runners alive, and where each advertises itself (for the log).
+OTHERS_ALIVE: Final = (
+    "SELECT runner_id, advertise FROM runners "
+    "WHERE runner_id <> %s AND lease_until > clock_timestamp() ORDER BY runner_id"
+)
+# The row stops counting as alive, if it still holds this epoch.
+EXPIRE: Final = (
+    "UPDATE runners SET lease_until = least(lease_until, clock_timestamp()) "
+    "WHERE runner_id = %s AND epoch = %s"
+)
+
+# -- saving: SAVE_BATCH, and the look at a batch whose answer was lost ------------------
+
+# The epoch and body each of the tokens holds.
+LANDED: Final = "SELECT token, epoch, body FROM records WHERE token = ANY(%s)"
+
+# -- reads: a record's row is token, identity, instance, body (and what else it says) ---
+
+# This runner's records, in save order.
+LIST: Final = (
+    "SELECT token, identity, instance, body FROM records WHERE runner_id = %s ORDER BY saved"
+)
+# Every key's mark; generation 0 is a key locked by an Open that then lost (no mark).
+HIGH_WATER: Final = "SELECT identity, instance, generation FROM high_water WHERE generation > 0"
+# A key's mark, and its latest record opened with a request id: one round trip.
+LOOKUP: Final = (
+    "SELECT (SELECT generation FROM high_water "
+    "        WHERE identity = %(i)s AND instance = %(n)s), r.token, r.body "
+    "FROM (SELECT 1) AS one LEFT JOIN LATERAL ("
+    "    SELECT token, body FROM records WHERE identity = %(i)s "
+    "    AND instance = %(n)s AND request_id = %(r)s ORDER BY saved DESC LIMIT 1"
+    ") AS r ON true"
+)
+# Every runner (or only the one named), as a RunnerInfo's fields in order.
+RUNNERS: Final = (
+    "SELECT u.runner_id, u.epoch, u.advertise, extract(epoch FROM u.started_at), "
+    "    extract(epoch FROM u.lease_until), u.lease_until > clock_timestamp(), "
+    "    (SELECT count(*) FROM records r "
+    "     WHERE r.runner_id = u.runner_id AND r.stopped IS NULL), u.stop_bound, "
+    "    u.draining "
+    "FROM runners u WHERE %(only)s::text IS NULL OR u.runner_id = %(only)s "
+    "ORDER BY u.runner_id"
+)
+# The runner that holds a token's record.
+OWNER: Final = "SELECT runner_id FROM records WHERE token = %s"
+# A token's record, with its runner and the epoch that wrote it.
+HELD: Final = (
+    "SELECT token, identity, instance, body, runner_id, epoch FROM records WHERE token = %s"
+)
+# Every record, in save order, with its runner and epoch; an unstopped session's age and
+# lease left, from the moments its runner last published (its opening, its lease's end),
+# by the database's clock now.
+FLEET_RECORDS: Final = (
+    "SELECT r.token, r.identity, r.instance, r.body, r.runner_id, r.epoch, "
+    "    n.e - (u.session_times -> r.token ->> 0)::double precision, "
+    "    (u.session_times -> r.token ->> 1)::double precision - n.e "
+    "FROM records r LEFT JOIN runners u "
+    "    ON u.runner_id = r.runner_id AND r.stopped IS NULL, "
+    "    (SELECT extract(epoch FROM clock_timestamp())::double precision AS e) AS n "
+    "ORDER BY r.saved"
+)
+
+# -- membership: renewal, the checks, and the takeover of dead runners ------------------
+
+# When a dead runner's record may be taken over (F7): _defaults.takeover_margin, in SQL,
+# by the database's clock (u: the runner's row, r: the record).
+TAKEOVER_DUE: Final = "u.lease_until + make_interval(secs => r.lease + u.stop_bound)"
+
+# This runner's row renewed, if it still holds this epoch, with its sessions' times: by
+# token (an array each of tokens, ages and leases left), as moments of the database's
+# clock.
+RENEW: Final = (
+    "UPDATE runners SET lease_until = clock_timestamp() + make_interval(secs => %s), "
+    "    stop_bound = %s, session_times = ("
+    "        SELECT coalesce("
+    "            jsonb_object_agg(w.t, jsonb_build_array(n.e - w.a, n.e + w.l)), '{}') "
+    "        FROM unnest(%s::text[], %s::double precision[], %s::double precision[]) "
+    "            AS w (t, a, l), "
+    "        (SELECT extract(epoch FROM clock_timestamp())::double precision AS e) AS n) "
+    "WHERE runner_id = %s AND epoch = %s"
+)
+DRAINING: Final = "UPDATE runners SET draining = true WHERE runner_id = %s AND epoch = %s"
+# The marks of the keys given as two arrays (identities, instances).
+MARKS: Final = (
+    "SELECT h.identity, h.instance, h.generation FROM high_water h "
+    "JOIN unnest(%s::text[], %s::text[]) AS w (i, n) "
+    "ON h.identity = w.i AND h.instance = w.n"
+)
+# A key's unstopped records below a generation on runners other than the one named.
+OLDER: Final = (
+    "SELECT r.runner_id, u.epoch, r.generation, r.lease, u.stop_bound, "
+    "    extract(epoch FROM clock_timestamp() - u.lease_until)::double precision "
+    "FROM records r JOIN runners u ON u.runner_id = r.runner_id "
+    "WHERE r.identity = %s AND r.instance = %s AND r.generation < %s "
+    "AND r.stopped IS NULL AND r.runner_id <> %s"
+)
+# The other runners whose row expired with an unstopped record whose margin passed.
+DEAD: Final = (
+    "SELECT u.runner_id, u.epoch FROM runners u "
+    "WHERE u.runner_id <> %s AND u.lease_until < clock_timestamp() AND EXISTS ("
+    "    SELECT 1 FROM records r WHERE r.runner_id = u.runner_id "
+    f"    AND r.stopped IS NULL AND {TAKEOVER_DUE} < clock_timestamp())"
+)
+# A takeover, in one transaction: the dead runner's row locked (its epoch, and whether
+# it is still expired: the takeover re-checks what it saw), its records due, then its
+# epoch moved on; save_batch writes them Stopped under that epoch.
+DEAD_ROW: Final = (
+    "SELECT epoch, lease_until < clock_timestamp() FROM runners WHERE runner_id = %s FOR UPDATE"
+)
+DUE: Final = (
+    "SELECT r.token, r.identity, r.instance, r.body "
+    "FROM records r JOIN runners u ON u.runner_id = r.runner_id "
+    f"WHERE r.runner_id = %s AND r.stopped IS NULL AND {TAKEOVER_DUE} < clock_timestamp() "
+    "ORDER BY r.saved"
+)
+NEXT_EPOCH: Final = "UPDATE runners SET epoch = epoch + 1 WHERE runner_id = %s"

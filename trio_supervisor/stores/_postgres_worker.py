@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from .._extras import needs_extra
-from ..codec import decode, encode
-from ..errors import QuotaExceededError, RecordFormatError, StaleSessionError, StateStorageError
+from ..codec import encode
+from ..errors import QuotaExceededError, StaleSessionError, StateStorageError
 from ..model import (
     ExitStatus,
     FleetRecord,
@@ -46,20 +46,49 @@ from ..model import (
 from ._jobs import Job, deliver, next_batch
 from ._postgres_connection import Settings, Watchdog
 from ._postgres_patterns import identity_regex
-from ._postgres_sql import FENCED, MIGRATION_LOCK, MIGRATIONS, SAVE_BATCH, SCHEMA_VERSION, Kind
+from ._postgres_sql import (
+    CLEAR_SCHEMA_VERSION,
+    CREATE_SCHEMA_VERSION,
+    DEAD,
+    DEAD_ROW,
+    DRAINING,
+    DUE,
+    EXPIRE,
+    FENCED,
+    FLEET_RECORDS,
+    HELD,
+    HIGH_WATER,
+    LANDED,
+    LIST,
+    LOOKUP,
+    MARKS,
+    MIGRATION_LOCK,
+    MIGRATIONS,
+    NEXT_EPOCH,
+    OLDER,
+    OTHERS_ALIVE,
+    OWN_ROW,
+    OWNER,
+    REGISTER,
+    RENEW,
+    RUNNERS,
+    SAVE_BATCH,
+    SCHEMA_VERSION,
+    SCHEMA_VERSIONS,
+    TAKE_MIGRATION_LOCK,
+    WRITE_SCHEMA_VERSION,
+    Kind,
+    create_schema,
+)
+from ._rows import key_of, record_of
 
 with needs_extra("postgres", "trio_supervisor.stores.postgres", "psycopg"):
     import psycopg
-    from psycopg import sql
     from psycopg.types.json import Jsonb
 
 __all__ = ["Worker", "migrate"]
 
 logger = logging.getLogger("trio_supervisor.stores.postgres")
-
-# When a dead runner's record may be taken over (F7): _defaults.takeover_margin, in SQL,
-# by the database's clock (u: the runner's row, r: the record).
-TAKEOVER_DUE: Final = "u.lease_until + make_interval(secs => r.lease + u.stop_bound)"
 
 # What a dead runner's sessions are stopped with when another runner takes them over.
 RUNNER_LOST: Final = Termination(kind="exited", exit=ExitStatus(runner_lost=True))
@@ -197,27 +226,12 @@ class Worker:
         migrate(connection, self.settings)
         settings = self.settings
         runner = settings.runner_id
-        previous = connection.execute(
-            "SELECT epoch, lease_until > clock_timestamp() FROM runners "
-            "WHERE runner_id = %s FOR UPDATE",
-            (runner,),
-        ).fetchone()
+        previous = connection.execute(OWN_ROW, (runner,)).fetchone()
         row = connection.execute(
-            "INSERT INTO runners AS u "
-            "(runner_id, epoch, advertise, started_at, lease_until, stop_bound) "
-            "VALUES (%(runner)s, 1, %(advertise)s, clock_timestamp(), "
-            "        clock_timestamp() + make_interval(secs => %(lease)s), 0) "
-            "ON CONFLICT (runner_id) DO UPDATE SET epoch = u.epoch + 1, "
-            "    advertise = excluded.advertise, started_at = excluded.started_at, "
-            "    lease_until = excluded.lease_until, draining = false "
-            "RETURNING epoch",
+            REGISTER,
             {"runner": runner, "advertise": settings.advertise, "lease": settings.runner_lease},
         ).fetchone()
-        others = connection.execute(
-            "SELECT runner_id, advertise FROM runners "
-            "WHERE runner_id <> %s AND lease_until > clock_timestamp() ORDER BY runner_id",
-            (runner,),
-        ).fetchall()
+        others = connection.execute(OTHERS_ALIVE, (runner,)).fetchall()
         connection.commit()
         assert row is not None
         self.epoch = row[0]
@@ -258,11 +272,7 @@ class Worker:
         # lease (a takeover still waits out each record's margin from here).
         if self._connection is None or self._connection.closed:
             return
-        self._connection.execute(
-            "UPDATE runners SET lease_until = least(lease_until, clock_timestamp()) "
-            "WHERE runner_id = %s AND epoch = %s",
-            (self.settings.runner_id, self.epoch),
-        )
+        self._connection.execute(EXPIRE, (self.settings.runner_id, self.epoch))
         self._connection.commit()
 
     # -- saving ------------------------------------------------------------------------
@@ -289,9 +299,7 @@ class Worker:
         last = {record.handle.token: body for job in jobs for record, body in job.rows}
         held = {
             token: (epoch, body)
-            for token, epoch, body in connection.execute(
-                "SELECT token, epoch, body FROM records WHERE token = ANY(%s)", (list(last),)
-            ).fetchall()
+            for token, epoch, body in connection.execute(LANDED, (list(last),)).fetchall()
         }
         connection.commit()
         if not any(held.get(token) == (self.epoch, body) for token, body in last.items()):
@@ -352,51 +360,35 @@ class Worker:
         connection.commit()  # a read's too: no snapshot is held between jobs
 
     def _list(self, connection: psycopg.Connection[Any]) -> list[SessionRecord]:
-        rows = connection.execute(
-            "SELECT token, identity, instance, body FROM records "
-            "WHERE runner_id = %s ORDER BY saved",
-            (self.settings.runner_id,),
-        ).fetchall()
-        return [self._decode(*row) for row in rows]
+        rows = connection.execute(LIST, (self.settings.runner_id,)).fetchall()
+        return [record_of(self.settings.shown, *row) for row in rows]
 
     def _high_water(self, connection: psycopg.Connection[Any]) -> dict[Key, int]:
-        rows = connection.execute(
-            "SELECT identity, instance, generation FROM high_water WHERE generation > 0"
-        ).fetchall()
+        rows = connection.execute(HIGH_WATER).fetchall()
         return {
-            self._key(identity, instance): generation for identity, instance, generation in rows
+            key_of(self.settings.shown, identity, instance): generation
+            for identity, instance, generation in rows
         }
 
     def _lookup(
         self, connection: psycopg.Connection[Any], key: Key, request_id: str | None
     ) -> tuple[int, SessionRecord | None]:
         row = connection.execute(
-            "SELECT (SELECT generation FROM high_water "
-            "        WHERE identity = %(i)s AND instance = %(n)s), r.token, r.body "
-            "FROM (SELECT 1) AS one LEFT JOIN LATERAL ("
-            "    SELECT token, body FROM records WHERE identity = %(i)s "
-            "    AND instance = %(n)s AND request_id = %(r)s ORDER BY saved DESC LIMIT 1"
-            ") AS r ON true",
-            {"i": key.identity, "n": key.instance, "r": request_id},
+            LOOKUP, {"i": key.identity, "n": key.instance, "r": request_id}
         ).fetchone()
         assert row is not None
         mark, token, body = row
-        record = None if token is None else self._decode(token, key.identity, key.instance, body)
+        record = (
+            None
+            if token is None
+            else record_of(self.settings.shown, token, key.identity, key.instance, body)
+        )
         return mark or 0, record
 
     def _runners(
         self, connection: psycopg.Connection[Any], only: str | None = None
     ) -> list[RunnerInfo]:
-        rows = connection.execute(
-            "SELECT u.runner_id, u.epoch, u.advertise, extract(epoch FROM u.started_at), "
-            "    extract(epoch FROM u.lease_until), u.lease_until > clock_timestamp(), "
-            "    (SELECT count(*) FROM records r "
-            "     WHERE r.runner_id = u.runner_id AND r.stopped IS NULL), u.stop_bound, "
-            "    u.draining "
-            "FROM runners u WHERE %(only)s::text IS NULL OR u.runner_id = %(only)s "
-            "ORDER BY u.runner_id",
-            {"only": only},
-        ).fetchall()
+        rows = connection.execute(RUNNERS, {"only": only}).fetchall()
         return [
             RunnerInfo(
                 runner_id=runner,
@@ -423,42 +415,28 @@ class Worker:
         ]
 
     def _owner(self, connection: psycopg.Connection[Any], token: str) -> RunnerInfo | None:
-        row = connection.execute(
-            "SELECT runner_id FROM records WHERE token = %s", (token,)
-        ).fetchone()
+        row = connection.execute(OWNER, (token,)).fetchone()
         if row is None:
             return None
         found = self._runners(connection, row[0])
         return found[0] if found else None
 
     def _held(self, connection: psycopg.Connection[Any], token: str) -> FleetRecord | None:
-        row = connection.execute(
-            "SELECT token, identity, instance, body, runner_id, epoch FROM records "
-            "WHERE token = %s",
-            (token,),
-        ).fetchone()
+        row = connection.execute(HELD, (token,)).fetchone()
         if row is None:
             return None
         token, identity, instance, body, runner, epoch = row
         return FleetRecord(
-            record=self._decode(token, identity, instance, body), runner_id=runner, epoch=epoch
+            record=record_of(self.settings.shown, token, identity, instance, body),
+            runner_id=runner,
+            epoch=epoch,
         )
 
     def _fleet_records(self, connection: psycopg.Connection[Any]) -> list[FleetRecord]:
-        # An unstopped session's age and lease left, from the moments its runner last
-        # published (its opening, its lease's end), by the database's clock now.
-        rows = connection.execute(
-            "SELECT r.token, r.identity, r.instance, r.body, r.runner_id, r.epoch, "
-            "    n.e - (u.session_times -> r.token ->> 0)::double precision, "
-            "    (u.session_times -> r.token ->> 1)::double precision - n.e "
-            "FROM records r LEFT JOIN runners u "
-            "    ON u.runner_id = r.runner_id AND r.stopped IS NULL, "
-            "    (SELECT extract(epoch FROM clock_timestamp())::double precision AS e) AS n "
-            "ORDER BY r.saved"
-        ).fetchall()
+        rows = connection.execute(FLEET_RECORDS).fetchall()
         return [
             FleetRecord(
-                record=self._decode(token, identity, instance, body),
+                record=record_of(self.settings.shown, token, identity, instance, body),
                 runner_id=runner,
                 epoch=epoch,
                 age=age,
@@ -480,14 +458,7 @@ class Worker:
         ages = [times[token][0] for token in tokens] if times else []
         left = [times[token][1] for token in tokens] if times else []
         done = connection.execute(
-            "UPDATE runners SET lease_until = clock_timestamp() + make_interval(secs => %s), "
-            "    stop_bound = %s, session_times = ("
-            "        SELECT coalesce("
-            "            jsonb_object_agg(w.t, jsonb_build_array(n.e - w.a, n.e + w.l)), '{}') "
-            "        FROM unnest(%s::text[], %s::double precision[], %s::double precision[]) "
-            "            AS w (t, a, l), "
-            "        (SELECT extract(epoch FROM clock_timestamp())::double precision AS e) AS n) "
-            "WHERE runner_id = %s AND epoch = %s",
+            RENEW,
             (
                 settings.runner_lease,
                 stop_bound,
@@ -501,20 +472,16 @@ class Worker:
         return done.rowcount == 1
 
     def _draining(self, connection: psycopg.Connection[Any]) -> None:
-        connection.execute(
-            "UPDATE runners SET draining = true WHERE runner_id = %s AND epoch = %s",
-            (self.settings.runner_id, self.epoch),
-        )
+        connection.execute(DRAINING, (self.settings.runner_id, self.epoch))
 
     def _marks(self, connection: psycopg.Connection[Any], keys: list[Key]) -> dict[Key, int]:
         rows = connection.execute(
-            "SELECT h.identity, h.instance, h.generation FROM high_water h "
-            "JOIN unnest(%s::text[], %s::text[]) AS w (i, n) "
-            "ON h.identity = w.i AND h.instance = w.n",
+            MARKS,
             ([key.identity for key in keys], [key.instance for key in keys]),
         ).fetchall()
         return {
-            self._key(identity, instance): generation for identity, instance, generation in rows
+            key_of(self.settings.shown, identity, instance): generation
+            for identity, instance, generation in rows
         }
 
     def _older(
@@ -524,47 +491,27 @@ class Worker:
         one's runner, its epoch, the record's generation and lease, the runner's
         stop_bound, and for how long its row has been expired (negative: alive)."""
         rows = connection.execute(
-            "SELECT r.runner_id, u.epoch, r.generation, r.lease, u.stop_bound, "
-            "    extract(epoch FROM clock_timestamp() - u.lease_until)::double precision "
-            "FROM records r JOIN runners u ON u.runner_id = r.runner_id "
-            "WHERE r.identity = %s AND r.instance = %s AND r.generation < %s "
-            "AND r.stopped IS NULL AND r.runner_id <> %s",
+            OLDER,
             (key.identity, key.instance, generation, self.settings.runner_id),
         ).fetchall()
         return [tuple(row) for row in rows]
 
     def _dead(self, connection: psycopg.Connection[Any]) -> list[tuple[str, int]]:
         """Other runners whose row expired with a record whose margin passed too."""
-        rows = connection.execute(
-            "SELECT u.runner_id, u.epoch FROM runners u "
-            "WHERE u.runner_id <> %s AND u.lease_until < clock_timestamp() AND EXISTS ("
-            "    SELECT 1 FROM records r WHERE r.runner_id = u.runner_id "
-            f"    AND r.stopped IS NULL AND {TAKEOVER_DUE} < clock_timestamp())",
-            (self.settings.runner_id,),
-        ).fetchall()
+        rows = connection.execute(DEAD, (self.settings.runner_id,)).fetchall()
         return [(runner, epoch) for runner, epoch in rows]
 
     def _takeover(
         self, connection: psycopg.Connection[Any], runner: str, seen: int
     ) -> list[StoppedRecord]:
         """Take a dead runner's records over, if its row still is as it was seen."""
-        row = connection.execute(
-            "SELECT epoch, lease_until < clock_timestamp() FROM runners "
-            "WHERE runner_id = %s FOR UPDATE",
-            (runner,),
-        ).fetchone()
+        row = connection.execute(DEAD_ROW, (runner,)).fetchone()
         if row is None or row[0] != seen or not row[1]:
             return []  # it renewed, restarted, or another runner took it over first
-        rows = connection.execute(
-            "SELECT r.token, r.identity, r.instance, r.body "
-            "FROM records r JOIN runners u ON u.runner_id = r.runner_id "
-            f"WHERE r.runner_id = %s AND r.stopped IS NULL AND {TAKEOVER_DUE} < clock_timestamp() "
-            "ORDER BY r.saved",
-            (runner,),
-        ).fetchall()
+        rows = connection.execute(DUE, (runner,)).fetchall()
         # Its epoch moves on first: whatever its old incarnation still tries is refused.
-        connection.execute("UPDATE runners SET epoch = epoch + 1 WHERE runner_id = %s", (runner,))
-        stopped = [recovered(self._decode(*row), RUNNER_LOST) for row in rows]
+        connection.execute(NEXT_EPOCH, (runner,))
+        stopped = [recovered(record_of(self.settings.shown, *row), RUNNER_LOST) for row in rows]
         self._write(runner, seen + 1, [[(record, encode(record)) for record in stopped]])
         logger.warning(
             "%s: runner %s (epoch %d) is dead past its takeover margin; took over %d of its "
@@ -580,34 +527,6 @@ class Worker:
             or "none",
         )
         return stopped
-
-    # -- rows --------------------------------------------------------------------------
-
-    def _key(self, identity: str, instance: str) -> Key:
-        try:
-            return Key(identity=identity, instance=instance)
-        except (TypeError, ValueError) as error:
-            raise RecordFormatError(
-                f"{self.settings.shown}: a high-water row is malformed: {error}"
-            ) from error
-
-    def _decode(self, token: str, identity: str, instance: str, body: str) -> SessionRecord:
-        row = f"{self.settings.shown}: the record of {identity}/{instance} (token {token[:8]}...)"
-        try:
-            record = decode(body)
-        except RecordFormatError as error:
-            raise RecordFormatError(f"{row} is unreadable: {error.detail}") from error
-        handle = record.handle
-        if (
-            handle.token != token
-            or handle.key.identity != identity
-            or handle.key.instance != instance
-        ):
-            raise RecordFormatError(
-                f"{row} holds the record of another session "
-                f"({handle.key.identity}/{handle.key.instance}, token {handle.token[:8]}...)"
-            )
-        return record
 
 
 _ACTIONS: Final = {
@@ -714,11 +633,10 @@ def _kind(record: SessionRecord) -> int:
 
 def migrate(connection: psycopg.Connection[Any], settings: Settings) -> None:
     """Create or migrate the schema, in one transaction under the advisory lock."""
-    schema = sql.Identifier(settings.schema)
-    connection.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
-    connection.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
-    connection.execute("CREATE TABLE IF NOT EXISTS schema_version (version integer NOT NULL)")
-    versions = [row[0] for row in connection.execute("SELECT version FROM schema_version")]
+    connection.execute(TAKE_MIGRATION_LOCK, (MIGRATION_LOCK,))
+    connection.execute(create_schema(settings.schema))
+    connection.execute(CREATE_SCHEMA_VERSION)
+    versions = [row[0] for row in connection.execute(SCHEMA_VERSIONS)]
     version = max(versions, default=0)
     if version > SCHEMA_VERSION:
         raise StateStorageError(
@@ -730,8 +648,8 @@ def migrate(connection: psycopg.Connection[Any], settings: Settings) -> None:
         for statement in MIGRATIONS[step]:
             connection.execute(statement)
     if version < SCHEMA_VERSION:
-        connection.execute("DELETE FROM schema_version")
-        connection.execute("INSERT INTO schema_version VALUES (%s)", (SCHEMA_VERSION,))
+        connection.execute(CLEAR_SCHEMA_VERSION)
+        connection.execute(WRITE_SCHEMA_VERSION, (SCHEMA_VERSION,))
         logger.info(
             "%s: schema %s migrated from version %d to %d",
             settings.shown,

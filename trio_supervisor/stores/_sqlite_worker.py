@@ -21,11 +21,11 @@ import stat
 from collections.abc import Callable
 from typing import Final
 
-from ..codec import decode
-from ..errors import RecordFormatError, StateStorageError
-from ..model import Key, SessionRecord, StoppedRecord
+from ..errors import StateStorageError
+from ..model import StoppedRecord
 from ..retention import Retention, StopOrder
 from ._jobs import Job, deliver, next_batch
+from ._rows import key_of, record_of
 
 __all__ = ["SCHEMA_VERSION", "Worker"]
 
@@ -321,27 +321,21 @@ class Worker:
         connection = self._connection
         assert connection is not None
         path = self.path
-        try:
-            if job.kind == "list":
-                # fetchall first: a cursor left open by a decoding error would keep the
-                # connection (and its exclusive lock) alive past close().
-                rows = connection.execute(
-                    "SELECT token, identity, instance, body FROM records ORDER BY saved"
-                ).fetchall()
-                job.result = [_decode_row(path, *row) for row in rows]
-            elif job.kind == "high_water":
-                marks = connection.execute(
-                    "SELECT identity, instance, generation FROM high_water"
-                ).fetchall()
-                job.result = {
-                    Key(identity=identity, instance=instance): generation
-                    for identity, instance, generation in marks
-                }
-        except (ValueError, TypeError) as error:
-            # A value SQLite let through that no record or mark can hold (a NULL token,
-            # an empty identity).
-            what = "record" if job.kind == "list" else "high-water"
-            raise RecordFormatError(f"{path}: a {what} row is malformed: {error}") from error
+        if job.kind == "list":
+            # fetchall first: a cursor left open by a decoding error would keep the
+            # connection (and its exclusive lock) alive past close().
+            rows = connection.execute(
+                "SELECT token, identity, instance, body FROM records ORDER BY saved"
+            ).fetchall()
+            job.result = [record_of(path, *row) for row in rows]
+        elif job.kind == "high_water":
+            marks = connection.execute(
+                "SELECT identity, instance, generation FROM high_water"
+            ).fetchall()
+            job.result = {
+                key_of(path, identity, instance): generation
+                for identity, instance, generation in marks
+            }
 
 
 def _make_private(path: str) -> None:
@@ -379,21 +373,6 @@ def _make_private(path: str) -> None:
             f"{path}: cannot open: cannot make {error.filename or real} readable and "
             f"writable by its owner alone (mode 0600): {error.strerror or error}"
         ) from error
-
-
-def _decode_row(path: str, token: str, identity: str, instance: str, body: str) -> SessionRecord:
-    row = f"{path}: the record of {identity}/{instance} (token {token[:8]}...)"
-    try:
-        record = decode(body)
-    except RecordFormatError as error:
-        raise RecordFormatError(f"{row} is unreadable: {error.detail}") from error
-    handle = record.handle
-    if handle.token != token or handle.key.identity != identity or handle.key.instance != instance:
-        raise RecordFormatError(
-            f"{row} holds the record of another session "
-            f"({handle.key.identity}/{handle.key.instance}, token {handle.token[:8]}...)"
-        )
-    return record
 
 
 def _explain(path: str, action: str, error: Exception) -> str:
