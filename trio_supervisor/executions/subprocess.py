@@ -113,6 +113,7 @@ from ._isolation import (
     Isolated,
     Isolation,
     Network,
+    NoIsolation,
     check_users,
     prepare,
 )
@@ -273,7 +274,7 @@ class SubprocessExecution:
         self.cgroup_root = None if cgroup_root is None else Path(cgroup_root)
         # Until entered: none.
         self.cgroups = Hierarchies(parent="", reason="not entered yet")
-        self.isolated = Isolated("none", reason="not entered yet")
+        self.isolated: Isolated = NoIsolation(reason="not entered yet")
         self._server: ForkServer | None = None
         # Until entered: the sweep, which every kernel allows.
         self.mechanism = Mechanism(kind="sweep", unshare=None, required=False, reason="")
