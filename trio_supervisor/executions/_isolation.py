@@ -73,7 +73,7 @@ import subprocess
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import attrs
 import trio
@@ -81,6 +81,7 @@ import trio
 from ..errors import ExecutionError
 from ..realtime import bounded, outside_the_run
 from ._claims import UIDS, ClaimError, Claims, survey_uids
+from ._protocol import IsolationSpec, NamespaceIsolationSpec, OwnMounts, UserIsolationSpec, ViewSpec
 
 __all__ = [
     "DEFAULT_CHILD_USERS",
@@ -217,7 +218,7 @@ class Isolated:
             proc = "a /proc of their own PID namespace"
         return "; ".join(part for part in (private, proc) if part)
 
-    def _own_mounts(self, grant: Grant) -> dict[str, Any]:
+    def _own_mounts(self, grant: Grant) -> OwnMounts:
         """What of the spawn message's ``isolation`` is mounted in the child's own mount
         namespace (see ``_bootstrap.own_mounts``)."""
         keep = [(path, False) for path in self.keep]
@@ -225,7 +226,7 @@ class Isolated:
             keep.append((str(self.homes_kept / grant.home.name), True))
         return {"private": list(self.private), "keep": keep, "proc": not self.proc_refused}
 
-    def spec(self, grant: Grant) -> dict[str, Any]:
+    def spec(self, grant: Grant) -> IsolationSpec:
         """The spawn message's ``isolation`` (see ``_bootstrap.isolate``)."""
         raise NotImplementedError(f"children isolated by {self.kind} are granted nothing")
 
@@ -288,7 +289,7 @@ class NamespaceIsolation(Isolated):
             f"dumpable, so it leaves no core dump); {self._own()}; network {self.network}"
         )
 
-    def spec(self, grant: Grant) -> dict[str, Any]:
+    def spec(self, grant: Grant) -> NamespaceIsolationSpec:
         assert self.children is not None
         return {
             "hide": str(self.children.parent),
@@ -357,7 +358,8 @@ class UserIsolation(Isolated):
             f"{self._own()}; network {self.network}"
         )
 
-    def spec(self, grant: Grant) -> dict[str, Any]:
+    def spec(self, grant: Grant) -> UserIsolationSpec:
+        assert grant.uid is not None
         return {
             "uid": grant.uid,
             "home": str(grant.home),
@@ -720,8 +722,8 @@ async def _make_view(
 ) -> tuple[int, int]:
     """Make the children's view (see ``_bootstrap.make_view``): its descriptor, and that
     of the tmpfs at ``homes`` in it."""
-    spec = {"covers": covers, "binds": binds, "homes": str(homes)}
-    payload = marshal.dumps(spec)
+    spec: ViewSpec = {"covers": covers, "binds": binds, "homes": str(homes)}
+    payload = marshal.dumps(dict(spec))
 
     def make() -> tuple[int, int]:
         maker = subprocess.Popen(

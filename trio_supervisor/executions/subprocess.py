@@ -43,13 +43,14 @@ and our signal (a pidfd pins the process while its start time is checked again).
 
 Where the parts live: this module is the face (construction, spawn, recover, logs);
 ``_options`` checks the options it is made with; ``_bringup`` makes the host ready as
-it starts (cgroups, isolation, containment, fork server); ``_containment`` chooses
-the mechanism; ``_groups`` reads ``/proc`` and signals, reaps and waits for process
-groups; ``_trees`` finds, freezes and kills process trees; ``_unit`` is a child and
-the control-socket protocol; ``_standby`` starts interpreters, and the one kept ahead
-of the next load; ``_forkserver`` forks them from a prepared one; ``_output`` copies
-capped output; ``_logs`` keeps the logs; ``_claims`` claims what a runner holds of the
-machine (uids, cgroups) in its name, and takes back what runners that are gone held.
+it starts (cgroups, isolation, containment, fork server); ``_protocol`` types the
+messages to and from the bootstrap; ``_containment`` chooses the mechanism;
+``_groups`` reads ``/proc`` and signals, reaps and waits for process groups; ``_trees``
+finds, freezes and kills process trees; ``_unit`` is a child and the control-socket
+protocol; ``_standby`` starts interpreters, and the one kept ahead of the next load;
+``_forkserver`` forks them from a prepared one; ``_output`` copies capped output;
+``_logs`` keeps the logs; ``_claims`` claims what a runner holds of the machine (uids,
+cgroups) in its name, and takes back what runners that are gone held.
 
 Known limits: a child that is not isolated (``isolation="none"``) sees the host's
 ``/proc`` from its namespace, so its ``os.getpid()`` (the namespace's) names another
@@ -88,7 +89,7 @@ import subprocess
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Literal, Self
 
 import attrs
 import trio
@@ -109,6 +110,7 @@ from ._isolation import DEFAULT_CHILD_USERS, Grant, Isolated, Isolation, Network
 from ._logs import Logs
 from ._options import Options
 from ._output import copy_output
+from ._protocol import SpawnCommand
 from ._standby import Interpreter, Standby, start_interpreter
 from ._trees import Tree, kill_recorded, process_table
 from ._unit import ProcessUnit, failure
@@ -434,16 +436,21 @@ class SubprocessExecution:
 
     # -- spawn and recover ------------------------------------------------------------
 
-    def _plan(self, load: Load) -> dict[str, Any]:
+    def _kind(self, load: Load) -> Literal["command", "python"]:
+        """What ``load`` names: a named command, or an entry point on the entry paths.
+
+        Raises:
+            PackageError: Neither, or an entry point where no entry path is configured.
+        """
         specifier = load.specifier
         if specifier in self.commands:
-            return {"kind": "command", "argv": list(self.commands[specifier])}
+            return "command"
         if ENTRY_POINT.match(specifier):
             if not self.entry_paths:
                 raise PackageError(
                     f"no entry paths are configured, so {specifier!r} cannot be loaded"
                 )
-            return {"kind": "python", "paths": list(self.entry_paths)}
+            return "python"
         commands = ", ".join(sorted(self.commands)) or "none"
         hint = (
             f" (did you mean {specifier}:main, a function main in the module {specifier}?)"
@@ -456,11 +463,12 @@ class SubprocessExecution:
             f"{hint}"
         )
 
-    def _spec(self, handle: Handle, load: Load, limits: Limits) -> dict[str, Any]:
+    def _spec(self, handle: Handle, load: Load, limits: Limits) -> SpawnCommand:
         """The spawn message for ``load`` (see ``_bootstrap.py``)."""
         limits = self.cgroups.rlimits(limits)  # what a cgroup holds is not setrlimit's
-        return {
+        spec: SpawnCommand = {
             "command": "spawn",
+            "kind": self._kind(load),
             "specifier": load.specifier,
             "limits": {
                 "memory_bytes": limits.memory_bytes,
@@ -474,8 +482,12 @@ class SubprocessExecution:
                 "generation": handle.generation,
                 "config": thaw(load.config),
             },
-            **self._plan(load),
         }
+        if spec["kind"] == "command":
+            spec["argv"] = list(self.commands[load.specifier])
+        else:
+            spec["paths"] = list(self.entry_paths)
+        return spec
 
     def _environment(self, handle: Handle) -> dict[str, str]:
         environment = self.options.base_environment()
@@ -598,7 +610,11 @@ class SubprocessExecution:
         standby = self._standby.take(nursery) if limits.output_bytes is None else None
         if standby is not None:
             # Started ahead: it learns where its output goes and its environment now.
-            warm = {**spec, "log": str(log), "environment": self._environment(handle)}
+            warm: SpawnCommand = {
+                **spec,
+                "log": str(log),
+                "environment": self._environment(handle),
+            }
             unit = await self._prepare(nursery, load, standby, warm, None, log, limits)
             if unit is not None:
                 return unit
@@ -633,7 +649,7 @@ class SubprocessExecution:
         nursery: trio.Nursery,
         load: Load,
         interpreter: Interpreter,
-        spec: Mapping[str, Any],
+        spec: SpawnCommand,
         reader: int | None,
         log: Path,
         limits: Limits,
