@@ -120,20 +120,6 @@ _ASK = (
 )
 
 
-def check_users(users: object) -> range:
-    """``users`` as a range of uids a child may get, or ValueError naming the problem."""
-    if not isinstance(users, range) or users.step != 1:
-        raise ValueError(f"isolation_users must be a range of uids with step 1, got {users!r}")
-    if len(users) == 0:
-        raise ValueError(f"isolation_users is empty: {users!r}")
-    if users.start < 1 or users.stop - 1 > UID_MAX:
-        raise ValueError(
-            f"isolation_users must lie within 1-{UID_MAX} (0 is root), got "
-            f"{users.start}-{users.stop - 1}"
-        )
-    return users
-
-
 @attrs.frozen
 class Grant:
     """What one child was given: its uid (and gid; None in a namespace), and its

@@ -20,7 +20,7 @@ import attrs
 from ._cgroups import ROOT as CGROUP_ROOT
 from ._containment import CONTAINMENTS, Containment
 from ._forkserver import check_preload
-from ._isolation import DEFAULT_CHILD_USERS, ISOLATIONS, NETWORKS, Isolation, Network, check_users
+from ._isolation import DEFAULT_CHILD_USERS, ISOLATIONS, NETWORKS, UID_MAX, Isolation, Network
 
 __all__ = ["ALLOWED_ENVIRONMENT", "Options"]
 
@@ -67,8 +67,17 @@ def _one_of(allowed: tuple[str, ...]) -> Callable[[Options, attrs.Attribute[str]
     return check
 
 
-def _users(options: Options, attribute: attrs.Attribute[range], users: range) -> None:
-    check_users(users)
+def _users(options: Options, attribute: attrs.Attribute[range], users: object) -> None:
+    """``users`` must be a range of uids a child may get: ValueError naming the problem."""
+    if not isinstance(users, range) or users.step != 1:
+        raise ValueError(f"isolation_users must be a range of uids with step 1, got {users!r}")
+    if len(users) == 0:
+        raise ValueError(f"isolation_users is empty: {users!r}")
+    if users.start < 1 or users.stop - 1 > UID_MAX:
+        raise ValueError(
+            f"isolation_users must lie within 1-{UID_MAX} (0 is root), got "
+            f"{users.start}-{users.stop - 1}"
+        )
 
 
 @attrs.frozen(kw_only=True)

@@ -333,10 +333,12 @@ class SubprocessExecution:
 
     @property
     def subreaper(self) -> bool:
+        """Whether this process is a child subreaper while the execution runs."""
         return self.options.subreaper
 
     @property
     def standby(self) -> bool:
+        """Whether one bootstrap interpreter is kept started ahead of the next load."""
         return self.options.standby
 
     @property
@@ -346,14 +348,17 @@ class SubprocessExecution:
 
     @property
     def fork_server(self) -> bool:
+        """Whether children are forked by a fork server."""
         return self.options.fork_server
 
     @property
     def preload(self) -> tuple[str, ...]:
+        """What the fork server imports before it forks anyone."""
         return self.options.preload
 
     @property
     def cgroup_root(self) -> Path | None:
+        """Where the cgroup hierarchies are mounted (None: no cgroups)."""
         return self.options.cgroup_root
 
     @property
@@ -363,10 +368,12 @@ class SubprocessExecution:
 
     @property
     def isolation_users(self) -> range:
+        """The uids isolated children get."""
         return self.options.isolation_users
 
     @property
     def network(self) -> Network:
+        """The children's network: "host", or "none"."""
         return self.options.network
 
     @property
