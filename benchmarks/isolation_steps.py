@@ -20,6 +20,8 @@ from pathlib import Path
 import trio
 
 from trio_supervisor.executions import _bootstrap, _isolation
+from trio_supervisor.executions._isolation import Network
+from trio_supervisor.executions._protocol import IsolationSpec
 from trio_supervisor.executions._standby import compile_bootstrap
 
 USERS = range(2_100_000_000, 2_100_000_100)  # not the default range: runners may run
@@ -66,11 +68,17 @@ async def main() -> None:
             print(f"claim, per child: {median_ms(claims)}; give back: {median_ms(releases)}")
             _bootstrap.bind("unshare", "prctl", "setns")
             _bootstrap.bind_mount()  # as a bootstrap does before its spawn message
-            for network, proc in (("host", True), ("none", True), ("host", False)):
+            settings: tuple[tuple[Network, bool], ...] = (
+                ("host", True),
+                ("none", True),
+                ("host", False),
+            )
+            for network, proc in settings:
                 steps = []
                 for _ in range(TIMES):
                     grant = await isolated.claim()
-                    spec = {**isolated.spec(grant), "network": network, "proc": proc}
+                    spec = isolated.spec(grant)
+                    spec["network"], spec["proc"] = network, proc
                     steps.append(_isolate_in_a_child(spec))
                     await isolated.release(grant)
                 print(
@@ -81,7 +89,7 @@ async def main() -> None:
             isolated.close()
 
 
-def _isolate_in_a_child(spec: dict[str, object]) -> float:
+def _isolate_in_a_child(spec: IsolationSpec) -> float:
     reader, writer = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover  # the middle process: a PID namespace, and its PID 1

@@ -5,7 +5,8 @@ whose other end the supervisor holds, HOW is how the child is contained ("pid" o
 "user" for a PID namespace, "sweep" for none) and STRICT says whether a namespace is
 required ("strict") or may fall back to the sweep ("lax"). The supervisor started this
 process in a session and process group of its own. Messages are length-prefixed
-``marshal`` values (4-byte big-endian length, then the payload):
+``marshal`` values (4-byte big-endian length, then the payload), each typed once for
+both sides in ``_protocol`` (imported for the type checker alone):
 
     child -> supervisor   {"event": "tracked", "pid": 1234}   first: which process is T
     supervisor -> child   {"command": "join", "make": [...], "cgroups": [...]}   to a
@@ -103,7 +104,22 @@ import time
 
 TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: importing typing costs milliseconds
 if TYPE_CHECKING:
-    from typing import Any, NoReturn
+    from typing import Any, Literal, NoReturn, TypeGuard
+
+    # The messages, typed once for both sides (the runner's imports them at run time).
+    from ._protocol import (
+        Code,
+        Command,
+        Event,
+        ForkRequest,
+        IsolationSpec,
+        NamespaceIsolationSpec,
+        OwnMounts,
+        RLimits,
+        ServerReply,
+        SpawnCommand,
+        ViewSpec,
+    )
 
 # How long after its lease deadline the child kills itself when no renewal came. The
 # supervisor stops an expired session itself at the deadline; this is for a supervisor
@@ -155,8 +171,8 @@ class Control:
         self.fd = fd
         self.buffer = b""
 
-    def send(self, message: dict[str, Any]) -> None:
-        payload = marshal.dumps(message)
+    def send(self, message: Event) -> None:
+        payload = marshal.dumps(dict(message))
         data = len(payload).to_bytes(4, "big") + payload
         try:
             while data:
@@ -530,12 +546,11 @@ class Tracked:
         After an interrupt only EOF counts, so the lease cannot cut a graceful stop short.
         """
         while True:
-            message = self.control.take()
+            message: Command | None = self.control.take()
             if message is not None:
-                command = message.get("command")
-                if command == "renew":
+                if message["command"] == "renew":
                     self.renew(message["lease"])
-                elif command == "start" and until_start:
+                elif message["command"] == "start" and until_start:
                     return
                 continue
             if not until_start and self.reap():
@@ -573,7 +588,7 @@ class Tracked:
                 self.status = status
         return self.status is not None
 
-    def fork_plugin(self, spec: dict[str, Any]) -> int:
+    def fork_plugin(self, spec: SpawnCommand) -> int:
         """Fork P, which waits for :meth:`start`; return 0 in P once started, else its
         pid."""
         # Swept, P must not outlive T; in a namespace, T's exit ends it anyway.
@@ -639,7 +654,7 @@ class Tracked:
 # -- P: the plugin --------------------------------------------------------------------
 
 
-def fork_plugin(spec: dict[str, Any]) -> tuple[int, int]:
+def fork_plugin(spec: SpawnCommand) -> tuple[int, int]:
     """Fork P, with the signals held; ``(0, starter)`` in P, else ``(pid, started)``.
 
     For a named command, ``started`` and ``starter`` are the two ends of a pipe that
@@ -659,7 +674,7 @@ def fork_plugin(spec: dict[str, Any]) -> tuple[int, int]:
 
 
 def become_plugin(
-    spec: dict[str, Any],
+    spec: SpawnCommand,
     control: Control,
     *,
     parent: int | None,
@@ -713,7 +728,7 @@ def refuse(message: str, control: Control, starter: int) -> NoReturn:
     os._exit(1)
 
 
-def isolate(isolation: dict[str, Any], *, own_pids: bool) -> None:
+def isolate(isolation: IsolationSpec, *, own_pids: bool) -> None:
     """(P, still root) Become the isolated child the runner prepared.
 
     In order: a network namespace with loopback alone (``"network": "none"``); the
@@ -749,7 +764,7 @@ def isolate(isolation: dict[str, Any], *, own_pids: bool) -> None:
     if isolation.get("network") == "none":
         libc("unshare", CLONE_NEWNET)
         loopback_up()
-    view = isolation.get("view", -1)
+    view = isolation["view"]
     if view >= 0:
         libc("setns", view, CLONE_NEWNS)  # also sets the working directory to "/"
         os.close(view)
@@ -769,7 +784,7 @@ def isolate(isolation: dict[str, Any], *, own_pids: bool) -> None:
     os.environ["TMPDIR"] = isolation["tmp"]
 
 
-def hide_state(isolation: dict[str, Any], *, own_pids: bool) -> None:
+def hide_state(isolation: NamespaceIsolationSpec, *, own_pids: bool) -> None:
     """(P, with the runner's uid) Make a mount namespace (and a network namespace,
     without a network), with what is the child's alone in it (:func:`own_mounts`), cover
     the state directory with an empty tmpfs there and mount the private directory back;
@@ -814,7 +829,7 @@ def hide_state(isolation: dict[str, Any], *, own_pids: bool) -> None:
     os.environ["TMPDIR"] = isolation["tmp"]
 
 
-def own_mounts(isolation: dict[str, Any], *, own_pids: bool) -> None:
+def own_mounts(isolation: OwnMounts, *, own_pids: bool) -> None:
     """(P, privileged in a mount namespace of its own, whose mounts propagate nowhere)
     Mount what is this child's alone.
 
@@ -874,7 +889,7 @@ def loopback_up() -> None:
         probe.close()
 
 
-def run_command(spec: dict[str, Any], control: Control, starter: int) -> NoReturn:
+def run_command(spec: SpawnCommand, control: Control, starter: int) -> NoReturn:
     """Become the named command (exec); on failure say why through ``starter``."""
     os.set_inheritable(control.fd, False)  # the command does not get the socket
     for number in (_signal.SIGPIPE, _signal.SIGXFSZ):
@@ -960,7 +975,7 @@ def which(executable: str) -> str | None:
     return None
 
 
-def resolve(spec: dict[str, Any]) -> dict[str, str | None]:
+def resolve(spec: SpawnCommand) -> Code:
     """Find what to run; return its code identity. Runs none of the caller's code."""
     if spec["kind"] == "command":
         argv = spec["argv"]
@@ -1010,19 +1025,17 @@ def leave_cgroups(procs: list[str]) -> None:
         quietly(os.rmdir, parent)
 
 
-def apply_limits(limits: dict[str, int | None]) -> None:
+def apply_limits(limits: RLimits) -> None:
     if all(value is None for value in limits.values()):
         return
     import resource
 
-    which_limit = {
-        "memory_bytes": resource.RLIMIT_AS,
-        "cpu_seconds": resource.RLIMIT_CPU,
-        "open_files": resource.RLIMIT_NOFILE,
-        "file_size_bytes": resource.RLIMIT_FSIZE,
-    }
-    for name, number in which_limit.items():
-        value = limits.get(name)
+    for name, number, value in (
+        ("memory_bytes", resource.RLIMIT_AS, limits["memory_bytes"]),
+        ("cpu_seconds", resource.RLIMIT_CPU, limits["cpu_seconds"]),
+        ("open_files", resource.RLIMIT_NOFILE, limits["open_files"]),
+        ("file_size_bytes", resource.RLIMIT_FSIZE, limits["file_size_bytes"]),
+    ):
         if name == "cpu_seconds" and value is not None and value > CPU_SECONDS_MAX:
             # setrlimit takes it, but the kernel's CPU timer counts nanoseconds in 64
             # bits: the product wraps, and the child is killed within a tick or two.
@@ -1100,7 +1113,7 @@ def entry_point(module: Any, attribute: str, specifier: str) -> Any:
     return target
 
 
-def run_entry_point(spec: dict[str, Any], context: Context, control: Control) -> int | str:
+def run_entry_point(spec: SpawnCommand, context: Context, control: Control) -> int | str:
     module_name, _, attribute = spec["specifier"].partition(":")
     sys.path[:0] = spec["paths"]
     try:
@@ -1183,7 +1196,7 @@ def die_by(number: int) -> None:
     time.sleep(60)  # the signal ends us
 
 
-def plugin_main(spec: dict[str, Any], control: Control) -> int:
+def plugin_main(spec: SpawnCommand, control: Control) -> int:
     """P, for an entry point: run it; its result is P's exit, an interrupt its SIGTERM."""
     # An interrupt becomes a KeyboardInterrupt in the entry point (sync code, or Trio's
     # own handling of SIGINT), so it can clean up.
@@ -1296,7 +1309,7 @@ def make_view() -> int:
     own at ``homes``. Prints ``ready FD`` (FD: its descriptor of ``homes``) and holds
     the namespace until stdin closes; the runner keeps descriptors of both by then.
     """
-    spec = marshal.loads(sys.stdin.buffer.read(int(sys.stdin.buffer.readline())))
+    spec: ViewSpec = marshal.loads(sys.stdin.buffer.read(int(sys.stdin.buffer.readline())))
     mount = bind_mount()
     os.umask(0)
     libc("unshare", CLONE_NEWNS)
@@ -1334,6 +1347,11 @@ def make_view() -> int:
     return 0
 
 
+def is_command(message: Any) -> TypeGuard[Command]:
+    """Whether ``message``, as read, is one of the supervisor's commands."""
+    return isinstance(message, dict) and "command" in message
+
+
 def main() -> int:
     if sys.argv[1:] == ["probe"]:
         return probe()
@@ -1349,19 +1367,20 @@ def main() -> int:
     bind_mount()
     if len(sys.argv) > 2:  # started by the supervisor (a forked T has the FD alone)
         launch(control, sys.argv[2], sys.argv[3] == "strict")
-    spec = control.read()
+    command = control.read()
     ahead: list[str] = []  # a standby's cgroup, joined while it waited
-    while isinstance(spec, dict) and spec.get("command") == "join":
+    while is_command(command) and command["command"] == "join":
         try:
-            for directory in spec["make"]:
+            for directory in command["make"]:
                 os.makedirs(directory)
-            join_cgroups(spec["cgroups"])
-            ahead = spec["cgroups"]
+            join_cgroups(command["cgroups"])
+            ahead = command["cgroups"]
         except OSError:
             ahead = []  # the supervisor makes it, and it joins, as it resolves
-        spec = control.read()
-    if not isinstance(spec, dict) or spec.get("command") != "spawn":
+        command = control.read()
+    if not (is_command(command) and command["command"] == "spawn"):
         return 2
+    spec = command
     if "isolation" in spec:
         # T stays root (or the runner's uid): nobody but root may trace it or read its
         # /proc files, its root directory included, through which the state directory
@@ -1386,7 +1405,7 @@ def main() -> int:
         message = f"cannot prepare the child: {error}"
         control.send({"event": "failed", "kind": "ExecutionError", "message": message})
         return 1
-    containment = "namespace" if os.getpid() == 1 else "sweep"
+    containment: Literal["namespace", "sweep"] = "namespace" if os.getpid() == 1 else "sweep"
     tracked = Tracked(control, containment)
     tracked.cgroups = spec.get("cgroups") or spec.get("joined", [])
     control.send({"event": "resolved", "code": code, "containment": containment})
@@ -1426,6 +1445,10 @@ def serve(fd: int, how: str, strict: bool, preload: list[str]) -> None:
     # the runner's files through its /proc/PID/root.
     libc("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
     server = _socket.socket(fileno=fd)
+
+    def answer(reply: ServerReply) -> None:
+        server.send(marshal.dumps(dict(reply)))
+
     # No parent-death signal: it fires when the *thread* that started us ends, and Trio
     # starts processes from worker threads that end when idle. EOF on FD is the signal.
     try:
@@ -1437,13 +1460,13 @@ def serve(fd: int, how: str, strict: bool, preload: list[str]) -> None:
         for name in preload:
             __import__(name)
     except BaseException as error:  # a module the owner named cannot be imported
-        server.send(marshal.dumps({"event": "failed", "message": f"{error!r}"}))
+        answer({"event": "failed", "message": f"{error!r}"})
         os._exit(1)
     # Whatever is alive now is never collected in a child, so a collection there does
     # not copy the pages it shares with us.
     gc.collect()
     gc.freeze()
-    server.send(marshal.dumps({"event": "ready"}))
+    answer({"event": "ready"})
     descriptors = _socket.CMSG_SPACE(3 * 4)
     while True:
         try:
@@ -1461,8 +1484,7 @@ def serve(fd: int, how: str, strict: bool, preload: list[str]) -> None:
         truncated = flags & (_socket.MSG_TRUNC | _socket.MSG_CTRUNC)
         if truncated or len(fds) != 3:
             close_all(*fds)
-            reply = {"event": "failed", "message": "a fork request needs 3 descriptors"}
-            server.send(marshal.dumps(reply))
+            answer({"event": "failed", "message": "a fork request needs 3 descriptors"})
             continue
         request = marshal.loads(data)
         pid = fork_tracked(server.fileno(), how, strict)
@@ -1471,9 +1493,9 @@ def serve(fd: int, how: str, strict: bool, preload: list[str]) -> None:
             return
         close_all(*fds)
         if pid < 0:
-            server.send(marshal.dumps({"event": "failed", "message": "the child did not start"}))
+            answer({"event": "failed", "message": "the child did not start"})
         else:
-            server.send(marshal.dumps({"pid": pid}))
+            answer({"pid": pid})
 
 
 def fork_tracked(server: int, how: str, strict: bool) -> int:
@@ -1508,7 +1530,7 @@ def fork_tracked(server: int, how: str, strict: bool) -> int:
     return int(text) if text else -1
 
 
-def become_tracked(request: dict[str, Any], fds: list[int]) -> None:
+def become_tracked(request: ForkRequest, fds: list[int]) -> None:
     """In a forked T: take the request's output, environment and descriptors."""
     control, marked, output = fds
     os.dup2(output, 1)

@@ -59,6 +59,7 @@ import trio
 
 from ..errors import ExecutionError
 from ..realtime import bounded, outside_the_run
+from ._protocol import ForkRequest
 from ._standby import ForkedProcess, Interpreter
 
 __all__ = ["Broken", "ForkServer", "check_preload"]
@@ -187,9 +188,10 @@ class ForkServer:
         """
         ours, theirs = socket.socketpair()
         marker, marked = os.pipe()
+        request: ForkRequest = {"environment": dict(environment)}
         try:
             pid = await self._request(
-                marshal.dumps({"environment": dict(environment)}), [theirs.fileno(), marked, output]
+                marshal.dumps(dict(request)), [theirs.fileno(), marked, output]
             )
             return Interpreter(ForkedProcess(pid), ours, marker)
         except BaseException:

@@ -52,6 +52,12 @@ the state directory and only its private directory is mounted back; it then drop
 capability and takes ``PR_SET_NO_NEW_PRIVS``. It still runs as the runner's uid, so it
 may read what the runner's user may read outside the state directory; the log says so.
 Where the kernel allows no user namespace, "auto" refuses to start, naming what to do.
+
+Each kind is a class of its own behind one interface, :class:`Isolated`:
+:class:`UserIsolation` ("users"), :class:`NamespaceIsolation` ("namespace") and
+:class:`NoIsolation` ("none"), chosen once by :func:`prepare`. The execution asks the
+one it has to claim, describe, spell out and release what a child is given, never
+which kind it is.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ import subprocess
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
 import attrs
 import trio
@@ -75,8 +81,19 @@ import trio
 from ..errors import ExecutionError
 from ..realtime import bounded, outside_the_run
 from ._claims import UIDS, ClaimError, Claims, survey_uids
+from ._protocol import IsolationSpec, NamespaceIsolationSpec, OwnMounts, UserIsolationSpec, ViewSpec
 
-__all__ = ["DEFAULT_CHILD_USERS", "ISOLATIONS", "NETWORKS", "Grant", "Isolated", "Isolation"]
+__all__ = [
+    "DEFAULT_CHILD_USERS",
+    "ISOLATIONS",
+    "NETWORKS",
+    "Grant",
+    "Isolated",
+    "Isolation",
+    "NamespaceIsolation",
+    "NoIsolation",
+    "UserIsolation",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -103,20 +120,6 @@ _ASK = (
 )
 
 
-def check_users(users: object) -> range:
-    """``users`` as a range of uids a child may get, or ValueError naming the problem."""
-    if not isinstance(users, range) or users.step != 1:
-        raise ValueError(f"isolation_users must be a range of uids with step 1, got {users!r}")
-    if len(users) == 0:
-        raise ValueError(f"isolation_users is empty: {users!r}")
-    if users.start < 1 or users.stop - 1 > UID_MAX:
-        raise ValueError(
-            f"isolation_users must lie within 1-{UID_MAX} (0 is root), got "
-            f"{users.start}-{users.stop - 1}"
-        )
-    return users
-
-
 @attrs.frozen
 class Grant:
     """What one child was given: its uid (and gid; None in a namespace), and its
@@ -131,24 +134,20 @@ class Grant:
         return self.home
 
 
-@attrs.define
+@attrs.define(kw_only=True)
 class Isolated:
-    """An execution's isolation, found and prepared once by :func:`prepare`.
+    """An execution's isolation, found and prepared once by :func:`prepare`: the one
+    interface of every kind, each a class of its own (:class:`NoIsolation`,
+    :class:`NamespaceIsolation`, :class:`UserIsolation`), so the execution never asks
+    which kind it has. What this class does is what a kind that gives children nothing
+    of their own does; what only a kind that isolates can do (:meth:`claim`,
+    :meth:`spec`, :meth:`release`) it refuses.
 
     Attributes:
-        kind: "users" (a uid per child), "namespace" (a user and mount namespace per
-            child), or "none".
-        users: The uids children get, for "users".
+        reason: Why this kind, for the log.
         network: "host", or "none" (a network namespace with loopback alone).
-        view: The children's view (a mount namespace's descriptor), or -1.
-        homes: For "users": the private directories' parent, a tmpfs that exists in
-            the view alone (a directory's descriptor; -1 otherwise). Making and
-            removing a directory there costs microseconds, where a journaling file
-            system takes a millisecond, and whatever a child left goes with the view.
         children: Where the private directories are, as children see it
             (``STATE/children``).
-        covered: What the view covers, for the log.
-        claims: Where uids are claimed machine-wide (``_claims``), by this runner.
         private: The directories of ``PRIVATE`` a child gets a fresh tmpfs over (those
             that are directories here, as their real paths).
         keep: What children need below one of them (the interpreter, the entry paths,
@@ -160,59 +159,41 @@ class Isolated:
             the containment.
     """
 
-    kind: Literal["users", "namespace", "none"]
-    users: range | None = None
-    network: Network = "host"
-    view: int = -1
-    homes: int = -1
-    children: Path | None = None
-    covered: tuple[str, ...] = ()
-    claims: Claims | None = None
+    kind: ClassVar[Literal["users", "namespace", "none"]]
+    used: ClassVar[bool] = True
+
     reason: str = ""
+    network: Network = "host"
+    children: Path | None = None
     private: tuple[str, ...] = ()
     keep: tuple[str, ...] = ()
     homes_kept: Path | None = None
     proc_refused: str = "the containment is not known yet"
-    _free: list[int] = attrs.field(factory=list)
-    _held: set[int] = attrs.field(factory=set)
-    _made: Iterator[int] = attrs.field(factory=lambda: itertools.count(1))  # namespace homes
-    # One survey of the claims at a time: loads that run short together share one.
-    _surveying: trio.Lock = attrs.field(factory=trio.Lock)
-    _looked: int = 0
 
     @property
-    def used(self) -> bool:
-        return self.kind != "none"
+    def view(self) -> int:
+        """The children's view (a mount namespace's descriptor every bootstrap
+        inherits), or -1."""
+        return -1
+
+    @property
+    def homes(self) -> int:
+        """The private directories' parent as the runner reaches it (a directory's
+        descriptor), or -1."""
+        return -1
 
     @property
     def free_uids(self) -> int:
         """How many uids a child may get now."""
-        return len(self._free)
+        return 0
 
     def is_free(self, uid: int) -> bool:
         """Whether a child may get ``uid`` now (this runner knows it free)."""
-        return uid in self._free
+        return False
 
     def describe(self) -> str:
         """One line for the log."""
-        if self.kind == "none":
-            return f"nothing: they run as the runner's user ({self.reason})"
-        if self.kind == "namespace":
-            return (
-                "a user and mount namespace each, in which the state directory is hidden "
-                f"but for its private directory under {self.children}, with no capabilities "
-                "and no new privileges; they run as the runner's uid, and may read what "
-                f"it may outside the state directory ({self.reason}; the runner is not "
-                f"dumpable, so it leaves no core dump); {self._own()}; network {self.network}"
-            )
-        assert self.users is not None
-        last = self.users.stop - 1
-        return (
-            f"uids {self.users.start}-{last} of their own ({len(self._free)} free), "
-            f"no new privileges, a private directory in a tmpfs at {self.children}, and a "
-            f"view of the file system that covers {', '.join(self.covered)}; "
-            f"{self._own()}; network {self.network}"
-        )
+        raise NotImplementedError
 
     def _own(self) -> str:
         """What each child has of its own beside, for the log."""
@@ -223,43 +204,160 @@ class Isolated:
             proc = "a /proc of their own PID namespace"
         return "; ".join(part for part in (private, proc) if part)
 
-    def spec(self, grant: Grant) -> dict[str, Any]:
-        """The spawn message's ``isolation`` (see ``_bootstrap.isolate``)."""
+    def _own_mounts(self, grant: Grant) -> OwnMounts:
+        """What of the spawn message's ``isolation`` is mounted in the child's own mount
+        namespace (see ``_bootstrap.own_mounts``)."""
         keep = [(path, False) for path in self.keep]
         if self.homes_kept is not None:  # after what it may lie in
             keep.append((str(self.homes_kept / grant.home.name), True))
-        own = {"private": list(self.private), "keep": keep, "proc": not self.proc_refused}
-        if grant.uid is None:
-            assert self.children is not None
-            return {
-                "hide": str(self.children.parent),
-                # Below a fresh tmpfs, the state directory is out of sight already.
-                "cover": self.homes_kept is None,
-                "home": str(grant.home),
-                "tmp": str(grant.tmp),
-                "network": self.network,
-                **own,
-            }
+        return {"private": list(self.private), "keep": keep, "proc": not self.proc_refused}
+
+    def spec(self, grant: Grant) -> IsolationSpec:
+        """The spawn message's ``isolation`` (see ``_bootstrap.isolate``)."""
+        raise NotImplementedError(f"children isolated by {self.kind} are granted nothing")
+
+    def home_of(self, uid: int) -> Path:
+        """The private directory of the child running as ``uid``, as the runner reaches it."""
+        raise NotImplementedError(f"children isolated by {self.kind} have no uid of their own")
+
+    async def claim(self) -> Grant:
+        """What the next child is given, claimed, with its private directory made (owned
+        by it, mode 0700).
+
+        Raises:
+            ExecutionError: Nothing is left to give.
+        """
+        raise NotImplementedError(f"children isolated by {self.kind} are granted nothing")
+
+    async def release(self, grant: Grant) -> None:
+        """Remove a gone child's private directory, and give back what it was granted."""
+        raise NotImplementedError(f"children isolated by {self.kind} are granted nothing")
+
+    async def recovered(self, uid: int) -> None:
+        """Free the uid of a child an earlier run on this state directory left, now that
+        recovery ended it."""
+        await trio.lowlevel.checkpoint()
+
+    def let_go(self) -> None:
+        """The execution ends: let go of what it still holds for children whose end it
+        was never shown."""
+
+    def close(self) -> None:
+        """Close what the runner holds of the children's file system."""
+
+
+@attrs.define(kw_only=True)
+class NoIsolation(Isolated):
+    """``"none"``: children run as the runner's user, in its state directory."""
+
+    kind: ClassVar[Literal["none"]] = "none"
+    used: ClassVar[bool] = False
+
+    def describe(self) -> str:
+        return f"nothing: they run as the runner's user ({self.reason})"
+
+
+@attrs.define(kw_only=True)
+class NamespaceIsolation(Isolated):
+    """``"namespace"``: each child makes a user and mount namespace of its own, in which
+    the state directory is hidden but for its private directory (made on the host, as
+    ``STATE/children/n<number>``)."""
+
+    kind: ClassVar[Literal["namespace"]] = "namespace"
+    _made: Iterator[int] = attrs.field(factory=lambda: itertools.count(1))
+
+    def describe(self) -> str:
+        return (
+            "a user and mount namespace each, in which the state directory is hidden "
+            f"but for its private directory under {self.children}, with no capabilities "
+            "and no new privileges; they run as the runner's uid, and may read what "
+            f"it may outside the state directory ({self.reason}; the runner is not "
+            f"dumpable, so it leaves no core dump); {self._own()}; network {self.network}"
+        )
+
+    def spec(self, grant: Grant) -> NamespaceIsolationSpec:
+        assert self.children is not None
+        return {
+            "hide": str(self.children.parent),
+            # Below a fresh tmpfs, the state directory is out of sight already.
+            "cover": self.homes_kept is None,
+            "home": str(grant.home),
+            "tmp": str(grant.tmp),
+            "network": self.network,
+            **self._own_mounts(grant),
+        }
+
+    async def claim(self) -> Grant:
+        assert self.children is not None
+        await trio.lowlevel.checkpoint()
+        home = self.children / f"n{next(self._made)}"
+        home.mkdir(mode=0o700)
+        return Grant(None, home)
+
+    async def release(self, grant: Grant) -> None:
+        # On the host's file system: not on the event loop.
+        with outside_the_run():
+            await trio.to_thread.run_sync(_remove_home, grant.home)
+
+
+@attrs.define(kw_only=True)
+class UserIsolation(Isolated):
+    """``"users"``: each child runs as a uid of its own, in the children's view.
+
+    Attributes:
+        users: The uids children get.
+        claims: Where uids are claimed machine-wide (``_claims``), by this runner.
+        view: The children's view (a mount namespace's descriptor).
+        homes: The private directories' parent, a tmpfs that exists in the view alone (a
+            directory's descriptor). Making and removing a directory there costs
+            microseconds, where a journaling file system takes a millisecond, and
+            whatever a child left goes with the view.
+        covered: What the view covers, for the log.
+    """
+
+    kind: ClassVar[Literal["users"]] = "users"
+
+    users: range
+    claims: Claims
+    view: int = -1
+    homes: int = -1
+    covered: tuple[str, ...] = ()
+    _free: list[int] = attrs.field(factory=list)
+    _held: set[int] = attrs.field(factory=set)
+    # One survey of the claims at a time: loads that run short together share one.
+    _surveying: trio.Lock = attrs.field(factory=trio.Lock)
+    _looked: int = 0
+
+    @property
+    def free_uids(self) -> int:
+        return len(self._free)
+
+    def is_free(self, uid: int) -> bool:
+        return uid in self._free
+
+    def describe(self) -> str:
+        last = self.users.stop - 1
+        return (
+            f"uids {self.users.start}-{last} of their own ({len(self._free)} free), "
+            f"no new privileges, a private directory in a tmpfs at {self.children}, and a "
+            f"view of the file system that covers {', '.join(self.covered)}; "
+            f"{self._own()}; network {self.network}"
+        )
+
+    def spec(self, grant: Grant) -> UserIsolationSpec:
+        assert grant.uid is not None
         return {
             "uid": grant.uid,
             "home": str(grant.home),
             "tmp": str(grant.tmp),
             "network": self.network,
             "view": self.view,
-            **own,
+            **self._own_mounts(grant),
         }
 
-    def reachable(self, grant: Grant) -> Path:
-        """The child's private directory as the runner reaches it (for "users", through
-        the descriptor of the view's tmpfs)."""
-        if grant.uid is None:
-            return grant.home
-        return Path(f"/proc/self/fd/{self.homes}/{grant.uid}")
-
     def home_of(self, uid: int) -> Path:
-        """The private directory of the child running as ``uid``, as the runner reaches it."""
-        assert self.children is not None
-        return self.reachable(Grant(uid, self.children / str(uid)))
+        """(Through the descriptor of the view's tmpfs.)"""
+        return Path(f"/proc/self/fd/{self.homes}/{uid}")
 
     async def claim(self) -> Grant:
         """A free uid, claimed, with its private directory made (owned by it, mode 0700).
@@ -270,13 +368,6 @@ class Isolated:
         Raises:
             ExecutionError: Every uid of the range is taken.
         """
-        assert self.children is not None
-        if self.kind == "namespace":
-            await trio.lowlevel.checkpoint()
-            home = self.children / f"n{next(self._made)}"
-            home.mkdir(mode=0o700)
-            return Grant(None, home)
-        assert self.users is not None
         grant = self._take()
         if grant is not None:
             await trio.lowlevel.checkpoint()
@@ -292,7 +383,6 @@ class Isolated:
 
     def _take(self) -> Grant | None:
         """The next free uid, claimed, or None where none is left."""
-        assert self.claims is not None
         assert self.children is not None
         while self._free:
             uid = self._free.pop()
@@ -313,8 +403,6 @@ class Isolated:
         """Look at the claims again: reclaim those of runners that are gone, and take
         every uid of the range that is free now (in a worker thread; one look at a time,
         which loads short of a uid together share)."""
-        assert self.claims is not None
-        assert self.users is not None
         assert self.children is not None
         looked = self._looked
         async with self._surveying:
@@ -335,23 +423,19 @@ class Isolated:
     async def release(self, grant: Grant) -> None:
         """Remove a gone child's private directory, and make its uid free again (its
         claim let go of even where this is cancelled: the execution ends, say)."""
-        if grant.uid is None:  # on the host's file system: not on the event loop
-            with outside_the_run():
-                await trio.to_thread.run_sync(_remove_home, grant.home)
-            return
+        assert grant.uid is not None
         try:
             os.rmdir(str(grant.uid), dir_fd=self.homes)  # most children leave it empty
         except FileNotFoundError:
             pass
         except OSError:
             with outside_the_run():
-                await trio.to_thread.run_sync(_remove_home, self.reachable(grant))
+                await trio.to_thread.run_sync(_remove_home, self.home_of(grant.uid))
         finally:
             self._give_back(grant.uid)
         await trio.lowlevel.checkpoint()
 
     def _give_back(self, uid: int) -> None:
-        assert self.claims is not None
         self._held.discard(uid)
         self.claims.drop(str(uid))
         self._free.append(uid)
@@ -361,9 +445,7 @@ class Isolated:
         recovery ended it (its private directory went with that run's view): its claim,
         of that run's dead runner, is reclaimed, unless another runner reclaimed it and
         claimed the uid since."""
-        if self.users is None or self.children is None or self.claims is None:
-            await trio.lowlevel.checkpoint()
-            return
+        assert self.children is not None
         if uid not in self.users or uid in self._held or uid in self._free:  # ours already
             await trio.lowlevel.checkpoint()
             return
@@ -379,8 +461,6 @@ class Isolated:
         shown (a child killed by :meth:`recover` while its unit of this run was dropped
         unwaited, say). A uid some process still runs as is never claimed again (the
         survey's rule), so this frees nothing in use."""
-        if self.claims is None:
-            return
         for uid in sorted(self._held):
             logger.info("uid %d: let go of as the execution ends (its child's end unseen)", uid)
             self._give_back(uid)
@@ -443,7 +523,7 @@ async def prepare(
     """
     if isolation == "none":
         await trio.lowlevel.checkpoint()
-        return Isolated("none", reason="isolation='none' was asked for")
+        return NoIsolation(reason="isolation='none' was asked for")
     children = state / CHILDREN
     if isolation == "namespace" or (isolation == "auto" and os.geteuid() != 0):
         refused = _user_namespaces_refused()
@@ -462,8 +542,7 @@ async def prepare(
         # /proc/<runner>/root: only root may look into a process that is not dumpable.
         _not_dumpable()
         why = "asked for" if isolation == "namespace" else f"the runner is uid {os.geteuid()}"
-        return Isolated(
-            "namespace",
+        return NamespaceIsolation(
             network=network,
             children=children,
             reason=why,
@@ -489,8 +568,7 @@ async def prepare(
     homes_kept = await trio.to_thread.run_sync(_kept, children, private)
     with outside_the_run():
         view, homes = await _make_view(bootstrap, covers, needed, children)
-    return Isolated(
-        "users",
+    return UserIsolation(
         users=users,
         claims=uids,
         network=network,
@@ -630,8 +708,8 @@ async def _make_view(
 ) -> tuple[int, int]:
     """Make the children's view (see ``_bootstrap.make_view``): its descriptor, and that
     of the tmpfs at ``homes`` in it."""
-    spec = {"covers": covers, "binds": binds, "homes": str(homes)}
-    payload = marshal.dumps(spec)
+    spec: ViewSpec = {"covers": covers, "binds": binds, "homes": str(homes)}
+    payload = marshal.dumps(dict(spec))
 
     def make() -> tuple[int, int]:
         maker = subprocess.Popen(

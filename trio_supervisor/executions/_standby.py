@@ -45,6 +45,7 @@ import trio
 from ..errors import ExecutionError
 from ..realtime import bounded, outside_the_run
 from ._cgroups import TreeCgroup
+from ._protocol import Command, JoinCommand
 
 __all__ = [
     "BOOTSTRAP",
@@ -132,8 +133,12 @@ class Interpreter:
         Raises:
             OSError: It is gone (the message could not be sent).
         """
-        message = {"command": "join", "make": cgroup.made_by_member()}
-        self.control.sendall(frame({**message, "cgroups": cgroup.procs}))
+        message: JoinCommand = {
+            "command": "join",
+            "make": cgroup.made_by_member(),
+            "cgroups": cgroup.procs,
+        }
+        self.control.sendall(frame(message))
         self.cgroup = cgroup
 
     async def discard(self) -> None:
@@ -288,7 +293,7 @@ async def _tracked(process: trio.Process, control: socket.socket) -> ChildProces
     return ForkedProcess(pid, maker=process)
 
 
-def frame(message: Mapping[str, Any]) -> bytes:
+def frame(message: Command) -> bytes:
     """One message of the control protocol: a 4-byte big-endian length, then marshal."""
     payload = marshal.dumps(dict(message))
     return len(payload).to_bytes(4, "big") + payload

@@ -45,8 +45,7 @@ import math
 import os
 import signal
 import socket
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -56,35 +55,37 @@ from ..model import ChildIdentity, CodeIdentity, ExitStatus, Load
 from ..realtime import bounded, outside_the_run
 from ._cgroups import TreeCgroup
 from ._groups import exit_status, group_gone, signal_group
+from ._protocol import Command, EofReply, Reply, SpawnCommand
 from ._standby import ChildProcess, ForkedProcess, frame, take_message
 from ._trees import Tree, left_behind, process_table, strays
 
 __all__ = ["ProcessUnit", "failure"]
 
 _CHUNK = 65536
-_EOF: dict[str, Any] = {"event": "eof"}
+_EOF: EofReply = {"event": "eof"}
 # How long an abandoned child, killed, may take to be reaped; how long the last of its
 # copied output may take to reach the log once its group is gone.
 KILL_CONFIRMATION = 5.0
 OUTPUT_DRAIN = 1.0
 
 
-def failure(reply: Mapping[str, Any], specifier: str, limits: str = "") -> Exception:
+def failure(reply: Reply, specifier: str, limits: str = "") -> Exception:
     """The error a reply other than the expected one stands for.
 
     ``limits`` names the rlimits the child runs under, if any: a child under limits
     that dies before it reports could not run under them, which is the request's fault.
     """
-    if reply.get("event") == "eof":
+    if reply["event"] == "eof":
         if limits:
             return PackageError(
                 f"the child for {specifier!r} could not run under the limits asked for ({limits})"
             )
         return ExecutionError(f"the child for {specifier!r} exited before it reported")
-    message = str(reply.get("message", reply))
-    if reply.get("kind") == "PackageError":
-        return PackageError(message)
-    return ExecutionError(message)
+    if reply["event"] != "failed":  # out of step with us
+        return ExecutionError(str(reply))
+    if reply["kind"] == "PackageError":
+        return PackageError(reply["message"])
+    return ExecutionError(reply["message"])
 
 
 class ProcessUnit:
@@ -148,24 +149,24 @@ class ProcessUnit:
     def identity(self) -> ChildIdentity:
         return self._identity
 
-    async def _send(self, message: Mapping[str, Any]) -> None:
+    async def _send(self, message: Command) -> None:
         async with self._send_lock:
             await self._control.send_all(frame(message))
 
-    async def _receive(self) -> dict[str, Any]:
+    async def _receive(self) -> Reply:
         while (taken := take_message(self._buffer)) is None:
             try:
                 chunk = await self._control.receive_some(_CHUNK)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 chunk = b""
             if not chunk:
-                return dict(_EOF)
+                return _EOF
             self._buffer += chunk
-        message: dict[str, Any]
+        message: Reply
         message, self._buffer = taken
         return message
 
-    async def resolve(self, spec: Mapping[str, Any]) -> bool:
+    async def resolve(self, spec: SpawnCommand) -> bool:
         """Send the spawn message and take in the code the bootstrap resolved.
 
         Returns:
@@ -195,12 +196,12 @@ class ProcessUnit:
             try:
                 await self._send(spec)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                reply = dict(_EOF)
+                reply: Reply = _EOF
             else:
                 reply = await self._receive()
-            if reply.get("event") == "resolved":
+            if reply["event"] == "resolved":
                 code = reply["code"]
-                self.containment = str(reply.get("containment", self.containment))
+                self.containment = reply["containment"]
                 self.code = CodeIdentity(
                     specifier=self._specifier,
                     origin=code["origin"],
@@ -208,7 +209,7 @@ class ProcessUnit:
                     version=code["version"],
                 )
                 return True
-            if reply.get("event") != "eof":
+            if reply["event"] != "eof":
                 raise failure(reply, self._specifier)
         except BaseException:
             await self._abandon()
@@ -237,7 +238,7 @@ class ProcessUnit:
                     f"the child for {self._specifier!r} is gone before it started"
                 ) from error
             reply = await self._receive()
-        if reply.get("event") != "started":
+        if reply["event"] != "started":
             raise failure(reply, self._specifier, self.limits)
 
     async def renew(self, lease: float) -> None:

@@ -42,13 +42,15 @@ time differs, so it is left alone), and the pid exits and is reused between our 
 and our signal (a pidfd pins the process while its start time is checked again).
 
 Where the parts live: this module is the face (construction, spawn, recover, logs);
-``_containment`` chooses the mechanism; ``_groups`` reads ``/proc`` and signals, reaps
-and waits for process groups; ``_trees`` finds, freezes and kills process trees;
-``_unit`` is a child and the control-socket protocol; ``_standby`` starts interpreters,
-and the one kept ahead of the next load; ``_forkserver`` forks them from a prepared one;
-``_output`` copies capped output; ``_logs`` keeps the logs; ``_claims`` claims what a
-runner holds of the machine (uids, cgroups) in its name, and takes back what runners
-that are gone held.
+``_options`` checks the options it is made with; ``_bringup`` makes the host ready as
+it starts (cgroups, isolation, containment, fork server); ``_protocol`` types the
+messages to and from the bootstrap; ``_containment`` chooses the mechanism;
+``_groups`` reads ``/proc`` and signals, reaps and waits for process groups; ``_trees``
+finds, freezes and kills process trees; ``_unit`` is a child and the control-socket
+protocol; ``_standby`` starts interpreters, and the one kept ahead of the next load;
+``_forkserver`` forks them from a prepared one; ``_output`` copies capped output;
+``_logs`` keeps the logs; ``_claims`` claims what a runner holds of the machine (uids,
+cgroups) in its name, and takes back what runners that are gone held.
 
 Known limits: a child that is not isolated (``isolation="none"``) sees the host's
 ``/proc`` from its namespace, so its ``os.getpid()`` (the namespace's) names another
@@ -83,12 +85,11 @@ import functools
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Literal, Self
 
 import attrs
 import trio
@@ -99,26 +100,18 @@ from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination, thaw
 from ..realtime import outside_the_run
 from ._bootstrap import LEASE_SLACK
+from ._bringup import Host
 from ._cgroups import ROOT as CGROUP_ROOT
-from ._cgroups import Hierarchies, TreeCgroup, detect
-from ._claims import CGROUPS, Claims, claims_root
-from ._containment import CONTAINMENTS, Containment, Mechanism, choose
-from ._forkserver import Broken, ForkServer, check_preload
-from ._groups import become_subreaper, boot_id, group_gone, read_stat, reap_group, start_time
-from ._isolation import (
-    DEFAULT_CHILD_USERS,
-    ISOLATIONS,
-    NETWORKS,
-    Grant,
-    Isolated,
-    Isolation,
-    Network,
-    check_users,
-    prepare,
-)
+from ._cgroups import Hierarchies, TreeCgroup
+from ._containment import Containment, Mechanism
+from ._forkserver import Broken
+from ._groups import boot_id, group_gone, read_stat, reap_group, start_time
+from ._isolation import DEFAULT_CHILD_USERS, Grant, Isolated, Isolation, Network
 from ._logs import Logs
+from ._options import Options
 from ._output import copy_output
-from ._standby import BOOTSTRAP, Interpreter, Standby, compile_bootstrap, start_interpreter
+from ._protocol import SpawnCommand
+from ._standby import Interpreter, Standby, start_interpreter
 from ._trees import Tree, kill_recorded, process_table
 from ._unit import ProcessUnit, failure
 
@@ -129,7 +122,6 @@ logger = logging.getLogger(__name__)
 ADAPTER = "subprocess"
 # package.module:function, the function's parts public names (see _bootstrap.entry_point).
 ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z]\w*(\.[A-Za-z]\w*)*$")
-ALLOWED_ENVIRONMENT = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
 # Interpreters that may boot at once: one per core the runner may use.
 BOOTING = max(len(os.sched_getaffinity(0)), 1)
 
@@ -228,60 +220,28 @@ class SubprocessExecution:
         isolation_users: range = DEFAULT_CHILD_USERS,
         network: Network = "host",
     ) -> None:
-        if isolation not in ISOLATIONS:
-            raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
-        if network not in NETWORKS:
-            raise ValueError(f"network must be one of {NETWORKS}, got {network!r}")
-        if network == "none" and isolation == "none":
-            raise ValueError("network='none' needs isolation: the child would undo it as root")
-        self.isolation: Isolation = isolation
-        self.isolation_users = check_users(isolation_users)
-        self.network: Network = network
-        if containment not in CONTAINMENTS:
-            raise ValueError(f"containment must be one of {CONTAINMENTS}, got {containment!r}")
-        if fork_server and not subreaper:
-            raise ValueError(
-                "fork_server=True needs subreaper=True: a forked child is re-parented to "
-                "this process, which can wait for it only as a child subreaper"
-            )
-        if containment == "namespace" and not subreaper:
-            raise ValueError(
-                "containment='namespace' needs subreaper=True: each child's tracked "
-                "process is the PID 1 of its namespace, re-parented to this process, "
-                "which can wait for it only as a child subreaper"
-            )
-        self.preload = check_preload(preload)
-        # Absolute: children run with the state directory as their working directory.
-        self.state_directory = Path(state_directory).absolute()
-        self.entry_paths = tuple(str(Path(path).resolve()) for path in entry_paths)
-        self.commands: dict[str, tuple[str, ...]] = {}
-        for name, argv in (commands or {}).items():
-            if not isinstance(name, str) or not name or not argv or isinstance(argv, str):
-                raise ValueError(
-                    "a named command needs a name and a non-empty argv list, "
-                    f"got {name!r}: {argv!r}"
-                )
-            if not all(isinstance(part, str) for part in argv):
-                raise TypeError(f"the argv of the command {name!r} must be strings")
-            self.commands[name] = tuple(argv)
-        self.environment = dict(environment or {})
-        self.python = python
-        self.subreaper = subreaper
-        self.standby = standby
-        self.containment: Containment = containment
-        self.fork_server = fork_server
-        self.cgroup_root = None if cgroup_root is None else Path(cgroup_root)
-        # Until entered: none.
-        self.cgroups = Hierarchies(parent="", reason="not entered yet")
-        self.isolated = Isolated("none", reason="not entered yet")
-        self._server: ForkServer | None = None
-        # Until entered: the sweep, which every kernel allows.
-        self.mechanism = Mechanism(kind="sweep", unshare=None, required=False, reason="")
+        self.options = Options(
+            state_directory=state_directory,
+            entry_paths=entry_paths,
+            commands=commands,
+            environment=environment,
+            python=python,
+            subreaper=subreaper,
+            standby=standby,
+            containment=containment,
+            fork_server=fork_server,
+            preload=preload,
+            cgroup_root=cgroup_root,
+            isolation=isolation,
+            isolation_users=isolation_users,
+            network=network,
+        )
+        # Until entered: nothing of the host's (see _bringup).
+        self._host = Host()
         self._boot_id = boot_id()
         self._logs = Logs(self.state_directory)
         self._nursery: trio.Nursery | None = None
         self._stack: contextlib.AsyncExitStack | None = None
-        self._bootstrap = BOOTSTRAP
         self._standby = Standby(self._start_standby)
         # The tree limits of the last load that resolved under them: from then on each
         # standby waits in a cgroup of its own, in the hierarchies they need.
@@ -295,61 +255,13 @@ class SubprocessExecution:
         if self._stack is not None:
             raise RuntimeError("this SubprocessExecution is already running")
         (self.state_directory / "logs").mkdir(parents=True, exist_ok=True)
-        if self.subreaper:
-            become_subreaper()
         stack = contextlib.AsyncExitStack()
         self._nursery = await stack.enter_async_context(open_background_nursery())
         self._stack = stack
         self._nursery.start_soon(self._logs.remove_evicted, name="evicted records' logs")
-        if self.python == sys.executable:
-            self._bootstrap = await trio.to_thread.run_sync(compile_bootstrap, self.state_directory)
         self._standby = Standby(self._start_standby)  # afresh: this run may start them
-        claims = await trio.to_thread.run_sync(claims_root)
-        self.cgroups = await trio.to_thread.run_sync(self._detect, claims)
-        stack.callback(self.cgroups.close)
-        # First, as it ends: what children ended by their dead-man switch left.
-        stack.callback(self.cgroups.remove_empty_leftovers)
-        # Populated ones are left to recovery, which finds them by their records; and
-        # what runners that are gone left on other state directories goes too.
-        await trio.to_thread.run_sync(self.cgroups.remove_empty_leftovers)
-        await trio.to_thread.run_sync(self.cgroups.reclaim)
         try:
-            self.isolated = await prepare(
-                self.isolation,
-                self.isolation_users,
-                self.network,
-                state=self.state_directory,
-                python=self.python,
-                # The runner's own interpreter makes the view: compiled for it, or not.
-                bootstrap=self._bootstrap if self.python == sys.executable else BOOTSTRAP,
-                entry_paths=self.entry_paths,
-                executables=self._executables(),
-                claims=claims,
-            )
-            stack.callback(self.isolated.close)
-            if self.subreaper:
-                self.mechanism = await choose(self.containment, self.python, self._bootstrap)
-            else:
-                self.mechanism = Mechanism(
-                    kind="sweep",
-                    unshare=None,
-                    required=self.containment == "sweep",
-                    reason="subreaper=False, and a namespace's PID 1 is re-parented to us",
-                )
-            self.isolated.proc_refused = self.mechanism.proc_refused
-            if self.fork_server:
-                self._server = ForkServer(
-                    self.python,
-                    self._bootstrap,
-                    directory=self.state_directory,
-                    environment=self._base_environment(),
-                    preload=self.preload,
-                    containment=self.mechanism.spec,
-                    strict=self.mechanism.required,
-                    keep=self._keep(),
-                )
-                stack.push_async_callback(self._server.aclose)
-                await self._server.start()
+            await self._host.bring_up(self.options, stack)
         except BaseException as error:
             await self.__aexit__(type(error), error, error.__traceback__)
             raise
@@ -390,31 +302,111 @@ class SubprocessExecution:
             self._logs.flush()
             await self._standby.close()
             # Its cgroup went with it: the parents are empty only now.
-            self.cgroups.close()
-            self.cgroups.let_go()
-            self.isolated.let_go()
+            self._host.let_go()
 
-    def _detect(self, claims: Path) -> Hierarchies:
-        """The cgroups children may get, this execution's parent claimed in ``claims``
-        (the machine's claims; none claimed where the runner is not root, as only root
-        may write them). Blocking."""
-        owned = None
-        if self.cgroup_root is not None and os.geteuid() == 0:
-            try:
-                owned = Claims.of(CGROUPS, claims)
-            except (OSError, ExecutionError) as error:
-                logger.warning("this execution's cgroups cannot be claimed: %s", error)
-        return detect(self.cgroup_root, self.state_directory, owned)
+    # -- the options, as given (read-only), and the host as bring-up left it -----------
+
+    @property
+    def state_directory(self) -> Path:
+        """Where the logs, and the children's private directories, are (absolute)."""
+        return self.options.state_directory
+
+    @property
+    def entry_paths(self) -> tuple[str, ...]:
+        """Where entry points are found (resolved)."""
+        return self.options.entry_paths
+
+    @property
+    def commands(self) -> dict[str, tuple[str, ...]]:
+        """The named commands, ``name -> argv``."""
+        return self.options.commands
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """The extra environment of every child."""
+        return self.options.environment
+
+    @property
+    def python(self) -> str:
+        """The interpreter that runs the bootstrap."""
+        return self.options.python
+
+    @property
+    def subreaper(self) -> bool:
+        """Whether this process is a child subreaper while the execution runs."""
+        return self.options.subreaper
+
+    @property
+    def standby(self) -> bool:
+        """Whether one bootstrap interpreter is kept started ahead of the next load."""
+        return self.options.standby
+
+    @property
+    def containment(self) -> Containment:
+        """The containment asked for (:attr:`mechanism` is the one chosen)."""
+        return self.options.containment
+
+    @property
+    def fork_server(self) -> bool:
+        """Whether children are forked by a fork server."""
+        return self.options.fork_server
+
+    @property
+    def preload(self) -> tuple[str, ...]:
+        """What the fork server imports before it forks anyone."""
+        return self.options.preload
+
+    @property
+    def cgroup_root(self) -> Path | None:
+        """Where the cgroup hierarchies are mounted (None: no cgroups)."""
+        return self.options.cgroup_root
+
+    @property
+    def isolation(self) -> Isolation:
+        """The isolation asked for (:attr:`isolated` is the one prepared)."""
+        return self.options.isolation
+
+    @property
+    def isolation_users(self) -> range:
+        """The uids isolated children get."""
+        return self.options.isolation_users
+
+    @property
+    def network(self) -> Network:
+        """The children's network: "host", or "none"."""
+        return self.options.network
+
+    @property
+    def cgroups(self) -> Hierarchies:
+        """The cgroup hierarchies that hold children's trees (none until entered)."""
+        return self._host.cgroups
+
+    @property
+    def isolated(self) -> Isolated:
+        """How children are isolated (not at all until entered)."""
+        return self._host.isolated
+
+    @property
+    def mechanism(self) -> Mechanism:
+        """How a child's tree is held (the sweep until entered)."""
+        return self._host.mechanism
+
+    @mechanism.setter
+    def mechanism(self, mechanism: Mechanism) -> None:
+        """Another containment, for the children started from now on."""
+        self._host.mechanism = mechanism
 
     @property
     def fork_server_pid(self) -> int | None:
         """The fork server's pid while it runs, else None."""
-        return self._server.pid if self._server is not None else None
+        server = self._host.server
+        return server.pid if server is not None else None
 
     @property
     def fork_server_forks(self) -> int:
         """How many children the fork server has made since the execution started."""
-        return self._server.forks if self._server is not None else 0
+        server = self._host.server
+        return server.forks if server is not None else 0
 
     # -- logs -------------------------------------------------------------------------
 
@@ -451,16 +443,21 @@ class SubprocessExecution:
 
     # -- spawn and recover ------------------------------------------------------------
 
-    def _plan(self, load: Load) -> dict[str, Any]:
+    def _kind(self, load: Load) -> Literal["command", "python"]:
+        """What ``load`` names: a named command, or an entry point on the entry paths.
+
+        Raises:
+            PackageError: Neither, or an entry point where no entry path is configured.
+        """
         specifier = load.specifier
         if specifier in self.commands:
-            return {"kind": "command", "argv": list(self.commands[specifier])}
+            return "command"
         if ENTRY_POINT.match(specifier):
             if not self.entry_paths:
                 raise PackageError(
                     f"no entry paths are configured, so {specifier!r} cannot be loaded"
                 )
-            return {"kind": "python", "paths": list(self.entry_paths)}
+            return "python"
         commands = ", ".join(sorted(self.commands)) or "none"
         hint = (
             f" (did you mean {specifier}:main, a function main in the module {specifier}?)"
@@ -473,11 +470,12 @@ class SubprocessExecution:
             f"{hint}"
         )
 
-    def _spec(self, handle: Handle, load: Load, limits: Limits) -> dict[str, Any]:
+    def _spec(self, handle: Handle, load: Load, limits: Limits) -> SpawnCommand:
         """The spawn message for ``load`` (see ``_bootstrap.py``)."""
         limits = self.cgroups.rlimits(limits)  # what a cgroup holds is not setrlimit's
-        return {
+        spec: SpawnCommand = {
             "command": "spawn",
+            "kind": self._kind(load),
             "specifier": load.specifier,
             "limits": {
                 "memory_bytes": limits.memory_bytes,
@@ -491,27 +489,15 @@ class SubprocessExecution:
                 "generation": handle.generation,
                 "config": thaw(load.config),
             },
-            **self._plan(load),
         }
-
-    def _executables(self) -> list[str]:
-        """The named commands' executables, as a child finds them (for the view)."""
-        path = self._base_environment().get("PATH", os.defpath)
-        found = (shutil.which(argv[0], path=path) for argv in self.commands.values())
-        return [os.path.realpath(executable) for executable in found if executable]
-
-    def _keep(self) -> tuple[int, ...]:
-        """Descriptors every bootstrap inherits: the children's view, if there is one."""
-        return (self.isolated.view,) if self.isolated.view >= 0 else ()
-
-    def _base_environment(self) -> dict[str, str]:
-        environment = {name: os.environ[name] for name in ALLOWED_ENVIRONMENT if name in os.environ}
-        environment.update(self.environment)
-        environment["PYTHONUNBUFFERED"] = "1"
-        return environment
+        if spec["kind"] == "command":
+            spec["argv"] = list(self.commands[load.specifier])
+        else:
+            spec["paths"] = list(self.entry_paths)
+        return spec
 
     def _environment(self, handle: Handle) -> dict[str, str]:
-        environment = self._base_environment()
+        environment = self.options.base_environment()
         environment["TRIO_SUPERVISOR_IDENTITY"] = handle.key.identity
         environment["TRIO_SUPERVISOR_INSTANCE"] = handle.key.instance
         environment["TRIO_SUPERVISOR_GENERATION"] = str(handle.generation)
@@ -522,7 +508,7 @@ class SubprocessExecution:
     ) -> Interpreter:
         """An interpreter, forked by the fork server or started; with ``tree`` (tree
         limits), one started is moved into a cgroup of its own while it boots."""
-        server = self._server
+        server = self._host.server
         if server is not None and self._nursery is not None:
             if server.running:
                 try:
@@ -542,14 +528,14 @@ class SubprocessExecution:
         # between creations.
         return await start_interpreter(
             self.python,
-            self._bootstrap,
+            self._host.bootstrap,
             environment=environment,
             output=output,
             directory=self.state_directory,
             containment=self.mechanism.spec,
             strict=self.mechanism.required,
             creating=self._creating,
-            keep=self._keep(),
+            keep=self._host.keep,
             # The limits are written as it resolves, not before it boots: one that it
             # cannot boot under fails the load as the request's fault (PackageError).
             join=None if tree is None else functools.partial(self._prepared, limits=tree),
@@ -567,12 +553,14 @@ class SubprocessExecution:
 
     async def _start_standby(self) -> Interpreter:
         # Output goes nowhere until the spawn message names the session's log.
-        if self._server is None or not self._server.running:
-            interpreter = await self._start_cold(self._base_environment(), subprocess.DEVNULL)
+        if self._host.server is None or not self._host.server.running:
+            interpreter = await self._start_cold(
+                self.options.base_environment(), subprocess.DEVNULL
+            )
         else:
             nowhere = os.open(os.devnull, os.O_WRONLY)
             try:
-                interpreter = await self._start(self._base_environment(), nowhere)
+                interpreter = await self._start(self.options.base_environment(), nowhere)
             finally:
                 os.close(nowhere)
         if self._expected is not None and self.python == sys.executable:
@@ -629,7 +617,11 @@ class SubprocessExecution:
         standby = self._standby.take(nursery) if limits.output_bytes is None else None
         if standby is not None:
             # Started ahead: it learns where its output goes and its environment now.
-            warm = {**spec, "log": str(log), "environment": self._environment(handle)}
+            warm: SpawnCommand = {
+                **spec,
+                "log": str(log),
+                "environment": self._environment(handle),
+            }
             unit = await self._prepare(nursery, load, standby, warm, None, log, limits)
             if unit is not None:
                 return unit
@@ -664,7 +656,7 @@ class SubprocessExecution:
         nursery: trio.Nursery,
         load: Load,
         interpreter: Interpreter,
-        spec: Mapping[str, Any],
+        spec: SpawnCommand,
         reader: int | None,
         log: Path,
         limits: Limits,
