@@ -53,16 +53,8 @@ from trio_supervisor.executions._claims import UIDS, Claim, ClaimError, claims_r
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.executions._unit import ProcessUnit
 
-from ..support import (
-    launched,
-    reap_orphans,
-    running,
-    settled,
-    survivors,
-    until,
-    until_logged,
-    until_stopped,
-)
+from ..support.processes import launched, reap_orphans, running, survivors
+from ..support.waits import settled, until, until_logged, until_stopped
 from .children import MECHANISMS, NAMESPACES
 
 PLUGINS = Path(__file__).parent / "plugins_escape"

@@ -30,7 +30,9 @@ from trio_supervisor import (
 )
 from trio_supervisor.executions._groups import read_stat
 
-from ..support import opened, report_in, until, until_logged
+from ..support.plugins import report_in
+from ..support.sessions import opened
+from ..support.waits import until, until_logged
 from .children import bootstraps
 
 PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"

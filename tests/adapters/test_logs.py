@@ -27,7 +27,8 @@ from trio_supervisor import (
 )
 from trio_supervisor.abc import Store
 
-from ..support import BOUND, PLUGINS, until, until_logged
+from ..support.plugins import PLUGINS
+from ..support.waits import BOUND, until, until_logged
 
 HEARTBEAT = Load(specifier="heartbeat:main")
 KEY = Key(identity="logs", instance="a")

@@ -50,8 +50,9 @@ from trio_supervisor.stores._postgres_sql import SCHEMA_VERSION
 from trio_supervisor.testing import FakeExecution
 from trio_supervisor.testing.contracts import StoreContract, StoreFactory
 
-from ..support import KEY, supervise_embedded, until, until_stopped
-from ..tcp_proxy import TcpProxy
+from ..support.sessions import KEY, supervise_embedded
+from ..support.tcp_proxy import TcpProxy
+from ..support.waits import until, until_stopped
 
 DONE = Termination(kind="exited", exit=ExitStatus(code=0))
 

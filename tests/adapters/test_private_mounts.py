@@ -36,7 +36,9 @@ from trio_supervisor import (
 from trio_supervisor.executions import _containment
 from trio_supervisor.executions._isolation import PRIVATE
 
-from ..support import BOUND, IN_SYSTEM_TMP, ISOLATION, until_logged
+from ..support.plugins import ISOLATION
+from ..support.processes import IN_SYSTEM_TMP
+from ..support.waits import BOUND, until_logged
 from .children import STARTS, attacks, loaded
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")

@@ -37,7 +37,9 @@ from trio_supervisor import (
 from trio_supervisor.executions._cgroups import ROOT, TreeCgroup, detect
 from trio_supervisor.executions._standby import Interpreter
 
-from ..support import opened, reap_orphans, until, until_logged, until_stopped
+from ..support.processes import reap_orphans
+from ..support.sessions import opened
+from ..support.waits import until, until_logged, until_stopped
 
 PLUGINS = Path(__file__).parent / "plugins_limits"
 EXAMPLES = Path(__file__).parents[2] / "examples" / "plugins"

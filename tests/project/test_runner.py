@@ -22,7 +22,8 @@ from trio_supervisor.executions._cgroups import PARENT, detect, execution_name
 from trio_supervisor.executions._cgroups import ROOT as CGROUP_ROOT
 from trio_supervisor.executions._claims import CGROUPS, Claims, claims_root
 
-from ..support import descendants, launched, reap_orphans, running, settled, survivors
+from ..support.processes import descendants, launched, reap_orphans, running, survivors
+from ..support.waits import settled
 
 ROOT = Path(__file__).parents[2]
 RUNNER = ROOT / "examples" / "runner.py"

@@ -34,8 +34,9 @@ from trio_supervisor import (
 from trio_supervisor.abc import FleetMember
 from trio_supervisor.testing import FakeExecution
 
-from ..support import KEY, OTHER, supervise_embedded, until
-from ..tcp_proxy import TcpProxy
+from ..support.sessions import KEY, OTHER, supervise_embedded
+from ..support.tcp_proxy import TcpProxy
+from ..support.waits import until
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution
 
-from ..support import supervise_embedded
+from ..support.sessions import supervise_embedded
 
 ACME = ("acme-*", "shared")  # the tenant's identities
 LOAD = Load(specifier="x")

@@ -1,11 +1,11 @@
 """The runner's API, fuzzed from its own OpenAPI document (schemathesis).
 
-A real ``trio-supervisor serve`` process (``tests/support.py``'s ``serving``) serves the document at
-``GET /openapi.json``; schemathesis reads it from there and, for every operation in
-it, generates requests that fit the document (positive) and requests that do not
-(negative). Each answer must hold to the document: no 5xx, a documented status code, a
-documented content type and a body of the documented schema (docs/service.md section A,
-"Errors": nothing a client sends yields a 5xx).
+A real ``trio-supervisor serve`` process (``tests/support/runners.py``'s ``serving``)
+serves the document at ``GET /openapi.json``; schemathesis reads it from there and, for
+every operation in it, generates requests that fit the document (positive) and requests
+that do not (negative). Each answer must hold to the document: no 5xx, a documented
+status code, a documented content type and a body of the documented schema
+(docs/service.md section A, "Errors": nothing a client sends yields a 5xx).
 
 Random handles almost never name a real session, so the fuzzer would only ever meet
 404s past ``open``. The session and operator calls therefore also get real sessions:
@@ -52,7 +52,7 @@ from schemathesis.specs.openapi.checks import (
 from trio_supervisor.model import MAX_LEASE, MIN_LEASE
 from trio_supervisor.service.openapi import document
 
-from ..support import Runner, serving
+from ..support.runners import Runner, serving
 
 EXAMPLES_VARIABLE: Final = "TRIO_SUPERVISOR_API_EXAMPLES"
 DEFAULT_EXAMPLES: Final = 25  # per operation: the short pass of plain pytest (and CI)

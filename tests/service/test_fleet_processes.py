@@ -1,8 +1,8 @@
 """Three ``trio-supervisor serve`` processes on one PostgreSQL database: a fleet.
 
 Real runner processes, real children (the example plugins), the machine's real
-PostgreSQL (a database of this module's own, tests/postgres.py). What is checked is
-what the issue promises a fleet does (docs/design.md, "The fleet"):
+PostgreSQL (a database of this module's own, tests/support/postgres.py). What is checked
+is what the issue promises a fleet does (docs/design.md, "The fleet"):
 
 * F3: racing opens of one key from three runners hand out each generation once;
 * F6: an open that supersedes a session held by another runner returns only once that
@@ -54,8 +54,10 @@ from trio_supervisor import (
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.executions._groups import read_stat
 
-from ..support import Runner, process_state, reap_orphans, running, serving, until
-from ..tcp_proxy import TcpProxy
+from ..support.processes import process_state, reap_orphans, running
+from ..support.runners import Runner, serving
+from ..support.tcp_proxy import TcpProxy
+from ..support.waits import until
 
 KEY = Key(identity="fleet", instance="one")
 RUNNER_LEASE = 1.0  # each runner's row: renewed every third of it

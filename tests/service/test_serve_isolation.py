@@ -17,7 +17,9 @@ import pytest
 
 from trio_supervisor import Key, Load
 
-from ..support import ISOLATION, serving, until
+from ..support.plugins import ISOLATION
+from ..support.runners import serving
+from ..support.waits import until
 
 BOUND = 30.0
 

@@ -26,7 +26,10 @@ from trio_supervisor.executions._cgroups import detect
 from trio_supervisor.service.capacity import DEFAULT_MEMORY, DEFAULT_PROCESSES
 from trio_supervisor.service.tenants import token_hash
 
-from ..support import ROOT, Runner, launched, serving, until
+from ..support import ROOT
+from ..support.processes import launched
+from ..support.runners import Runner, serving
+from ..support.waits import until
 
 LIMIT_PLUGINS: Final = ROOT / "tests" / "adapters" / "plugins_limits"
 MIB: Final = 1 << 20
