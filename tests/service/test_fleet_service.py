@@ -46,6 +46,7 @@ from trio_supervisor.service.tenants_file import Roster
 from trio_supervisor.testing import FakeExecution
 
 from ..support import ROOT
+from ..support.postgres import own_schema
 from ..support.runners import serving
 from ..support.service import HOSTS_TOKEN, OPERATOR_TOKEN, served
 from ..support.sessions import supervise_embedded
@@ -63,12 +64,8 @@ LOAD: Final = Load(specifier="fake:ok")
 @pytest.fixture
 def schema(database: str) -> Iterator[str]:
     """A schema no store used yet, for this test's fleet; dropped afterwards."""
-    name = f"t_{uuid.uuid4().hex[:16]}"
-    try:
+    with own_schema(database) as name:
         yield name
-    finally:
-        with psycopg.connect(database, autocommit=True) as connection:
-            connection.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
 @attrs.frozen
