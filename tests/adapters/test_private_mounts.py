@@ -36,7 +36,7 @@ from trio_supervisor import (
 from trio_supervisor.executions import _containment
 from trio_supervisor.executions._isolation import PRIVATE
 
-from ..support.plugins import ISOLATION
+from ..support.plugins import ISOLATION, PLUGINS
 from ..support.processes import IN_SYSTEM_TMP
 from ..support.waits import BOUND, until_logged
 from .children import STARTS, attacks, loaded
@@ -44,7 +44,6 @@ from .children import STARTS, attacks, loaded
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")
 
 KINDS = ("users", "namespace")
-EXAMPLES = Path(__file__).parents[2] / "examples" / "plugins"
 
 
 @pytest.fixture(params=list(STARTS))
@@ -156,7 +155,7 @@ async def test_the_kill_still_ends_a_stubborn_child_and_its_grandchildren(
     async with (
         SubprocessExecution(
             tmp_path,
-            entry_paths=[EXAMPLES],
+            entry_paths=[PLUGINS],
             fork_server=start["fork_server"],
             standby=start["standby"],
         ) as execution,

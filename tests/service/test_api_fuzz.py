@@ -96,7 +96,7 @@ OPERATIONS = [
 
 POOL = 12  # real sessions the session calls may be pointed at (the latest ones)
 SPECIFIERS = ("heartbeat:main", "crasher:main", "inspector:main")
-LEASE = 5.0  # seconds: the pool's own sessions (and their children) do not linger
+POOL_LEASE = 5.0  # seconds: the pool's own sessions (and their children) do not linger
 TIMEOUT = 30.0  # seconds for one call (a dispose waits for its child to end)
 # Limits that become setrlimit calls or cgroup limits of the child. A load under limits
 # the child cannot start with is a 500 for now (see
@@ -134,7 +134,7 @@ class Pool:
             return self.records[choice]
         number = next(self.opened)
         key = {"identity": "fuzz", "instance": f"pool-{number}"}
-        body = {"key": key, "request_id": f"pool-{number}", "lease": LEASE}
+        body = {"key": key, "request_id": f"pool-{number}", "lease": POOL_LEASE}
         record: dict[str, Any] = self.call("/v1/open", body)["record"]
         if loaded:
             load = {"specifier": "heartbeat:main", "config": {"period": 0.5}}

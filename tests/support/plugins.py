@@ -11,6 +11,8 @@ from . import ROOT
 PLUGINS: Final = ROOT / "examples" / "plugins"
 # The isolation tests' plugins (entry path): attacks on the runner and on other children.
 ISOLATION: Final = ROOT / "tests" / "adapters" / "plugins_isolation"
+# The tree limits tests' plugins (entry path): hogs of memory, processes and CPU.
+LIMITS: Final = ROOT / "tests" / "adapters" / "plugins_limits"
 
 
 def report_in(log: str) -> dict[str, Any]:
