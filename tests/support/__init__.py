@@ -1,11 +1,11 @@
-"""What the tests share, by concern; a test module imports from here, never from another
-test module.
+"""What the tests share, by concern: a test module imports it from here (the tests that
+run real children also from tests/adapters/children.py), never from another test module.
 
 * :mod:`.waits`: bounded waits (:func:`~.waits.until`, :func:`~.waits.settled`) and BOUND;
 * :mod:`.processes`: processes through /proc, the one way a test starts a process and
   waits for its readiness handshake (:func:`~.processes.launched`), what tells this run's
   leftovers from other runs' (the leak guards', conftest.py), another pytest run;
-* :mod:`.plugins`: where the plugins are (PLUGINS, ISOLATION) and what they report;
+* :mod:`.plugins`: where the plugins are (PLUGINS, ISOLATION, LIMITS) and what they report;
 * :mod:`.sessions`: the rules' supervisor (KEY, OTHER, :func:`~.sessions.supervise`,
   embedded or over the wire) and what opens and ends its sessions;
 * :mod:`.service`: a supervisor served in the test's own Trio run, its clients and tokens;
