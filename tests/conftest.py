@@ -34,9 +34,10 @@ from trio_supervisor.executions._claims import (
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.testing import FakeExecution
 
-from . import support
-from .postgres import database  # noqa: F401  (the fixture, for every module)
-from .support import supervise
+from .support import sessions
+from .support.postgres import database  # noqa: F401  (the fixture, for every module)
+from .support.processes import IN_SYSTEM_TMP
+from .support.sessions import supervise
 
 # The tests of these rules run twice: on the embedded supervisor, and over the wire
 # (docs/service.md section A), except those marked ``embedded_only`` (they look inside it).
@@ -57,11 +58,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def wire(request: pytest.FixtureRequest) -> Iterator[str]:
     """How this test reaches its supervisor: "embedded", or "remote" over HTTP."""
     chosen = getattr(request, "param", "embedded")
-    support.WIRE[0] = chosen
+    sessions.WIRE[0] = chosen
     try:
         yield chosen
     finally:
-        support.WIRE[0] = "embedded"
+        sessions.WIRE[0] = "embedded"
 
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -256,7 +257,7 @@ def no_leaked_cgroups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
     directories = (
         f"{tempfile.gettempdir()}/",
         f"{tmp_path_factory.getbasetemp()}/",
-        f"/tmp/{support.IN_SYSTEM_TMP}",
+        f"/tmp/{IN_SYSTEM_TMP}",
     )
     left = _cgroups_of(directories)
     if left:

@@ -46,15 +46,9 @@ from trio_supervisor.executions._claims import (
 )
 from trio_supervisor.executions._groups import boot_id, read_stat
 
-from ..support import (
-    BOUND,
-    ISOLATION,
-    launched,
-    reap_orphans,
-    settled,
-    uids_of_this_run,
-    until,
-)
+from ..support.plugins import ISOLATION
+from ..support.processes import launched, reap_orphans, uids_of_this_run
+from ..support.waits import BOUND, settled, until
 
 HOLDER = ISOLATION / "holder.py"
 SLEEP = shutil.which("sleep") or "/bin/sleep"

@@ -53,23 +53,14 @@ from trio_supervisor.executions._claims import UIDS, Claim, ClaimError, claims_r
 from trio_supervisor.executions._groups import read_stat
 from trio_supervisor.executions._unit import ProcessUnit
 
-from ..support import (
-    launched,
-    reap_orphans,
-    running,
-    settled,
-    survivors,
-    until,
-    until_logged,
-    until_stopped,
-)
+from ..support import ROOT
+from ..support.processes import launched, reap_orphans, running, survivors
+from ..support.waits import BOUND, settled, until, until_logged, until_stopped
 from .children import MECHANISMS, NAMESPACES
 
-PLUGINS = Path(__file__).parent / "plugins_escape"
-RUNNER = PLUGINS / "runner.py"
-ROOT = Path(__file__).parents[2]
-LEASE = 1.0  # the runner script's, and the expiring sessions'
-BOUND = 20.0
+ESCAPE = Path(__file__).parent / "plugins_escape"
+RUNNER = ESCAPE / "runner.py"
+SESSION_LEASE = 1.0  # the runner script's, and the expiring sessions'
 # What each plugin leaves running (its "left" lines): the hydra is itself one, and its
 # sleep another; while it forks, a child or two of it are running as well.
 LEAVES = {"daemon": 1, "regroup": 1, "storm": 60, "vanish": 1, "hydra": 2}
@@ -166,7 +157,7 @@ async def supervising(
     async with (
         SubprocessExecution(
             directory,
-            entry_paths=[PLUGINS],
+            entry_paths=[ESCAPE],
             containment=containment,  # type: ignore[arg-type]
             fork_server=fork_server,
         ) as execution,
@@ -285,14 +276,14 @@ async def test_dispose_ends_everything_the_plugins_left(
 async def test_an_expired_lease_ends_everything_the_plugins_left(
     tmp_path: Path, containment: str, nonce: str
 ) -> None:
-    async with supervising(tmp_path, containment, lease=LEASE) as (execution, supervisor):
+    async with supervising(tmp_path, containment, lease=SESSION_LEASE) as (execution, supervisor):
         with trio.CancelScope() as renewing:
             # Renewed until every plugin is ready, then left to expire.
             async with trio.open_nursery() as nursery:
 
                 async def renew_all() -> None:
                     while True:
-                        await trio.sleep(LEASE / 4)
+                        await trio.sleep(SESSION_LEASE / 4)
                         for handle in list(handles.values()):
                             with contextlib.suppress(Exception):
                                 await supervisor.renew(handle)
@@ -452,8 +443,8 @@ def test_a_killed_runner_leaves_nothing_behind(
         # The dead-man switch: every tree ends with its runner, within the lease + 2 s.
         # (A namespace's processes are gone a moment before its PID 1, whose exit ends
         # them, has finished exiting.)
-        assert gone_within(nonce, LEASE + 2) == set()
-        assert not survivors(children.values(), LEASE + 2)
+        assert gone_within(nonce, SESSION_LEASE + 2) == set()
+        assert not survivors(children.values(), SESSION_LEASE + 2)
     reap_orphans()
     # Each tracked process removed its cgroup as it ended, with nobody else to do it.
     assert cgroups_of(tmp_path) == []
@@ -522,7 +513,7 @@ async def test_the_mechanism_in_use_is_logged_and_a_child_reports_its_own(
         with caplog.at_level(logging.INFO, "trio_supervisor.executions.subprocess"):
             async with SubprocessExecution(
                 tmp_path / containment,
-                entry_paths=[PLUGINS],
+                entry_paths=[ESCAPE],
                 containment=containment,  # type: ignore[arg-type]
             ) as execution:
                 unit = await execution.spawn(handle, Load(specifier="escapes:daemon"), Limits())
@@ -617,7 +608,7 @@ def test_a_namespace_needs_the_runner_to_be_a_subreaper(tmp_path: Path) -> None:
 
 async def test_without_subreaper_auto_means_the_sweep(tmp_path: Path, nonce: str) -> None:
     handle = Handle(key=Key(identity="p", instance="a"), token="t" * 32, generation=1)
-    async with SubprocessExecution(tmp_path, entry_paths=[PLUGINS], subreaper=False) as execution:
+    async with SubprocessExecution(tmp_path, entry_paths=[ESCAPE], subreaper=False) as execution:
         assert execution.mechanism.kind == "sweep"
         assert "subreaper=False" in execution.mechanism.describe()
         load = Load(specifier="escapes:daemon", config={"nonce": nonce})
@@ -686,7 +677,7 @@ async def test_an_unprivileged_child_gets_its_namespace_in_a_user_namespace(
     python = as_nobody(nobody_may_enter)
     async with (
         SubprocessExecution(
-            nobody_may_enter, entry_paths=[PLUGINS], python=str(python), isolation="none"
+            nobody_may_enter, entry_paths=[ESCAPE], python=str(python), isolation="none"
         ) as execution,
         open_supervisor(MemoryStore(), execution, grace=5.0) as supervisor,
     ):

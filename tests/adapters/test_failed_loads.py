@@ -25,10 +25,11 @@ from trio_supervisor import (
     open_supervisor,
 )
 
-BOUND = 20.0
+from ..support.waits import BOUND
+
 ROUNDS = 8  # the traceback was lost 13 times in 20 when the child wrote it last
 
-PLUGINS = {
+SOURCES = {
     "raises.py": "def helper():\n    raise RuntimeError('broken at import')\n\nhelper()\n",
     "syntax.py": "def f(:\n    pass\n",
     "fine.py": "def main(context):\n    pass\n",
@@ -55,7 +56,7 @@ FAILURES = {
 async def sup(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Supervisor]:
     plugins = tmp_path / "plugins"
     plugins.mkdir()
-    for name, text in PLUGINS.items():
+    for name, text in SOURCES.items():
         (plugins / name).write_text(text)
     async with (
         SubprocessExecution(

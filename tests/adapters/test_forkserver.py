@@ -30,11 +30,11 @@ from trio_supervisor import (
 )
 from trio_supervisor.executions._groups import read_stat
 
-from ..support import opened, report_in, until, until_logged
+from ..support.plugins import PLUGINS, report_in
+from ..support.sessions import opened
+from ..support.waits import BOUND, until, until_logged
 from .children import bootstraps
 
-PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"
-BOUND = 20.0
 # A plugin that says which of the modules it names were imported before it was.
 PRELOADED = """
 import sys

@@ -27,7 +27,7 @@ from trio_supervisor import (
     TerminationUnconfirmedError,
 )
 
-from ..support import opened, supervise
+from ..support.sessions import opened, supervise
 
 seen: list[PluginContext] = []
 

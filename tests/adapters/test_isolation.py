@@ -36,7 +36,9 @@ from trio_supervisor import (
 from trio_supervisor.executions import DEFAULT_CHILD_USERS
 from trio_supervisor.executions._claims import UIDS, Claim, Owner, claims_root
 
-from ..support import BOUND, IN_SYSTEM_TMP, ISOLATION, uids_of_this_run, until, until_logged
+from ..support.plugins import ISOLATION
+from ..support.processes import IN_SYSTEM_TMP, uids_of_this_run
+from ..support.waits import BOUND, until, until_logged
 from .children import STARTS, attacks, loaded
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")

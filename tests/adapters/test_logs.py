@@ -8,7 +8,6 @@ clock; every wait is a bounded poll of a file.
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,9 @@ from trio_supervisor import (
 )
 from trio_supervisor.abc import Store
 
-from ..support import BOUND, PLUGINS, until, until_logged
+from ..support.plugins import PLUGINS
+from ..support.postgres import fresh_schema
+from ..support.waits import BOUND, until, until_logged
 
 HEARTBEAT = Load(specifier="heartbeat:main")
 KEY = Key(identity="logs", instance="a")
@@ -53,7 +54,7 @@ def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Stores:
     from trio_supervisor.stores.postgres import PostgresStore
 
     dsn: str = request.getfixturevalue("database")
-    schema = f"t_{uuid.uuid4().hex[:16]}"
+    schema = fresh_schema()
     options: dict[str, Any] = {"runner_id": "logs", "schema": schema, "retention": RETENTION}
     return lambda: PostgresStore(dsn, **options)
 

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -50,14 +49,12 @@ from trio_supervisor.stores._postgres_sql import SCHEMA_VERSION
 from trio_supervisor.testing import FakeExecution
 from trio_supervisor.testing.contracts import StoreContract, StoreFactory
 
-from ..support import KEY, supervise_embedded, until, until_stopped
-from ..tcp_proxy import TcpProxy
+from ..support.postgres import fresh_schema
+from ..support.sessions import KEY, supervise_embedded
+from ..support.tcp_proxy import TcpProxy
+from ..support.waits import until, until_stopped
 
 DONE = Termination(kind="exited", exit=ExitStatus(code=0))
-
-
-def fresh_schema() -> str:
-    return f"t_{uuid.uuid4().hex[:16]}"
 
 
 @pytest.fixture

@@ -36,13 +36,14 @@ from trio_supervisor import (
 from trio_supervisor.executions import _containment
 from trio_supervisor.executions._isolation import PRIVATE
 
-from ..support import BOUND, IN_SYSTEM_TMP, ISOLATION, until_logged
+from ..support.plugins import ISOLATION, PLUGINS
+from ..support.processes import IN_SYSTEM_TMP
+from ..support.waits import BOUND, until_logged
 from .children import STARTS, attacks, loaded
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")
 
 KINDS = ("users", "namespace")
-EXAMPLES = Path(__file__).parents[2] / "examples" / "plugins"
 
 
 @pytest.fixture(params=list(STARTS))
@@ -154,7 +155,7 @@ async def test_the_kill_still_ends_a_stubborn_child_and_its_grandchildren(
     async with (
         SubprocessExecution(
             tmp_path,
-            entry_paths=[EXAMPLES],
+            entry_paths=[PLUGINS],
             fork_server=start["fork_server"],
             standby=start["standby"],
         ) as execution,

@@ -41,7 +41,8 @@ from trio_supervisor import (
 from trio_supervisor.abc import Store
 from trio_supervisor.testing import FakeExecution
 
-from ..support import KEY, launched, opened, supervise
+from ..support.processes import launched
+from ..support.sessions import KEY, opened, supervise
 
 DONE = Termination(kind="exited", exit=ExitStatus(code=0))
 

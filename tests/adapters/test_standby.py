@@ -29,7 +29,10 @@ from trio_supervisor import (
 )
 from trio_supervisor.executions._standby import ForkedProcess
 
-from ..support import BOUND, PLUGINS, opened, process_state, report_in, running, until, until_logged
+from ..support.plugins import PLUGINS, report_in
+from ..support.processes import process_state, running
+from ..support.sessions import opened
+from ..support.waits import BOUND, until, until_logged
 from .children import bootstraps
 
 

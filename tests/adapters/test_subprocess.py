@@ -39,7 +39,10 @@ from trio_supervisor.executions._bootstrap import LEASE_SLACK
 from trio_supervisor.executions._groups import boot_id, start_time
 from trio_supervisor.executions._unit import ProcessUnit
 
-from ..support import BOUND, PLUGINS, opened, report_in, running, until_logged, until_stopped
+from ..support.plugins import PLUGINS, report_in
+from ..support.processes import running
+from ..support.sessions import opened
+from ..support.waits import BOUND, until_logged, until_stopped
 from .children import MECHANISMS
 
 RECOVERY_LOGGER = "trio_supervisor.executions.subprocess"

@@ -37,11 +37,11 @@ from trio_supervisor import (
 from trio_supervisor.executions._cgroups import ROOT, TreeCgroup, detect
 from trio_supervisor.executions._standby import Interpreter
 
-from ..support import opened, reap_orphans, until, until_logged, until_stopped
+from ..support.plugins import LIMITS, PLUGINS
+from ..support.processes import reap_orphans
+from ..support.sessions import opened
+from ..support.waits import BOUND, until, until_logged, until_stopped
 
-PLUGINS = Path(__file__).parent / "plugins_limits"
-EXAMPLES = Path(__file__).parents[2] / "examples" / "plugins"
-BOUND = 20.0
 MiB = 1024 * 1024
 # Joins the cgroup whose cgroup.procs files it is given, then leaves five daemons (each
 # in a session of its own, re-parented away from it) and says so.
@@ -71,7 +71,7 @@ async def execution(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> AsyncIterator[SubprocessExecution]:
     async with SubprocessExecution(
-        tmp_path, entry_paths=[PLUGINS, EXAMPLES], fork_server=request.param
+        tmp_path, entry_paths=[LIMITS, PLUGINS], fork_server=request.param
     ) as subprocess_execution:
         if not {"memory", "pids", "cpu", "cpuacct"} <= set(subprocess_execution.cgroups.limits):
             pytest.skip(f"cgroups here: {subprocess_execution.cgroups.describe()}")
@@ -159,7 +159,7 @@ async def test_without_cgroups_memory_is_rlimit_as_and_other_tree_limits_are_ref
     with caplog.at_level(logging.INFO, "trio_supervisor.executions.subprocess"):
         async with (
             SubprocessExecution(
-                tmp_path / "state", entry_paths=[EXAMPLES], cgroup_root=nothing
+                tmp_path / "state", entry_paths=[PLUGINS], cgroup_root=nothing
             ) as execution,
             open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as sup,
         ):
@@ -221,7 +221,7 @@ async def test_an_execution_starts_by_removing_the_empty_cgroups_its_state_s_las
         left.child(name, every).create()  # as a run killed between spawn and join
     leftovers = sorted(left.leftovers())
     assert len(leftovers) == 2 * len(left.roots())
-    async with SubprocessExecution(tmp_path, entry_paths=[EXAMPLES]) as execution:
+    async with SubprocessExecution(tmp_path, entry_paths=[PLUGINS]) as execution:
         assert list(execution.cgroups.leftovers()) == []
     assert not any(path.exists() for path in leftovers)
     assert not any((root / left.parent).exists() for root in left.roots())  # its own too
@@ -258,7 +258,7 @@ async def test_a_standby_waits_in_its_cgroup_and_the_load_that_takes_it_writes_i
     tmp_path: Path,
 ) -> None:
     async with (
-        SubprocessExecution(tmp_path, entry_paths=[EXAMPLES], standby=True) as execution,
+        SubprocessExecution(tmp_path, entry_paths=[PLUGINS], standby=True) as execution,
         open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as sup,
     ):
         hierarchies = execution.cgroups.limits
@@ -292,7 +292,7 @@ async def test_a_standby_waits_in_its_cgroup_and_the_load_that_takes_it_writes_i
 
 async def test_a_prepared_cgroup_goes_with_its_standby(tmp_path: Path) -> None:
     async with (
-        SubprocessExecution(tmp_path, entry_paths=[EXAMPLES], standby=True) as execution,
+        SubprocessExecution(tmp_path, entry_paths=[PLUGINS], standby=True) as execution,
         open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as sup,
     ):
         if "pids" not in execution.cgroups.limits:

@@ -1,6 +1,6 @@
 """The fleet machine (``trio_supervisor.testing.fleet``) on PostgresStore: two or three
 supervisors on one PostgreSQL database, each reaching it through a proxy of the test's
-own (:mod:`tests.tcp_proxy`), which holds a runner's bytes to cut it off past its
+own (:mod:`tests.support.tcp_proxy`), which holds a runner's bytes to cut it off past its
 takeover, and resets them to crash it."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from trio_supervisor import PostgresStore, Retention
 from trio_supervisor.abc import FleetStore
 from trio_supervisor.testing.fleet import FleetBackend, fleet_machine
 
-from ..tcp_proxy import TcpProxy
+from ..support.tcp_proxy import TcpProxy
 
 DATABASE: list[str] = []  # the module's database, set by the fixture below
 PROXIES: dict[str, TcpProxy] = {}  # each member's way to the database

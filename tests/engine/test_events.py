@@ -9,7 +9,7 @@ from trio_supervisor import Load, MemoryStore, Phase, SessionRecord, StoppedReco
 from trio_supervisor._core.events import Overflow
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from ..support import OTHER, opened, supervise_embedded
+from ..support.sessions import OTHER, opened, supervise_embedded
 
 
 def phase_of(event: SessionRecord | Overflow) -> Phase | None:

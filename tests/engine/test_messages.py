@@ -38,7 +38,7 @@ from trio_supervisor.model import recovered
 from trio_supervisor.testing import FakeExecution
 from trio_supervisor.testing.fakes import FakeUnit
 
-from ..support import KEY, opened, supervise_embedded
+from ..support.sessions import KEY, opened, supervise_embedded
 
 # Every lease a caller asks for is refused in these words (the minimum is documented).
 LEASE_BOUNDS = "lease must be a finite number of seconds >= 0.1 and <= 1000000000"

@@ -34,7 +34,8 @@ from trio_supervisor import (
 from trio_supervisor._core import session
 from trio_supervisor.realtime import outside_the_run
 
-from ..support import PLUGINS, until_logged
+from ..support.plugins import PLUGINS
+from ..support.waits import until_logged
 
 KEY = Key(identity="app", instance="virtual")
 OTHER = Key(identity="app", instance="other")

@@ -32,7 +32,8 @@ from trio_supervisor import (
 from trio_supervisor.errors import TerminationUnconfirmedError
 from trio_supervisor.testing.strategies import limits
 
-KEY = Key(identity="plugin", instance="a")
+from ..support.sessions import KEY
+
 HANDLE = Handle(key=KEY, token="0" * 32, generation=1)
 
 

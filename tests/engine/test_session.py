@@ -18,7 +18,7 @@ from trio_supervisor import (
 from trio_supervisor._core.session import SAVE_BOUND
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from ..support import opened, supervise_embedded
+from ..support.sessions import opened, supervise_embedded
 
 
 class StoreThatHangsOnStopping(MemoryStore):

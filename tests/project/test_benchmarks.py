@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).parents[2]
+from ..support import ROOT
+
 SCENARIOS = {
     "control.sequential",
     "control.sequential.skeleton",

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..postgres import server_dsn, with_parts
+from ..support.postgres import server_dsn, with_parts
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "embedded.py"
 FLEET = Path(__file__).parents[2] / "examples" / "fleet.py"

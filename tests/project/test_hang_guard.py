@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..support import run_pytest
+from ..support.processes import run_pytest
 
 DEADLOCK = """\
 import trio

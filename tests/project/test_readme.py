@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..support import serving
+from ..support.runners import serving
 
 README = Path(__file__).parents[2] / "README.md"
 

@@ -4,9 +4,8 @@ name, as ``test_f7_a_killed_runner_...``, so that a rule without a test shows.""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).parents[2]
+from ..support import ROOT
 
 
 def test_every_rule_id_of_the_design_is_named_by_a_test() -> None:

@@ -22,12 +22,13 @@ from trio_supervisor.executions._cgroups import PARENT, detect, execution_name
 from trio_supervisor.executions._cgroups import ROOT as CGROUP_ROOT
 from trio_supervisor.executions._claims import CGROUPS, Claims, claims_root
 
-from ..support import descendants, launched, reap_orphans, running, settled, survivors
+from ..support import ROOT
+from ..support.processes import descendants, launched, reap_orphans, running, survivors
+from ..support.waits import settled
 
-ROOT = Path(__file__).parents[2]
 RUNNER = ROOT / "examples" / "runner.py"
 CYCLE = Path(__file__).parent / "crash_cycle.py"
-LEASE = 2.0
+SESSION_LEASE = 2.0
 
 
 def run(*arguments: str, timeout: float = 60, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
@@ -49,7 +50,7 @@ def held(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], set[int]]]:
         "--state",
         tmp_path,
         "--lease",
-        str(LEASE),
+        str(SESSION_LEASE),
         "--hold",
     ]
     try:
@@ -60,13 +61,13 @@ def held(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], set[int]]]:
             assert "holds 7 children" in runner.lines[-1], runner.lines
             yield runner.process, runner.descendants()
     finally:
-        survivors(descendants(os.getpid()) - {os.getpid()}, LEASE + 2)
+        survivors(descendants(os.getpid()) - {os.getpid()}, SESSION_LEASE + 2)
         reap_orphans()
 
 
 def test_the_runner_shows_every_plugin_s_lifecycle(tmp_path: Path) -> None:
     # As the README's main job runs it: the default state directory, relative to here.
-    done = run(str(RUNNER), "--lease", str(LEASE), cwd=tmp_path)
+    done = run(str(RUNNER), "--lease", str(SESSION_LEASE), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "example-runner-state" / "runner.db").exists()
     table = rows(done.stdout)
@@ -111,7 +112,7 @@ def test_a_killed_runner_leaves_no_child_or_grandchild_behind(
     pids = pids | {standby_of(runner)}  # it runs with standby=True: that one goes too
     runner.send_signal(signal.SIGKILL)
     runner.wait()
-    left = survivors(pids, LEASE + 2)
+    left = survivors(pids, SESSION_LEASE + 2)
     assert not left, f"outlived their runner: {sorted(left)}"
     # Killed between a child's end (the hungry one's OOM kill, say) and the removal of
     # its cgroup, the runner may leave that cgroup empty, and its claim of their parent:
@@ -135,7 +136,7 @@ def test_a_restarted_runner_recovers_and_generations_continue(
     runner, pids = held
     runner.send_signal(signal.SIGKILL)
     runner.wait()
-    again = run(str(RUNNER), "--state", str(tmp_path), "--lease", str(LEASE))
+    again = run(str(RUNNER), "--state", str(tmp_path), "--lease", str(SESSION_LEASE))
     assert again.returncode == 0, again.stderr
     recovery, _, report = again.stdout.partition("\n\n")
     assert recovery.startswith(f"state: {tmp_path}"), recovery
@@ -150,7 +151,7 @@ def test_a_restarted_runner_recovers_and_generations_continue(
         assert line.endswith("exited (already gone; exit status unknown)"), line
     assert "generations continue from the stored high-water: heartbeat 1->2" in report
     assert all(" 2 " in line for line in rows(report).values()), report
-    assert not survivors(pids, LEASE + 2)
+    assert not survivors(pids, SESSION_LEASE + 2)
 
 
 SAVES = ["Open", "Loading", "Loading with its child", "Loaded", "Stopping", "Stopped"]
@@ -167,7 +168,7 @@ def test_a_crash_at_any_write_leaves_no_orphan_and_no_lost_generation(
         int(line.split()[1]) for line in crashed.stdout.splitlines() if line.startswith("child ")
     }
     # The dead-man switch: a child outlives its runner by no more than a moment.
-    assert not survivors(children, LEASE + 2)
+    assert not survivors(children, SESSION_LEASE + 2)
     recovered = run(str(CYCLE), str(tmp_path), "recover")
     assert recovered.returncode == 0, recovered.stderr
     report = json.loads(recovered.stdout)

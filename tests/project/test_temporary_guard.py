@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..support import ROOT, run_pytest
+from ..support import ROOT
+from ..support.processes import run_pytest
 
 TESTS = """\
 import tempfile

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
-import psycopg
 import pytest
 import trio
 
@@ -34,19 +33,10 @@ from trio_supervisor import (
 from trio_supervisor.abc import FleetMember
 from trio_supervisor.testing import FakeExecution
 
-from ..support import KEY, OTHER, supervise_embedded, until
-from ..tcp_proxy import TcpProxy
-
-
-@contextlib.contextmanager
-def own_schema(database: str) -> Iterator[str]:
-    """A schema name no store used yet; dropped afterwards."""
-    schema = f"t_{uuid.uuid4().hex[:16]}"
-    try:
-        yield schema
-    finally:
-        with psycopg.connect(database, autocommit=True) as connection:
-            connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+from ..support.postgres import own_schema
+from ..support.sessions import KEY, OTHER, supervise_embedded
+from ..support.tcp_proxy import TcpProxy
+from ..support.waits import until
 
 
 @contextlib.asynccontextmanager

@@ -7,10 +7,8 @@ tests/adapters/test_postgres_quotas.py."""
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import AsyncIterator
 
-import psycopg
 import pytest
 import trio
 
@@ -29,7 +27,8 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution
 
-from ..support import supervise_embedded
+from ..support.postgres import own_schema
+from ..support.sessions import supervise_embedded
 
 ACME = ("acme-*", "shared")  # the tenant's identities
 LOAD = Load(specifier="x")
@@ -41,9 +40,8 @@ async def two_runners(
 ) -> AsyncIterator[tuple[Supervisor, Supervisor, FakeExecution, FakeExecution]]:
     """Supervisors ``a`` and ``b`` of one fleet, in a schema of the test's own, and
     their executions."""
-    schema = f"t_{uuid.uuid4().hex[:16]}"
     on_a, on_b = FakeExecution(), FakeExecution()
-    try:
+    with own_schema(database) as schema:
         async with (
             PostgresStore(database, runner_id="a", schema=schema, runner_lease=3) as store_a,
             PostgresStore(database, runner_id="b", schema=schema, runner_lease=3) as store_b,
@@ -51,9 +49,6 @@ async def two_runners(
             supervise_embedded(store_b, on_b) as b,
         ):
             yield a, b, on_a, on_b
-    finally:
-        with psycopg.connect(database, autocommit=True) as connection:
-            connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 def claim(**quota: int) -> QuotaClaim:

@@ -20,7 +20,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from ..support import OTHER, opened, supervise_embedded
+from ..support.sessions import OTHER, opened, supervise_embedded
 
 
 async def test_h1_a_failed_save_poisons_the_supervisor(fake: FakeExecution) -> None:

@@ -33,7 +33,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FakeUnit, FaultyStore
 
-from ..support import KEY, OTHER, during_shutdown, opened, poisoning, supervise
+from ..support.sessions import KEY, OTHER, during_shutdown, opened, poisoning, supervise
 
 
 class WatchedExecution(FakeExecution):

@@ -28,7 +28,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from ..support import KEY, OTHER, during_shutdown, embedded, opened, poisoning, supervise
+from ..support.sessions import KEY, OTHER, during_shutdown, embedded, opened, poisoning, supervise
 
 
 class GatedStore(MemoryStore):

@@ -35,7 +35,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution
 
-from ..support import KEY, supervise
+from ..support.sessions import KEY, supervise
 
 TRIGGERS = ("dispose", "expiry", "exit", "supersede", "shutdown")
 REASONS = {

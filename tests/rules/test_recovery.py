@@ -39,7 +39,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from ..support import KEY, OTHER, opened, supervise
+from ..support.sessions import KEY, OTHER, opened, supervise
 
 
 def handle_of(instance: str, generation: int = 1) -> Handle:

@@ -26,7 +26,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from ..support import OTHER, during_shutdown, opened, supervise, supervise_embedded
+from ..support.sessions import OTHER, during_shutdown, opened, supervise, supervise_embedded
 
 
 async def test_r1_renew_fails_with_runner_closing_during_shutdown(

@@ -21,7 +21,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from ..support import during_shutdown, opened, supervise
+from ..support.sessions import during_shutdown, opened, supervise
 
 
 async def test_z1_closing_is_set_first_so_new_work_is_refused(

@@ -33,7 +33,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.testing import FakeExecution, FaultyStore
 
-from ..support import OTHER, during_shutdown, opened, supervise
+from ..support.sessions import OTHER, during_shutdown, opened, supervise
 
 SIGTERM = ExitStatus(code=None, signal=signal.SIGTERM)
 

@@ -1,11 +1,11 @@
 """The runner's API, fuzzed from its own OpenAPI document (schemathesis).
 
-A real ``trio-supervisor serve`` process (``tests/support.py``'s ``serving``) serves the document at
-``GET /openapi.json``; schemathesis reads it from there and, for every operation in
-it, generates requests that fit the document (positive) and requests that do not
-(negative). Each answer must hold to the document: no 5xx, a documented status code, a
-documented content type and a body of the documented schema (docs/service.md section A,
-"Errors": nothing a client sends yields a 5xx).
+A real ``trio-supervisor serve`` process (``tests/support/runners.py``'s ``serving``)
+serves the document at ``GET /openapi.json``; schemathesis reads it from there and, for
+every operation in it, generates requests that fit the document (positive) and requests
+that do not (negative). Each answer must hold to the document: no 5xx, a documented
+status code, a documented content type and a body of the documented schema
+(docs/service.md section A, "Errors": nothing a client sends yields a 5xx).
 
 Random handles almost never name a real session, so the fuzzer would only ever meet
 404s past ``open``. The session and operator calls therefore also get real sessions:
@@ -52,7 +52,7 @@ from schemathesis.specs.openapi.checks import (
 from trio_supervisor.model import MAX_LEASE, MIN_LEASE
 from trio_supervisor.service.openapi import document
 
-from ..support import Runner, serving
+from ..support.runners import Runner, serving
 
 EXAMPLES_VARIABLE: Final = "TRIO_SUPERVISOR_API_EXAMPLES"
 DEFAULT_EXAMPLES: Final = 25  # per operation: the short pass of plain pytest (and CI)
@@ -96,7 +96,7 @@ OPERATIONS = [
 
 POOL = 12  # real sessions the session calls may be pointed at (the latest ones)
 SPECIFIERS = ("heartbeat:main", "crasher:main", "inspector:main")
-LEASE = 5.0  # seconds: the pool's own sessions (and their children) do not linger
+POOL_LEASE = 5.0  # seconds: the pool's own sessions (and their children) do not linger
 TIMEOUT = 30.0  # seconds for one call (a dispose waits for its child to end)
 # Limits that become setrlimit calls or cgroup limits of the child. A load under limits
 # the child cannot start with is a 500 for now (see
@@ -134,7 +134,7 @@ class Pool:
             return self.records[choice]
         number = next(self.opened)
         key = {"identity": "fuzz", "instance": f"pool-{number}"}
-        body = {"key": key, "request_id": f"pool-{number}", "lease": LEASE}
+        body = {"key": key, "request_id": f"pool-{number}", "lease": POOL_LEASE}
         record: dict[str, Any] = self.call("/v1/open", body)["record"]
         if loaded:
             load = {"specifier": "heartbeat:main", "config": {"period": 0.5}}

@@ -31,7 +31,9 @@ from trio_supervisor.cli._operate import DEFAULT_URL
 from trio_supervisor.client import connect
 from trio_supervisor.executions._logs import Logs
 
-from ..support import LEASE, NotReady, Runner, open_sessions, serving, settled, until
+from ..support.processes import NotReady
+from ..support.runners import LEASE, Runner, open_sessions, serving
+from ..support.waits import settled, until
 
 DEFAULT_LISTEN: Final = "127.0.0.1:8470"
 COMMAND_TIMEOUT: Final = 60.0  # seconds one command may take

@@ -24,7 +24,8 @@ from trio_supervisor.client import connect
 from trio_supervisor.errors import BY_CODE
 from trio_supervisor.testing import FakeExecution
 
-from ..support import HOSTS_TOKEN, KEY, OPERATOR_TOKEN, served, supervise_embedded
+from ..support.service import HOSTS_TOKEN, OPERATOR_TOKEN, served
+from ..support.sessions import KEY, supervise_embedded
 
 
 def test_the_client_s_errors_are_supervisor_errors_with_wire_codes() -> None:

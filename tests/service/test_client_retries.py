@@ -22,7 +22,8 @@ from trio_supervisor import Handle, Load, MemoryStore, RunnerUnreachableError, S
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.testing import FakeExecution
 
-from ..support import HOSTS_TOKEN, KEY, served, supervise_embedded
+from ..support.service import HOSTS_TOKEN, served
+from ..support.sessions import KEY, supervise_embedded
 
 
 class Flaky(httpx.AsyncBaseTransport):

@@ -56,8 +56,9 @@ from trio_supervisor.client import connect
 from trio_supervisor.service.tenants import token_hash
 from trio_supervisor.stores._postgres_worker import RUNNER_LOST
 
-from ..postgres import database_for
-from ..support import LEASE, Runner, open_sessions, serving, settled
+from ..support.postgres import database_for
+from ..support.runners import LEASE, Runner, open_sessions, serving
+from ..support.waits import settled
 
 CHROMIUM_ARGS: Final = (
     "--headless",

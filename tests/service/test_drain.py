@@ -20,7 +20,9 @@ import trio
 
 from trio_supervisor import Key, Load, RunnerDrainingError
 
-from ..support import ROOT, serving, until
+from ..support import ROOT
+from ..support.runners import serving
+from ..support.waits import until
 
 KEY = Key(identity="drain", instance="one")
 OTHER = Key(identity="drain", instance="two")

@@ -2,9 +2,9 @@
 
 Each runner is a ``trio-supervisor serve --store postgresql://...`` process with a state
 directory of its own, holding copies of the same token files (docs/service.md section
-C); the database is this module's own (``tests/postgres.py``), dropped afterwards. A
-host opens a session on one runner and reaches it through another: the raw answer is a
-421 naming the holder, and the client follows it.
+C); the database is this module's own (``tests/support/postgres.py``), dropped
+afterwards. A host opens a session on one runner and reaches it through another: the raw
+answer is a 421 naming the holder, and the client follows it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from click.testing import CliRunner
 from trio_supervisor import Key, Load, cli
 from trio_supervisor.client import connect
 
-from ..postgres import with_parts
-from ..support import ROOT, Runner, serving, until
+from ..support import ROOT
+from ..support.postgres import with_parts
+from ..support.runners import Runner, serving
+from ..support.waits import until
 
 KEY: Final = Key(identity="acme", instance="eu-1")
 TIMEOUT: Final = 60.0  # seconds a command may take

@@ -1,8 +1,8 @@
 """Three ``trio-supervisor serve`` processes on one PostgreSQL database: a fleet.
 
 Real runner processes, real children (the example plugins), the machine's real
-PostgreSQL (a database of this module's own, tests/postgres.py). What is checked is
-what the issue promises a fleet does (docs/design.md, "The fleet"):
+PostgreSQL (a database of this module's own, tests/support/postgres.py). What is checked
+is what the issue promises a fleet does (docs/design.md, "The fleet"):
 
 * F3: racing opens of one key from three runners hand out each generation once;
 * F6: an open that supersedes a session held by another runner returns only once that
@@ -54,20 +54,21 @@ from trio_supervisor import (
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.executions._groups import read_stat
 
-from ..support import Runner, process_state, reap_orphans, running, serving, until
-from ..tcp_proxy import TcpProxy
+from ..support.processes import SHUTDOWN, process_state, reap_orphans, running
+from ..support.runners import Runner, serving
+from ..support.tcp_proxy import TcpProxy
+from ..support.waits import until
 
 KEY = Key(identity="fleet", instance="one")
 RUNNER_LEASE = 1.0  # each runner's row: renewed every third of it
-LEASE = 2.0  # each session's
+SESSION_LEASE = 2.0  # each session's
 GRACE = 0.5
 CONFIRMATION = 1.0
 # F7: a dead runner's session is taken over once its row expired by the session's lease,
 # its grace, its confirmation and the children's switch slack (2 s).
-MARGIN = LEASE + GRACE + CONFIRMATION + 2.0
-SHUTDOWN_BOUND = 30.0  # seconds a runner may take to exit once told to
-HOSTS_TOKEN = "fleet-hosts-token-for-tests"
-OPERATOR_TOKEN = "fleet-operator-token-for-tests"
+MARGIN = SESSION_LEASE + GRACE + CONFIRMATION + 2.0
+FLEET_HOSTS_TOKEN = "fleet-hosts-token-for-tests"
+FLEET_OPERATOR_TOKEN = "fleet-operator-token-for-tests"
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ def database(database: str) -> str:
 def tokens(tmp_path: Path) -> tuple[Path, Path]:
     """The token files every runner of the fleet is given (copies, on real machines)."""
     hosts, operators = tmp_path / "hosts-token", tmp_path / "operator-token"
-    for path, token in ((hosts, HOSTS_TOKEN), (operators, OPERATOR_TOKEN)):
+    for path, token in ((hosts, FLEET_HOSTS_TOKEN), (operators, FLEET_OPERATOR_TOKEN)):
         path.write_text(token + "\n")
         path.chmod(0o600)
     return hosts, operators
@@ -109,7 +110,7 @@ def member(
         "--runner-lease",
         str(RUNNER_LEASE),
         "--lease",
-        str(LEASE),
+        str(SESSION_LEASE),
         "--grace",
         str(GRACE),
         "--confirmation-timeout",
@@ -137,7 +138,7 @@ def fleet(
 async def hosts(runners: list[Runner]) -> AsyncIterator[list[RemoteSupervisor]]:
     async with contextlib.AsyncExitStack() as stack:
         yield [
-            await stack.enter_async_context(connect(runner.url, token=HOSTS_TOKEN))
+            await stack.enter_async_context(connect(runner.url, token=FLEET_HOSTS_TOKEN))
             for runner in runners
         ]
 
@@ -162,7 +163,7 @@ async def child_of(host: RemoteSupervisor, handle: Handle) -> int:
 
 async def fleet_record(runner: Runner, generation: int) -> dict[str, Any] | None:
     """The record of KEY's ``generation`` as the fleet's listing shows it."""
-    async with runner.http(OPERATOR_TOKEN) as operator:
+    async with runner.http(FLEET_OPERATOR_TOKEN) as operator:
         answer = await operator.get("/v1/sessions", params={"limit": 1000})
     assert answer.status_code == 200, answer.text
     for record in answer.json()["sessions"]:
@@ -240,7 +241,7 @@ async def test_f7_a_killed_runner_is_taken_over_after_the_margin_with_its_childr
     takeover's bound, not r2's stop bound alone (F6)."""
     with fleet(tmp_path, tokens, database) as (doomed, second_runner, third_runner):
         async with hosts([doomed, second_runner, third_runner]) as (first, second, third):
-            record = await first.open(KEY, "held", lease=LEASE)
+            record = await first.open(KEY, "held", lease=SESSION_LEASE)
             await first.load(record.handle, Load(specifier="heartbeat:main"))
             pid = await child_of(first, record.handle)
             doomed.process.kill()
@@ -254,7 +255,7 @@ async def test_f7_a_killed_runner_is_taken_over_after_the_margin_with_its_childr
                 )
 
             async def lost() -> dict[str, Any] | None:
-                async with second_runner.http(HOSTS_TOKEN) as bare:
+                async with second_runner.http(FLEET_HOSTS_TOKEN) as bare:
                     answer = await bare.post("/v1/renew", json={"handle": handle_json(record)})
                 if answer.status_code == 421:
                     return None  # r1's row has not expired yet
@@ -279,7 +280,7 @@ async def test_f7_a_killed_runner_is_taken_over_after_the_margin_with_its_childr
                     assert problem["takeover_at"] > time.time() - 1
                     assert int(problem["retry-after"]) >= 1
                     async with connect(
-                        third_runner.url, token=HOSTS_TOKEN, retry_for=0.2
+                        third_runner.url, token=FLEET_HOSTS_TOKEN, retry_for=0.2
                     ) as impatient:
                         with pytest.raises(RunnerLostError, match="'r1' at http"):
                             await impatient.renew(record.handle)
@@ -288,7 +289,7 @@ async def test_f7_a_killed_runner_is_taken_over_after_the_margin_with_its_childr
             assert opened["r3"].handle.generation == 3
             # Not early: the row was valid up to a runner lease past the kill, and the
             # takeover waits a session lease, grace, confirmation and slack past that.
-            assert waited >= LEASE + GRACE + CONFIRMATION, waited
+            assert waited >= SESSION_LEASE + GRACE + CONFIRMATION, waited
             assert process_state(pid) in (None, "Z"), "the dead runner's child outlived takeover"
             # Generation 1's Stopped record (Recovery, runner lost: tested in
             # test_postgres_store.py) is evicted by generation 2's (one kept per key).
@@ -318,7 +319,7 @@ async def test_f4_a_runner_frozen_past_its_takeover_writes_nothing_once_it_resum
     """F4: SIGSTOP past the takeover, then SIGCONT: every write refused, and poisoned."""
     with fleet(tmp_path, tokens, database, count=2) as (frozen, other):
         async with hosts([frozen, other]) as (first, second):
-            record = await first.open(KEY, "held", lease=LEASE)
+            record = await first.open(KEY, "held", lease=SESSION_LEASE)
             await first.load(record.handle, Load(specifier="heartbeat:main"))
             pid = await child_of(first, record.handle)
             frozen.process.send_signal(signal.SIGSTOP)
@@ -331,7 +332,7 @@ async def test_f4_a_runner_frozen_past_its_takeover_writes_nothing_once_it_resum
                 frozen.process.send_signal(signal.SIGCONT)
 
             async def poisoned() -> bool:
-                async with frozen.http(OPERATOR_TOKEN) as client:
+                async with frozen.http(FLEET_OPERATOR_TOKEN) as client:
                     answer = await client.get("/readyz")
                 return answer.status_code == 503
 
@@ -350,7 +351,7 @@ async def test_f2_a_runner_cut_off_from_the_database_poisons_drains_and_loses_no
             async with hosts([runner]) as (host,):
                 records = [
                     await host.open(
-                        Key(identity="fleet", instance=f"cut-{n}"), f"c{n}", lease=LEASE
+                        Key(identity="fleet", instance=f"cut-{n}"), f"c{n}", lease=SESSION_LEASE
                     )
                     for n in range(3)
                 ]
@@ -360,7 +361,7 @@ async def test_f2_a_runner_cut_off_from_the_database_poisons_drains_and_loses_no
                 proxy.cut()
 
                 async def poisoned() -> bool:
-                    async with runner.http(OPERATOR_TOKEN) as client:
+                    async with runner.http(FLEET_OPERATOR_TOKEN) as client:
                         answer = await client.get("/readyz")
                     return answer.status_code == 503
 
@@ -408,13 +409,13 @@ async def test_a_fleet_of_three_is_restarted_runner_by_runner_by_drain_while_hos
                 for offset in range(len(names)):
                     name = names[(number + cycle + offset) % len(names)]
                     url = current[name].url
-                    async with connect(url, token=HOSTS_TOKEN, connect_for=0.5) as host:
+                    async with connect(url, token=FLEET_HOSTS_TOKEN, connect_for=0.5) as host:
                         try:
                             record = await host.open(
                                 key,
                                 f"h{number}-{cycle}",
                                 expected_generation=generation or None,
-                                lease=LEASE,
+                                lease=SESSION_LEASE,
                             )
                         except (RunnerDrainingError, RunnerUnreachableError) as error:
                             tried.append(f"{name}: {error.code}")
@@ -428,7 +429,7 @@ async def test_a_fleet_of_three_is_restarted_runner_by_runner_by_drain_while_hos
                             with contextlib.suppress(RunnerDrainingError):
                                 await host.load(record.handle, Load(specifier="heartbeat:main"))
                             for _ in range(2):
-                                await trio.sleep(LEASE / 4)
+                                await trio.sleep(SESSION_LEASE / 4)
                                 await host.renew(record.handle)
                             await host.dispose(record.handle)
                         except SupervisorError as error:
@@ -440,7 +441,7 @@ async def test_a_fleet_of_three_is_restarted_runner_by_runner_by_drain_while_hos
         async def restart_each() -> None:
             for name in names:
                 old = current[name]
-                async with connect(old.url, token=OPERATOR_TOKEN) as operator:
+                async with connect(old.url, token=FLEET_OPERATOR_TOKEN) as operator:
                     answer = await operator.drain(30.0)
                 assert answer["draining"] is True
                 with trio.fail_after(30):
@@ -552,13 +553,13 @@ async def test_a_fleet_under_chaos_keeps_every_promise(
                 key = chance.choice(keys)
                 name = names[(number + cycle) % len(names)]
                 async with connect(
-                    current[name].url, token=HOSTS_TOKEN, connect_for=0.5, retry_for=2.0,
+                    current[name].url, token=FLEET_HOSTS_TOKEN, connect_for=0.5, retry_for=2.0,
                     transport=statuses,
                 ) as client:  # fmt: skip
                     try:
                         high = await client.high_water(key)
                         record = await client.open(
-                            key, f"h{number}-{cycle}", expected_generation=high, lease=LEASE
+                            key, f"h{number}-{cycle}", expected_generation=high, lease=SESSION_LEASE
                         )
                     except SupervisorError:
                         continue  # refused (stale, draining, lost, ...): nothing acknowledged
@@ -586,7 +587,7 @@ async def test_a_fleet_under_chaos_keeps_every_promise(
                                     loaded.child.pid,
                                     stat.start_time,
                                 )
-                        await trio.sleep(chance.uniform(0, LEASE / 2))
+                        await trio.sleep(chance.uniform(0, SESSION_LEASE / 2))
                         await client.renew(record.handle)
                         await client.dispose(record.handle)
                     except SupervisorError:
@@ -608,12 +609,12 @@ async def test_a_fleet_under_chaos_keeps_every_promise(
                     await trio.sleep(MARGIN + RUNNER_LEASE + 0.5)  # past its takeover
                     victim.process.send_signal(signal.SIGCONT)
                     victim.process.terminate()  # fenced: it poisoned itself, or will
-                    with trio.fail_after(SHUTDOWN_BOUND):
+                    with trio.fail_after(SHUTDOWN):
                         await victim.wait()
                 else:
-                    async with connect(victim.url, token=OPERATOR_TOKEN) as operator:
+                    async with connect(victim.url, token=FLEET_OPERATOR_TOKEN) as operator:
                         await operator.drain(MARGIN)
-                    with trio.fail_after(MARGIN + SHUTDOWN_BOUND):
+                    with trio.fail_after(MARGIN + SHUTDOWN):
                         assert await victim.wait() == 0, victim.stderr()
                 await start(name)
             done.set()
@@ -629,7 +630,7 @@ async def test_a_fleet_under_chaos_keeps_every_promise(
             return not any(history.child_alive(*which) for which in history.children)
 
         await until(all_gone, "every child gone", bound=MARGIN + RUNNER_LEASE + 10)
-        async with connect(current["r1"].url, token=HOSTS_TOKEN) as client:
+        async with connect(current["r1"].url, token=FLEET_HOSTS_TOKEN) as client:
             marks = {key: await client.high_water(key) or 0 for key in keys}
     assert not history.violations, history.violations
     handed: dict[tuple[Key, int], set[str]] = {}

@@ -45,8 +45,12 @@ from trio_supervisor.service.tenants import Quota, Tenant, Tenants, token_hash
 from trio_supervisor.service.tenants_file import Roster
 from trio_supervisor.testing import FakeExecution
 
-from .. import support
-from ..support import HOSTS_TOKEN, OPERATOR_TOKEN, supervise_embedded
+from ..support import ROOT
+from ..support.postgres import own_schema
+from ..support.runners import serving
+from ..support.service import HOSTS_TOKEN, OPERATOR_TOKEN, served
+from ..support.sessions import supervise_embedded
+from ..support.waits import until
 
 HOSTS: Final = {"Authorization": f"Bearer {HOSTS_TOKEN}"}
 OPERATORS: Final = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
@@ -60,12 +64,8 @@ LOAD: Final = Load(specifier="fake:ok")
 @pytest.fixture
 def schema(database: str) -> Iterator[str]:
     """A schema no store used yet, for this test's fleet; dropped afterwards."""
-    name = f"t_{uuid.uuid4().hex[:16]}"
-    try:
+    with own_schema(database) as name:
         yield name
-    finally:
-        with psycopg.connect(database, autocommit=True) as connection:
-            connection.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
 @attrs.frozen
@@ -113,8 +113,8 @@ async def fleet_of_two(
     sockets: dict[str, socket.socket] = {}
     urls: dict[str, str] = {}
     stop = trio.Event()
-    # The servers outlive the supervisors, which the stack holds (as support.server_slot);
-    # a socket is closed by its server once served, else here.
+    # The servers outlive the supervisors, which the stack holds (as server_slot does,
+    # tests/support/service.py); a socket is closed by its server once served, else here.
     async with open_background_nursery() as nursery, contextlib.AsyncExitStack() as stack:
         for name in names:
             listener, urls[name] = bound()
@@ -471,7 +471,7 @@ async def test_sessions_on_any_runner_lists_the_fleet_s_sessions_each_with_its_r
                     listed = await operator.sessions()
                     return listed if all(one["age"] is not None for one in listed) else None
 
-                listed = await support.until(timed, f"{runner.name} lists every age", bound=5)
+                listed = await until(timed, f"{runner.name} lists every age", bound=5)
             listings[runner.name] = listed
             assert [
                 (one["handle"]["key"]["instance"], one["phase"], one["runner"]) for one in listed
@@ -487,7 +487,7 @@ async def test_sessions_on_any_runner_lists_the_fleet_s_sessions_each_with_its_r
 async def test_a_runner_of_its_own_lists_itself_and_its_sessions_as_its_own() -> None:
     async with (
         supervise_embedded(MemoryStore(), FakeExecution()) as supervisor,
-        support.served(supervisor) as remote,
+        served(supervisor) as remote,
     ):
         url = str(remote._client.base_url).rstrip("/")
         await remote.open(KEY, "req-1")
@@ -575,7 +575,7 @@ def test_a_bad_fleet_flag_is_a_usage_error_naming_it(
 
 
 def test_a_runner_serves_its_own_runners_list_under_its_runner_id(tmp_path: Path) -> None:
-    with support.serving(
+    with serving(
         tmp_path / "state", "--runner-id", "r-one", "--no-standby", "--no-fork-server"
     ) as runner:
 
@@ -621,7 +621,7 @@ def test_a_fleet_runner_binds_first_so_a_port_in_use_is_one_line_and_exit_status
             capture_output=True,
             text=True,
             timeout=60,
-            cwd=support.ROOT,
+            cwd=ROOT,
             check=False,
         )
     assert done.returncode == 1, done.stderr

@@ -6,8 +6,8 @@ from its state directory, and stops it with SIGTERM on the way out (killed if it
 not exit in time). Hosts reach it with the hosts' token through the client; operators
 with the operators' token. What a runner logs goes to a file, read when a test asks.
 
-The runner is ``tests/support.py``'s :func:`serving`: plain (not async), so that the
-sync tests of ``test_cli.py`` and ``test_dashboard.py`` use it too.
+The runner is ``tests/support/runners.py``'s :func:`serving`: plain (not async), so that
+the sync tests of ``test_cli.py`` and ``test_dashboard.py`` use it too.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from trio_supervisor.client import RemoteSupervisor
 from trio_supervisor.model import Handle
 from trio_supervisor.service.operators import EVENT_BUFFER
 
-from ..support import LEASE, SHUTDOWN, Runner, open_sessions, serving, until
+from ..support.processes import SHUTDOWN
+from ..support.runners import LEASE, Runner, open_sessions, serving
+from ..support.waits import until
 
 
 @pytest.fixture

@@ -41,19 +41,11 @@ from trio_supervisor import (
 )
 from trio_supervisor.client import RemoteSupervisor, RunnerAccessError, connect
 
-from ..support import (
-    LISTENING,
-    PLUGINS,
-    ROOT,
-    STARTUP,
-    Runner,
-    descendants,
-    reap,
-    running,
-    serving,
-    settled,
-    until,
-)
+from ..support import ROOT
+from ..support.plugins import PLUGINS
+from ..support.processes import STARTUP, descendants, reap, running
+from ..support.runners import LISTENING, Runner, serving
+from ..support.waits import settled, until
 
 ORPHANS: Final = 10.0  # seconds what a test leaves may take to die by itself
 SIGTERM_BIT: Final = 1 << (signal.SIGTERM - 1)  # in /proc/PID/status SigIgn

@@ -28,7 +28,6 @@ from trio_supervisor.service import runner
 from trio_supervisor.service.config import RunnerConfig
 from trio_supervisor.service.tenants import Ceilings
 
-ROOT: Final = Path(__file__).parents[2]
 TIMEOUT: Final = 60.0  # seconds one command may take
 FLEET: Final = "postgresql://postgres@127.0.0.1:5432/fleet"  # never reached: serve is replaced
 

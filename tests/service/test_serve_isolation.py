@@ -17,9 +17,11 @@ import pytest
 
 from trio_supervisor import Key, Load
 
-from ..support import ISOLATION, serving, until
+from ..support.plugins import ISOLATION
+from ..support.runners import serving
+from ..support.waits import until
 
-BOUND = 30.0
+ATTACKS_BOUND = 30.0
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="children get uids of their own as root")
 
@@ -57,7 +59,7 @@ async def test_a_hostile_plugin_gets_nothing_of_the_runners(
                 async def log() -> str:
                     return await operator.logs(attacker.handle.key, 1)
 
-                await until(lambda: _done(log), "the attacks are done", bound=BOUND)
+                await until(lambda: _done(log), "the attacks are done", bound=ATTACKS_BOUND)
                 said = outcomes(await log())
             assert said.pop("write in its TMPDIR").startswith("SUCCEEDED"), said
             assert len(said) == 17
@@ -84,7 +86,7 @@ async def test_without_a_network_a_child_cannot_reach_the_runners_port(tmp_path:
             async def log() -> str:
                 return await operator.logs(record.handle.key, 1)
 
-            await until(lambda: _done(log), "the attempt is done", bound=BOUND)
+            await until(lambda: _done(log), "the attempt is done", bound=ATTACKS_BOUND)
             [outcome] = outcomes(await log()).values()
             assert outcome.startswith("refused ConnectionRefusedError"), outcome
             await host.dispose(record.handle)

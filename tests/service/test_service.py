@@ -20,15 +20,8 @@ from trio_supervisor import Handle, Key, Load, MemoryStore, StaleSessionError, S
 from trio_supervisor.client import RunnerAccessError, SessionLostError, connect
 from trio_supervisor.testing import FakeExecution
 
-from ..support import (
-    HOSTS_TOKEN,
-    KEY,
-    OPERATOR_TOKEN,
-    opened,
-    served,
-    supervise_embedded,
-    supervise_served,
-)
+from ..support.service import HOSTS_TOKEN, OPERATOR_TOKEN, served, supervise_served
+from ..support.sessions import KEY, opened, supervise_embedded
 
 HOSTS = {"Authorization": f"Bearer {HOSTS_TOKEN}"}
 OPERATORS = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}

@@ -27,7 +27,8 @@ from trio_supervisor import (
 from trio_supervisor.client import RemoteSupervisor
 from trio_supervisor.testing import FakeExecution
 
-from ..support import served, supervise_embedded
+from ..support.service import served
+from ..support.sessions import supervise_embedded
 
 EMBEDDED: Final[type[SupervisorAPI]] = Supervisor
 REMOTE: Final[type[SupervisorAPI]] = RemoteSupervisor

@@ -38,7 +38,9 @@ from trio_supervisor.service.tenants import Ceilings, Fairness, Quota, Tenant, T
 from trio_supervisor.service.tenants_file import Roster
 from trio_supervisor.testing import FakeExecution
 
-from ..support import OPERATOR_TOKEN, served, supervise_embedded, until
+from ..support.service import OPERATOR_TOKEN, served
+from ..support.sessions import supervise_embedded
+from ..support.waits import until
 
 ACME_TOKEN: Final = "acme-token-for-tests"
 GLOBEX_TOKEN: Final = "globex-token-for-tests"

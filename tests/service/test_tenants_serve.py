@@ -26,11 +26,13 @@ from trio_supervisor.executions._cgroups import detect
 from trio_supervisor.service.capacity import DEFAULT_MEMORY, DEFAULT_PROCESSES
 from trio_supervisor.service.tenants import token_hash
 
-from ..support import ROOT, Runner, launched, serving, until
+from ..support.plugins import LIMITS
+from ..support.processes import launched
+from ..support.runners import Runner, serving
+from ..support.waits import until
 
-LIMIT_PLUGINS: Final = ROOT / "tests" / "adapters" / "plugins_limits"
 MIB: Final = 1 << 20
-BOUND: Final = 60.0  # seconds a child may take to show what the test waits for
+CHILD_BOUND: Final = 60.0  # seconds a child may take to show what the test waits for
 
 
 def tenant_table(name: str, token: str, *patterns: str, more: str = "") -> str:
@@ -111,7 +113,7 @@ async def test_a_plugin_asking_for_nothing_meets_its_tenants_ceilings(tmp_path: 
     ceilings = "limits.max = { memory_bytes = 268435456, processes = 64 }"
     write(tenants, tenant_table("acme", "acme-token", "acme", more=ceilings))
     flags = ("--tenants", tenants, "--lease", "60")
-    with serving(tmp_path / "state", *flags, plugins=(LIMIT_PLUGINS,)) as runner:
+    with serving(tmp_path / "state", *flags, plugins=(LIMITS,)) as runner:
         async with runner.host("acme-token") as host, runner.operator() as operator:
             # 1 GiB in one process under a 256 MiB ceiling it never asked for.
             hungry = await host.open(Key(identity="acme", instance="hungry"), "r1")
@@ -122,7 +124,7 @@ async def test_a_plugin_asking_for_nothing_meets_its_tenants_ceilings(tmp_path: 
                 record = await host.status(hungry.handle)
                 return record if isinstance(record, StoppedRecord) else None
 
-            record = await until(stopped, "the hungry child stopped", bound=BOUND)
+            record = await until(stopped, "the hungry child stopped", bound=CHILD_BOUND)
             assert record.termination.exit.oom_limit == 256 * MIB
             assert "out of memory" in record.termination.describe()
             log = await operator.logs(hungry.handle.key, 1)
@@ -135,7 +137,7 @@ async def test_a_plugin_asking_for_nothing_meets_its_tenants_ceilings(tmp_path: 
             async def held() -> bool:
                 return "held after" in await operator.logs(bomb.handle.key, 1)
 
-            await until(held, "the fork bomb held", bound=BOUND)
+            await until(held, "the fork bomb held", bound=CHILD_BOUND)
             assert (await host.dispose(bomb.handle)).kind in ("exited", "killed")
         assert await runner.terminate() == 0
 

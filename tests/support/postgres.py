@@ -1,4 +1,5 @@
-"""The PostgreSQL server the fleet's tests use: a database of their own per test module.
+"""The PostgreSQL server the fleet's tests use: a database of their own per test module,
+and schemas of a test's own in it.
 
 The server is ``$TRIO_SUPERVISOR_TEST_DSN``, by default the one every machine of this
 project runs (``postgresql://postgres@127.0.0.1:5432/test``, trust authentication).
@@ -13,6 +14,7 @@ import contextlib
 import os
 import re
 import urllib.parse
+import uuid
 from collections.abc import Iterator
 from typing import Final
 
@@ -20,7 +22,14 @@ import psycopg
 import pytest
 from psycopg import sql
 
-__all__ = ["DEFAULT_DSN", "database_for", "server_dsn", "with_parts"]
+__all__ = [
+    "DEFAULT_DSN",
+    "database_for",
+    "fresh_schema",
+    "own_schema",
+    "server_dsn",
+    "with_parts",
+]
 
 DEFAULT_DSN: Final = "postgresql://postgres@127.0.0.1:5432/test"
 VARIABLE: Final = "TRIO_SUPERVISOR_TEST_DSN"
@@ -61,6 +70,23 @@ def database_for(module: str) -> Iterator[str]:
             admin.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
+
+
+def fresh_schema() -> str:
+    """A schema name no store used yet (a store given it creates it)."""
+    return f"t_{uuid.uuid4().hex[:16]}"
+
+
+@contextlib.contextmanager
+def own_schema(database: str) -> Iterator[str]:
+    """A schema name no store used yet (:func:`fresh_schema`), in ``database`` (a DSN);
+    the schema is dropped afterwards."""
+    schema = fresh_schema()
+    try:
+        yield schema
+    finally:
+        with psycopg.connect(database, autocommit=True) as connection:
+            connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 def with_parts(url: str, *, path: str | None = None, port: int | None = None) -> str:
