@@ -53,17 +53,22 @@ FAILURES = {
 
 
 @pytest.fixture(params=[False, True], ids=["started", "forked"])
-async def sup(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Supervisor]:
+async def execution(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[SubprocessExecution]:
     plugins = tmp_path / "plugins"
     plugins.mkdir()
     for name, text in SOURCES.items():
         (plugins / name).write_text(text)
-    async with (
-        SubprocessExecution(
-            tmp_path / "state", entry_paths=[plugins], fork_server=request.param
-        ) as execution,
-        open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as supervisor,
-    ):
+    async with SubprocessExecution(
+        tmp_path / "state", entry_paths=[plugins], fork_server=request.param
+    ) as started:
+        yield started
+
+
+@pytest.fixture
+async def sup(execution: SubprocessExecution) -> AsyncIterator[Supervisor]:
+    async with open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as supervisor:
         yield supervisor
 
 
@@ -86,9 +91,9 @@ async def test_a_failed_load_raises_one_sentence_and_ends_with_no_child(
         assert stopped.termination.describe() == "no child"
 
 
-async def test_the_import_traceback_always_reaches_the_log(sup: Supervisor) -> None:
-    execution = sup._execution  # white-box: only to read the session's log
-    assert isinstance(execution, SubprocessExecution)
+async def test_the_import_traceback_always_reaches_the_log(
+    sup: Supervisor, execution: SubprocessExecution
+) -> None:
     for round_ in range(ROUNDS):
         record = await sup.open(Key(identity="raising", instance=str(round_)), "r")
         with trio.fail_after(BOUND), pytest.raises(PackageError):
