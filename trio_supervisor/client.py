@@ -192,6 +192,39 @@ def _misdirection(response: httpx.Response) -> tuple[str, str]:
         return "", ""
 
 
+class _Body(httpx.AsyncByteStream):
+    """A request's body, sent whole, by an iterator object. httpx's own (``ByteStream``) is
+    an async generator, which a send that fails midway leaves unfinished, and Trio then
+    warns as it collects it (encode/httpx#3686): a host under load would see a
+    ``ResourceWarning`` for each such retry."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return _Once(self._data)
+
+
+class _Once:
+    """Iterates over one chunk."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes) -> None:
+        self._data: bytes | None = data
+
+    def __aiter__(self) -> _Once:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data, self._data = self._data, None
+        if data is None:
+            raise StopAsyncIteration
+        return data
+
+
 def _refused_by_tls(error: BaseException) -> bool:
     """Whether a failed connection failed in the TLS handshake (no retry mends that)."""
     seen: set[int] = set()
@@ -348,7 +381,10 @@ class RemoteSupervisor:
         backoff = FIRST_BACKOFF
         while True:
             try:
-                return await self._client.request(method, where + path, **request)
+                outgoing = self._client.build_request(method, where + path, **request)
+                if isinstance(outgoing.stream, httpx.ByteStream):
+                    outgoing.stream = _Body(outgoing.content)
+                return await self._client.send(outgoing)
             except httpx.TransportError as error:
                 unsent = isinstance(error, httpx.ConnectError | httpx.ConnectTimeout)
                 if unsent:

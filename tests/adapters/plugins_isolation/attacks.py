@@ -114,6 +114,7 @@ def connect(context: Any) -> int:
 
     _try("connect to the runner's port", attempt)
     print("done", flush=True)
+    time.sleep(3600)  # until its session stops: see main()
     return 0
 
 
