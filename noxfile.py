@@ -70,10 +70,14 @@ def install_machine_needs(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite (installing what it needs from the machine's packages)."""
+    """Run the test suite (installing what it needs from the machine's packages), on one
+    worker process more than the machine has cores: most tests wait on child processes,
+    servers and disks rather than compute. A module's tests (a class's, for classes) stay
+    on one worker, in order. ``-- -n 0`` runs them all in this process."""
     install_machine_needs(session)
     session.install("-e", ".[test]")  # the test extra pulls [service,client]
-    session.run("python", "-m", "pytest", *session.posargs)
+    workers = str((os.cpu_count() or 1) + 1)
+    session.run("python", "-m", "pytest", "-n", workers, "--dist", "loadscope", *session.posargs)
 
 
 @nox.session

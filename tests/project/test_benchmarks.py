@@ -77,7 +77,7 @@ def test_the_quick_suite_reports_every_scenario_as_documented(tmp_path: Path) ->
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--rounds", "2", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks", "--quick", "--rounds", "1", "--json", str(out)],
         cwd=ROOT,
         # The benchmarks' scratch (durable.py's stores) is this test's: it goes nowhere else.
         env={**os.environ, "TMPDIR": str(scratch)},
