@@ -111,6 +111,12 @@ class FleetMember(Protocol):
         (the store publishes them with each renewal of this member's row)."""
         ...
 
+    def shortest_lease(self) -> float | None:
+        """The shortest lease of the sessions unfinished here, in seconds; None while
+        there are none. The store checks their keys' high-water at least every third of
+        it (F5), so that a lost notification costs at most one renew period."""
+        ...
+
     def superseded(self, key: Key, high_water: int) -> None:
         """Stop, with reason Superseded, every session here of ``key`` below ``high_water``.
 

@@ -99,12 +99,18 @@ class Member:
         self.alive = dict(live or {})
         self.ages_and_leases = dict(times or {})
         self.calls: list[tuple[Key, int]] = []
+        self.lease: float | None = None
+        self.checks = 0  # how often the store asked for the live keys
 
     def live(self) -> Mapping[Key, int]:
+        self.checks += 1
         return dict(self.alive)
 
     def times(self) -> Mapping[str, tuple[float, float]]:
         return dict(self.ages_and_leases)
+
+    def shortest_lease(self) -> float | None:
+        return self.lease
 
     def superseded(self, key: Key, high_water: int) -> None:
         self.calls.append((key, high_water))
@@ -705,6 +711,26 @@ async def test_run_member_finds_a_supersede_it_was_not_told_of(database: str, sc
             run(in_schema(database, schema), "UPDATE high_water SET generation = 3")
             await until(lambda: member.calls, "superseded() called", bound=5)
             assert member.calls[0] == (key("k"), 3)
+            nursery.cancel_scope.cancel()
+
+
+async def test_run_member_checks_at_least_every_third_of_the_shortest_lease(
+    database: str, schema: str
+) -> None:
+    """F5: a lost notification costs at most one renew period, however rare the store's
+    own check period: the check follows the member's shortest lease."""
+    async with PostgresStore(database, runner_id="a", schema=schema) as a:
+        a._check_period = 3600.0  # only the sessions' leases bring the check round
+        await a.save(record("k", 1))
+        member = Member({key("k"): 1})
+        member.lease = 0.3  # renewed every 0.1 s by its host
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_member, member)
+            await until(lambda: member.checks, "the first check", bound=5)
+            # A newer generation without any notification: as if it had been lost.
+            run(in_schema(database, schema), "UPDATE high_water SET generation = 2")
+            await until(lambda: member.calls, "superseded() called", bound=5)
+            assert member.calls[0] == (key("k"), 2)
             nursery.cancel_scope.cancel()
 
 

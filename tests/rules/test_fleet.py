@@ -79,6 +79,32 @@ async def test_f5_a_renew_of_a_session_superseded_elsewhere_stops_it(database: s
         assert isinstance(record.reason, Superseded)
 
 
+async def test_f5_a_renew_asks_the_fleet_s_store_nothing(
+    database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F5, deviation (n): renew is a memory operation in a fleet too; a supersede is told
+    by notification, or found by the store's periodic check of every live key."""
+    with own_schema(database) as schema:
+        async with (
+            PostgresStore(database, runner_id="a", schema=schema, runner_lease=3) as on_a,
+            supervise_embedded(on_a, FakeExecution()) as a,
+        ):
+            opened = await a.open(KEY, "r")
+            asked: list[str] = []
+            ask = on_a._ask
+
+            async def counted(kind: str, *args: object) -> object:
+                asked.append(kind)
+                return await ask(kind, *args)
+
+            monkeypatch.setattr(on_a, "_ask", counted)
+            for _ in range(20):
+                await a.renew(opened.handle)
+            # The member's own loop may ask meanwhile (its row, its check); renew never.
+            assert "lookup" not in asked, asked
+            assert len(asked) < 20, asked
+
+
 async def test_f8_a_session_stopped_elsewhere_is_answered_by_any_member(database: str) -> None:
     """F8: a Stopped record is answered by any member; a live one only by its holder."""
     async with two_members(database) as (a, b):

@@ -12,10 +12,12 @@ of a :class:`Fleet` chosen once, when the supervisor is made (as trio's
   supervisor alone checkpoints exactly where it did before fleets existed.
 * :class:`Member`, for a :class:`~trio_supervisor.abc.FleetStore`: an open first asks the
   store for the key's high-water and a retried request's record (F3), then waits for
-  older generations held by other runners (F6); a renew asks whether another runner
-  opened a later generation (F5); a session this supervisor does not hold may be
-  Stopped elsewhere (F8); and a task keeps the runner's row and hears of supersedes
-  (F1, F2), stopping the sessions a later generation opened elsewhere supersedes.
+  older generations held by other runners (F6); a session this supervisor does not
+  hold may be Stopped elsewhere (F8); and a task keeps the runner's row and hears of
+  supersedes (F1, F2, F5), stopping the sessions a later generation opened elsewhere
+  supersedes. A renew asks the fleet nothing: the store tells of supersedes by
+  notification, and by its periodic check of every live key in one statement, at least
+  every third of the shortest lease here (F5).
 """
 
 from __future__ import annotations
@@ -56,10 +58,6 @@ class Fleet:
         its session exists."""
         raise NotImplementedError
 
-    async def superseded_elsewhere(self, handle: Handle) -> bool:
-        """Whether another runner opened a later generation of the handle's key (F5)."""
-        raise NotImplementedError
-
     async def stopped_elsewhere(self, handle: Handle) -> StoppedRecord | None:
         """The Stopped record of a session this supervisor does not hold, as another
         runner stored it (F8); None when no runner holds one."""
@@ -88,9 +86,6 @@ class Alone(Fleet):
 
     async def wait_older(self, handle: Handle) -> BaseException | None:
         return None
-
-    async def superseded_elsewhere(self, handle: Handle) -> bool:
-        return False
 
     async def stopped_elsewhere(self, handle: Handle) -> StoppedRecord | None:
         return None
@@ -131,6 +126,7 @@ class Member(Fleet):
         self._running = running
         self.live = running.live
         self.times = running.all_times
+        self.shortest_lease = running.shortest_lease
         self._waits: set[trio.CancelScope] = set()  # opens waiting on older generations
 
     async def _lookup(self, key: Key, request_id: str | None) -> tuple[int, SessionRecord | None]:
@@ -170,11 +166,6 @@ class Member(Fleet):
         # Another runner of the fleet opened a later generation (F5, O5).
         self._records.index.raise_high_water(key, high_water)
         self._running.stop_below(key, high_water)
-
-    async def superseded_elsewhere(self, handle: Handle) -> bool:
-        # A lost notification costs at most one renew period (docs/service.md C).
-        high, _ = await self._lookup(handle.key, None)
-        return high > handle.generation
 
     async def stopped_elsewhere(self, handle: Handle) -> StoppedRecord | None:
         # A Stopped record never changes, so any member may answer for it: a session

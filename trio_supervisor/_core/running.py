@@ -91,6 +91,17 @@ class Running:
             for key, of_key in self._by_key.items()
         }
 
+    def shortest_lease(self) -> float | None:
+        """The shortest lease of the unfinished sessions, in seconds; None if none is."""
+        return min(
+            (
+                session.lifecycle.record.lease
+                for of_key in self._by_key.values()
+                for session in of_key
+            ),
+            default=None,
+        )
+
     def times(self, handle: Handle) -> tuple[float, float] | None:
         """How long ``handle``'s session has existed and how long its lease has left, in
         seconds; None once it is found by its token no more."""

@@ -404,11 +404,9 @@ class Supervisor:
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_usable()
-        session = await self._fleet_session_of(handle)
-        if await self._fleet.superseded_elsewhere(handle):
-            session.stop_soon(Superseded())  # a later generation opened elsewhere (F5)
-        self._check_usable()
-        return await session.renew()
+        # A memory operation, in a fleet too: a later generation opened elsewhere stops
+        # the session as the store tells of it (F5), not by a read per renew.
+        return await (await self._fleet_session_of(handle)).renew()
 
     async def load(
         self, handle: Handle, load: Load, *, quota: QuotaClaim | None = None

@@ -389,7 +389,9 @@ class PostgresStore(Opening):
             await trio.sleep(max(0.0, sent + lease / 3 - time.monotonic()))
 
     async def _check(self, member: FleetMember) -> None:
-        """The guarantee beneath the notifications, and the takeover of dead runners."""
+        """The guarantee beneath the notifications, and the takeover of dead runners: the
+        member's live keys against their high-water in one statement, at least every
+        third of its shortest lease (F5) and every check period."""
         takeover_every = self._settings.runner_lease / 3
         next_takeover = 0.0
         while True:
@@ -407,7 +409,9 @@ class PostgresStore(Opening):
                 # The renewals decide whether this runner is still a member; a check
                 # that failed is tried again.
                 logger.warning("%s", error)
-            await trio.sleep(self._check_period)
+            shortest = member.shortest_lease()
+            period = self._check_period if shortest is None else shortest / 3
+            await trio.sleep(min(self._check_period, period))
 
     async def _hear(self, member: FleetMember) -> None:
         """Listen for notifications, on a thread, and act on them in the run."""
