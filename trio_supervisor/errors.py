@@ -204,6 +204,19 @@ class QuotaExceededError(_Refused):
         self.used = used
         self.hard = hard
 
+    @classmethod
+    def of(cls, tenant: str, quota: str, requested: int, used: int, hard: int) -> Self:
+        """The refusal of ``tenant``'s call, in Kubernetes' words, whoever counted it (a
+        runner alone, or the fleet's store)."""
+        return cls(
+            f"tenant {tenant!r} exceeded quota: {quota}, requested {requested}, used "
+            f"{used}, limited {hard}",
+            quota=quota,
+            requested=requested,
+            used=used,
+            hard=hard,
+        )
+
 
 class ThrottledError(_Refused):
     """The tenant has too many calls in flight, or opens and loads faster than its rate

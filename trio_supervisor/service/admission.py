@@ -349,14 +349,7 @@ def _bounds(quota: Quota) -> bool:
 
 def _check_quota(tenant: Tenant, name: str, requested: int, used: int, hard: int) -> None:
     if used + requested > hard:
-        raise QuotaExceededError(
-            f"tenant {tenant.name!r} exceeded quota: {name}, requested {requested}, used "
-            f"{used}, limited {hard}",
-            quota=name,
-            requested=requested,
-            used=used,
-            hard=hard,
-        )
+        raise QuotaExceededError.of(tenant.name, name, requested, used, hard)
 
 
 def retry_after_header(seconds: float) -> str:

@@ -612,15 +612,7 @@ def _refusal_error(
             f"{mark + 1} (another open claimed it first); nothing of this save was written"
         )
     tenant = claim.tenant if claim is not None else "?"
-    requested, used, hard = int(requested), int(used), int(hard)
-    return QuotaExceededError(
-        f"tenant {tenant!r} exceeded quota: {quota}, requested {requested}, used {used}, "
-        f"limited {hard}",
-        quota=quota,
-        requested=requested,
-        used=used,
-        hard=hard,
-    )
+    return QuotaExceededError.of(tenant, quota, int(requested), int(used), int(hard))
 
 
 def _kind(record: SessionRecord) -> int:
