@@ -148,7 +148,8 @@ async def test_f6_o9_an_open_that_waited_for_a_takeover_starts_its_lease_as_it_r
         cut_off = proxy.url(database)
         async with (
             PostgresStore(cut_off, runner_id="a", schema=schema, runner_lease=1) as on_a,
-            PostgresStore(database, runner_id="b", schema=schema, runner_lease=1) as on_b,
+            # b's row has time to spare: only a's is to run out.
+            PostgresStore(database, runner_id="b", schema=schema, runner_lease=3) as on_b,
             supervise_embedded(on_b, FakeExecution()) as b,
         ):
 

@@ -44,7 +44,7 @@ from trio_supervisor.client import RemoteSupervisor, RunnerAccessError, connect
 from ..support import ROOT
 from ..support.plugins import PLUGINS
 from ..support.processes import STARTUP, descendants, reap, running
-from ..support.runners import LISTENING, Runner, serving
+from ..support.runners import LEASE, LISTENING, Runner, serving
 from ..support.waits import settled, until
 
 ORPHANS: Final = 10.0  # seconds what a test leaves may take to die by itself
@@ -523,7 +523,9 @@ async def test_200_concurrent_sessions_all_stop_and_every_child_is_reaped(tmp_pa
             async with runner.host() as host:
                 # Each asks for a small memory ceiling: with the default's 1 GiB the
                 # runner would take as many as the machine's memory allows, and no more.
-                record = await host.open(key, f"req-{number}", limits=SMALL)
+                # The lease outlasts the wait for all the others (the runner's default
+                # of 30 s would not on a loaded machine).
+                record = await host.open(key, f"req-{number}", limits=SMALL, lease=LEASE)
                 await host.load(record.handle, Load(specifier="sleeper"))
                 pids[number] = await child_of(host, record.handle)
                 if len(pids) == HOSTS:

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import queue
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
@@ -92,6 +93,8 @@ logger = logging.getLogger("trio_supervisor.stores.postgres")
 
 # What a dead runner's sessions are stopped with when another runner takes them over.
 RUNNER_LOST: Final = Termination(kind="exited", exit=ExitStatus(runner_lost=True))
+# Seconds before each look for a save whose answer the broken connection lost.
+LOOK_PAUSES: Final = (0.0, 0.25, 1.0)
 
 
 class Worker:
@@ -150,10 +153,13 @@ class Worker:
                 # before its answer was lost. Look, on a new connection, rather than
                 # report a failure for what landed (a runner then poisons itself, and
                 # an Open that landed would be left without its session).
-                self._attempt(
-                    "look for a save whose answer was lost",
-                    functools.partial(self._landed, saves, landed),
-                )
+                # A blip of the network may outlast the break by a moment: the look is
+                # tried again, briefly, before the save is reported failed.
+                for pause in LOOK_PAUSES:
+                    time.sleep(pause)
+                    look = functools.partial(self._landed, saves, landed)
+                    if self._attempt("look for a save whose answer was lost", look) is None:
+                        break
             for index, job in enumerate(saves):
                 if index in landed:
                     logger.warning(
