@@ -229,3 +229,51 @@ async def test_an_idle_session_has_no_task_until_it_loads() -> None:
         assert _tasks() > before  # the loaded session's task (and its exit watcher)
         for handle in handles:
             await sup.dispose(handle)
+
+
+class RefusingStore(CountingStore):
+    """A counting store whose single saves fail too, when told to."""
+
+    refuse_saves = False
+
+    async def save(self, record: SessionRecord) -> None:
+        if self.refuse_saves:
+            await trio.lowlevel.checkpoint()
+            raise OSError("the disk is full")
+        await super().save(record)
+
+
+@pytest.mark.parametrize(
+    ("refuse", "logged"),
+    [
+        ("save", "the Open record of childless/one generation 1"),
+        ("batch", "the Stopping and Stopped records of childless/one generation 1"),
+    ],
+)
+async def test_h1_a_refused_save_is_logged_naming_its_records_and_session(
+    caplog: pytest.LogCaptureFixture, refuse: str, logged: str
+) -> None:
+    store = RefusingStore()
+
+    async def run() -> None:
+        async with open_supervisor(store, FakeExecution(), lease=10.0) as sup:
+            if refuse == "save":
+                store.refuse_saves = True
+                with pytest.raises(StateStorageError):
+                    await sup.open(KEY, "r1")
+                return
+            record = await sup.open(KEY, "r1")
+            store.refuse_batches = True
+            with pytest.raises(StateStorageError):
+                await sup.dispose(record.handle)
+
+    with pytest.raises(BaseExceptionGroup):  # Z3: the poisoning is reported
+        await run()
+    [failed] = [entry for entry in caplog.records if "could not be saved" in entry.message]
+    assert failed.levelname == "ERROR"
+    assert failed.message == (
+        f"{logged} could not be saved: "
+        "the store failed to save a record: OSError('the disk is full')"
+    )
+    # The session's fields, for a JSON log (serve --log-format json).
+    assert (failed.identity, failed.instance, failed.generation) == ("childless", "one", 1)

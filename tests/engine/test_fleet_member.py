@@ -18,9 +18,12 @@ from trio_supervisor import (
     Handle,
     Key,
     Limits,
+    Load,
     MemoryStore,
     OpenRecord,
+    Phase,
     QuotaClaim,
+    QuotaExceededError,
     RunnerClosingError,
     SessionRecord,
     SessionStoppedError,
@@ -52,6 +55,10 @@ class FleetOfOne(MemoryStore):
         self.elsewhere: dict[str, FleetRecord] = {}  # their records, by token
         self.lookups: list[tuple[Key, str | None]] = []
         self.lookup_fails: Exception | None = None
+        self.held_fails: Exception | None = None
+        self.over_quota: QuotaExceededError | None = None  # save_within refuses with it
+        self.claims: list[tuple[str, QuotaClaim]] = []
+        self.waited: list[Handle] = []  # the handles wait_older_stopped was asked about
         self.older: trio.Event | None = None  # set: wait_older_stopped waits for it
         self.older_fails: BaseException | None = None
         self.waiting = trio.Event()  # a wait_older_stopped began
@@ -72,6 +79,10 @@ class FleetOfOne(MemoryStore):
         await super().save(record)
 
     async def save_within(self, record: SessionRecord, quota: QuotaClaim) -> None:
+        self.claims.append((record.phase.value, quota))
+        if self.over_quota is not None:
+            await trio.lowlevel.checkpoint()
+            raise self.over_quota
         await self.save(record)
 
     async def lookup(self, key: Key, request_id: str | None) -> tuple[int, SessionRecord | None]:
@@ -84,6 +95,7 @@ class FleetOfOne(MemoryStore):
         return max(own, self.marks.get(key, 0)), prior
 
     async def wait_older_stopped(self, handle: Handle) -> None:
+        self.waited.append(handle)
         self.waiting.set()
         if self.older is not None:
             await self.older.wait()
@@ -105,6 +117,8 @@ class FleetOfOne(MemoryStore):
 
     async def held(self, token: str) -> FleetRecord | None:
         await trio.lowlevel.checkpoint()
+        if self.held_fails is not None:
+            raise self.held_fails
         return self.elsewhere.get(token)
 
     async def owner(self, token: str) -> RunnerInfo | None:
@@ -197,6 +211,8 @@ async def test_f6_o9_an_open_returns_once_the_older_generation_stopped_and_its_l
         store.older.set()
         await trio.testing.wait_all_tasks_blocked()
         [record] = opened
+        assert store.waited == [record.handle]  # the wait is for this generation's elders
+        assert not sup._fleet._waits  # type: ignore[attr-defined]  # a wait over is forgotten
         returned = trio.current_time()
         await trio.sleep(4.9)
         assert isinstance(await sup.status(record.handle), OpenRecord)  # O9
@@ -357,10 +373,16 @@ async def test_f8_a_session_live_elsewhere_is_unknown_here(
             await sup.dispose(handle)
         with pytest.raises(StaleSessionError):
             await sup.status(Handle(key=KEY, token="t-nowhere", generation=1))
+        store.held_fails = OSError("connection reset")
+        with pytest.raises(StateStorageError) as unreadable:
+            await sup.status(handle)
+        assert str(unreadable.value) == (
+            "the fleet's store could not be read: OSError('connection reset')"
+        )
 
 
 async def test_f2_the_member_tells_the_store_its_stop_bound_live_keys_and_times(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = FleetOfOne()
     async with open_supervisor(
@@ -378,8 +400,16 @@ async def test_f2_the_member_tells_the_store_its_stop_bound_live_keys_and_times(
         assert times[first.handle.token] == pytest.approx((4.0, 6.0))
         assert times[other.handle.token] == pytest.approx((0.0, 10.0))
         # F5: told of a later generation of KEY, it stops the older one.
-        member.superseded(KEY, 2)
-        await trio.testing.wait_all_tasks_blocked()
+        with caplog.at_level(logging.INFO, logger="trio_supervisor.supervisor"):
+            member.superseded(KEY, 2)
+            await trio.testing.wait_all_tasks_blocked()
+        [told] = [entry for entry in caplog.records if "superseded by" in entry.message]
+        assert told.levelname == "INFO"
+        assert told.message == (
+            "generation 1 of fleet/one is superseded by generation 2, opened on another "
+            "runner of the fleet"
+        )
+        assert (told.identity, told.instance, told.generation) == ("fleet", "one", 1)
         stopped = await sup.status(first.handle)
         assert isinstance(stopped, StoppedRecord)
         assert stopped.reason == Superseded()
@@ -412,7 +442,8 @@ async def test_h1_a_member_that_leaves_the_fleet_is_poisoned(
         await run()
     assert left.group_contains(StateStorageError)
     assert seen == {"before": None, "after": store.member_left}
-    assert "this runner left the fleet: another runner took this row" in caplog.text
+    [left_fleet] = [entry for entry in caplog.records if "left the fleet" in entry.message]
+    assert left_fleet.message == "this runner left the fleet: another runner took this row"
 
 
 async def test_f1_a_member_stays_in_the_fleet_until_its_sessions_stopped(
@@ -424,3 +455,42 @@ async def test_f1_a_member_stays_in_the_fleet_until_its_sessions_stopped(
     # The member task was cancelled at the end, not failed: nothing poisoned it.
     assert sup.poisoned is None
     assert store.joined is not None
+
+
+async def test_f9_a_load_refused_over_its_quota_leaves_the_session_open_to_load_again(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = FleetOfOne()
+    claim = QuotaClaim(tenant="acme", identities=("fleet",), children=0)
+    refusal = QuotaExceededError(
+        "tenant 'acme' exceeded quota: children, requested 1, used 0, limited 0",
+        quota="children",
+        requested=1,
+        hard=0,
+    )
+    async with open_supervisor(store, FakeExecution(), lease=10.0) as sup:
+        record = await sup.open(KEY, "r1", quota=claim)
+        store.over_quota = refusal
+        with (
+            caplog.at_level(logging.INFO, logger="trio_supervisor.session"),
+            pytest.raises(QuotaExceededError) as refused,
+        ):
+            await sup.load(record.handle, Load(specifier="plugin:main"), quota=claim)
+        assert str(refused.value) == str(refusal)
+        assert (refused.value.quota, refused.value.requested) == ("children", 1)
+        assert store.claims == [("Open", claim), ("Loading", claim)]
+        assert sup.poisoned is None  # an answer, not a failure
+        # Nothing of the load is durable: the session is Open, live, and may load later.
+        assert await sup.status(record.handle) == record
+        assert sup.live_records() == [record]
+        [told] = [entry for entry in caplog.records if "was refused" in entry.message]
+        assert told.message == (
+            "loading into trio_supervisor session fleet/one #1 was refused: "
+            "tenant 'acme' exceeded quota: children, requested 1, used 0, limited 0"
+        )
+        assert (told.identity, told.instance, told.generation) == ("fleet", "one", 1)
+        store.over_quota = None
+        await sup.load(record.handle, Load(specifier="plugin:other"), quota=claim)
+        loaded = await sup.status(record.handle)
+        assert loaded.phase is Phase.LOADED
+        await sup.renew(record.handle)
