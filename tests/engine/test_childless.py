@@ -276,4 +276,5 @@ async def test_h1_a_refused_save_is_logged_naming_its_records_and_session(
         "the store failed to save a record: OSError('the disk is full')"
     )
     # The session's fields, for a JSON log (serve --log-format json).
-    assert (failed.identity, failed.instance, failed.generation) == ("childless", "one", 1)
+    fields = vars(failed)  # a log record has its extra= fields as attributes
+    assert (fields["identity"], fields["instance"], fields["generation"]) == ("childless", "one", 1)
