@@ -496,3 +496,13 @@ async def test_f9_a_load_refused_over_its_quota_leaves_the_session_open_to_load_
         loaded = await sup.status(record.handle)
         assert loaded.phase is Phase.LOADED
         await sup.renew(record.handle)
+        # A session refused its load has no task again: a stop runs in the caller's.
+        other = await sup.open(OTHER, "r2")
+        store.over_quota = refusal
+        with pytest.raises(QuotaExceededError):
+            await sup.load(other.handle, Load(specifier="plugin:main"), quota=claim)
+        termination = await sup.dispose(other.handle)
+        assert termination.describe() == "no child"
+        stopped = await sup.status(other.handle)
+        assert isinstance(stopped, StoppedRecord)
+        assert stopped.reason == Disposed()

@@ -56,6 +56,7 @@ async def test_times_are_the_age_and_the_lease_left_while_the_session_runs(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_supervisor(MemoryStore(), FakeExecution(), lease=10.0) as sup:
+        await trio.sleep(5.0)  # the age counts from the open, not from the clock's start
         record = await sup.open(KEY, "r1")
         await trio.sleep(3.0)
         assert sup.times(record.handle) == pytest.approx((3.0, 7.0))
@@ -125,3 +126,20 @@ async def test_a_listener_hears_every_durable_record_at_once_until_it_stops(
         stop()
         await sup.open(OTHER, "r2")
         assert len(heard) == 3
+
+
+async def test_a_listener_that_reads_the_live_records_never_sees_a_stopped_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A runner's admission counts from its listener: the Stopped record is heard while
+    # its session is still found by its token (P5 comes right after), and counts no more.
+    async with open_supervisor(MemoryStore(), FakeExecution(), lease=10.0) as sup:
+        seen: list[tuple[Phase, list[SessionRecord]]] = []
+        record = await sup.open(KEY, "r1")
+        await sup.load(record.handle, Load(specifier="plugin:main"))
+        sup.listen(lambda record: seen.append((record.phase, sup.live_records())))
+        await sup.dispose(record.handle)  # a child: Stopping and Stopped, one by one
+        assert [(phase, [live.phase for live in lives]) for phase, lives in seen] == [
+            (Phase.STOPPING, [Phase.STOPPING]),
+            (Phase.STOPPED, []),
+        ]
