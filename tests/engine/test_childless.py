@@ -278,3 +278,35 @@ async def test_h1_a_refused_save_is_logged_naming_its_records_and_session(
     # The session's fields, for a JSON log (serve --log-format json).
     fields = vars(failed)  # a log record has its extra= fields as attributes
     assert (fields["identity"], fields["instance"], fields["generation"]) == ("childless", "one", 1)
+
+
+def _task_names() -> set[str]:
+    """The name of every task of this Trio run."""
+    root = trio.lowlevel.current_root_task()
+    assert root is not None
+    names, pending = set(), [root]
+    while pending:
+        task = pending.pop()
+        names.add(task.name)
+        for nursery in task.child_nurseries:
+            pending.extend(nursery.child_tasks)
+    return names
+
+
+async def test_a_sessions_tasks_are_named_by_role_key_and_generation(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # What a debugger or an instrument shows, and tests/conftest.py's deadlock report.
+    store = CountingStore()
+    async with open_supervisor(store, FakeExecution(), lease=1.0) as sup:
+        loaded = await sup.open(Key(identity="childless", instance="loaded"), "r1", lease=100.0)
+        await sup.load(loaded.handle, Load(specifier="good:main"))
+        await sup.open(KEY, "r2")
+        store.hold = trio.Event()  # the expired session's stop waits in its save
+        await trio.sleep(1.0)
+        await trio.testing.wait_all_tasks_blocked()
+        names = _task_names()
+        assert "trio_supervisor session childless/loaded #1" in names
+        assert "trio_supervisor stop childless/one #1" in names  # a task of its own
+        store.hold.set()
+        store.hold = None
