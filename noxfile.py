@@ -195,10 +195,11 @@ def mutants(session: nox.Session) -> None:
     WALL_TIME_PLACEHOLDER
     """
     session.install("-e", ".[test]", "mutmut==3.8.1")
-    # A mutant that deadlocks a test fails it after 15 s (pytest-timeout; the slowest of
-    # these tests takes 2 s under mutmut), and counts as killed, instead of holding a
-    # worker until mutmut's own bound.
-    session.env["PYTEST_TIMEOUT"] = "15"
+    # A mutant that deadlocks a test (under MockClock's autojump it waits using no CPU)
+    # fails it after 5 s (pytest-timeout; the slowest of these tests takes 2 s under
+    # mutmut on a busy machine), and counts as killed, instead of holding a worker until
+    # mutmut's own bound: most of the run's time went to such mutants before.
+    session.env["PYTEST_TIMEOUT"] = "5"
     session.env["TRIO_SUPERVISOR_CONFORMANCE"] = "quick"
     session.run("mutmut", "run", "--max-children", "2", *session.posargs)
     session.run("mutmut", "results")
