@@ -188,11 +188,12 @@ def chaos(session: nox.Session) -> None:
 def mutants(session: nox.Session) -> None:
     """Mutation testing of the engine, trio_supervisor/_core/ (mutmut); prints the
     survivors. Scope and tests: pyproject.toml's [tool.mutmut]. Two workers, as on a
-    machine of 2 cores; the wall time measured there is in this docstring's last line.
+    machine of 2 cores.
 
     The conformance machine runs its quick profile here: each mutant no faster test
     kills runs it. ``mutants/`` keeps the results: a second run tries only what changed.
-    WALL_TIME_PLACEHOLDER
+    Measured on a fresh clone, 2 cores shared with other work (load average 4-8): 25 min
+    wall in all (the environment, the stats, then 1,565 mutants at 1.1 a second).
     """
     session.install("-e", ".[test]", "mutmut==3.8.1")
     # A mutant that deadlocks a test (under MockClock's autojump it waits using no CPU)
