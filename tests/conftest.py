@@ -190,8 +190,17 @@ def no_leaked_processes() -> Iterator[None]:
 # share one, as they would a fixed --basetemp, which each run empties first. With
 # tmp_path_retention_policy = "failed" (pyproject.toml) only failed tests' directories
 # are kept, for the last three runs.
+#
+# A run gives back what it changed as it ends: the process may run pytest again (mutmut
+# calls pytest.main several times in one process, then in forks of it), and pytest makes
+# its capture files with tempfile before any conftest is read. Left pointing at the
+# directory this run removed, TMPDIR (and tempfile's cached copy of it) would make the
+# next run's capture fail with FileNotFoundError.
 TEMPORARY: Final = Path(__file__).parents[1] / ".pytest-tmp"
-_RUN_TEMPORARY: list[Path] = []
+_ENVIRONMENT: Final = ("TMPDIR", "PYTEST_DEBUG_TEMPROOT")
+# The run's directory, the environment's values before it, and tempfile's cached
+# directory before it (a list, so a run that never ended is undone too).
+_RUNS: list[tuple[Path, dict[str, str | None], str | None]] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -199,20 +208,28 @@ def pytest_configure(config: pytest.Config) -> None:
     ignore = TEMPORARY / ".gitignore"
     if not ignore.exists():
         ignore.write_text("# tests/conftest.py: the test runs' temporary files\n*\n")
+    before = {name: os.environ.get(name) for name in _ENVIRONMENT}
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", str(TEMPORARY))
     for left in TEMPORARY.glob("tmpdir-*-*"):  # a run that was killed (a hang) left it
         pid = left.name.split("-")[1]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(left, ignore_errors=True)
     run = Path(tempfile.mkdtemp(prefix=f"tmpdir-{os.getpid()}-", dir=TEMPORARY))
-    _RUN_TEMPORARY.append(run)
+    _RUNS.append((run, before, tempfile.tempdir))
     os.environ["TMPDIR"] = str(run)
     tempfile.tempdir = None  # tempfile.gettempdir() reads TMPDIR again
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    while _RUN_TEMPORARY:
-        shutil.rmtree(_RUN_TEMPORARY.pop(), ignore_errors=True)
+    while _RUNS:
+        run, before, cached = _RUNS.pop()
+        shutil.rmtree(run, ignore_errors=True)
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        tempfile.tempdir = cached
 
 
 @pytest.fixture(scope="session", autouse=True)

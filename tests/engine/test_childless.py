@@ -229,3 +229,84 @@ async def test_an_idle_session_has_no_task_until_it_loads() -> None:
         assert _tasks() > before  # the loaded session's task (and its exit watcher)
         for handle in handles:
             await sup.dispose(handle)
+
+
+class RefusingStore(CountingStore):
+    """A counting store whose single saves fail too, when told to."""
+
+    refuse_saves = False
+
+    async def save(self, record: SessionRecord) -> None:
+        if self.refuse_saves:
+            await trio.lowlevel.checkpoint()
+            raise OSError("the disk is full")
+        await super().save(record)
+
+
+@pytest.mark.parametrize(
+    ("refuse", "logged"),
+    [
+        ("save", "the Open record of childless/one generation 1"),
+        ("batch", "the Stopping and Stopped records of childless/one generation 1"),
+    ],
+)
+async def test_h1_a_refused_save_is_logged_naming_its_records_and_session(
+    caplog: pytest.LogCaptureFixture, refuse: str, logged: str
+) -> None:
+    store = RefusingStore()
+
+    async def run() -> None:
+        async with open_supervisor(store, FakeExecution(), lease=10.0) as sup:
+            if refuse == "save":
+                store.refuse_saves = True
+                with pytest.raises(StateStorageError):
+                    await sup.open(KEY, "r1")
+                return
+            record = await sup.open(KEY, "r1")
+            store.refuse_batches = True
+            with pytest.raises(StateStorageError):
+                await sup.dispose(record.handle)
+
+    with pytest.raises(BaseExceptionGroup):  # Z3: the poisoning is reported
+        await run()
+    [failed] = [entry for entry in caplog.records if "could not be saved" in entry.message]
+    assert failed.levelname == "ERROR"
+    assert failed.message == (
+        f"{logged} could not be saved: "
+        "the store failed to save a record: OSError('the disk is full')"
+    )
+    # The session's fields, for a JSON log (serve --log-format json).
+    fields = vars(failed)  # a log record has its extra= fields as attributes
+    assert (fields["identity"], fields["instance"], fields["generation"]) == ("childless", "one", 1)
+
+
+def _task_names() -> set[str]:
+    """The name of every task of this Trio run."""
+    root = trio.lowlevel.current_root_task()
+    assert root is not None
+    names, pending = set(), [root]
+    while pending:
+        task = pending.pop()
+        names.add(task.name)
+        for nursery in task.child_nurseries:
+            pending.extend(nursery.child_tasks)
+    return names
+
+
+async def test_a_sessions_tasks_are_named_by_role_key_and_generation(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # What a debugger or an instrument shows, and tests/conftest.py's deadlock report.
+    store = CountingStore()
+    async with open_supervisor(store, FakeExecution(), lease=1.0) as sup:
+        loaded = await sup.open(Key(identity="childless", instance="loaded"), "r1", lease=100.0)
+        await sup.load(loaded.handle, Load(specifier="good:main"))
+        await sup.open(KEY, "r2")
+        store.hold = trio.Event()  # the expired session's stop waits in its save
+        await trio.sleep(1.0)
+        await trio.testing.wait_all_tasks_blocked()
+        names = _task_names()
+        assert "trio_supervisor session childless/loaded #1" in names
+        assert "trio_supervisor stop childless/one #1" in names  # a task of its own
+        store.hold.set()
+        store.hold = None

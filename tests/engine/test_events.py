@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import trio
 import trio.testing
 
@@ -80,3 +83,36 @@ async def test_watching_ends_when_the_supervisor_shuts_down(
         Phase.STOPPING,
         Phase.STOPPED,
     ]
+
+
+@pytest.mark.parametrize("buffer", [0, -1, True, 1.5, "4"])
+async def test_a_watch_needs_a_buffer_of_at_least_one_record(
+    fake: FakeExecution, buffer: object
+) -> None:
+    async with supervise_embedded(MemoryStore(), fake) as sup:
+        with pytest.raises(
+            ValueError, match=re.escape(f"buffer must be an int >= 1, got {buffer!r}")
+        ):
+            sup.watch(buffer=buffer)  # type: ignore[arg-type]
+
+
+async def test_a_watch_of_one_record_keeps_one_then_overflows(fake: FakeExecution) -> None:
+    async with supervise_embedded(MemoryStore(), fake) as sup, sup.watch(buffer=1) as events:
+        handle = await opened(sup)
+        await sup.dispose(handle)
+        kept = [await anext(events) for _ in range(2)]
+        assert [phase_of(event) for event in kept] == [Phase.OPEN, None]
+        assert kept[1] == Overflow(lost=2)
+
+
+async def test_a_closed_watch_hears_of_no_more_records(fake: FakeExecution) -> None:
+    async with supervise_embedded(MemoryStore(), fake) as sup:
+        async with sup.watch() as closed:
+            pass
+        await opened(sup)  # published to the watchers left: none
+        assert [event async for event in closed] == []
+        # The next watcher hears of what is saved from its start on.
+        async with sup.watch() as events:
+            await opened(sup, OTHER)
+            first = await anext(events)
+            assert phase_of(first) == Phase.OPEN

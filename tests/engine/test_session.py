@@ -14,6 +14,7 @@ from trio_supervisor import (
     SessionRecord,
     StateStorageError,
     StoppingRecord,
+    open_supervisor,
 )
 from trio_supervisor._core.session import SAVE_BOUND
 from trio_supervisor.testing import FakeExecution, FaultyStore
@@ -102,3 +103,32 @@ async def test_skip_grace_cuts_every_termination_short(
         started = trio.current_time()
         assert (await sup.dispose(second)).kind == "killed"
         assert trio.current_time() == pytest.approx(started)
+
+
+class SlowStopStore(MemoryStore):
+    """Takes just under SAVE_BOUND to save each record of a stop: slow, but in time."""
+
+    async def save(self, record: SessionRecord) -> None:
+        if record.phase in (Phase.STOPPING, Phase.STOPPED):
+            await trio.sleep(SAVE_BOUND - 1.0)
+        await super().save(record)
+
+
+async def test_a_stop_whose_every_step_keeps_its_bound_is_not_cut_short(
+    fake: FakeExecution, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The session task's own bound is the sum of its steps' bounds (grace, confirmation
+    # for the kill and for the release, SAVE_BOUND for each save): a stop that is slow
+    # at every step, but in time at each, ends as usual (P2-P5).
+    async with open_supervisor(
+        SlowStopStore(), fake, lease=100.0, grace=1.0, confirmation_timeout=5.0
+    ) as sup:
+        handle = await opened(sup)
+        await sup.load(handle, Load(specifier="plugin:main"))
+        started = trio.current_time()
+        termination = await sup.dispose(handle)
+        assert trio.current_time() - started == pytest.approx(2 * (SAVE_BOUND - 1.0))
+        assert termination.kind == "exited"
+        assert sup.poisoned is None
+        stopped = await sup.status(handle)
+        assert stopped.phase is Phase.STOPPED
