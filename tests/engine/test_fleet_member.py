@@ -322,21 +322,27 @@ async def test_z1_an_open_whose_save_outlasted_the_shutdowns_start_does_not_wait
     assert [str(failure) for failure in failures] == ["the supervisor is shutting down"]
 
 
-async def test_f5_a_renew_of_a_session_opened_again_elsewhere_stops_it(
+async def test_f5_a_renew_asks_nothing_and_a_supersede_the_store_tells_of_stops_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     store = FleetOfOne()
     async with open_supervisor(store, FakeExecution(), lease=10.0) as sup:
         record = await sup.open(KEY, "r1")
-        store.marks[KEY] = 1  # the same generation: not superseded
+        looked = len(store.lookups)
+        store.marks[KEY] = 2  # opened again elsewhere; the store has not told yet
         assert await sup.renew(record.handle) == 10.0
-        store.marks[KEY] = 2
-        with pytest.raises(SessionStoppedError):
+        assert len(store.lookups) == looked  # a renew reads nothing (deviation (n))
+        member = store.joined
+        assert member is not None
+        assert member.shortest_lease() == 10.0  # its check comes round that often / 3
+        member.superseded(KEY, 2)  # the notification, or the store's periodic check
+        with pytest.raises(SessionStoppedError, match="Superseded"):
             await sup.renew(record.handle)
         await trio.testing.wait_all_tasks_blocked()
         stopped = await sup.status(record.handle)
         assert isinstance(stopped, StoppedRecord)
         assert stopped.reason == Superseded()
+        assert member.shortest_lease() is None  # no session left to check for
 
 
 async def test_f8_a_session_stopped_elsewhere_is_answered_here(

@@ -27,7 +27,7 @@ import logging
 import trio
 
 from ..abc import FleetStore
-from ..errors import RunnerClosingError, StaleSessionError
+from ..errors import RunnerClosingError
 from ..model import Handle, Key, SessionRecord, StoppedRecord
 from .health import Health
 from .records import Records, storage_call
@@ -194,8 +194,3 @@ class Member(Fleet):
     def close(self) -> None:
         for scope in self._waits:
             scope.cancel()
-
-
-def stale() -> StaleSessionError:
-    """The error for a handle that names no retained record, here or elsewhere."""
-    return StaleSessionError("no retained session has this token, key and generation")
