@@ -99,6 +99,35 @@ async def test_the_hosts_token_is_refused_on_operator_calls_with_403(fake: FakeE
         assert (await sup.status(handle)).phase.value == "Stopped"
 
 
+async def test_a_client_gone_mid_body_is_no_failure_of_the_runner(
+    fake: FakeExecution, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host that gives up mid-request (or retries on a new connection) leaves half a
+    body: the call is answered as malformed (to no one), logged as no runner failure."""
+    async with runner(fake) as (_, client, url):
+        host, port = httpx.URL(url).host, httpx.URL(url).port
+        assert port is not None
+        stream = await trio.open_tcp_stream(host, port)
+        await stream.send_all(
+            b"POST /v1/renew HTTP/1.1\r\nHost: runner\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {HOSTS_TOKEN}\r\n".encode()
+            + b'Content-Length: 200\r\n\r\n{"handle": '
+        )
+        await stream.aclose()
+        counted = 'trio_supervisor_calls_total{call="renew",outcome="MalformedRequest"'
+
+        async def answered() -> bool:
+            return counted in (await client.get("/metrics", headers=OPERATORS)).text
+
+        for _ in range(1000):  # 10 s at most
+            if await answered():
+                break
+            await trio.sleep(0.01)
+        assert await answered()
+        assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+        assert (await client.get("/readyz")).status_code == 200
+
+
 async def test_a_wrong_session_token_is_404_and_changes_nothing(fake: FakeExecution) -> None:
     async with runner(fake) as (sup, client, _):
         handle = await opened(sup)

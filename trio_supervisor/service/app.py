@@ -46,7 +46,7 @@ import attrs
 import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
@@ -588,12 +588,19 @@ async def _body(request: Request) -> bytes:
             raise Problem(413, ProblemCode.TOO_LARGE, f"the body is over {MAX_BODY} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > DRAIN:
-            break
-        if size <= MAX_BODY:
-            chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > DRAIN:
+                break
+            if size <= MAX_BODY:
+                chunks.append(chunk)
+    except ClientDisconnect:
+        # The client went away mid-body (it gave up, or retries on a new connection):
+        # nothing was done, and the answer reaches no one. Not the runner's failure.
+        raise Problem(
+            400, ProblemCode.MALFORMED, "the client went away before its body was whole"
+        ) from None
     if size > MAX_BODY:
         raise Problem(413, ProblemCode.TOO_LARGE, f"the body is over {MAX_BODY} bytes")
     return b"".join(chunks)
