@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Final
 
+import attrs
 import trio
 
 from trio_supervisor import (
@@ -46,6 +47,7 @@ from trio_supervisor import (
     Supervisor,
     open_supervisor,
 )
+from trio_supervisor._defaults import RUNNER_LEASE
 from trio_supervisor.testing import FakeExecution
 
 from . import postgres
@@ -74,28 +76,50 @@ async def _rows(dsn: str, quick: bool, rounds: int) -> list[Result]:
     return results
 
 
+@attrs.frozen
+class Member:
+    """A runner of a fleet: its store and its supervisor."""
+
+    store: PostgresStore
+    supervisor: Supervisor
+
+
 @asynccontextmanager
-async def _fleet(dsn: str, schema: str, runners: Sequence[str]) -> AsyncIterator[list[Supervisor]]:
+async def members(
+    dsn: str,
+    schema: str,
+    runners: Sequence[str],
+    *,
+    lease: float = LEASE,
+    runner_lease: float = RUNNER_LEASE,
+) -> AsyncIterator[list[Member]]:
     """Supervisors on one schema, one per runner id, started and closed together."""
     leave = trio.Event()
 
-    async def member(runner: str, *, task_status: trio.TaskStatus[Supervisor]) -> None:
+    async def member(runner: str, *, task_status: trio.TaskStatus[Member]) -> None:
         async with (
-            PostgresStore(dsn, schema=schema, runner_id=runner) as store,
-            open_supervisor(store, FakeExecution(), lease=LEASE) as supervisor,
+            PostgresStore(dsn, schema=schema, runner_id=runner, runner_lease=runner_lease) as store,
+            open_supervisor(store, FakeExecution(), lease=lease) as supervisor,
         ):
-            task_status.started(supervisor)
+            task_status.started(Member(store, supervisor))
             await leave.wait()
 
     async with trio.open_nursery() as nursery:
-        supervisors = [await nursery.start(member, runner) for runner in runners]
+        started = [await nursery.start(member, runner) for runner in runners]
         # Each runner's listener connects on a thread of its own: a notification sent
         # before it listens would only be found by the periodic check, a second later.
         await trio.sleep(0.3)
         try:
-            yield supervisors
+            yield started
         finally:
             leave.set()
+
+
+@asynccontextmanager
+async def _fleet(dsn: str, schema: str, runners: Sequence[str]) -> AsyncIterator[list[Supervisor]]:
+    """:func:`members`' supervisors."""
+    async with members(dsn, schema, runners) as started:
+        yield [member.supervisor for member in started]
 
 
 class Tally:

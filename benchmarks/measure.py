@@ -15,7 +15,7 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -66,6 +66,27 @@ class Result:
             "note": self.note,
             **({"extra": self.extra} if self.extra else {}),
         }
+
+
+@attrs.frozen(kw_only=True)
+class Table:
+    """Figures that are no ratio (a cost counted, say): shown after the scenarios, and
+    kept in the JSON under ``tables``."""
+
+    name: str
+    note: str
+    columns: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "note": self.note,
+            "rows": [dict(zip(self.columns, row, strict=True)) for row in self.rows],
+        }
+
+    def render(self) -> str:
+        return f"{self.name}: {self.note}\n" + "\n".join(_grid([list(self.columns), *self.rows]))
 
 
 def compare(
@@ -154,12 +175,7 @@ def render(results: list[Result]) -> str:
                 result.baseline_name,
             ]
         )
-    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    lines = [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines = _grid(rows)
     for result in results:
         if result.extra:
             details = ", ".join(
@@ -168,6 +184,17 @@ def render(results: list[Result]) -> str:
             )
             lines.append(f"{result.name}: {details}")
     return "\n".join(lines)
+
+
+def _grid(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows of cells as aligned lines, the first a heading underlined."""
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return lines
 
 
 def _spread(values: list[float]) -> str:
