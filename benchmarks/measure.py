@@ -137,16 +137,21 @@ async def interleaved_async(
     first: Callable[[], Awaitable[float]], second: Callable[[], Awaitable[float]], rounds: int
 ) -> tuple[list[float], list[float]]:
     """:func:`interleaved` inside one Trio run, for scenarios whose setup outlives a round."""
-    firsts: list[float] = []
-    seconds: list[float] = []
-    for round_ in range(rounds):
-        if round_ % 2 == 0:
-            firsts.append(await first())
-            seconds.append(await second())
-        else:
-            seconds.append(await second())
-            firsts.append(await first())
+    firsts, seconds = await rotated_async([first, second], rounds)
     return firsts, seconds
+
+
+async def rotated_async(
+    measures: Sequence[Callable[[], Awaitable[float]]], rounds: int
+) -> list[list[float]]:
+    """Measure several things in turn each round, round ``r`` starting with the ``r``-th
+    (modulo their number), so that none always runs first or last; their measurements."""
+    found: list[list[float]] = [[] for _ in measures]
+    for round_ in range(rounds):
+        for offset in range(len(measures)):
+            index = (round_ + offset) % len(measures)
+            found[index].append(await measures[index]())
+    return found
 
 
 def machine() -> dict[str, Any]:

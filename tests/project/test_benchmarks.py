@@ -32,6 +32,8 @@ SCENARIOS = {
     "fleet.open_race.distinct",
     "fleet.open_race.remote",
     "fleet.open_race.notify",
+    "fleet.renew",
+    "fleet.renew.sqlite",
     "child.cycle",
     "child.cycle.ceilings",
     "child.cycle.no_preload",
@@ -67,6 +69,7 @@ INFORMATIONAL = {
     "durable.postgres.solo",
     "fleet.open_race.remote",
     "fleet.open_race.notify",
+    "fleet.renew.sqlite",
 }
 # The group dbcost's tables (benchmarks/dbcost.py): counts, not ratios.
 TABLES = {"dbcost", "dbcost.upkeep", "dbcost.scale"}
