@@ -86,7 +86,7 @@ class Table:
         }
 
     def render(self) -> str:
-        return f"{self.name}: {self.note}\n" + "\n".join(_grid([list(self.columns), *self.rows]))
+        return f"{self.name}: {self.note}\n" + "\n".join(grid([list(self.columns), *self.rows]))
 
 
 def compare(
@@ -180,7 +180,7 @@ def render(results: list[Result]) -> str:
                 result.baseline_name,
             ]
         )
-    lines = _grid(rows)
+    lines = grid(rows)
     for result in results:
         if result.extra:
             details = ", ".join(
@@ -191,7 +191,7 @@ def render(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def _grid(rows: Sequence[Sequence[str]]) -> list[str]:
+def grid(rows: Sequence[Sequence[str]]) -> list[str]:
     """Rows of cells as aligned lines, the first a heading underlined."""
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     lines = [

@@ -1,0 +1,172 @@
+"""``python -m benchmarks.check [--record RUNS]``: the regression guard (``nox -s
+bench-check``), in two minutes at most.
+
+It runs a fast subset of the benchmarks (``GROUPS`` at their ``--quick`` sizes, ``ROUNDS``
+rounds each) and compares each counted row's ratio with its reference in
+docs/benchmarks.md: the JSON block under the line ``MARK``, the one place the figures
+live. A row whose ratio is worse than its reference by more than its noise band (in the
+direction that is bad for its unit) is flagged, and the command exits 1; it prints a
+table either way. The quick sizes give ratios of their own, not the full suite's: the
+references are this check's, measured by it.
+
+``--record RUNS`` measures the references instead: the subset ``RUNS`` times on the same
+commit, each row's median ratio as its reference and its largest relative distance
+from that median over the runs as its band (at least ``LEAST_BAND``), and writes them
+into the block with the runs' ratios, the date and the machine's load average as it
+began (other work shares the cores: a band measured under load is wider).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from .groups import GROUPS as ALL_GROUPS
+from .measure import Result, Skipped, Table, grid
+
+GROUPS: Final = ("control", "memory", "durable", "fleet", "service")
+ROUNDS: Final = 5
+LEAST_BAND: Final = 0.05
+DOC: Final = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+MARK: Final = "<!-- bench-check: the references of python -m benchmarks.check -->"
+
+
+def measure(rounds: int = ROUNDS) -> dict[str, Result]:
+    """The subset's counted rows, by name (a group whose server is absent is left out)."""
+    found: dict[str, Result] = {}
+    for group in GROUPS:
+        print(f"running {group} ...", file=sys.stderr, flush=True)
+        try:
+            rows = ALL_GROUPS[group](True, rounds)
+        except Skipped as skip:
+            print(f"skipped {group}: {skip}", file=sys.stderr, flush=True)
+            continue
+        for row in rows:
+            if not isinstance(row, Table) and not row.informational:
+                found[row.name] = row
+    return found
+
+
+def read_block(text: str) -> dict[str, Any]:
+    """The JSON block under ``MARK`` in ``text``."""
+    _, found, after = text.partition(MARK)
+    if not found:
+        raise SystemExit(f"{DOC}: no line {MARK!r}; run with --record first")
+    opening, _, rest = after.lstrip("\n").partition("\n")
+    body, closed, _ = rest.partition("\n```")
+    if opening.strip() != "```json" or not closed:
+        raise SystemExit(f"{DOC}: the line {MARK!r} is not followed by a ```json block")
+    block: dict[str, Any] = json.loads(body)
+    return block
+
+
+def write_block(text: str, block: dict[str, Any]) -> str:
+    """``text`` with the JSON block under ``MARK`` replaced by ``block``."""
+    before, found, after = text.partition(MARK)
+    if not found:
+        raise SystemExit(f"{DOC}: no line {MARK!r} to write the references under")
+    rest = after.lstrip("\n").partition("\n")[2].partition("\n```")[2]
+    return f"{before}{MARK}\n```json\n{json.dumps(block, indent=1)}\n```{rest}"
+
+
+def worse_by(result: Result, reference: float) -> float:
+    """How much worse ``result``'s ratio is than ``reference``, relatively (<= 0: not)."""
+    if result.better == "higher":
+        return 1 - result.ratio / reference
+    return result.ratio / reference - 1
+
+
+def judge(results: dict[str, Result], block: dict[str, Any]) -> tuple[list[list[str]], int]:
+    """The table's rows, and how many rows were flagged."""
+    rows = [["scenario", "ratio", "reference", "band", "worse by", "verdict"]]
+    flagged = 0
+    for name, figures in block["rows"].items():
+        result = results.get(name)
+        if result is None:
+            rows.append([name, "-", f"{figures['ratio']:.3f}", "", "", "not measured"])
+            continue
+        worse = worse_by(result, figures["ratio"])
+        drop = worse > figures["band"]
+        flagged += drop
+        rows.append(
+            [
+                name,
+                f"{result.ratio:.3f}",
+                f"{figures['ratio']:.3f}",
+                f"{figures['band']:.0%}",
+                f"{worse:+.0%}",
+                "DROP" if drop else "ok",
+            ]
+        )
+    return rows, flagged
+
+
+def record(runs: int, rounds: int) -> dict[str, Any]:
+    """The references and bands of ``runs`` runs of the subset (see the module docs)."""
+    load = os.getloadavg()
+    ratios: dict[str, list[float]] = {}
+    better: dict[str, str] = {}
+    seconds: list[float] = []
+    for run in range(runs):
+        print(f"run {run + 1} of {runs}", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        for name, result in measure(rounds).items():
+            ratios.setdefault(name, []).append(result.ratio)
+            better[name] = result.better
+        seconds.append(time.perf_counter() - started)
+    rows: dict[str, Any] = {}
+    for name, found in ratios.items():
+        middle = statistics.median(found)
+        band = max(LEAST_BAND, *(abs(ratio / middle - 1) for ratio in found))
+        rows[name] = {
+            "ratio": round(middle, 4),
+            "band": math.ceil(band * 100) / 100,
+            "better": better[name],
+            "runs": [round(ratio, 4) for ratio in found],
+        }
+    return {
+        "measured": datetime.date.today().isoformat(),
+        "command": f"python -m benchmarks.check --record {runs} --rounds {rounds}",
+        "load_average_at_start": [round(figure, 2) for figure in load],
+        "seconds_per_run": [round(second) for second in seconds],
+        "rounds": rounds,
+        "rows": rows,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.check", description=__doc__)
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds per scenario")
+    parser.add_argument(
+        "--record", type=int, metavar="RUNS", help="measure the references and bands instead"
+    )
+    options = parser.parse_args(argv)
+    text = DOC.read_text()
+    if options.record:
+        DOC.write_text(write_block(text, record(options.record, options.rounds)))
+        print(f"wrote the references of {options.record} runs into {DOC}")
+        return 0
+    block = read_block(text)
+    started = time.perf_counter()
+    results = measure(options.rounds)
+    rows, flagged = judge(results, block)
+    print("\n".join(grid(rows)))
+    print(
+        f"\n{flagged} of {len(block['rows'])} rows dropped beyond their band in "
+        f"{time.perf_counter() - started:.0f} s (references of {block['measured']}, "
+        "docs/benchmarks.md)"
+    )
+    return 1 if flagged else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
