@@ -34,7 +34,7 @@ from .groups import GROUPS as ALL_GROUPS
 from .measure import Result, Skipped, Table, grid
 
 GROUPS: Final = ("control", "memory", "durable", "fleet", "service")
-ROUNDS: Final = 5
+ROUNDS: Final = 7
 LEAST_BAND: Final = 0.05
 DOC: Final = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 MARK: Final = "<!-- bench-check: the references of python -m benchmarks.check -->"
@@ -75,7 +75,17 @@ def write_block(text: str, block: dict[str, Any]) -> str:
     if not found:
         raise SystemExit(f"{DOC}: no line {MARK!r} to write the references under")
     rest = after.lstrip("\n").partition("\n")[2].partition("\n```")[2]
-    return f"{before}{MARK}\n```json\n{json.dumps(block, indent=1)}\n```{rest}"
+    return f"{before}{MARK}\n```json\n{dumped(block)}\n```{rest}"
+
+
+def dumped(block: dict[str, Any]) -> str:
+    """``block`` as JSON, a line per field and per row."""
+    rows = ",\n".join(
+        f"  {json.dumps(name)}: {json.dumps(figures)}" for name, figures in block["rows"].items()
+    )
+    fields = [f" {json.dumps(name)}: {json.dumps(value)}" for name, value in block.items()]
+    fields[list(block).index("rows")] = f' "rows": {{\n{rows}\n }}'
+    return "{\n" + ",\n".join(fields) + "\n}"
 
 
 def worse_by(result: Result, reference: float) -> float:
