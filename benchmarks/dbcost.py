@@ -3,7 +3,7 @@
 Each operation runs alone (one at a time, so each of its saves is a batch of its own)
 ``repeats`` times on a fleet of two runners, ``a`` and ``b``: supervisors in this
 process over ``PostgresStore`` s of one schema, with ``FakeExecution`` (no child
-process; a load makes Loading and Loaded records as a real one does). Per operation
+process; a load saves its three records as a real one does). Per operation
 the table gives:
 
 * **statements** the stores sent, by name (the constants of ``_postgres_sql``), and
@@ -76,6 +76,10 @@ NAMES: Final = {
 }
 # What the membership sends by itself, whatever the sessions do.
 UPKEEP: Final = frozenset({"RENEW", "MARKS", "DEAD"})
+# The statements that write (a transaction with one of them commits to the WAL).
+WRITES: Final = frozenset(
+    {"SAVE_BATCH", "RENEW", "DRAINING", "EXPIRE", "REGISTER", "DEAD_ROW", "NEXT_EPOCH"}
+)
 LEASE: Final = 60.0  # the sessions' lease in the operations' fleet: none expires
 QUIET_RUNNER_LEASE: Final = 600.0  # ... and its runners renew and scan only as they start
 LIVE: Final = 100  # sessions the upkeep's member holds
@@ -101,12 +105,6 @@ class Transaction:
     @property
     def wrote(self) -> bool:
         return any(name in WRITES for name in self.statements)
-
-
-# The statements that write (a transaction with one of them commits to the WAL).
-WRITES: Final = frozenset(
-    {"SAVE_BATCH", "RENEW", "DRAINING", "EXPIRE", "REGISTER", "DEAD_ROW", "NEXT_EPOCH"}
-)
 
 
 class Log:
