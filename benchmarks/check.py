@@ -10,9 +10,8 @@ table either way. The quick sizes give ratios of their own, not the full suite's
 references are this check's, measured by it.
 
 ``--record RUNS`` measures the references instead: the subset ``RUNS`` times on the same
-commit, each row's median ratio as its reference and the largest relative distance by
-which a run fell short of that median (in the bad direction) as its band (at least
-``LEAST_BAND``), and writes them
+commit, each row's median ratio as its reference and the largest relative distance of
+a run from that median, either way, as its band (at least ``LEAST_BAND``), and writes them
 into the block with the runs' ratios, the date and the machine's load average as it
 began (other work shares the cores: a band measured under load is wider).
 """
@@ -137,9 +136,10 @@ def record(runs: int, rounds: int) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for name, found in ratios.items():
         middle = statistics.median(found)
-        # Only the bad side: how far below (above, for a time) a sound commit lands.
-        sign = 1 if better[name] == "higher" else -1
-        band = max(LEAST_BAND, *(sign * (1 - ratio / middle) for ratio in found))
+        # Both sides: with a few runs, how far one lands above the median is evidence of
+        # how far a sound commit may land below it (bands from the bad side alone, over
+        # five runs, flagged 4 rows of 12 in a sound run under load).
+        band = max(LEAST_BAND, *(abs(ratio / middle - 1) for ratio in found))
         rows[name] = {
             "ratio": round(middle, 4),
             "band": math.ceil(band * 100) / 100,
