@@ -482,7 +482,7 @@ class Upkeep:
 
     def row(self) -> tuple[str, ...]:
         return (
-            f"one runner, {self.live} live sessions, {self.seconds:g} s",
+            f"one runner, {self.live} live sessions, {self.seconds:.1f} s",
             _number(sum(self.statements.values())),
             ", ".join(f"{name} {n:.2f}" for name, n in sorted(self.statements.items())),
             f"{self.round_trips:.2f}",
@@ -532,7 +532,7 @@ async def upkeep(
         names.update(done.statements)
     return Upkeep(
         live=live,
-        seconds=round(elapsed, 1),
+        seconds=elapsed,
         statements={name: n / elapsed for name, n in names.items()},
         round_trips=sum(done.round_trips for done in found) / elapsed,
         commits=sum(1 for done in found if done.committed) / elapsed,

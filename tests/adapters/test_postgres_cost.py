@@ -107,4 +107,7 @@ async def test_a_runner_s_upkeep_is_its_renewal_its_check_and_its_scan(database:
         assert 0.4 <= per_period.get(name, 0) <= 1.2, kept
     # The check is one statement whatever the live keys; only a renewal writes: one row.
     assert kept.write_commits == kept.statements["RENEW"]
-    assert kept.rows == kept.statements["RENEW"]
+    # (A renewal that straddles the window's edge may have its row on one side of it
+    # and its commit on the other.)
+    renewals = round(kept.statements["RENEW"] * kept.seconds)
+    assert abs(round(kept.rows * kept.seconds) - renewals) <= 1
