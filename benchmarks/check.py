@@ -10,8 +10,9 @@ table either way. The quick sizes give ratios of their own, not the full suite's
 references are this check's, measured by it.
 
 ``--record RUNS`` measures the references instead: the subset ``RUNS`` times on the same
-commit, each row's median ratio as its reference and the largest relative distance of
-a run from that median, either way, as its band (at least ``LEAST_BAND``), and writes them
+commit, each row's median ratio as its reference and ``MARGIN`` times the largest
+relative distance of a run from that median, either way, as its band (at least
+``LEAST_BAND``), and writes them
 into the block with the runs' ratios, the date and the machine's load average as it
 began (other work shares the cores: a band measured under load is wider).
 """
@@ -36,6 +37,11 @@ from .measure import Result, Skipped, Table, grid
 GROUPS: Final = ("control", "memory", "durable", "fleet", "service")
 ROUNDS: Final = 11
 LEAST_BAND: Final = 0.05
+# A band is this many times the spread the recording saw: a sound run lands beyond the
+# largest distance of n runs from their median about once in (n + 1) / 2 per row, so with
+# a dozen rows nearly every run would flag one (a band of the spread itself, from eight
+# runs, flagged a sound run's control.concurrent at -11% against 10%).
+MARGIN: Final = 1.5
 DOC: Final = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 MARK: Final = "<!-- bench-check: the references of python -m benchmarks.check -->"
 
@@ -133,19 +139,10 @@ def record(runs: int, rounds: int) -> dict[str, Any]:
             ratios.setdefault(name, []).append(result.ratio)
             better[name] = result.better
         seconds.append(time.perf_counter() - started)
-    rows: dict[str, Any] = {}
-    for name, found in ratios.items():
-        middle = statistics.median(found)
-        # Both sides: with a few runs, how far one lands above the median is evidence of
-        # how far a sound commit may land below it (bands from the bad side alone, over
-        # five runs, flagged 4 rows of 12 in a sound run under load).
-        band = max(LEAST_BAND, *(abs(ratio / middle - 1) for ratio in found))
-        rows[name] = {
-            "ratio": round(middle, 4),
-            "band": math.ceil(band * 100) / 100,
-            "better": better[name],
-            "runs": [round(ratio, 4) for ratio in found],
-        }
+    rows = {
+        name: reference(better[name], [round(ratio, 4) for ratio in found])
+        for name, found in ratios.items()
+    }
     return {
         "measured": datetime.date.today().isoformat(),
         "command": f"python -m benchmarks.check --record {runs} --rounds {rounds}",
@@ -153,6 +150,22 @@ def record(runs: int, rounds: int) -> dict[str, Any]:
         "seconds_per_run": [round(second) for second in seconds],
         "rounds": rounds,
         "rows": rows,
+    }
+
+
+def reference(better: str, runs: list[float]) -> dict[str, Any]:
+    """A row's reference from its ratios over the recording's runs: their median, their
+    spread (the largest relative distance of one from the median, either way: with a
+    few runs, how far one lands above it is evidence of how far a sound commit may land
+    below), and its band, ``MARGIN`` times the spread."""
+    middle = statistics.median(runs)
+    spread = max(abs(ratio / middle - 1) for ratio in runs)
+    return {
+        "ratio": round(middle, 4),
+        "band": max(LEAST_BAND, math.ceil(MARGIN * spread * 100) / 100),
+        "spread": math.ceil(spread * 100) / 100,
+        "better": better,
+        "runs": runs,
     }
 
 
