@@ -43,6 +43,8 @@ LEAST_BAND: Final = 0.05
 # a dozen rows nearly every run would flag one (a band of the spread itself, from eight
 # runs, flagged a sound run's control.concurrent at -11% against 10%).
 MARGIN: Final = 1.5
+# The load average under which the machine counts as quiet: the bands are measured there.
+QUIET: Final = 1.0
 DOC: Final = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 MARK: Final = "<!-- bench-check: the references of python -m benchmarks.check -->"
 
@@ -192,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote the references of {options.record} runs into {DOC}")
         return 0
     block = read_block(text)
+    load = os.getloadavg()[0]
     started = time.perf_counter()
     measured = measure(options.rounds)
     results = {name: result for name, (_, result) in measured.items()}
@@ -215,6 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{time.perf_counter() - started:.0f} s (references of {block['measured']}, "
         "docs/benchmarks.md)"
     )
+    if flagged and load > QUIET:
+        print(
+            f"the load average was {load:.2f} as the check began (the references were "
+            f"measured at {block['load_average_at_start'][0]:.2f}): other work on the cores "
+            "may be the drop; run it again when the machine is quiet"
+        )
     return 1 if flagged else 0
 
 
