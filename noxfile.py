@@ -1,5 +1,5 @@
 """Sessions: tests, lint, typecheck, build, examples, conformance, fleet, chaos, api, mutants,
-bench."""
+bench, bench-check."""
 
 from __future__ import annotations
 
@@ -213,5 +213,14 @@ def mutants(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """The side-by-side benchmarks; pass ``-- --json out.json`` to keep the figures."""
-    session.install("-e", ".[service]")  # benchmarks/service.py serves a runner
+    session.install("-e", ".[service,postgres]")  # service.py serves a runner; fleet, dbcost
     session.run("python", "-m", "benchmarks", *session.posargs)
+
+
+@nox.session(name="bench-check")
+def bench_check(session: nox.Session) -> None:
+    """The benchmarks' regression guard, in two minutes at most: a fast subset compared
+    with the references in docs/benchmarks.md; fails on a drop beyond the noise band.
+    ``-- --record 5`` measures the references and bands again (not part of .ci/run)."""
+    session.install("-e", ".[service,postgres]")  # as the session bench
+    session.run("python", "-m", "benchmarks.check", *session.posargs)

@@ -6,24 +6,11 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from . import child, control, durable, fleet, loop, memory, recovery, service, tenants
-from .measure import Result, Skipped, machine, render
-
-# Each group runs its scenarios; the order puts the cheap ones first.
-GROUPS: dict[str, Callable[[bool, int], list[Result]]] = {
-    "control": control.run,
-    "memory": memory.run,
-    "durable": durable.run,
-    "fleet": fleet.run,  # durable.postgres and fleet.*: a PostgreSQL server
-    "loop": loop.run,
-    "recovery": recovery.run,
-    "service": service.run,
-    "tenants": tenants.run,  # service.cycle.tenants, service.flood: a real serve
-    "child": child.run,
-}
+from .groups import GROUPS
+from .measure import Result, Skipped, Table, machine, render
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,6 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.rounds < 1:
         parser.error("--rounds must be at least 1")
     results: list[Result] = []
+    tables: list[Table] = []
     skipped: dict[str, str] = {}
     started = time.perf_counter()
     for name, run in GROUPS.items():
@@ -45,12 +33,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         print(f"running {name} ...", file=sys.stderr, flush=True)
         try:
-            results.extend(run(options.quick, options.rounds))
+            for row in run(options.quick, options.rounds):
+                if isinstance(row, Table):
+                    tables.append(row)
+                else:
+                    results.append(row)
         except Skipped as skip:
             skipped[name] = str(skip)
             print(f"skipped {name}: {skip}", file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - started
-    print(render(results))
+    if results:
+        print(render(results))
+    for table in tables:
+        print(f"\n{table.render()}")
     for name, reason in skipped.items():
         print(f"\nskipped {name}: {reason}")
     counted = [result for result in results if not result.informational]
@@ -61,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "machine": machine(),
             "quick": options.quick,
             "results": [result.as_json() for result in results],
+            "tables": [table.as_json() for table in tables],
             "skipped": skipped,
         }
         options.json.write_text(json.dumps(document, indent=2) + "\n")

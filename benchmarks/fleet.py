@@ -25,31 +25,42 @@ before, so a key has one live session at a time.
   Superseded, notifies that it stopped, which takes PostgreSQL's global lock at commit)
   against the same writes without it: the client disposes the previous session and then
   opens (reason Disposed, no NOTIFY).
+* ``fleet.renew``: renews per second through ``Supervisor.renew``, 100 clients each
+  renewing a session of its own, on a runner of a fleet (whose membership checks its
+  live keys every second meanwhile, F5) against the same runner with its store in no
+  fleet (``durable.postgres.solo``'s face): a renew reads nothing from the store in
+  either. ``fleet.renew.sqlite`` (informational): the same fleet runner against one
+  on ``SqliteStore``. The three are measured in turn in each round, in one Trio run.
 """
 
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Final
 
+import attrs
 import trio
 
 from trio_supervisor import (
     Handle,
     Key,
     PostgresStore,
+    SqliteStore,
     StaleSessionError,
     Supervisor,
     open_supervisor,
 )
+from trio_supervisor import _defaults as defaults
 from trio_supervisor.testing import FakeExecution
 
 from . import postgres
-from .measure import Result, interleaved_async
+from .measure import Result, interleaved_async, rotated_async
 
 LEASE: Final = 2.0  # seconds: a session that stays behind ends soon by itself
 KEYS: Final = 100
@@ -71,31 +82,54 @@ async def _rows(dsn: str, quick: bool, rounds: int) -> list[Result]:
         results.append(await _distinct(three, one, quick, rounds))
         results.append(await _remote(three, quick, rounds))
         results.append(await _notify(one, quick, rounds))
+    results.extend(await _renew(dsn, quick, rounds))
     return results
 
 
+@attrs.frozen
+class Member:
+    """A runner of a fleet: its store and its supervisor."""
+
+    store: PostgresStore
+    supervisor: Supervisor
+
+
 @asynccontextmanager
-async def _fleet(dsn: str, schema: str, runners: Sequence[str]) -> AsyncIterator[list[Supervisor]]:
+async def members(
+    dsn: str,
+    schema: str,
+    runners: Sequence[str],
+    *,
+    lease: float = LEASE,
+    runner_lease: float = defaults.RUNNER_LEASE,
+) -> AsyncIterator[list[Member]]:
     """Supervisors on one schema, one per runner id, started and closed together."""
     leave = trio.Event()
 
-    async def member(runner: str, *, task_status: trio.TaskStatus[Supervisor]) -> None:
+    async def member(runner: str, *, task_status: trio.TaskStatus[Member]) -> None:
         async with (
-            PostgresStore(dsn, schema=schema, runner_id=runner) as store,
-            open_supervisor(store, FakeExecution(), lease=LEASE) as supervisor,
+            PostgresStore(dsn, schema=schema, runner_id=runner, runner_lease=runner_lease) as store,
+            open_supervisor(store, FakeExecution(), lease=lease) as supervisor,
         ):
-            task_status.started(supervisor)
+            task_status.started(Member(store, supervisor))
             await leave.wait()
 
     async with trio.open_nursery() as nursery:
-        supervisors = [await nursery.start(member, runner) for runner in runners]
+        started = [await nursery.start(member, runner) for runner in runners]
         # Each runner's listener connects on a thread of its own: a notification sent
         # before it listens would only be found by the periodic check, a second later.
         await trio.sleep(0.3)
         try:
-            yield supervisors
+            yield started
         finally:
             leave.set()
+
+
+@asynccontextmanager
+async def _fleet(dsn: str, schema: str, runners: Sequence[str]) -> AsyncIterator[list[Supervisor]]:
+    """:func:`members`' supervisors."""
+    async with members(dsn, schema, runners) as started:
+        yield [member.supervisor for member in started]
 
 
 class Tally:
@@ -295,3 +329,76 @@ async def _notify(one: Supervisor, quick: bool, rounds: int) -> Result:
         "session, whose Stopped record (reason Superseded) notifies at commit",
         informational=True,
     )
+
+
+async def _renew(dsn: str, quick: bool, rounds: int) -> list[Result]:
+    renews = 20 if quick else 3000  # per client and round: a second or more of renewals
+    lease = defaults.LEASE  # the fleet's check runs every second, as with a host's leases
+    with tempfile.TemporaryDirectory(prefix="trio-supervisor-bench-") as directory:
+        async with AsyncExitStack() as stack:
+            (member,) = await stack.enter_async_context(
+                members(dsn, "renew", ["renewing"], lease=lease)
+            )
+            alone = await stack.enter_async_context(
+                PostgresStore(dsn, schema="renew_solo", runner_id="solo")
+            )
+            solo = await stack.enter_async_context(
+                open_supervisor(postgres.Solo(alone), FakeExecution(), lease=lease)
+            )
+            sqlite = await stack.enter_async_context(
+                open_supervisor(
+                    SqliteStore(Path(directory) / "renew.db"), FakeExecution(), lease=lease
+                )
+            )
+            rates = [
+                await _renewing(supervisor, renews)
+                for supervisor in (member.supervisor, solo, sqlite)
+            ]
+            fleet, alone_rates, sqlite_rates = await rotated_async(rates, rounds)
+    note = f"{postgres.CLIENTS} clients, each renewing a session of its own {renews} times"
+    return [
+        Result(
+            name="fleet.renew",
+            unit="renews/s",
+            better="higher",
+            target=0.9,
+            ours=fleet,
+            baseline=alone_rates,
+            baseline_name="the same runner with its PostgresStore in no fleet (solo)",
+            note=note + "; the fleet's runner checks its live keys meanwhile",
+        ),
+        Result(
+            name="fleet.renew.sqlite",
+            unit="renews/s",
+            better="higher",
+            target=0.9,
+            ours=fleet,
+            baseline=sqlite_rates,
+            baseline_name="the same runner on SqliteStore",
+            note=note,
+            informational=True,
+        ),
+    ]
+
+
+async def _renewing(supervisor: Supervisor, renews: int) -> Callable[[], Awaitable[float]]:
+    """Open a session per client on ``supervisor``; a round of their renewals, in
+    renews per second."""
+    tag = uuid.uuid4().hex[:8]
+    handles = [
+        (await supervisor.open(Key(identity="renew", instance=f"{tag}-{n}"), tag)).handle
+        for n in range(postgres.CLIENTS)
+    ]
+
+    async def client(handle: Handle) -> None:
+        for _ in range(renews):
+            await supervisor.renew(handle)
+
+    async def rate() -> float:
+        started = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for handle in handles:
+                nursery.start_soon(client, handle)
+        return len(handles) * renews / (time.perf_counter() - started)
+
+    return rate

@@ -15,7 +15,7 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -68,6 +68,27 @@ class Result:
         }
 
 
+@attrs.frozen(kw_only=True)
+class Table:
+    """Figures that are no ratio (a cost counted, say): shown after the scenarios, and
+    kept in the JSON under ``tables``."""
+
+    name: str
+    note: str
+    columns: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "note": self.note,
+            "rows": [dict(zip(self.columns, row, strict=True)) for row in self.rows],
+        }
+
+    def render(self) -> str:
+        return f"{self.name}: {self.note}\n" + "\n".join(grid([list(self.columns), *self.rows]))
+
+
 def compare(
     name: str,
     *,
@@ -116,16 +137,21 @@ async def interleaved_async(
     first: Callable[[], Awaitable[float]], second: Callable[[], Awaitable[float]], rounds: int
 ) -> tuple[list[float], list[float]]:
     """:func:`interleaved` inside one Trio run, for scenarios whose setup outlives a round."""
-    firsts: list[float] = []
-    seconds: list[float] = []
-    for round_ in range(rounds):
-        if round_ % 2 == 0:
-            firsts.append(await first())
-            seconds.append(await second())
-        else:
-            seconds.append(await second())
-            firsts.append(await first())
+    firsts, seconds = await rotated_async([first, second], rounds)
     return firsts, seconds
+
+
+async def rotated_async(
+    measures: Sequence[Callable[[], Awaitable[float]]], rounds: int
+) -> list[list[float]]:
+    """Measure several things in turn each round, round ``r`` starting with the ``r``-th
+    (modulo their number), so that none always runs first or last; their measurements."""
+    found: list[list[float]] = [[] for _ in measures]
+    for round_ in range(rounds):
+        for offset in range(len(measures)):
+            index = (round_ + offset) % len(measures)
+            found[index].append(await measures[index]())
+    return found
 
 
 def machine() -> dict[str, Any]:
@@ -154,12 +180,7 @@ def render(results: list[Result]) -> str:
                 result.baseline_name,
             ]
         )
-    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    lines = [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines = grid(rows)
     for result in results:
         if result.extra:
             details = ", ".join(
@@ -168,6 +189,17 @@ def render(results: list[Result]) -> str:
             )
             lines.append(f"{result.name}: {details}")
     return "\n".join(lines)
+
+
+def grid(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows of cells as aligned lines, the first a heading underlined."""
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return lines
 
 
 def _spread(values: list[float]) -> str:

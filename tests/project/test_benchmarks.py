@@ -32,6 +32,8 @@ SCENARIOS = {
     "fleet.open_race.distinct",
     "fleet.open_race.remote",
     "fleet.open_race.notify",
+    "fleet.renew",
+    "fleet.renew.sqlite",
     "child.cycle",
     "child.cycle.ceilings",
     "child.cycle.no_preload",
@@ -67,7 +69,10 @@ INFORMATIONAL = {
     "durable.postgres.solo",
     "fleet.open_race.remote",
     "fleet.open_race.notify",
+    "fleet.renew.sqlite",
 }
+# The group dbcost's tables (benchmarks/dbcost.py): counts, not ratios.
+TABLES = {"dbcost", "dbcost.upkeep", "dbcost.scale"}
 ROUNDS = 1  # the smoke test's: the figures are not judged here
 
 # The rows of the group that needs a PostgreSQL server (benchmarks/fleet.py).
@@ -94,13 +99,21 @@ def test_the_quick_suite_reports_every_scenario_as_documented(tmp_path: Path) ->
     assert set(document["machine"]) >= {"python", "platform", "cpus"}
     results = document["results"]
     expected = SCENARIOS
+    tables = TABLES
     if "fleet" in document["skipped"]:
         # No server here: skipped, and said so, unless this is CI, where it must run.
-        assert not os.environ.get("CI"), document["skipped"]["fleet"]
-        assert "TRIO_SUPERVISOR_BENCH_DSN" in document["skipped"]["fleet"]
-        assert "skipped fleet" in completed.stdout
+        for group in ("fleet", "dbcost"):
+            assert not os.environ.get("CI"), document["skipped"][group]
+            assert "TRIO_SUPERVISOR_BENCH_DSN" in document["skipped"][group]
+            assert f"skipped {group}" in completed.stdout
         expected = SCENARIOS - POSTGRES
-    assert set(document["skipped"]) <= {"fleet"}
+        tables = set()
+    assert set(document["skipped"]) <= {"fleet", "dbcost"}
+    # The counts of dbcost are tables, each printed and kept with its rows.
+    assert {table["name"] for table in document["tables"]} == tables
+    for table in document["tables"]:
+        assert table["rows"], table
+        assert table["name"] in completed.stdout
     assert {result["name"] for result in results} == expected
     assert len(results) == len(expected)
     for result in results:

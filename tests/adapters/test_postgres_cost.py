@@ -1,0 +1,113 @@
+"""What a session costs the database (issue 43, item 2): the counts of ``python -m
+benchmarks --only dbcost`` (``benchmarks/dbcost.py``), held to what docs/benchmarks.md's
+cost table says. Exact where the count is deterministic; where it depends on timing (an
+open's looks for the older generation it waits for) the bounds say so."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from benchmarks.dbcost import Cost, Upkeep, operations, upkeep
+
+from ..support.postgres import own_schema
+
+REPEATS = 3
+
+
+@pytest.fixture(scope="module")
+def costs(database: str) -> dict[str, Cost]:
+    with own_schema(database) as schema:
+        measured = trio.run(operations, database, schema, REPEATS)
+    return {cost.operation: cost for cost in measured}
+
+
+def test_a_renew_costs_the_database_nothing(costs: dict[str, Cost]) -> None:
+    renew = costs["renew"]
+    assert (renew.statement_count, renew.round_trips, renew.rows, renew.notify_count) == (
+        0,
+        0,
+        0,
+        0,
+    )
+
+
+def test_an_open_is_a_lookup_one_save_and_a_look_for_older_generations(
+    costs: dict[str, Cost],
+) -> None:
+    opened = costs["open"]
+    assert opened.statements == {"LOOKUP": 1, "SAVE_BATCH": 1, "OLDER": 1}
+    # Each statement in a transaction of its own: BEGIN, it, COMMIT.
+    assert (opened.round_trips, opened.commits, opened.write_commits) == (9, 3, 1)
+    # A new key: its high-water row made and raised, and its Open record.
+    assert opened.rows == 3
+    assert opened.notify_count == 0
+    assert costs["high_water"].statements == {"LOOKUP": 1}
+    assert costs["high_water"].rows == 0
+
+
+def test_a_load_and_a_dispose_are_one_write_per_record_batch(costs: dict[str, Cost]) -> None:
+    load, loaded, childless = (
+        costs["load"],
+        costs["dispose, loaded"],
+        costs["dispose, no child"],
+    )
+    assert load.statements == {"SAVE_BATCH": 3}
+    assert (load.write_commits, load.rows) == (3, 3)
+    # With a child: Stopping before the signal, Stopped after (P2, P5).
+    assert loaded.statements == {"SAVE_BATCH": 2}
+    assert (loaded.write_commits, loaded.rows) == (2, 2)
+    # Without: both at once (deviation (k)).
+    assert childless.statements == {"SAVE_BATCH": 1}
+    assert (childless.round_trips, childless.write_commits, childless.rows) == (3, 1, 2)
+    for cost in (load, loaded, childless):
+        assert cost.notify_count == 0
+
+
+def test_a_supersede_across_runners_notifies_twice_and_writes_four_rows(
+    costs: dict[str, Cost],
+) -> None:
+    supersede = costs["supersede across runners"]
+    # b: its lookup, its Open, and one look for a's generation, or a second one once
+    # a's stop was notified; a: Stopping and Stopped, together.
+    assert supersede.statements["LOOKUP"] == 1
+    assert supersede.statements["SAVE_BATCH"] == 2
+    assert 1 <= supersede.statements["OLDER"] <= 2
+    assert set(supersede.statements) == {"LOOKUP", "SAVE_BATCH", "OLDER"}
+    assert supersede.write_commits == 2
+    assert supersede.notifies == {"stopped": 1, "superseded": 1}
+    # The mark raised, b's Open record, a's Stopping and Stopped.
+    assert supersede.rows == 4
+
+
+def test_a_takeover_is_two_transactions_whatever_the_sessions(costs: dict[str, Cost]) -> None:
+    for sessions in (1, 100):
+        cost = costs[f"takeover, {sessions} session{'s' * (sessions > 1)}"]
+        assert cost.statements == {
+            "DEAD": 1,
+            "DEAD_ROW": 1,
+            "DUE": 1,
+            "NEXT_EPOCH": 1,
+            "SAVE_BATCH": 1,
+        }
+        assert (cost.round_trips, cost.commits, cost.write_commits) == (9, 2, 1)
+        # Each session's record written Stopped, and the dead runner's epoch moved on.
+        assert cost.rows == sessions + 1
+
+
+async def test_a_runner_s_upkeep_is_its_renewal_its_check_and_its_scan(database: str) -> None:
+    with own_schema(database) as schema:
+        # A runner lease of 1.5 s: a renewal and a scan every 0.5 s, and the check of
+        # the live keys as often (a third of the runner lease, under a second).
+        kept: Upkeep = await upkeep(database, schema, 3.0, live=50, runner_lease=1.5)
+    assert set(kept.statements) <= {"RENEW", "MARKS", "DEAD"}
+    per_period = {name: rate * 0.5 for name, rate in kept.statements.items()}
+    for name in ("RENEW", "MARKS", "DEAD"):
+        # About one each a period; a loaded machine makes some late.
+        assert 0.4 <= per_period.get(name, 0) <= 1.2, kept
+    # The check is one statement whatever the live keys; only a renewal writes: one row.
+    assert kept.write_commits == kept.statements["RENEW"]
+    # (A renewal that straddles the window's edge may have its row on one side of it
+    # and its commit on the other.)
+    renewals = round(kept.statements["RENEW"] * kept.seconds)
+    assert abs(round(kept.rows * kept.seconds) - renewals) <= 1
