@@ -457,18 +457,32 @@ class Standby:
             # has ended.
             self.ready = interpreter
 
-    def take(self, nursery: trio.Nursery) -> Interpreter | None:
-        """The interpreter started ahead, if there is a live one; the next one starts."""
+    def take(self, nursery: trio.Nursery, after: trio.Event | None = None) -> Interpreter | None:
+        """The interpreter started ahead, if there is a live one; the next one starts
+        once ``after`` is set, or at once.
+
+        ``after`` is the taker's "my child no longer needs the machine" (it started, or
+        failed): making the next standby (a fork or two, and what it prepares) on the
+        two cores the load's own processes run on costs the load as much time as it
+        takes, so it waits for the load. Never set, the next one is never made; the
+        execution's exit cancels the wait.
+        """
         standby = self.ready
         if standby is None:
             return None
         self.ready = None
-        nursery.start_soon(self.fill, name="standby interpreter")
         if standby.process.poll() is not None:
             # It died while it waited (reaped by poll): its socket and cgroup go.
+            nursery.start_soon(self.fill, name="standby interpreter")
             nursery.start_soon(standby.discard, name="dead standby interpreter")
             return None
+        nursery.start_soon(self._fill_after, after, name="standby interpreter")
         return standby
+
+    async def _fill_after(self, after: trio.Event | None) -> None:
+        if after is not None:
+            await after.wait()
+        await self.fill()
 
     def closing(self) -> None:
         """Start no more interpreters (the execution is on its way out)."""
