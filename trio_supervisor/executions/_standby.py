@@ -430,6 +430,7 @@ class Standby:
         self._start = start
         self.ready: Interpreter | None = None
         self._filling = False
+        self._filled = trio.Event()  # set as a fill ends (and then made anew)
         self._closing = False
 
     async def fill(self) -> None:
@@ -439,23 +440,37 @@ class Standby:
             return
         self._filling = True
         try:
-            interpreter = await self._start()
-        except (OSError, ExecutionError):
-            return  # the next load starts its own interpreter, and reports the error
+            try:
+                interpreter = await self._start()
+            except (OSError, ExecutionError):
+                return  # the next load starts its own interpreter, and reports the error
+            try:
+                if isinstance(interpreter.process, ForkedProcess):
+                    # Its maker exits at once: reaped before the standby is offered, so
+                    # that whoever takes it finds T re-parented to us and no maker left.
+                    # (Offered first, a reader of the process table could see the maker
+                    # as the standby, and T not yet ours.) Shielded and bounded, as a
+                    # discard is.
+                    with bounded(DISCARD_CONFIRMATION, shield=True), outside_the_run():
+                        await interpreter.process.reap_maker()
+            finally:
+                # Kept even if the execution is closing: close() discards it once this
+                # task has ended.
+                self.ready = interpreter
         finally:
             self._filling = False
-        try:
-            if isinstance(interpreter.process, ForkedProcess):
-                # Its maker exits at once: reaped before the standby is offered, so that
-                # whoever takes it finds T re-parented to us and no maker left. (Offered
-                # first, a reader of the process table could see the maker as the
-                # standby, and T not yet ours.) Shielded and bounded, as a discard is.
-                with bounded(DISCARD_CONFIRMATION, shield=True), outside_the_run():
-                    await interpreter.process.reap_maker()
-        finally:
-            # Kept even if the execution is closing: close() discards it once this task
-            # has ended.
-            self.ready = interpreter
+            self._filled.set()
+            self._filled = trio.Event()
+
+    async def next(
+        self, nursery: trio.Nursery, after: trio.Event | None = None
+    ) -> Interpreter | None:
+        """:meth:`take`, once the interpreter on its way (if one is) is there: it was
+        asked for before this load, so it is never later than one started for it now
+        (a fork server serves one request at a time, and a started one boots as long)."""
+        if self.ready is None and self._filling:
+            await self._filled.wait()
+        return self.take(nursery, after)
 
     def take(self, nursery: trio.Nursery, after: trio.Event | None = None) -> Interpreter | None:
         """The interpreter started ahead, if there is a live one; the next one starts

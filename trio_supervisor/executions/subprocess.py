@@ -647,7 +647,9 @@ class SubprocessExecution:
         # can take the interpreter started ahead. The next is made once this load's
         # child has started (or failed): ``settled``.
         settled = trio.Event()
-        standby = self._standby.take(nursery, settled) if limits.output_bytes is None else None
+        standby = None
+        if limits.output_bytes is None:
+            standby = await self._standby.next(nursery, settled)
         if standby is not None:
             # Started ahead: it learns where its output goes and its environment now.
             warm: SpawnCommand = {
