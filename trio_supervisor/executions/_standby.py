@@ -430,7 +430,6 @@ class Standby:
         self._start = start
         self.ready: Interpreter | None = None
         self._filling = False
-        self._filled = trio.Event()  # set as a fill ends (and then made anew)
         self._closing = False
 
     async def fill(self) -> None:
@@ -440,64 +439,36 @@ class Standby:
             return
         self._filling = True
         try:
-            try:
-                interpreter = await self._start()
-            except (OSError, ExecutionError):
-                return  # the next load starts its own interpreter, and reports the error
-            try:
-                if isinstance(interpreter.process, ForkedProcess):
-                    # Its maker exits at once: reaped before the standby is offered, so
-                    # that whoever takes it finds T re-parented to us and no maker left.
-                    # (Offered first, a reader of the process table could see the maker
-                    # as the standby, and T not yet ours.) Shielded and bounded, as a
-                    # discard is.
-                    with bounded(DISCARD_CONFIRMATION, shield=True), outside_the_run():
-                        await interpreter.process.reap_maker()
-            finally:
-                # Kept even if the execution is closing: close() discards it once this
-                # task has ended.
-                self.ready = interpreter
+            interpreter = await self._start()
+        except (OSError, ExecutionError):
+            return  # the next load starts its own interpreter, and reports the error
         finally:
             self._filling = False
-            self._filled.set()
-            self._filled = trio.Event()
+        try:
+            if isinstance(interpreter.process, ForkedProcess):
+                # Its maker exits at once: reaped before the standby is offered, so that
+                # whoever takes it finds T re-parented to us and no maker left. (Offered
+                # first, a reader of the process table could see the maker as the
+                # standby, and T not yet ours.) Shielded and bounded, as a discard is.
+                with bounded(DISCARD_CONFIRMATION, shield=True), outside_the_run():
+                    await interpreter.process.reap_maker()
+        finally:
+            # Kept even if the execution is closing: close() discards it once this task
+            # has ended.
+            self.ready = interpreter
 
-    async def next(
-        self, nursery: trio.Nursery, after: trio.Event | None = None
-    ) -> Interpreter | None:
-        """:meth:`take`, once the interpreter on its way (if one is) is there: it was
-        asked for before this load, so it is never later than one started for it now
-        (a fork server serves one request at a time, and a started one boots as long)."""
-        if self.ready is None and self._filling:
-            await self._filled.wait()
-        return self.take(nursery, after)
-
-    def take(self, nursery: trio.Nursery, after: trio.Event | None = None) -> Interpreter | None:
-        """The interpreter started ahead, if there is a live one; the next one starts
-        once ``after`` is set, or at once.
-
-        ``after`` is the taker's "my child no longer needs the machine" (it started, or
-        failed): making the next standby (a fork or two, and what it prepares) on the
-        two cores the load's own processes run on costs the load as much time as it
-        takes, so it waits for the load. Never set, the next one is never made; the
-        execution's exit cancels the wait.
-        """
+    def take(self, nursery: trio.Nursery) -> Interpreter | None:
+        """The interpreter started ahead, if there is a live one; the next one starts."""
         standby = self.ready
         if standby is None:
             return None
         self.ready = None
+        nursery.start_soon(self.fill, name="standby interpreter")
         if standby.process.poll() is not None:
             # It died while it waited (reaped by poll): its socket and cgroup go.
-            nursery.start_soon(self.fill, name="standby interpreter")
             nursery.start_soon(standby.discard, name="dead standby interpreter")
             return None
-        nursery.start_soon(self._fill_after, after, name="standby interpreter")
         return standby
-
-    async def _fill_after(self, after: trio.Event | None) -> None:
-        if after is not None:
-            await after.wait()
-        await self.fill()
 
     def closing(self) -> None:
         """Start no more interpreters (the execution is on its way out)."""

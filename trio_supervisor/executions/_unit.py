@@ -104,8 +104,6 @@ class ProcessUnit:
         cgroup: The cgroup that holds its tree, made as it resolves, or None.
         gone: Called once the child and its whole tree are gone (its uid and private
             directory may be given to another child then), or None.
-        settled: Set once its load no longer needs the machine: it started, or failed
-            to, or the unit was closed first (the next standby waits for it).
     """
 
     def __init__(
@@ -120,9 +118,7 @@ class ProcessUnit:
         limits: str = "",
         cgroup: TreeCgroup | None = None,
         gone: Callable[[], None] | None = None,
-        settled: trio.Event | None = None,
     ) -> None:
-        self.settled = trio.Event() if settled is None else settled
         self._cgroup = cgroup
         self._gone = gone
         self.limits = limits  # the rlimits it runs under, as text (see failure())
@@ -234,17 +230,14 @@ class ProcessUnit:
             await trio.lowlevel.checkpoint()
             raise ExecutionError("this unit was started already")
         self._started = True
-        try:
-            with outside_the_run():  # the child's time is not the run's (realtime.py)
-                try:
-                    await self._send({"command": "start"})
-                except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
-                    raise ExecutionError(
-                        f"the child for {self._specifier!r} is gone before it started"
-                    ) from error
-                reply = await self._receive()
-        finally:
-            self.settled.set()
+        with outside_the_run():  # the child's time is not the run's (realtime.py)
+            try:
+                await self._send({"command": "start"})
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+                raise ExecutionError(
+                    f"the child for {self._specifier!r} is gone before it started"
+                ) from error
+            reply = await self._receive()
         if reply["event"] != "started":
             raise failure(reply, self._specifier, self.limits)
 
@@ -363,7 +356,6 @@ class ProcessUnit:
         return reported
 
     async def aclose(self) -> None:
-        self.settled.set()
         if self._closed:
             await trio.lowlevel.checkpoint()
             return

@@ -644,12 +644,8 @@ class SubprocessExecution:
         spec = self._spec(handle, load, limits)
         log = self.log_path(handle)
         # Capped output is copied through a pipe made here, so only an uncapped load
-        # can take the interpreter started ahead. The next is made once this load's
-        # child has started (or failed): ``settled``.
-        settled = trio.Event()
-        standby = None
-        if limits.output_bytes is None:
-            standby = await self._standby.next(nursery, settled)
+        # can take the interpreter started ahead.
+        standby = self._standby.take(nursery) if limits.output_bytes is None else None
         if standby is not None:
             # Started ahead: it learns where its output goes and its environment now.
             warm: SpawnCommand = {
@@ -657,17 +653,10 @@ class SubprocessExecution:
                 "log": str(log),
                 "environment": self._environment(handle),
             }
-            try:
-                unit = await self._prepare(
-                    nursery, load, standby, warm, None, log, limits, settled=settled
-                )
-            except BaseException:
-                settled.set()
-                raise
+            unit = await self._prepare(nursery, load, standby, warm, None, log, limits)
             if unit is not None:
                 return unit
             # It died before it answered: nothing of the caller's ran; start afresh.
-            settled.set()
         if limits.output_bytes is None:
             # No cap: the child writes into its log file itself, and nothing is copied.
             reader, writer = -1, os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -702,14 +691,11 @@ class SubprocessExecution:
         reader: int | None,
         log: Path,
         limits: Limits,
-        *,
-        settled: trio.Event | None = None,
     ) -> ProcessUnit | None:
         """Send the spawn message; the resolved unit, or None if the child died first.
 
         ``reader`` is the pipe of capped output (copied into ``log``), or None when
-        the child writes its log itself. ``settled`` is set by the unit once its child
-        started or failed (see ``Standby.take``).
+        the child writes its log itself.
         """
         process = interpreter.process
         started = start_time(process.pid)
@@ -774,7 +760,6 @@ class SubprocessExecution:
             limits=_rlimits_text(limits),
             cgroup=cgroup,
             gone=None if grant is None else functools.partial(self._release, grant),
-            settled=settled,
         )
         if reader is None:
             unit.output_done.set()
