@@ -284,7 +284,42 @@ async def test_each_child_runs_as_a_uid_of_its_own_which_is_free_again_once_it_s
     for record in (second, third):
         with trio.fail_after(BOUND):
             await sup.dispose(record.handle)
-    await until(lambda: not any(children.iterdir()), "every private directory removed")
+
+    def left() -> set[str]:
+        """The private directories there are but the standby's, made ahead for its child."""
+        ready = execution._standby.ready  # white-box: what the standby was granted
+        ahead = {str(ready.grant.uid)} if ready is not None and ready.grant is not None else set()
+        return {home.name for home in children.iterdir()} - ahead
+
+    await until(lambda: not left(), "every private directory removed")
+
+
+async def test_a_standby_s_child_is_granted_its_uid_ahead_and_a_discarded_one_gives_it_back(
+    tmp_path: Path,
+) -> None:
+    # The standby's uid and private directory are claimed while it waits (and its plugin's
+    # namespaces made: the standby rows of every test here run through them).
+    async with SubprocessExecution(
+        tmp_path, entry_paths=[ISOLATION], fork_server=True, standby=True
+    ) as execution:
+        standby = execution._standby  # white-box: the standby, and what it was granted
+
+        def granted() -> bool:
+            return standby.ready is not None and standby.ready.grant is not None
+
+        await until(granted, "the standby granted its uid", bound=BOUND)
+        assert standby.ready is not None
+        grant = standby.ready.grant
+        assert grant is not None
+        assert grant.uid is not None
+        uid = grant.uid
+        assert not execution.isolated.is_free(uid)
+        home = Path(f"/proc/self/fd/{execution.isolated.homes}") / str(uid)
+        assert (home.stat().st_uid, home.stat().st_mode & 0o777) == (uid, 0o700)
+        claim = claims_root() / UIDS / str(uid)
+        assert Claim.parse(os.readlink(claim), claim).owner == Owner.this_process()
+    # Discarded as the execution ended: its claim is let go of, as a child's is.
+    assert not claim.is_symlink()
 
 
 async def test_a_named_command_runs_as_its_own_uid_too(

@@ -12,6 +12,9 @@ both sides in ``_protocol`` (imported for the type checker alone):
     supervisor -> child   {"command": "join", "make": [...], "cgroups": [...]}   to a
                           standby, while it waits: the cgroup it makes (its directory
                           in each hierarchy) and the cgroup.procs files it joins
+    supervisor -> child   {"command": "isolate", "isolation": {...}}   to a standby, while
+                          it waits: the plugin's own namespaces are made ahead for a
+                          spawn message with the same "isolation" (:func:`isolate_ahead`)
     supervisor -> child   {"command": "spawn", ...}     what to run, limits, context
                           (to a standby started ahead, also "log" and "environment";
                           with a cgroup, "cgroups": the cgroup.procs files T joins
@@ -60,8 +63,10 @@ Theory of operation: two processes, each with one job.
   ``PR_SET_NO_NEW_PRIVS`` and its private directory, and, without a network, a network
   namespace of its own; in a mount namespace of its own it gets a fresh tmpfs over
   ``/tmp``, ``/var/tmp`` and ``/dev/shm``, and, in a PID namespace, that namespace's
-  ``/proc`` (:func:`own_mounts`). T stays root, runs none of the plugin's code, and
-  cannot be signalled or traced by P.
+  ``/proc`` (:func:`own_mounts`). A standby's T has those namespaces made while it waits
+  (:func:`isolate_ahead`, by a helper it forks and reaps before its spawn message), and
+  its P enters them instead of making them. T stays root, runs none of the plugin's
+  code, and cannot be signalled or traced by P.
 
 Ways out, and what holds each:
 
@@ -118,6 +123,7 @@ if TYPE_CHECKING:
         RLimits,
         ServerReply,
         SpawnCommand,
+        UserIsolationSpec,
         ViewSpec,
     )
 
@@ -612,6 +618,7 @@ class Tracked:
             )
             return 0
         close_all(self.go)
+        forget_prepared()  # P has them, and enters them as it isolates itself
         self.child = plugin
         self.started = pipe
         release()
@@ -709,6 +716,7 @@ def become_plugin(
             isolate(isolation, own_pids=own_pids)
         except (OSError, ValueError) as error:
             refuse(f"cannot isolate the child: {error}", control, starter)
+    forget_prepared()  # none of the plugin's to hold, whether it entered them or not
     # Forked ahead, so that the fork costs the load nothing: nothing of the caller's
     # runs before the supervisor's "start".
     if os.read(go, 1) != b"g":
@@ -761,6 +769,26 @@ def isolate(isolation: IsolationSpec, *, own_pids: bool) -> None:
             f"its interpreter runs as uid {os.geteuid()}, not root, so it cannot become "
             f"uid {uid}; run the interpreter as root, or pass isolation='none'"
         )
+    if PREPARED.get("isolation") == isolation:
+        enter_prepared(isolation)  # made ahead, while a standby waited
+    else:
+        own_namespaces(isolation, own_pids=own_pids)
+    os.chdir(isolation["home"])
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid):
+        raise OSError(f"the uid is {os.getresuid()} after switching to {uid}")
+    libc("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    libc("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)
+    os.environ["TMPDIR"] = isolation["tmp"]
+
+
+def own_namespaces(isolation: UserIsolationSpec, *, own_pids: bool) -> None:
+    """(P, or the helper of :func:`isolate_ahead`; root) Make the isolated plugin's own
+    namespaces and enter them: without a network, a network namespace with loopback
+    alone; then the children's view, and a mount namespace of its own copied from it,
+    with what is the child's alone mounted (:func:`own_mounts`)."""
     if isolation.get("network") == "none":
         libc("unshare", CLONE_NEWNET)
         loopback_up()
@@ -773,15 +801,87 @@ def isolate(isolation: IsolationSpec, *, own_pids: bool) -> None:
     # to copy (make_view made every mount a slave, and mounts made since are private).
     libc("unshare", CLONE_NEWNS)
     own_mounts(isolation, own_pids=own_pids)
-    os.chdir(isolation["home"])
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
-    if os.getresuid() != (uid, uid, uid):
-        raise OSError(f"the uid is {os.getresuid()} after switching to {uid}")
-    libc("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    libc("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)
-    os.environ["TMPDIR"] = isolation["tmp"]
+
+
+# The namespaces a standby's T had made ahead (isolate_ahead): "isolation", the spec
+# they were made for, and the descriptors "mnt" (and "net", without a network).
+PREPARED: dict[str, Any] = {}
+
+
+def isolate_ahead(isolation: IsolationSpec) -> None:
+    """(a standby's T, while it waits) Have the plugin's own namespaces made ahead, for
+    a spawn message with the same ``isolation`` (its uid and private directory claimed
+    ahead by the runner): the copy of the view, its mounts, and the network namespace
+    are most of what :func:`isolate` costs, and are the same for any load.
+
+    A helper forked for it (T's child, so in the PID namespace the plugin will be in,
+    whose ``/proc`` it mounts) makes them with :func:`own_namespaces` and sends T their
+    descriptors before it exits; T holds them, so they exist until P, forked with them,
+    enters them (:func:`enter_prepared`) and T closes its own. Where that fails, T holds
+    nothing and P makes its namespaces itself, as without a standby: the failure is
+    then P's, and its load says why.
+    """
+    import _socket  # socket's C part: no enum (see the top)
+
+    forget_prepared()
+    if "hide" in isolation or os.geteuid() != 0:
+        return  # namespaces of another kind, or P cannot become the uid (and says so)
+    # As for any isolated child (see main): nobody but root may look into T, whose root
+    # directory shows the state directory.
+    libc("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
+    own_pids = os.getpid() == 1  # T is PID 1 of the plugin's namespace (see main)
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+    helper = os.fork()
+    if helper == 0:
+        try:
+            ours.close()
+            own_namespaces(isolation, own_pids=own_pids)
+            made = [os.open("/proc/self/ns/mnt", os.O_RDONLY)]
+            if isolation.get("network") == "none":
+                made.append(os.open("/proc/self/ns/net", os.O_RDONLY))
+            payload = b"".join(fd.to_bytes(4, sys.byteorder) for fd in made)
+            theirs.sendmsg([b"r"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, payload)])
+        finally:
+            os._exit(0)  # what it sent holds the namespaces
+    theirs.close()
+    fds: list[int] = []
+    try:
+        _, ancillary, _, _ = ours.recvmsg(1, _socket.CMSG_SPACE(2 * 4))
+        for level, kind, payload in ancillary:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                whole = len(payload) - len(payload) % 4
+                fds += [
+                    int.from_bytes(payload[at : at + 4], sys.byteorder) for at in range(0, whole, 4)
+                ]
+    except OSError:
+        pass
+    finally:
+        ours.close()
+        os.waitpid(helper, 0)  # before the spawn message: it counts toward pids.max
+    wanted = 2 if isolation.get("network") == "none" else 1
+    if len(fds) != wanted:  # it failed (and said nothing), or sent what we did not ask for
+        close_all(*fds)
+        return
+    for fd in fds:
+        os.set_inheritable(fd, False)  # P has them by fork; a command's exec does not
+    PREPARED.update(isolation=isolation, mnt=fds[0], net=fds[1] if wanted == 2 else -1)
+
+
+def enter_prepared(isolation: UserIsolationSpec) -> None:
+    """(P, root) Enter the namespaces :func:`isolate_ahead` had made: the same as
+    :func:`own_namespaces` would make, without the cost."""
+    if PREPARED["net"] >= 0:
+        libc("setns", PREPARED["net"], CLONE_NEWNET)
+    libc("setns", PREPARED["mnt"], CLONE_NEWNS)  # also sets the working directory to "/"
+    forget_prepared()
+    if isolation["view"] >= 0:
+        os.close(isolation["view"])  # not the plugin's to hold
+
+
+def forget_prepared() -> None:
+    """Close what :func:`isolate_ahead` holds (T, once P has it; P, once it entered)."""
+    close_all(*(PREPARED[name] for name in ("mnt", "net") if PREPARED.get(name, -1) >= 0))
+    PREPARED.clear()
 
 
 def hide_state(isolation: NamespaceIsolationSpec, *, own_pids: bool) -> None:
@@ -1369,7 +1469,11 @@ def main() -> int:
         launch(control, sys.argv[2], sys.argv[3] == "strict")
     command = control.read()
     ahead: list[str] = []  # a standby's cgroup, joined while it waited
-    while is_command(command) and command["command"] == "join":
+    while is_command(command) and command["command"] in ("join", "isolate"):
+        if command["command"] == "isolate":
+            isolate_ahead(command["isolation"])  # P makes them itself if this failed
+            command = control.read()
+            continue
         try:
             for directory in command["make"]:
                 os.makedirs(directory)

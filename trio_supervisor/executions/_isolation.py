@@ -34,6 +34,15 @@ where the child has a PID namespace of its own (``_containment``), that namespac
 environment are not in it. Where the kernel refuses a PID namespace, or its ``/proc``,
 children keep the host's ``/proc``, and the log says so.
 
+A standby (an interpreter kept ahead of the next load, ``_standby``) is granted its
+child's uid and private directory while it waits, and has its plugin's mount namespace
+(and, without a network, its network namespace) made then, by a helper it forks
+(``_bootstrap.isolate_ahead``): the load that takes it sends the same isolation, and its
+plugin enters what was made instead of making it (the copy of the view and its mounts
+are most of what isolating a child costs, 0.5 ms of the plugin's 0.8 ms here). The
+record is the same as for any child: the uid in its identity is the one it runs as. A
+standby discarded unused gives its grant back, as a child that is gone does.
+
 Runners of one machine may share a range: a uid is claimed machine-wide, atomically,
 by a claim ``uids/<uid>`` that names the runner (its pid, start time and boot id) and
 the child's private directory, and given back once its child is gone (``_claims``).
@@ -161,6 +170,9 @@ class Isolated:
 
     kind: ClassVar[Literal["users", "namespace", "none"]]
     used: ClassVar[bool] = True
+    # Whether a standby may be given a child's grant before its load, and have its
+    # plugin's namespaces made while it waits (``_bootstrap.isolate_ahead``).
+    ahead: ClassVar[bool] = False
 
     reason: str = ""
     network: Network = "host"
@@ -228,6 +240,11 @@ class Isolated:
             ExecutionError: Nothing is left to give.
         """
         raise NotImplementedError(f"children isolated by {self.kind} are granted nothing")
+
+    def claim_now(self) -> Grant | None:
+        """What the next child is given, as :meth:`claim`, if something is free now
+        (without looking at the claims again, and without waiting); else None."""
+        return None
 
     async def release(self, grant: Grant) -> None:
         """Remove a gone child's private directory, and give back what it was granted."""
@@ -316,6 +333,7 @@ class UserIsolation(Isolated):
     """
 
     kind: ClassVar[Literal["users"]] = "users"
+    ahead: ClassVar[bool] = True
 
     users: range
     claims: Claims
@@ -381,6 +399,11 @@ class UserIsolation(Isolated):
             "running child: widen isolation_users (serve --child-users)"
         )
 
+    def claim_now(self) -> Grant | None:
+        if self.homes < 0:  # closed: the execution is on its way out
+            return None
+        return self._take()
+
     def _take(self) -> Grant | None:
         """The next free uid, claimed, or None where none is left."""
         assert self.children is not None
@@ -394,6 +417,10 @@ class UserIsolation(Isolated):
             except FileExistsError:  # a child of this run that has not gone yet
                 self.claims.drop(name)
                 continue
+            except BaseException:
+                self.claims.drop(name)  # claimed for nobody
+                self._free.append(uid)
+                raise
             os.chown(name, uid, uid, dir_fd=self.homes, follow_symlinks=False)
             self._held.add(uid)
             return Grant(uid, self.children / name)
@@ -424,6 +451,10 @@ class UserIsolation(Isolated):
         """Remove a gone child's private directory, and make its uid free again (its
         claim let go of even where this is cancelled: the execution ends, say)."""
         assert grant.uid is not None
+        if self.homes < 0:  # closed: the view's tmpfs went with it (a standby's, discarded)
+            self._give_back(grant.uid)
+            await trio.lowlevel.checkpoint()
+            return
         try:
             os.rmdir(str(grant.uid), dir_fd=self.homes)  # most children leave it empty
         except FileNotFoundError:

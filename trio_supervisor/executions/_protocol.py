@@ -7,9 +7,9 @@ time, and mypy checks what the runner builds (``subprocess``, ``_isolation``,
 definition here. On the wire each is a ``marshal``'d dict (see ``_bootstrap.py`` for
 the order they come in, and for the framing).
 
-* Control socket, runner to child: :class:`JoinCommand` (to a standby, while it waits),
-  :class:`SpawnCommand` (once), :class:`RenewCommand` (any number of times),
-  :class:`StartCommand` (once).
+* Control socket, runner to child: :class:`JoinCommand` and :class:`IsolateCommand` (to
+  a standby, while it waits), :class:`SpawnCommand` (once), :class:`RenewCommand` (any
+  number of times), :class:`StartCommand` (once).
 * Control socket, child to runner: :class:`TrackedEvent` (first), then
   :class:`ResolvedEvent` or :class:`FailedEvent`, then :class:`StartedEvent` or
   :class:`FailedEvent`, and :class:`ExitedEvent` as T ends.
@@ -30,6 +30,7 @@ __all__ = [
     "ExitedEvent",
     "FailedEvent",
     "ForkRequest",
+    "IsolateCommand",
     "IsolationSpec",
     "JoinCommand",
     "NamespaceIsolationSpec",
@@ -111,6 +112,15 @@ class NamespaceIsolationSpec(OwnMounts):
 IsolationSpec = UserIsolationSpec | NamespaceIsolationSpec
 
 
+class IsolateCommand(TypedDict):
+    """To a standby, while it waits: make its plugin's own namespaces ahead
+    (``_bootstrap.isolate_ahead``), for the child its spawn message will name with the
+    same ``isolation``."""
+
+    command: Literal["isolate"]
+    isolation: IsolationSpec
+
+
 class SpawnCommand(TypedDict):
     """What to run, under which limits, with which context (once, before "start")."""
 
@@ -142,7 +152,7 @@ class StartCommand(TypedDict):
     command: Literal["start"]
 
 
-Command = JoinCommand | SpawnCommand | RenewCommand | StartCommand
+Command = JoinCommand | IsolateCommand | SpawnCommand | RenewCommand | StartCommand
 
 # -- child to runner ------------------------------------------------------------------
 

@@ -45,7 +45,8 @@ import trio
 from ..errors import ExecutionError
 from ..realtime import bounded, outside_the_run
 from ._cgroups import TreeCgroup
-from ._protocol import Command, JoinCommand
+from ._isolation import Grant
+from ._protocol import Command, IsolateCommand, IsolationSpec, JoinCommand
 
 __all__ = [
     "BOOTSTRAP",
@@ -116,12 +117,16 @@ class Interpreter:
         cgroup: The cgroup it joins ahead of its load (:meth:`join_ahead`, or made as
             it booted by ``start_interpreter``'s ``join``); whoever takes the
             interpreter owns it.
+        grant: What its child was granted ahead of its load (:meth:`isolate_ahead`),
+            given back if it is discarded; whoever takes the interpreter takes it.
     """
 
     process: ChildProcess
     control: socket.socket
     marker: int
     cgroup: TreeCgroup | None = None
+    grant: Grant | None = None
+    _give_back: Callable[[Grant], Awaitable[None]] | None = None
 
     def join_ahead(self, cgroup: TreeCgroup) -> None:
         """Have it make ``cgroup`` and join it while it waits.
@@ -141,6 +146,36 @@ class Interpreter:
         self.control.sendall(frame(message))
         self.cgroup = cgroup
 
+    def isolate_ahead(
+        self,
+        grant: Grant,
+        isolation: IsolationSpec,
+        give_back: Callable[[Grant], Awaitable[None]],
+    ) -> None:
+        """Have it make its plugin's own namespaces while it waits, for the child that
+        ``grant`` (claimed ahead: a uid and its private directory) is for.
+
+        It does so before it reads its spawn message (``_bootstrap``'s "isolate"), so
+        the copy of the view and its mounts are not the load's: the load that takes it
+        sends the same ``isolation`` and takes :attr:`grant` (:meth:`take_grant`); a
+        discarded one gives it back with ``give_back``.
+
+        Raises:
+            OSError: It is gone (the message could not be sent); it holds the grant
+                all the same, until it is discarded.
+        """
+        # Its own from now on, sent or not: a dead one is discarded, and gives it back.
+        self.grant = grant
+        self._give_back = give_back
+        message: IsolateCommand = {"command": "isolate", "isolation": isolation}
+        self.control.sendall(frame(message))
+
+    def take_grant(self) -> Grant | None:
+        """What it was granted ahead (:meth:`isolate_ahead`), if anything: the caller's
+        from now on."""
+        grant, self.grant = self.grant, None
+        return grant
+
     async def discard(self) -> None:
         """End it and reap it, and remove its cgroup. It ran nothing and is alone in its
         process group (and its cgroup)."""
@@ -151,6 +186,9 @@ class Interpreter:
         with bounded(DISCARD_CONFIRMATION), outside_the_run():
             await self.process.wait()
         await _remove(self.cgroup)
+        grant = self.take_grant()
+        if grant is not None and self._give_back is not None:
+            await self._give_back(grant)  # nothing ran as its uid
 
 
 async def _remove(cgroup: TreeCgroup | None) -> None:

@@ -151,9 +151,13 @@ class SubprocessExecution:
             message, then takes the session's environment and log file like a child
             started for it. It costs one idle interpreter while the execution runs, and
             serves loads without ``Limits.output_bytes`` (capped output is copied
-            through a pipe made at spawn). If the supervisor dies, the standby sees its
-            socket close and exits. With ``fork_server``, the standby is forked by it
-            too, so a load waits for neither Python's start nor a fork.
+            through a pipe made at spawn). Where children run as uids of their own,
+            the standby's child is granted its uid and private directory while it
+            waits (so it holds one uid of ``isolation_users``), and its plugin's
+            namespaces are made then (see ``_isolation``). If the supervisor dies,
+            the standby sees its socket close and exits. With ``fork_server``, the
+            standby is forked by it too, so a load waits for neither Python's start
+            nor a fork.
         containment: How a child's whole process tree is held (see ``_containment``):
             "namespace" (a PID namespace per child; entering the execution fails where
             the kernel allows none), "sweep" (the child subreaper sweep), or "auto"
@@ -563,9 +567,36 @@ class SubprocessExecution:
                 interpreter = await self._start(self.options.base_environment(), nowhere)
             finally:
                 os.close(nowhere)
-        if self._expected is not None and self.python == sys.executable:
-            self._join_ahead(interpreter, self._expected)
+        if self.python == sys.executable:  # our bootstrap, as root (see _join_ahead)
+            if self._expected is not None:
+                self._join_ahead(interpreter, self._expected)
+            if self.isolated.ahead:
+                self._isolate_ahead(interpreter)
         return interpreter
+
+    def _isolate_ahead(self, interpreter: Interpreter) -> None:
+        """Grant the standby's child its uid and private directory now, and have the
+        standby make its plugin's own namespaces while it waits: the copy of the view
+        and its mounts (most of what isolating a child costs) are then not the load's
+        (see ``_bootstrap.isolate_ahead``). Where no uid is free now, the load claims
+        one (looking at the claims again), or says why it cannot.
+
+        Never waits: the standby's start keeps what it started even as the execution
+        exits (``Standby.fill``). A standby discarded gives its grant back.
+        """
+        if self._nursery is None:
+            return  # the execution exits, and discards it
+        try:
+            grant = self.isolated.claim_now()
+        except OSError as error:
+            logger.debug("no uid granted ahead to the standby: %s", error)
+            return
+        if grant is None:
+            return
+        try:
+            interpreter.isolate_ahead(grant, self.isolated.spec(grant), self.isolated.release)
+        except OSError as error:  # it is gone: discarded, it gives the grant back
+            logger.debug("no namespaces prepared for the standby: %s", error)
 
     def _join_ahead(self, interpreter: Interpreter, expected: Limits) -> None:
         """Have the standby make its cgroup, in the hierarchies the last load's limits
@@ -699,11 +730,15 @@ class SubprocessExecution:
                 cgroup.member = process.pid
         grant = None
         if self.isolated.used:
-            try:
-                grant = await self.isolated.claim()
-            except BaseException:
-                await interpreter.discard()
-                raise
+            # Claimed ahead for a standby, which made its plugin's namespaces for it;
+            # the same spec tells it to use them.
+            grant = interpreter.take_grant()
+            if grant is None:
+                try:
+                    grant = await self.isolated.claim()
+                except BaseException:
+                    await interpreter.discard()
+                    raise
             spec = {**spec, "isolation": self.isolated.spec(grant)}
         identity = ChildIdentity(
             adapter=ADAPTER,
