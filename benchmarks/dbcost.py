@@ -193,17 +193,25 @@ class Counting:
 
 
 @attrs.frozen(kw_only=True)
-class Cost:
-    """What ``repeats`` runs of an operation cost, per run."""
+class Counts:
+    """What the server was sent and wrote: statements (by their names in
+    ``_postgres_sql``), round trips, commits (and those that wrote), rows written, and
+    the WAL that took."""
 
-    operation: str
-    repeats: int
     statements: dict[str, float]
     round_trips: float
     commits: float
     write_commits: float
     rows: float
     wal_bytes: float
+
+
+@attrs.frozen(kw_only=True)
+class Cost(Counts):
+    """What ``repeats`` runs of an operation cost, per run."""
+
+    operation: str
+    repeats: int
     notifies: dict[str, float]
 
     @property
@@ -468,17 +476,11 @@ async def _dead_runner(dsn: str, schema: str, runner: str, sessions: int) -> Non
 
 
 @attrs.frozen(kw_only=True)
-class Upkeep:
+class Upkeep(Counts):
     """What one runner's membership sends by itself, per second, holding ``live`` sessions."""
 
     live: int
     seconds: float
-    statements: dict[str, float]
-    round_trips: float
-    commits: float
-    write_commits: float
-    rows: float
-    wal_bytes: float
 
     def row(self) -> tuple[str, ...]:
         return (
