@@ -93,6 +93,7 @@ import logging
 import os
 import re
 import signal
+import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Final
@@ -120,6 +121,20 @@ POLL: Final = 0.005
 REMOVE_TRIES: Final = 200
 # An execution's parent: a digest of its state directory (execution_name).
 EXECUTION: Final = re.compile(r"[0-9a-f]{16}")
+
+
+def _removed(directory: Path) -> bool:
+    """Remove an empty cgroup directory; False while the last task is still leaving it
+    (EBUSY). Gone already is removed."""
+    try:
+        directory.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError as error:
+        if error.errno != errno.EBUSY:
+            raise
+        return False
+    return True
 
 
 def _write(path: Path, value: str) -> None:
@@ -780,14 +795,19 @@ class TreeCgroup:
         """Remove it in every hierarchy; it must be empty (see :meth:`emptied`)."""
         for directory in self.directories():
             for _ in range(REMOVE_TRIES):
-                try:
-                    directory.rmdir()
-                except FileNotFoundError:
+                if _removed(directory):
                     break
-                except OSError as error:
-                    if error.errno != errno.EBUSY:
-                        raise
-                    await trio.sleep(POLL)  # the last task is still leaving it
-                else:
+                await trio.sleep(POLL)  # the last task is still leaving it
+        self.removed = True
+
+    def remove_blocking(self) -> None:
+        """(In a worker thread.) :meth:`remove`, for a cgroup the unit handed over once
+        it was empty: a removal waits for the kernel's cgroup lock, which a process
+        moving into another cgroup holds for an RCU grace period (milliseconds), so it
+        is not the event loop's to wait for."""
+        for directory in self.directories():
+            for _ in range(REMOVE_TRIES):
+                if _removed(directory):
                     break
+                time.sleep(POLL)
         self.removed = True

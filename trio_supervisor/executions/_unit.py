@@ -17,9 +17,10 @@ Rules that never bend:
   frozen and killed process by process (``_trees``), T first.
 * :meth:`ProcessUnit.wait` returns only once T exited (in a namespace, the namespace is
   empty by then), its group is empty, and whatever the kill froze has exited too; with
-  a cgroup, once that is empty as well (what is still in it is killed), and then it is
-  removed. It is the only thing that confirms an exit. ``interrupt`` and ``kill`` are
-  requests.
+  a cgroup, once that is empty as well (what is still in it is killed); the empty
+  cgroup is then removed, by the unit or, handed over with ``gone``, by the execution
+  in a worker thread. It is the only thing that confirms an exit. ``interrupt`` and
+  ``kill`` are requests.
 * Closing the socket is the child's dead-man switch: T ends its whole tree.
 * A unit that was never started ran none of the caller's code, so abandoning it is a
   kill and a reap.
@@ -102,8 +103,10 @@ class ProcessUnit:
             really uses when it resolves (:attr:`containment`).
         limits: The rlimits it runs under, as text (see :func:`failure`).
         cgroup: The cgroup that holds its tree, made as it resolves, or None.
-        gone: Called once the child and its whole tree are gone (its uid and private
-            directory may be given to another child then), or None.
+        gone: Called once the child and its whole tree are gone, with its cgroup, if
+            it had one, empty (its uid and private directory may be given to another
+            child then, and the cgroup is the caller's to remove), or None: the unit
+            then removes the cgroup itself before :meth:`wait` returns.
     """
 
     def __init__(
@@ -117,7 +120,7 @@ class ProcessUnit:
         containment: str = "sweep",
         limits: str = "",
         cgroup: TreeCgroup | None = None,
-        gone: Callable[[], None] | None = None,
+        gone: Callable[[TreeCgroup | None], None] | None = None,
     ) -> None:
         self._cgroup = cgroup
         self._gone = gone
@@ -305,14 +308,20 @@ class ProcessUnit:
                     self._descendants_killed += await cgroup.emptied()
                     if cgroup.oom_kills():
                         oom_limit = cgroup.limits.memory_bytes
-                    await cgroup.remove()
+                    if self._gone is None:
+                        await cgroup.remove()
+                    else:
+                        # Empty: nothing of the child is left to hold or kill. Its
+                        # removal may wait on the kernel's cgroup lock (see
+                        # TreeCgroup.remove_blocking), and the exit is confirmed.
+                        self._cgroup = None
                 self._status = attrs.evolve(
                     exit_status(returncode),
                     descendants_killed=self._descendants_killed,
                     oom_limit=oom_limit,
                 )
                 if self._gone is not None:
-                    self._gone()
+                    self._gone(cgroup)
             return self._status
 
     async def _kill_strays(self) -> None:

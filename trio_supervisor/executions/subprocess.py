@@ -759,7 +759,7 @@ class SubprocessExecution:
             containment=self.mechanism.kind,
             limits=_rlimits_text(limits),
             cgroup=cgroup,
-            gone=None if grant is None else functools.partial(self._release, grant),
+            gone=functools.partial(self._release, grant),
         )
         if reader is None:
             unit.output_done.set()
@@ -778,10 +778,16 @@ class SubprocessExecution:
             self._expected = limits  # the hierarchies the next standby makes
         return unit
 
-    def _release(self, grant: Grant) -> None:
-        """A child is gone: its private directory goes, and its uid is free again, after
-        its termination is reported."""
-        if self._nursery is not None:
+    def _release(self, grant: Grant | None, cgroup: TreeCgroup | None) -> None:
+        """A child is gone: its empty cgroup is removed, its private directory goes and
+        its uid is free again, after its termination is reported (each in a worker
+        thread: they wait on the kernel, see TreeCgroup.remove_blocking). An execution
+        that exits waits for them; what a crash leaves, its next start removes."""
+        if self._nursery is None:
+            return  # the execution has exited: its next start removes what is left
+        if cgroup is not None:
+            self._nursery.start_soon(_remove, cgroup, name="child's cgroup")
+        if grant is not None:
             self._nursery.start_soon(self.isolated.release, grant, name="private directory")
 
     async def recover(self, child: ChildIdentity) -> Termination:
@@ -856,6 +862,14 @@ class SubprocessExecution:
         reap_group(pgid)
         await trio.lowlevel.checkpoint()
         return gone
+
+
+async def _remove(cgroup: TreeCgroup) -> None:
+    with outside_the_run():  # the kernel's time, not the run's (realtime.py)
+        try:
+            await trio.to_thread.run_sync(cgroup.remove_blocking)
+        except OSError as error:
+            logger.warning("cannot remove the cgroup %s: %s", cgroup.path, error)
 
 
 def _log_orphans(pid: int, pgid: int, *, leader: bool, descendants: int) -> None:
