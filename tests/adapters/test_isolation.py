@@ -35,6 +35,7 @@ from trio_supervisor import (
 )
 from trio_supervisor.executions import DEFAULT_CHILD_USERS
 from trio_supervisor.executions._claims import UIDS, Claim, Owner, claims_root
+from trio_supervisor.executions._groups import read_stat
 
 from ..support.plugins import ISOLATION
 from ..support.processes import IN_SYSTEM_TMP, uids_of_this_run
@@ -558,3 +559,85 @@ async def test_a_state_directory_below_an_entry_path_in_tmp_stays_out_of_sight(
             for handle in (record.handle, other.handle):
                 with trio.fail_after(BOUND):
                     await supervisor.dispose(handle)
+
+
+def _plugin_ahead(execution: SubprocessExecution) -> tuple[int, int] | None:
+    """The standby's T and the plugin it forked ahead (its one child, in a process group
+    and mount namespace of its own, still root), once there are both."""
+    ready = execution._standby.ready  # white-box: what the next load takes
+    if ready is None or ready.grant is None:
+        return None
+    tracked = ready.process.pid
+    below = [
+        pid
+        for pid in (int(entry) for entry in os.listdir("/proc") if entry.isdigit())
+        if (stat := read_stat(pid)) is not None and stat.ppid == tracked
+    ]
+    if len(below) != 1:
+        return None
+    plugin = below[0]
+    try:
+        own = os.readlink(f"/proc/{plugin}/ns/mnt") != os.readlink(f"/proc/{tracked}/ns/mnt")
+    except OSError:
+        return None
+    stat = read_stat(plugin)
+    return (tracked, plugin) if own and stat is not None and stat.pgid == plugin else None
+
+
+async def test_a_standby_s_plugin_is_forked_ahead_in_namespaces_of_its_own_and_runs_the_load(
+    tmp_path: Path,
+) -> None:
+    # Its fork, the copy of the view and its mounts are then not the load's.
+    async with (
+        SubprocessExecution(
+            tmp_path, entry_paths=[ISOLATION], fork_server=True, standby=True
+        ) as execution,
+        open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as sup,
+    ):
+        tracked, plugin = await until(
+            lambda: _plugin_ahead(execution), "a plugin forked ahead", bound=BOUND
+        )
+        assert os.stat(f"/proc/{plugin}").st_uid == 0  # root until its load names the uid
+        record = await loaded(sup, "ahead", "attacks:identity")
+        await until_logged(execution, record.handle, "IDENTITY", bound=BOUND)
+        assert record.child.pid == tracked
+        # The very process forked ahead runs the plugin, as the child's uid.
+        assert os.stat(f"/proc/{plugin}").st_uid == record.child.uid
+        line = next(
+            line for line in execution.logs(record.handle).splitlines() if "IDENTITY" in line
+        )
+        assert line.split()[1:3] == [str(record.child.uid)] * 2
+        with trio.fail_after(BOUND):
+            await sup.dispose(record.handle)
+        assert read_stat(plugin) is None
+
+
+async def test_a_plugin_forked_ahead_that_died_is_replaced_by_a_fresh_fork_at_the_load(
+    tmp_path: Path,
+) -> None:
+    async with (
+        SubprocessExecution(
+            tmp_path, entry_paths=[ISOLATION], fork_server=True, standby=True
+        ) as execution,
+        open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as sup,
+    ):
+        tracked, plugin = await until(
+            lambda: _plugin_ahead(execution), "a plugin forked ahead", bound=BOUND
+        )
+        os.kill(plugin, signal.SIGKILL)
+        # Dead before the load (T reaps it only then): one that dies during the load
+        # fails it, as a plugin forked at the load that dies before it started does.
+        await until(
+            lambda: (stat := read_stat(plugin)) is not None and stat.state == "Z",
+            "the plugin forked ahead is dead",
+            bound=BOUND,
+        )
+        record = await loaded(sup, "replaced", "attacks:identity")
+        await until_logged(execution, record.handle, "IDENTITY", bound=BOUND)
+        assert record.child.pid == tracked
+        line = next(
+            line for line in execution.logs(record.handle).splitlines() if "IDENTITY" in line
+        )
+        assert line.split()[1:3] == [str(record.child.uid)] * 2
+        with trio.fail_after(BOUND):
+            await sup.dispose(record.handle)

@@ -38,7 +38,7 @@ from trio_supervisor.executions._cgroups import ROOT, TreeCgroup, detect
 from trio_supervisor.executions._standby import Interpreter
 
 from ..support.plugins import LIMITS, PLUGINS
-from ..support.processes import reap_orphans
+from ..support.processes import descendants, reap_orphans
 from ..support.sessions import opened
 from ..support.waits import BOUND, until, until_logged, until_stopped
 
@@ -251,10 +251,13 @@ async def prepared_standby(execution: SubprocessExecution) -> tuple[Interpreter,
         ready = execution._standby.ready  # white-box: what the next load takes
         if ready is None or ready.cgroup is None:
             return None
-        # It joins by itself, once it is told to (and the helper that makes its
-        # plugin's namespaces, which is briefly in it too, has exited).
+        # It joins by itself, once it is told to; isolated, its plugin is forked ahead
+        # in it (and is its one other member).
+        pid = ready.process.pid
         members = ready.cgroup.members(everywhere=False)
-        return (ready, ready.cgroup) if members == {ready.process.pid} else None
+        if pid not in members or not all(member in (pid, *descendants(pid)) for member in members):
+            return None
+        return ready, ready.cgroup
 
     return await until(prepared, "a standby in a cgroup of its own", bound=BOUND)
 
@@ -277,7 +280,8 @@ async def test_a_standby_waits_in_its_cgroup_and_the_load_that_takes_it_writes_i
         standby, cgroup = await prepared_standby(execution)
         pids = hierarchies["pids"] / cgroup.path
         memory = hierarchies["memory"] / cgroup.path
-        assert (pids / "cgroup.procs").read_text().split() == [str(standby.process.pid)]
+        waiting = {int(pid) for pid in (pids / "cgroup.procs").read_text().split()}
+        assert waiting == {standby.process.pid, *descendants(standby.process.pid)}
         assert (pids / "pids.max").read_text() == "max\n"  # written by the load
         assert not memory.exists()  # only where the last load's limits needed one
         record = await loaded(

@@ -13,8 +13,8 @@ both sides in ``_protocol`` (imported for the type checker alone):
                           standby, while it waits: the cgroup it makes (its directory
                           in each hierarchy) and the cgroup.procs files it joins
     supervisor -> child   {"command": "isolate", "isolation": {...}}   to a standby, while
-                          it waits: the plugin's own namespaces are made ahead for a
-                          spawn message with the same "isolation" (:func:`isolate_ahead`)
+                          it waits: T forks P ahead, in namespaces of its own, for a
+                          spawn message with the same "isolation" (:class:`Ahead`)
     supervisor -> child   {"command": "spawn", ...}     what to run, limits, context
                           (to a standby started ahead, also "log" and "environment";
                           with a cgroup, "cgroups": the cgroup.procs files T joins
@@ -63,10 +63,10 @@ Theory of operation: two processes, each with one job.
   ``PR_SET_NO_NEW_PRIVS`` and its private directory, and, without a network, a network
   namespace of its own; in a mount namespace of its own it gets a fresh tmpfs over
   ``/tmp``, ``/var/tmp`` and ``/dev/shm``, and, in a PID namespace, that namespace's
-  ``/proc`` (:func:`own_mounts`). A standby's T has those namespaces made while it waits
-  (:func:`isolate_ahead`, by a helper it forks and reaps before its spawn message), and
-  its P enters them instead of making them. T stays root, runs none of the plugin's
-  code, and cannot be signalled or traced by P.
+  ``/proc`` (:func:`own_mounts`). A standby's T forks its P while it waits, and that P
+  makes those namespaces then; at the load it takes its spawn message, the session's
+  log, environment, limits and uid while T resolves the code (:class:`Ahead`). T stays
+  root, runs none of the plugin's code, and cannot be signalled or traced by P.
 
 Ways out, and what holds each:
 
@@ -488,17 +488,21 @@ class Tracked:
             is a child subreaper).
     """
 
-    def __init__(self, control: Control, containment: str) -> None:
+    def __init__(self, control: Control, containment: str, ahead: Ahead | None = None) -> None:
         self.control = control
         self.containment = containment
         self.deadline: float | None = None
         self.interrupted = False
-        self.child = 0  # P, once forked
+        self.child = 0  # P, once forked (a standby's, forked ahead: see Ahead)
         self.cgroups: list[str] = []  # the cgroup.procs files T joined, if any
         self.status: int | None = None  # P's wait status, once reaped
-        # P waits on ``go`` (forked ahead, it runs nothing until "start"); T alone
-        # holds ``going``, so EOF there also means T is gone.
-        self.go, self.going = os.pipe()
+        # P waits on ``go`` (forked before "start", it runs nothing until then); T
+        # alone holds ``going``, so EOF there also means T is gone.
+        if ahead is None:
+            self.go, self.going = os.pipe()
+        else:
+            self.go, self.going = -1, ahead.going
+            self.child = ahead.pid
         self.started = -1  # for a named command: the pipe its exec closes
         # SIGCHLD wakes the loop through this pipe (select() alone would not see it).
         self.wakeup, self.wakeup_writer = os.pipe()
@@ -618,7 +622,6 @@ class Tracked:
             )
             return 0
         close_all(self.go)
-        forget_prepared()  # P has them, and enters them as it isolates itself
         self.child = plugin
         self.started = pipe
         release()
@@ -716,7 +719,6 @@ def become_plugin(
             isolate(isolation, own_pids=own_pids)
         except (OSError, ValueError) as error:
             refuse(f"cannot isolate the child: {error}", control, starter)
-    forget_prepared()  # none of the plugin's to hold, whether it entered them or not
     # Forked ahead, so that the fork costs the load nothing: nothing of the caller's
     # runs before the supervisor's "start".
     if os.read(go, 1) != b"g":
@@ -769,10 +771,13 @@ def isolate(isolation: IsolationSpec, *, own_pids: bool) -> None:
             f"its interpreter runs as uid {os.geteuid()}, not root, so it cannot become "
             f"uid {uid}; run the interpreter as root, or pass isolation='none'"
         )
-    if PREPARED.get("isolation") == isolation:
-        enter_prepared(isolation)  # made ahead, while a standby waited
-    else:
-        own_namespaces(isolation, own_pids=own_pids)
+    own_namespaces(isolation, own_pids=own_pids)
+    take_identity(isolation)
+
+
+def take_identity(isolation: UserIsolationSpec) -> None:
+    """(P, root, in its own namespaces) The child's private directory, and its uid."""
+    uid = isolation["uid"]
     os.chdir(isolation["home"])
     os.setgroups([])
     os.setresgid(uid, uid, uid)
@@ -785,7 +790,7 @@ def isolate(isolation: IsolationSpec, *, own_pids: bool) -> None:
 
 
 def own_namespaces(isolation: UserIsolationSpec, *, own_pids: bool) -> None:
-    """(P, or the helper of :func:`isolate_ahead`; root) Make the isolated plugin's own
+    """(P, or a standby's P ahead of its load: :class:`Ahead`; root) Make its own
     namespaces and enter them: without a network, a network namespace with loopback
     alone; then the children's view, and a mount namespace of its own copied from it,
     with what is the child's alone mounted (:func:`own_mounts`)."""
@@ -803,85 +808,161 @@ def own_namespaces(isolation: UserIsolationSpec, *, own_pids: bool) -> None:
     own_mounts(isolation, own_pids=own_pids)
 
 
-# The namespaces a standby's T had made ahead (isolate_ahead): "isolation", the spec
-# they were made for, and the descriptors "mnt" (and "net", without a network).
-PREPARED: dict[str, Any] = {}
+class Ahead:
+    """(a standby's T, while it waits) P, forked ahead of the load with its own
+    namespaces made: the fork, the copy of the view and its mounts are most of what a
+    child costs before its code runs, and are the same for any load. The runner asks for
+    it with "isolate" (the uid and private directory claimed ahead), after "join" where
+    the standby waits in a cgroup, so P is in that cgroup from its fork.
 
+    P then waits for its spawn message, which T hands on at the load (:meth:`hand_on`)
+    with the session's log. T discards it (:meth:`discard`) where the load asks for
+    another isolation or cgroup than it was made for, or it died, and forks P then as
+    without a standby. Once T is gone, P ends: in a namespace with its PID 1, swept by
+    its parent-death signal; before its spawn message, by EOF on its channel.
 
-def isolate_ahead(isolation: IsolationSpec) -> None:
-    """(a standby's T, while it waits) Have the plugin's own namespaces made ahead, for
-    a spawn message with the same ``isolation`` (its uid and private directory claimed
-    ahead by the runner): the copy of the view, its mounts, and the network namespace
-    are most of what :func:`isolate` costs, and are the same for any load.
-
-    A helper forked for it (T's child, so in the PID namespace the plugin will be in,
-    whose ``/proc`` it mounts) makes them with :func:`own_namespaces` and sends T their
-    descriptors before it exits; T holds them, so they exist until P, forked with them,
-    enters them (:func:`enter_prepared`) and T closes its own. Where that fails, T holds
-    nothing and P makes its namespaces itself, as without a standby: the failure is
-    then P's, and its load says why.
+    Args:
+        pid: P's pid (0 in P).
+        isolation: What it was made for.
+        channel: T's end of the stream P reads its spawn message from (P's, in P).
+        go: The pipe P waits on for "start" (T holds ``going``).
+        started: For a named command, the pipe that reports a failed exec
+            (:func:`announce`; P holds ``starter``).
     """
-    import _socket  # socket's C part: no enum (see the top)
 
-    forget_prepared()
-    if "hide" in isolation or os.geteuid() != 0:
-        return  # namespaces of another kind, or P cannot become the uid (and says so)
-    # As for any isolated child (see main): nobody but root may look into T, whose root
-    # directory shows the state directory.
-    libc("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
-    own_pids = os.getpid() == 1  # T is PID 1 of the plugin's namespace (see main)
-    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
-    helper = os.fork()
-    if helper == 0:
-        try:
+    def __init__(
+        self,
+        pid: int,
+        isolation: UserIsolationSpec,
+        channel: Any,
+        go: int,
+        going: int,
+        started: int,
+        starter: int,
+        *,
+        tracked: int,
+    ) -> None:
+        self.pid = pid
+        self.tracked = tracked  # T's pid, as P sees it: 1 in a PID namespace
+        self.isolation = isolation
+        self.channel = channel
+        self.go, self.going = go, going
+        self.started, self.starter = started, starter
+
+    @classmethod
+    def fork(cls, isolation: IsolationSpec) -> Ahead | None:
+        """Fork P for ``isolation``; None where it cannot be made ahead (another kind of
+        isolation, no root, or a namespace refused: P says why, at the load)."""
+        import _socket  # socket's C part: no enum (see the top)
+
+        if "hide" in isolation or os.geteuid() != 0 or REFUSED:
+            return None
+        # As for any isolated child (see main): nobody but root may look into T, whose
+        # root directory shows the state directory.
+        libc("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
+        ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        go, going = os.pipe()
+        started, starter = os.pipe()  # close-on-exec, both
+        gc.freeze()  # see Tracked.fork_plugin
+        tracked = os.getpid()
+        plugin = fork_held()
+        if plugin == 0:
             ours.close()
-            own_namespaces(isolation, own_pids=own_pids)
-            made = [os.open("/proc/self/ns/mnt", os.O_RDONLY)]
-            if isolation.get("network") == "none":
-                made.append(os.open("/proc/self/ns/net", os.O_RDONLY))
-            payload = b"".join(fd.to_bytes(4, sys.byteorder) for fd in made)
-            theirs.sendmsg([b"r"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, payload)])
-        finally:
-            os._exit(0)  # what it sent holds the namespaces
-    theirs.close()
-    fds: list[int] = []
-    try:
-        _, ancillary, _, _ = ours.recvmsg(1, _socket.CMSG_SPACE(2 * 4))
-        for level, kind, payload in ancillary:
-            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-                whole = len(payload) - len(payload) % 4
-                fds += [
-                    int.from_bytes(payload[at : at + 4], sys.byteorder) for at in range(0, whole, 4)
-                ]
-    except OSError:
-        pass
-    finally:
-        ours.close()
-        os.waitpid(helper, 0)  # before the spawn message: it counts toward pids.max
-    wanted = 2 if isolation.get("network") == "none" else 1
-    if len(fds) != wanted:  # it failed (and said nothing), or sent what we did not ask for
-        close_all(*fds)
-        return
-    for fd in fds:
-        os.set_inheritable(fd, False)  # P has them by fork; a command's exec does not
-    PREPARED.update(isolation=isolation, mnt=fds[0], net=fds[1] if wanted == 2 else -1)
+            close_all(going, started)
+            return cls(0, isolation, theirs, go, -1, -1, starter, tracked=tracked)
+        quietly(os.setpgid, plugin, plugin)  # see fork_plugin
+        theirs.close()
+        close_all(go, starter)
+        release()
+        return cls(plugin, isolation, ours, -1, going, started, -1, tracked=tracked)
 
+    def fits(self, spec: SpawnCommand, moved: bool) -> bool:
+        """(T) Whether this P can be the load's: made for its isolation, in its cgroup
+        (T ``moved`` to another as it resolved: P is not in that one), and alive."""
+        if moved or spec.get("isolation") != self.isolation or "log" not in spec:
+            return False
+        try:
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
 
-def enter_prepared(isolation: UserIsolationSpec) -> None:
-    """(P, root) Enter the namespaces :func:`isolate_ahead` had made: the same as
-    :func:`own_namespaces` would make, without the cost."""
-    if PREPARED["net"] >= 0:
-        libc("setns", PREPARED["net"], CLONE_NEWNET)
-    libc("setns", PREPARED["mnt"], CLONE_NEWNS)  # also sets the working directory to "/"
-    forget_prepared()
-    if isolation["view"] >= 0:
-        os.close(isolation["view"])  # not the plugin's to hold
+    def hand_on(self, spec: SpawnCommand) -> None:
+        """(T) Send P its spawn message and the session's log (T's output: see
+        take_over), once T reported the code."""
+        import _socket
 
+        fd = (1).to_bytes(4, sys.byteorder)
+        quietly(self.channel.sendmsg, [b"s"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fd)])
+        Control(self.channel.fileno()).send(spec)  # type: ignore[arg-type]
+        self.channel.close()
+        if spec["kind"] != "command":
+            close_all(self.started)
+            self.started = -1
 
-def forget_prepared() -> None:
-    """Close what :func:`isolate_ahead` holds (T, once P has it; P, once it entered)."""
-    close_all(*(PREPARED[name] for name in ("mnt", "net") if PREPARED.get(name, -1) >= 0))
-    PREPARED.clear()
+    def discard(self) -> None:
+        """(T) End P, which ran nothing, and reap it."""
+        quietly(os.kill, self.pid, SIGKILL)
+        quietly(os.waitpid, self.pid, 0)
+        self.channel.close()
+        close_all(self.going, self.started)
+
+    def become(self, control: Control) -> int:
+        """(P) Make its namespaces, wait for the spawn message, take the session's log,
+        environment, limits and uid, then wait for "start" and run: P's exit status."""
+        import _socket
+
+        own_pids = self.tracked == 1
+        # As fork_plugin's P: none of T's handling, a group of its own, and tied to T's
+        # life where no namespace ends it with T.
+        _signal.signal(SIGCHLD, _signal.SIG_DFL)
+        _signal.signal(SIGTERM, _signal.SIG_DFL)
+        os.setpgid(0, 0)
+        _signal.signal(SIGINT, _signal.default_int_handler)
+        if not own_pids:
+            libc("prctl", PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
+            if os.getppid() != self.tracked:
+                os._exit(1)  # T died before that was armed
+        release()
+        failure = ""
+        try:
+            own_namespaces(self.isolation, own_pids=own_pids)
+        except (OSError, ValueError) as error:
+            failure = f"cannot isolate the child: {error}"
+        try:
+            _, ancillary, _, _ = self.channel.recvmsg(1, _socket.CMSG_SPACE(4))
+        except OSError:
+            ancillary = []
+        log = [
+            int.from_bytes(payload[:4], sys.byteorder)
+            for level, kind, payload in ancillary
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS and len(payload) >= 4
+        ]
+        spec: SpawnCommand | None = Control(self.channel.fileno()).read() if log else None
+        if spec is None:
+            os._exit(1)  # T is gone (or discarded us) before the load
+        self.channel.close()
+        os.dup2(log[0], 1)
+        os.dup2(log[0], 2)
+        os.close(log[0])
+        os.environ.clear()  # as T took it over (take_over)
+        os.environ.update(spec["environment"])
+        command = spec["kind"] == "command"
+        starter = self.starter if command else -1
+        if not command:
+            close_all(self.starter)
+        if failure:
+            refuse(failure, control, starter)
+        try:
+            apply_limits(spec["limits"])  # as T did, before it reported the code
+            take_identity(self.isolation)
+        except (OSError, ValueError, Refused) as error:
+            refuse(f"cannot isolate the child: {error}", control, starter)
+        if os.read(self.go, 1) != b"g":
+            os._exit(1)  # T is gone
+        os.close(self.go)
+        if command:
+            run_command(spec, control, starter)
+        return plugin_main(spec, control)
 
 
 def hide_state(isolation: NamespaceIsolationSpec, *, own_pids: bool) -> None:
@@ -1468,34 +1549,47 @@ def main() -> int:
     if len(sys.argv) > 2:  # started by the supervisor (a forked T has the FD alone)
         launch(control, sys.argv[2], sys.argv[3] == "strict")
     command = control.read()
-    ahead: list[str] = []  # a standby's cgroup, joined while it waited
+    joined: list[str] = []  # a standby's cgroup, joined while it waited
+    ahead: Ahead | None = None  # a standby's P, forked while it waited
     while is_command(command) and command["command"] in ("join", "isolate"):
         if command["command"] == "isolate":
-            isolate_ahead(command["isolation"])  # P makes them itself if this failed
+            if ahead is not None:
+                ahead.discard()
+            ahead = Ahead.fork(command["isolation"])  # else P is forked at the load
+            if ahead is not None and ahead.pid == 0:
+                return ahead.become(control)  # in P
             command = control.read()
             continue
         try:
             for directory in command["make"]:
                 os.makedirs(directory)
             join_cgroups(command["cgroups"])
-            ahead = command["cgroups"]
+            joined = command["cgroups"]
         except OSError:
-            ahead = []  # the supervisor makes it, and it joins, as it resolves
+            joined = []  # the supervisor makes it, and it joins, as it resolves
         command = control.read()
     if not (is_command(command) and command["command"] == "spawn"):
-        return 2
+        return 2  # P, if forked ahead, ends with us (see Ahead)
     spec = command
     if "isolation" in spec:
         # T stays root (or the runner's uid): nobody but root may trace it or read its
         # /proc files, its root directory included, through which the state directory
         # is in view. P is made dumpable again as it isolates itself.
         libc("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
+    moved = spec.get("cgroups", joined) != joined
+    if ahead is not None and not ahead.fits(spec, moved):
+        ahead.discard()
+        ahead = None
     try:
-        if spec.get("cgroups", ahead) != ahead:
+        if moved:
             join_cgroups(spec["cgroups"])
         if "log" in spec:
             # Started ahead as a standby: now it becomes the session's child.
             take_over(spec["log"], spec["environment"])
+        if ahead is not None and spec["kind"] != "command":
+            # P takes its log, environment, limits and uid while T resolves the code
+            # (a named command waits for its executable, below).
+            ahead.hand_on(spec)
         code = resolve(spec)
         spec["executable"] = code["origin"]
         apply_limits(spec["limits"])
@@ -1510,11 +1604,16 @@ def main() -> int:
         control.send({"event": "failed", "kind": "ExecutionError", "message": message})
         return 1
     containment: Literal["namespace", "sweep"] = "namespace" if os.getpid() == 1 else "sweep"
-    tracked = Tracked(control, containment)
+    tracked = Tracked(control, containment, ahead)
     tracked.cgroups = spec.get("cgroups") or spec.get("joined", [])
     control.send({"event": "resolved", "code": code, "containment": containment})
-    # Forked while the supervisor makes the child's identity durable, before "start".
-    if tracked.fork_plugin(spec) == 0:
+    # P takes its spawn message, or is forked, while the supervisor makes the child's
+    # identity durable, before "start".
+    if ahead is not None:
+        if spec["kind"] == "command":
+            ahead.hand_on(spec)
+        tracked.started = ahead.started
+    elif tracked.fork_plugin(spec) == 0:
         return plugin_main(spec, control)  # in P (a named command never gets here: it exec'd)
     tracked.serve(until_start=True)
     tracked.start()

@@ -35,13 +35,13 @@ environment are not in it. Where the kernel refuses a PID namespace, or its ``/p
 children keep the host's ``/proc``, and the log says so.
 
 A standby (an interpreter kept ahead of the next load, ``_standby``) is granted its
-child's uid and private directory while it waits, and has its plugin's mount namespace
-(and, without a network, its network namespace) made then, by a helper it forks
-(``_bootstrap.isolate_ahead``): the load that takes it sends the same isolation, and its
-plugin enters what was made instead of making it (the copy of the view and its mounts
-are most of what isolating a child costs, 0.5 ms of the plugin's 0.8 ms here). The
-record is the same as for any child: the uid in its identity is the one it runs as. A
-standby discarded unused gives its grant back, as a child that is gone does.
+child's uid and private directory while it waits, and forks its plugin then, which
+makes its mount namespace (and, without a network, its network namespace) at once
+(``_bootstrap.Ahead``): the load that takes it sends the same isolation, and the plugin
+only takes its uid (the fork, the copy of the view and its mounts are most of what
+isolating a child costs, 0.5 ms of the plugin's 0.8 ms here). The record is the same as
+for any child: the uid in its identity is the one it runs as. A standby discarded
+unused gives its grant back, as a child that is gone does.
 
 Runners of one machine may share a range: a uid is claimed machine-wide, atomically,
 by a claim ``uids/<uid>`` that names the runner (its pid, start time and boot id) and
@@ -170,8 +170,8 @@ class Isolated:
 
     kind: ClassVar[Literal["users", "namespace", "none"]]
     used: ClassVar[bool] = True
-    # Whether a standby may be given a child's grant before its load, and have its
-    # plugin's namespaces made while it waits (``_bootstrap.isolate_ahead``).
+    # Whether a standby may be given a child's grant before its load, and fork its
+    # plugin in namespaces of its own while it waits (``_bootstrap.Ahead``).
     ahead: ClassVar[bool] = False
 
     reason: str = ""

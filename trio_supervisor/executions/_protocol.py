@@ -113,9 +113,9 @@ IsolationSpec = UserIsolationSpec | NamespaceIsolationSpec
 
 
 class IsolateCommand(TypedDict):
-    """To a standby, while it waits: make its plugin's own namespaces ahead
-    (``_bootstrap.isolate_ahead``), for the child its spawn message will name with the
-    same ``isolation``."""
+    """To a standby, while it waits: fork its plugin ahead, in namespaces of its own
+    (``_bootstrap.Ahead``), for the child its spawn message will name with the same
+    ``isolation``."""
 
     command: Literal["isolate"]
     isolation: IsolationSpec

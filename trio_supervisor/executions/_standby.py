@@ -152,13 +152,14 @@ class Interpreter:
         isolation: IsolationSpec,
         give_back: Callable[[Grant], Awaitable[None]],
     ) -> None:
-        """Have it make its plugin's own namespaces while it waits, for the child that
-        ``grant`` (claimed ahead: a uid and its private directory) is for.
+        """Have it fork its plugin while it waits, in namespaces of its own, for the
+        child that ``grant`` (claimed ahead: a uid and its private directory) is for.
 
-        It does so before it reads its spawn message (``_bootstrap``'s "isolate"), so
-        the copy of the view and its mounts are not the load's: the load that takes it
-        sends the same ``isolation`` and takes :attr:`grant` (:meth:`take_grant`); a
-        discarded one gives it back with ``give_back``.
+        It does so before it reads its spawn message (``_bootstrap``'s "isolate", after
+        "join": the plugin is in the cgroup it joined), so the fork, the copy of the
+        view and its mounts are not the load's: the load that takes it sends the same
+        ``isolation`` and takes :attr:`grant` (:meth:`take_grant`); a discarded one
+        gives it back with ``give_back``.
 
         Raises:
             OSError: It is gone (the message could not be sent); it holds the grant
@@ -178,7 +179,8 @@ class Interpreter:
 
     async def discard(self) -> None:
         """End it and reap it, and remove its cgroup. It ran nothing and is alone in its
-        process group (and its cgroup)."""
+        process group; in its cgroup, the plugin it forked ahead (if any) ends with it
+        (see ``_bootstrap.Ahead``), and the removal waits for that."""
         self.control.close()
         os.close(self.marker)
         if self.process.poll() is None:  # not reaped, so its pid is still ours

@@ -576,10 +576,10 @@ class SubprocessExecution:
 
     def _isolate_ahead(self, interpreter: Interpreter) -> None:
         """Grant the standby's child its uid and private directory now, and have the
-        standby make its plugin's own namespaces while it waits: the copy of the view
-        and its mounts (most of what isolating a child costs) are then not the load's
-        (see ``_bootstrap.isolate_ahead``). Where no uid is free now, the load claims
-        one (looking at the claims again), or says why it cannot.
+        standby fork its plugin while it waits, in namespaces of its own: the fork, the
+        copy of the view and its mounts (most of what isolating a child costs) are then
+        not the load's (see ``_bootstrap.Ahead``). Where no uid is free now, the load
+        claims one (looking at the claims again), or says why it cannot.
 
         Never waits: the standby's start keeps what it started even as the execution
         exits (``Standby.fill``). A standby discarded gives its grant back.
