@@ -1,30 +1,33 @@
-"""child.cycle and terminate.cooperative: real processes.
+"""child.cycle and terminate.cooperative: real processes, with the runner service's
+defaults on (each child isolated where the runner is root, and in a cgroup of its own
+with the default ceilings: SERVICE.md section D; issue 43).
 
 Baseline: raw Trio spawning ``sys.executable -I`` with the same minimal code, waiting
 for its ready line, sending SIGTERM, and reaping it.
 
 ``child.cycle`` runs the execution as the runner service does, with ``fork_server=True``
-(each child forked from a prepared interpreter); ``child.cycle.cold`` is the default,
-which starts each child's interpreter during its load.
+(each child forked from a prepared interpreter) and ``standby=True``;
+``child.cycle.cold`` is the default, which starts each child's interpreter during its
+load.
 
 ``terminate.cooperative`` is judged against the floor that the shape of
-docs/design.md, "Shape in Trio" with P2-P6, and the child-side watchdog the subprocess
-issue requires, set for a dispose in Trio (``terminate.cooperative.raw``, informational,
-keeps the raw SIGTERM + wait baseline). Its child is the baseline's plus one thread
-blocked on a read, as the watchdog waits on the control pipe while the entry point
-runs. A task in a session nursery watches for the exit, and the stop request cancels
-that nursery; the session task then, shielded, saves Stopping (one checkpoint, as any
-async save is), signals the child and reaps it within a grace period, closes its pipe,
-saves Stopped (another checkpoint), and wakes the disposer. There is no store, no record
-and no control message, so nothing an implementation could trim is left.
-``terminate.cooperative.contained`` (informational) is the same floor with the child
-shaped as containment needs it: a process that runs the plugin as its own child,
-passes the SIGTERM on and ends as the plugin did, so the exit takes two processes, as
-ours does (the tracked process and the plugin).
+docs/design.md, "Shape in Trio" with P2-P6, sets for a dispose in Trio, with its child
+shaped as containment needs it: a process that runs the plugin as its own child, passes
+the SIGTERM on and ends as the plugin did, so the exit takes two processes, as ours does
+(the tracked process and the plugin). A task in a session nursery watches for the exit,
+and the stop request cancels that nursery; the session task then, shielded, saves
+Stopping (one checkpoint, as any async save is), signals the child and reaps it within a
+grace period, closes its pipe, saves Stopped (another checkpoint), and wakes the
+disposer. There is no store, no record, no namespace, no cgroup and no control message,
+so nothing an implementation could trim is left. ``terminate.cooperative.watched``
+(informational) is the older floor, whose child is one process with a thread blocked on
+a read (as a child-side watchdog would wait on a control pipe);
+``terminate.cooperative.raw`` keeps the raw SIGTERM + wait baseline.
 """
 
 from __future__ import annotations
 
+import functools
 import signal
 import subprocess
 import sys
@@ -205,40 +208,40 @@ def ours(
 def run(quick: bool, rounds: int) -> list[Result]:
     cycles = 3 if quick else 10
     spawn = "raw Trio: spawn, ready line, SIGTERM, reap"
+    # The runner service's defaults (issue 43): every child isolated (a uid of its own,
+    # where the runner is root) and in a cgroup of its own with the default ceilings.
+    warm = functools.partial(ours, fork_server=True, standby=True, preload=PRELOAD)
     return [
         compare(
             "child.cycle",
-            ours=lambda: ours(cycles, 0, fork_server=True, standby=True, preload=PRELOAD),
+            ours=lambda: warm(cycles, 0, limits=CEILINGS),
             baseline=lambda: raw(cycles, 0),
             baseline_name=spawn,
             unit="s/cycle",
             better="lower",
             target=0.25,
             rounds=rounds,
-            note="open+load+dispose of a minimal plugin as the runner service runs it "
-            "(fork_server=True, standby=True: the next child is forked ahead) with the "
-            "plugin's one import preloaded (typing) vs a cold spawn of the same code, "
-            "ready line, SIGTERM, reaped",
+            note="open+load+dispose of a minimal plugin as the runner service runs it, its "
+            "defaults on (fork_server=True, standby=True: the next child is forked ahead; "
+            "isolated; the default ceilings, a cgroup per child) with the plugin's one "
+            "import preloaded (typing) vs a cold spawn of the same code, ready line, "
+            "SIGTERM, reaped",
         ),
         compare(
             "child.cycle.ceilings",
-            ours=lambda: ours(
-                cycles, 0, fork_server=True, standby=True, preload=PRELOAD, limits=CEILINGS
-            ),
-            baseline=lambda: ours(cycles, 0, fork_server=True, standby=True, preload=PRELOAD),
+            ours=lambda: warm(cycles, 0, limits=CEILINGS),
+            baseline=lambda: warm(cycles, 0),
             baseline_name="ours: child.cycle without ceilings",
             unit="s/cycle",
             better="lower",
             target=1.05,
             rounds=rounds,
-            note="as child.cycle with the runner service's default ceilings (memory_bytes "
-            "1 GiB, processes 4096: a cgroup per child) vs the same without them",
+            note="child.cycle (the runner service's default ceilings: memory_bytes 1 GiB, "
+            "processes 4096, a cgroup per child) vs the same without them",
         ),
         compare(
-            "child.cycle.no_isolation",
-            ours=lambda: ours(
-                cycles, 0, fork_server=True, standby=True, preload=PRELOAD, isolation="none"
-            ),
+            "child.cycle.no_ceilings",
+            ours=lambda: warm(cycles, 0),
             baseline=lambda: raw(cycles, 0),
             baseline_name=spawn,
             unit="s/cycle",
@@ -246,13 +249,25 @@ def run(quick: bool, rounds: int) -> list[Result]:
             target=0.25,
             rounds=rounds,
             informational=True,
-            note="as child.cycle with isolation='none': the child runs as the runner's user "
-            "(child.cycle is isolated: a uid of its own, its private directory made and "
-            "removed, the children's view entered)",
+            note="as child.cycle without ceilings: no cgroup (isolated all the same)",
+        ),
+        compare(
+            "child.cycle.no_isolation",
+            ours=lambda: warm(cycles, 0, isolation="none"),
+            baseline=lambda: raw(cycles, 0),
+            baseline_name=spawn,
+            unit="s/cycle",
+            better="lower",
+            target=0.25,
+            rounds=rounds,
+            informational=True,
+            note="as child.cycle.no_ceilings with isolation='none': the child runs as the "
+            "runner's user (else a uid of its own, its private directory made and removed, "
+            "the children's view entered)",
         ),
         compare(
             "child.cycle.no_preload",
-            ours=lambda: ours(cycles, 0, fork_server=True, standby=True),
+            ours=lambda: ours(cycles, 0, fork_server=True, standby=True, limits=CEILINGS),
             baseline=lambda: raw(cycles, 0),
             baseline_name=spawn,
             unit="s/cycle",
@@ -264,15 +279,15 @@ def run(quick: bool, rounds: int) -> list[Result]:
         ),
         compare(
             "child.cycle.cold",
-            ours=lambda: ours(cycles, 0),
+            ours=lambda: ours(cycles, 0, limits=CEILINGS),
             baseline=lambda: raw(cycles, 0),
             baseline_name=spawn,
             unit="s/cycle",
             better="lower",
             target=1.15,
             rounds=rounds,
-            note="as child.cycle, with the default standby=False: the interpreter starts "
-            "during the load",
+            note="as child.cycle, with the default standby=False and fork_server=False: the "
+            "interpreter starts during the load",
         ),
         compare(
             "child.cycle.cold.ceilings",
@@ -283,8 +298,7 @@ def run(quick: bool, rounds: int) -> list[Result]:
             better="lower",
             target=1.05,
             rounds=rounds,
-            note="as child.cycle.cold with the runner service's default ceilings vs the "
-            "same without them",
+            note="child.cycle.cold vs the same without ceilings",
         ),
         compare(
             "child.cycle.cold.no_isolation",
@@ -296,43 +310,45 @@ def run(quick: bool, rounds: int) -> list[Result]:
             target=1.15,
             rounds=rounds,
             informational=True,
-            note="as child.cycle.cold with isolation='none'",
+            note="as child.cycle.cold with isolation='none' and no ceilings",
         ),
         compare(
             "terminate.cooperative",
-            ours=lambda: ours(cycles, 1),
-            baseline=lambda: raw(cycles, 1, _floor_cycle),
-            baseline_name="floor: section 5's stop in raw Trio, watchdog thread in the child",
+            ours=lambda: ours(cycles, 1, limits=CEILINGS),
+            baseline=lambda: raw(cycles, 1, lambda: _floor_cycle(CONTAINED)),
+            baseline_name="floor: section 5's stop in raw Trio, a contained child",
             unit="s",
             better="lower",
             target=1.25,
             rounds=rounds,
-            note="dispose of a running child that exits on SIGTERM vs the same stop shaped "
-            "as docs/design.md section 5 with no store (see the module docs)",
+            note="dispose of a running child (defaults on, started cold) that exits on "
+            "SIGTERM vs the same stop shaped as docs/design.md section 5 with no store, its "
+            "child shaped as containment needs: it runs the plugin as its child, passes "
+            "SIGTERM on, ends as it did (see the module docs)",
         ),
         compare(
-            "terminate.cooperative.contained",
-            ours=lambda: ours(cycles, 1),
-            baseline=lambda: raw(cycles, 1, lambda: _floor_cycle(CONTAINED)),
-            baseline_name="floor with a contained child: the plugin a child of the watched one",
+            "terminate.cooperative.watched",
+            ours=lambda: ours(cycles, 1, limits=CEILINGS),
+            baseline=lambda: raw(cycles, 1, _floor_cycle),
+            baseline_name="floor: section 5's stop in raw Trio, one child with a watchdog thread",
             unit="s",
             better="lower",
             target=1.25,
             rounds=rounds,
-            note="as terminate.cooperative, with the floor's child shaped as containment "
-            "needs: it runs the plugin as its child, passes SIGTERM on, ends as it did",
             informational=True,
+            note="as terminate.cooperative, against the floor whose child is one process "
+            "with a thread blocked on a read (the older floor)",
         ),
         compare(
             "terminate.cooperative.raw",
-            ours=lambda: ours(cycles, 1),
+            ours=lambda: ours(cycles, 1, limits=CEILINGS),
             baseline=lambda: raw(cycles, 1),
             baseline_name="raw Trio: SIGTERM + wait",
             unit="s",
             better="lower",
             target=1.2,
             rounds=rounds,
-            note="the older baseline: no session, no watchdog, nothing saved",
+            note="the oldest baseline: no session, no watchdog, nothing saved",
             informational=True,
         ),
     ]

@@ -36,6 +36,7 @@ SCENARIOS = {
     "fleet.renew.sqlite",
     "child.cycle",
     "child.cycle.ceilings",
+    "child.cycle.no_ceilings",
     "child.cycle.no_preload",
     "child.cycle.no_isolation",
     "child.cycle.cold",
@@ -45,7 +46,7 @@ SCENARIOS = {
     "recovery.10k.raw",
     "recovery.100k",
     "terminate.cooperative",
-    "terminate.cooperative.contained",
+    "terminate.cooperative.watched",
     "terminate.cooperative.raw",
     "service.cycle",
     "service.cycle.stuck_reader",
@@ -56,6 +57,7 @@ SCENARIOS = {
 }
 # Rows shown for information, not counted among the targets.
 INFORMATIONAL = {
+    "child.cycle.no_ceilings",
     "child.cycle.no_isolation",
     "child.cycle.cold.no_isolation",
     "control.sequential.skeleton",
@@ -64,7 +66,7 @@ INFORMATIONAL = {
     "child.cycle.no_preload",
     "recovery.10k.raw",
     "durable.vs_memory.floor",
-    "terminate.cooperative.contained",
+    "terminate.cooperative.watched",
     "terminate.cooperative.raw",
     "durable.postgres.solo",
     "fleet.open_race.remote",
