@@ -589,9 +589,10 @@ class TreeCgroup:
         self._wider = self._wider or self.directories() != before
         return self._wider
 
-    def create(self) -> None:
-        """Make it (unless :meth:`prepare` did), with its limits written, and move
-        :attr:`member` in, if set.
+    def create(self, *, limits: bool = True) -> None:
+        """Make it (unless :meth:`prepare` did), with its limits written (unless
+        ``limits`` is False: :meth:`configure` writes them then), and move :attr:`member`
+        in, if set.
 
         Raises:
             PackageError: The kernel refused a limit's value.
@@ -603,21 +604,32 @@ class TreeCgroup:
             # it to the unit, which removes it once its processes are gone.
             if self._wider:
                 self._make(missing=True)
-            try:
-                self._configure()
-            except FileNotFoundError:
-                # The standby could not make it (it joins as it resolves, then).
-                self._make(missing=True)
-                self._configure()
+            if limits:
+                self.configure()
             self._move_member()
             return
         self._make()
         try:
-            self._configure()
+            if limits:
+                self._configure()
             self._move_member()
         except BaseException:
             self.unmake()
             raise
+
+    def configure(self) -> None:
+        """Write its limits (:meth:`create` made it).
+
+        Raises:
+            PackageError: The kernel refused a limit's value.
+            OSError: It cannot be written.
+        """
+        try:
+            self._configure()
+        except FileNotFoundError:
+            # The standby could not make it (it joins as it resolves, then).
+            self._make(missing=True)
+            self._configure()
 
     def prepare(self, pid: int) -> None:
         """Make it with no limits, and move ``pid`` in (see :meth:`Hierarchies.prepared`).

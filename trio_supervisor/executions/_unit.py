@@ -182,12 +182,13 @@ class ProcessUnit:
         """
         try:
             cgroup = self._cgroup
+            # T joins by itself, or is in it already: its limits are written while T
+            # resolves (nothing of the caller's runs before "start").
+            joins = cgroup is not None and cgroup.member is None
             if cgroup is not None:
                 try:
-                    if cgroup.member is None:
-                        # A few mkdirs and writes (only the limits', where it was made
-                        # ahead); T joins by itself, or is in it already.
-                        cgroup.create()
+                    if joins:
+                        cgroup.create(limits=False)  # a few mkdirs (none, made ahead)
                     else:
                         # Moving another process waits for the kernel (an RCU grace
                         # period, milliseconds): not on the event loop.
@@ -201,6 +202,15 @@ class ProcessUnit:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 reply: Reply = _EOF
             else:
+                if joins:
+                    assert cgroup is not None
+                    try:
+                        cgroup.configure()
+                    except OSError as error:
+                        raise ExecutionError(
+                            f"cannot limit the cgroup of the child for {self._specifier!r}: "
+                            f"{error}"
+                        ) from error
                 reply = await self._receive()
             if reply["event"] == "resolved":
                 code = reply["code"]
