@@ -719,6 +719,7 @@ def become_plugin(
             isolate(isolation, own_pids=own_pids)
         except (OSError, ValueError) as error:
             refuse(f"cannot isolate the child: {error}", control, starter)
+    look_ahead(spec)
     # Forked ahead, so that the fork costs the load nothing: nothing of the caller's
     # runs before the supervisor's "start".
     if os.read(go, 1) != b"g":
@@ -956,6 +957,7 @@ class Ahead:
             take_identity(self.isolation)
         except (OSError, ValueError, Refused) as error:
             refuse(f"cannot isolate the child: {error}", control, starter)
+        look_ahead(spec)
         if os.read(self.go, 1) != b"g":
             os._exit(1)  # T is gone
         os.close(self.go)
@@ -1305,9 +1307,37 @@ def entry_point(module: Any, attribute: str, specifier: str) -> Any:
     return target
 
 
+def look_ahead(spec: SpawnCommand) -> None:
+    """(P, before "start") Look the entry point's module up as its import will: the
+    finders only read directories and files, and run nothing of the caller's (a dotted
+    name is left alone: finding it would import its package). The import after "start"
+    then finds the finders' caches filled, and the pages of the import system that it
+    writes are P's own already (each is a copy-on-write fault in a fresh fork)."""
+    if spec["kind"] == "command":
+        return
+    entry_paths(spec)
+    module_name = spec["specifier"].partition(":")[0]
+    if "." in module_name or module_name in sys.modules:
+        return
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        try:
+            if find_spec is not None and find_spec(module_name, None) is not None:
+                return
+        except Exception:  # the import says what is wrong, after "start"
+            return
+
+
+def entry_paths(spec: SpawnCommand) -> None:
+    """Put the runner's entry paths first on ``sys.path`` (once)."""
+    paths = spec["paths"]
+    if sys.path[: len(paths)] != paths:
+        sys.path[:0] = paths
+
+
 def run_entry_point(spec: SpawnCommand, context: Context, control: Control) -> int | str:
     module_name, _, attribute = spec["specifier"].partition(":")
-    sys.path[:0] = spec["paths"]
+    entry_paths(spec)
     try:
         __import__(module_name)
         target = entry_point(sys.modules[module_name], attribute, spec["specifier"])

@@ -208,8 +208,7 @@ class ProcessUnit:
                         cgroup.configure()
                     except OSError as error:
                         raise ExecutionError(
-                            f"cannot limit the cgroup of the child for {self._specifier!r}: "
-                            f"{error}"
+                            f"cannot limit the cgroup of the child for {self._specifier!r}: {error}"
                         ) from error
                 reply = await self._receive()
             if reply["event"] == "resolved":
