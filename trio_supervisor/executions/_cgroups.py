@@ -564,14 +564,24 @@ class TreeCgroup:
         self.member: int | None = None
         # The process :meth:`prepare` moved in ahead of the load.
         self.prepared_for: int | None = None
+        # directories() and procs, for the controllers they were made for.
+        self._paths: tuple[frozenset[str] | None, list[Path], list[str]] | None = None
+
+    def _laid_out(self) -> tuple[list[Path], list[str]]:
+        paths = self._paths
+        if paths is None or paths[0] is not self.controllers:
+            directories = [root / self.path for root in self.hierarchies.roots(self.controllers)]
+            procs = [os.path.join(directory, "cgroup.procs") for directory in directories]
+            paths = self._paths = (self.controllers, directories, procs)
+        return paths[1], paths[2]
 
     def directories(self) -> list[Path]:
-        return [root / self.path for root in self.hierarchies.roots(self.controllers)]
+        return list(self._laid_out()[0])
 
     @property
     def procs(self) -> list[str]:
         """The files T writes itself into."""
-        return [str(directory / "cgroup.procs") for directory in self.directories()]
+        return list(self._laid_out()[1])
 
     def _in(self, controller: str) -> Path | None:
         root = self.hierarchies.limits.get(controller)

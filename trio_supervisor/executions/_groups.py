@@ -91,7 +91,11 @@ class ProcessStat:
 def read_stat(pid: int) -> ProcessStat | None:
     """The ``/proc/PID/stat`` of ``pid``, or None when there is no such process."""
     try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        try:
+            raw = os.read(fd, 4096)  # the whole file: its name is at most 64 bytes
+        finally:
+            os.close(fd)
         # The command name may hold spaces and parentheses: the fields follow the last ")".
         close = raw.rindex(b")")
         fields = raw[close + 2 :].decode().split()

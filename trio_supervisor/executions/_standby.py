@@ -45,6 +45,7 @@ import trio
 from ..errors import ExecutionError
 from ..realtime import bounded, outside_the_run
 from ._cgroups import TreeCgroup
+from ._groups import start_time
 from ._isolation import Grant
 from ._protocol import Command, IsolateCommand, IsolationSpec, JoinCommand
 
@@ -127,6 +128,13 @@ class Interpreter:
     cgroup: TreeCgroup | None = None
     grant: Grant | None = None
     _give_back: Callable[[Grant], Awaitable[None]] | None = None
+    _start_time: int | None = None
+
+    def start_time(self) -> int | None:
+        """When T started (clock ticks after boot), read once; None if it is gone."""
+        if self._start_time is None:
+            self._start_time = start_time(self.process.pid)
+        return self._start_time
 
     def join_ahead(self, cgroup: TreeCgroup) -> None:
         """Have it make ``cgroup`` and join it while it waits.

@@ -105,7 +105,7 @@ from ._cgroups import ROOT as CGROUP_ROOT
 from ._cgroups import Hierarchies, TreeCgroup
 from ._containment import Containment, Mechanism
 from ._forkserver import Broken
-from ._groups import boot_id, group_gone, read_stat, reap_group, start_time
+from ._groups import boot_id, group_gone, read_stat, reap_group
 from ._isolation import DEFAULT_CHILD_USERS, Grant, Isolated, Isolation, Network
 from ._logs import Logs
 from ._options import Options
@@ -605,7 +605,7 @@ class SubprocessExecution:
         writes its limits. Where that fails, the load makes it, and the standby joins it
         as it resolves, as it would unprepared."""
         pid = interpreter.process.pid
-        started = start_time(pid)
+        started = interpreter.start_time()
         if started is None:
             return  # it is gone: the load that takes it finds so
         cgroup = self.cgroups.child(f"{pid}-{started}", Limits())
@@ -698,7 +698,7 @@ class SubprocessExecution:
         the child writes its log itself.
         """
         process = interpreter.process
-        started = start_time(process.pid)
+        started = interpreter.start_time()
         cgroup = interpreter.cgroup
         joined = False
         if cgroup is not None:
