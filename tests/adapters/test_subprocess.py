@@ -507,3 +507,25 @@ def test_sessions_record_what_they_ran(tmp_path: Path) -> None:
     assert loaded.code.digest.startswith("sha256:")
     assert loaded.child.adapter == "subprocess"
     assert loaded.child.boot_id == boot_id()
+
+
+SIGNALS = Path(__file__).parent / "plugins_signals"
+
+
+async def test_an_interrupt_held_while_the_plugin_sleeps_still_reaches_it(
+    tmp_path: Path,
+) -> None:
+    # Its SIGTERM arrives where Python runs the handler only once the sleep returns (an
+    # hour later): the tracked process pokes the plugin until it has ended, so the
+    # interrupt still ends it well within the grace, not by the kill.
+    async with (
+        SubprocessExecution(tmp_path, entry_paths=[SIGNALS]) as held,
+        open_supervisor(MemoryStore(), held, lease=60.0, grace=60.0) as sup,
+    ):
+        handle = await opened(sup)
+        await sup.load(handle, Load(specifier="held:main"))
+        await until_logged(held, handle, "sleeping with SIGTERM held")
+        with trio.fail_after(BOUND):
+            termination = await sup.dispose(handle)
+        assert termination == Termination(kind="exited", exit=ExitStatus(signal=signal.SIGTERM))
+        assert "interrupted" in held.logs(handle)

@@ -146,6 +146,15 @@ PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
+# An interrupt's SIGTERM can reach P just before its main thread blocks in a system
+# call that does not look at signals first (``time.sleep`` does not), where it waits
+# unhandled until the call returns. So T pokes P with POKE while it runs on, first after
+# POKE_FIRST seconds, then at twice the interval before: the blocked call returns
+# (EINTR), and Python runs the SIGTERM's handler it held. P handles POKE with a handler
+# that does nothing (a plugin that execs another program leaves it ignored, its
+# default). Entry points only: a named command gets nothing but its SIGTERM.
+POKE = _signal.SIGWINCH
+POKE_FIRST = 0.02
 # How many walks of the tree a freeze may take before it kills what it found anyway (a
 # process in uninterruptible sleep stops only when it leaves it).
 FREEZE_PASSES = 200
@@ -493,6 +502,9 @@ class Tracked:
         self.containment = containment
         self.deadline: float | None = None
         self.interrupted = False
+        self.pokes = False  # P is an entry point: poke it once interrupted (see POKE)
+        self.poke_at: float | None = None
+        self.poke_every = POKE_FIRST
         self.child = 0  # P, once forked (a standby's, forked ahead: see Ahead)
         self.cgroups: list[str] = []  # the cgroup.procs files T joined, if any
         self.status: int | None = None  # P's wait status, once reaped
@@ -527,6 +539,17 @@ class Tracked:
             self.end(SIGTERM)  # the wait status of a death by SIGTERM
         if self.status is None:
             quietly(os.killpg, self.child, SIGTERM)
+            if self.pokes and self.poke_at is None:
+                self.poke_at = time.monotonic() + self.poke_every
+
+    def poke(self) -> None:
+        """Poke P, once it is due, and set the next (see POKE)."""
+        now = time.monotonic()
+        if self.poke_at is None or self.status is not None or now < self.poke_at:
+            return
+        quietly(os.kill, self.child, POKE)
+        self.poke_every *= 2
+        self.poke_at = now + self.poke_every
 
     def renew(self, lease: float) -> None:
         self.deadline = time.monotonic() + float(lease) + LEASE_SLACK
@@ -570,6 +593,10 @@ class Tracked:
                 # Capped: select refuses a timeout past about 9.2e9 s (a lease that long
                 # would kill this loop); the loop just looks again after an hour.
                 timeout = min(max(self.deadline - time.monotonic(), 0.0), 3600.0)
+            if self.poke_at is not None and self.status is None:
+                self.poke()
+                due = max(self.poke_at - time.monotonic(), 0.0)
+                timeout = due if timeout is None else min(timeout, due)
             ready, _, _ = select.select([self.control.fd, self.wakeup], [], [], timeout)
             if self.wakeup in ready:
                 while True:
@@ -1410,6 +1437,11 @@ class Interrupts:
 INTERRUPTS = Interrupts()
 
 
+def poked(number: int, frame: object) -> None:
+    """POKE's handler: nothing. Its arrival made a blocked call return, so that Python
+    runs the handlers of the signals that came before it."""
+
+
 def die_by(number: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -1423,6 +1455,7 @@ def plugin_main(spec: SpawnCommand, control: Control) -> int:
     # An interrupt becomes a KeyboardInterrupt in the entry point (sync code, or Trio's
     # own handling of SIGINT), so it can clean up.
     INTERRUPTS.install()
+    _signal.signal(POKE, poked)
     context = spec["context"]
     try:
         result = run_entry_point(
@@ -1648,6 +1681,7 @@ def main() -> int:
     containment: Literal["namespace", "sweep"] = "namespace" if os.getpid() == 1 else "sweep"
     tracked = Tracked(control, containment, ahead)
     tracked.cgroups = spec.get("cgroups") or spec.get("joined", [])
+    tracked.pokes = spec["kind"] != "command"
     control.send({"event": "resolved", "code": code, "containment": containment})
     # P takes its spawn message, or is forked, while the supervisor makes the child's
     # identity durable, before "start".

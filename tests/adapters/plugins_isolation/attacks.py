@@ -85,7 +85,10 @@ def everything(context: Any) -> int:
 
 
 def identity(context: Any) -> int:
-    """Say who and where it is, then wait to be stopped."""
+    """Say who and where it is (once its scratch file is written), then wait to be
+    stopped."""
+    if os.getuid() != 0:  # isolated: its TMPDIR is its own
+        _write(os.path.join(os.environ["TMPDIR"], "scratch"))
     with open("/proc/self/status") as file:
         status = dict(line.split(":\t", 1) for line in file.read().splitlines() if ":\t" in line)
     print(
@@ -99,8 +102,6 @@ def identity(context: Any) -> int:
         status["CapEff"].strip(),
         flush=True,
     )
-    if os.getuid() != 0:  # isolated: its TMPDIR is its own
-        _write(os.path.join(os.environ["TMPDIR"], "scratch"))
     time.sleep(3600)
     return 0
 
