@@ -980,9 +980,12 @@ class Ahead:
         if failure:
             refuse(failure, control, starter)
         try:
-            apply_limits(spec["limits"])  # as T did, before it reported the code
+            apply_limits(spec["limits"])  # as T does, before it reports the code
+        except (OSError, ValueError, Refused):
+            os._exit(1)  # T, applying the same limits as root too, says why (PackageError)
+        try:
             take_identity(self.isolation)
-        except (OSError, ValueError, Refused) as error:
+        except (OSError, ValueError) as error:
             refuse(f"cannot isolate the child: {error}", control, starter)
         look_ahead(spec)
         if os.read(self.go, 1) != b"g":
