@@ -1664,10 +1664,6 @@ def main() -> int:
             # Started ahead as a standby: now it becomes the session's child (its
             # plugin forked ahead takes the environment itself).
             take_over(spec["log"], None if ahead is not None else spec["environment"])
-        if ahead is not None and spec["kind"] != "command":
-            # P takes its log, environment, limits and uid while T resolves the code
-            # (a named command waits for its executable, below).
-            ahead.hand_on(spec)
         code = resolve(spec)
         spec["executable"] = code["origin"]
         apply_limits(spec["limits"])
@@ -1686,11 +1682,10 @@ def main() -> int:
     tracked.cgroups = spec.get("cgroups") or spec.get("joined", [])
     tracked.pokes = spec["kind"] != "command"
     control.send({"event": "resolved", "code": code, "containment": containment})
-    # P takes its spawn message, or is forked, while the supervisor makes the child's
-    # identity durable, before "start".
+    # P takes its spawn message (and with it its log, environment, limits and uid), or
+    # is forked, while the supervisor makes the child's identity durable, before "start".
     if ahead is not None:
-        if spec["kind"] == "command":
-            ahead.hand_on(spec)
+        ahead.hand_on(spec)
         tracked.started = ahead.started
     elif tracked.fork_plugin(spec) == 0:
         return plugin_main(spec, control)  # in P (a named command never gets here: it exec'd)
