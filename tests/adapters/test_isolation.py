@@ -584,10 +584,12 @@ def _plugin_ahead(execution: SubprocessExecution) -> tuple[int, int] | None:
     return (tracked, plugin) if own and stat is not None and stat.pgid == plugin else None
 
 
-async def test_a_standby_s_plugin_is_forked_ahead_in_namespaces_of_its_own_and_runs_the_load(
+@contextlib.asynccontextmanager
+async def standing_by(
     tmp_path: Path,
-) -> None:
-    # Its fork, the copy of the view and its mounts are then not the load's.
+) -> AsyncIterator[tuple[Supervisor, SubprocessExecution, int, int]]:
+    """A supervisor over an execution whose standby waits with its plugin forked ahead:
+    the supervisor, the execution, and the standby's T and P."""
     async with (
         SubprocessExecution(
             tmp_path, entry_paths=[ISOLATION], fork_server=True, standby=True
@@ -597,16 +599,30 @@ async def test_a_standby_s_plugin_is_forked_ahead_in_namespaces_of_its_own_and_r
         tracked, plugin = await until(
             lambda: _plugin_ahead(execution), "a plugin forked ahead", bound=BOUND
         )
+        yield sup, execution, tracked, plugin
+
+
+async def loaded_as_its_uid(
+    sup: Supervisor, execution: SubprocessExecution, instance: str
+) -> LoadedRecord:
+    """A child loaded with ``attacks:identity``, once it said it runs as its own uid."""
+    record = await loaded(sup, instance, "attacks:identity")
+    await until_logged(execution, record.handle, "IDENTITY", bound=BOUND)
+    said = next(line for line in execution.logs(record.handle).splitlines() if "IDENTITY" in line)
+    assert said.split()[1:3] == [str(record.child.uid)] * 2
+    return record
+
+
+async def test_a_standby_s_plugin_is_forked_ahead_in_namespaces_of_its_own_and_runs_the_load(
+    tmp_path: Path,
+) -> None:
+    # Its fork, the copy of the view and its mounts are then not the load's.
+    async with standing_by(tmp_path) as (sup, execution, tracked, plugin):
         assert os.stat(f"/proc/{plugin}").st_uid == 0  # root until its load names the uid
-        record = await loaded(sup, "ahead", "attacks:identity")
-        await until_logged(execution, record.handle, "IDENTITY", bound=BOUND)
+        record = await loaded_as_its_uid(sup, execution, "ahead")
         assert record.child.pid == tracked
         # The very process forked ahead runs the plugin, as the child's uid.
         assert os.stat(f"/proc/{plugin}").st_uid == record.child.uid
-        line = next(
-            line for line in execution.logs(record.handle).splitlines() if "IDENTITY" in line
-        )
-        assert line.split()[1:3] == [str(record.child.uid)] * 2
         with trio.fail_after(BOUND):
             await sup.dispose(record.handle)
         assert read_stat(plugin) is None
@@ -615,15 +631,7 @@ async def test_a_standby_s_plugin_is_forked_ahead_in_namespaces_of_its_own_and_r
 async def test_a_plugin_forked_ahead_that_died_is_replaced_by_a_fresh_fork_at_the_load(
     tmp_path: Path,
 ) -> None:
-    async with (
-        SubprocessExecution(
-            tmp_path, entry_paths=[ISOLATION], fork_server=True, standby=True
-        ) as execution,
-        open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as sup,
-    ):
-        tracked, plugin = await until(
-            lambda: _plugin_ahead(execution), "a plugin forked ahead", bound=BOUND
-        )
+    async with standing_by(tmp_path) as (sup, execution, tracked, plugin):
         os.kill(plugin, signal.SIGKILL)
         # Dead before the load (T reaps it only then): one that dies during the load
         # fails it, as a plugin forked at the load that dies before it started does.
@@ -632,12 +640,7 @@ async def test_a_plugin_forked_ahead_that_died_is_replaced_by_a_fresh_fork_at_th
             "the plugin forked ahead is dead",
             bound=BOUND,
         )
-        record = await loaded(sup, "replaced", "attacks:identity")
-        await until_logged(execution, record.handle, "IDENTITY", bound=BOUND)
+        record = await loaded_as_its_uid(sup, execution, "replaced")
         assert record.child.pid == tracked
-        line = next(
-            line for line in execution.logs(record.handle).splitlines() if "IDENTITY" in line
-        )
-        assert line.split()[1:3] == [str(record.child.uid)] * 2
         with trio.fail_after(BOUND):
             await sup.dispose(record.handle)
