@@ -23,7 +23,9 @@ both sides in ``_protocol`` (imported for the type checker alone):
                           isolated, "isolation": the uid, home, TMPDIR, network and
                           view P takes before it runs anything, see :func:`isolate`)
     child -> supervisor   {"event": "resolved", "code": {...}, "containment": "namespace"}
-                          (or "sweep": what this child really uses)  or  {"event": "failed", ...}
+                          (or "sweep": what this child really uses), with the writing
+                          end of P's "go" pipe (SCM_RIGHTS): at "start" the supervisor
+                          lets P go itself  or  {"event": "failed", ...}
     supervisor -> child   {"command": "renew", "lease": 5.0}    any number of times
     supervisor -> child   {"command": "start"}
     child -> supervisor   {"event": "started"}  or  {"event": "failed", ...}
@@ -186,10 +188,22 @@ class Control:
         self.fd = fd
         self.buffer = b""
 
-    def send(self, message: Event) -> None:
+    def send(self, message: Event, fd: int = -1) -> None:
+        """Send ``message``, with ``fd`` (as ``SCM_RIGHTS``) where one is given."""
         payload = marshal.dumps(dict(message))
         data = len(payload).to_bytes(4, "big") + payload
         try:
+            if fd >= 0:
+                import _socket  # socket's C part: no enum (see the top)
+
+                carrier = _socket.socket(fileno=self.fd)
+                try:
+                    rights = [
+                        (_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fd.to_bytes(4, sys.byteorder))
+                    ]
+                    data = data[carrier.sendmsg([data], rights) :]
+                finally:
+                    carrier.detach()  # the descriptor stays ours
             while data:
                 data = data[os.write(self.fd, data) :]
         except OSError:
@@ -1664,6 +1678,11 @@ def main() -> int:
             # Started ahead as a standby: now it becomes the session's child (its
             # plugin forked ahead takes the environment itself).
             take_over(spec["log"], None if ahead is not None else spec["environment"])
+        if ahead is not None and spec["kind"] != "command":
+            # P takes its log, environment, limits and uid, and looks its module up,
+            # while T resolves the code and the supervisor makes the identity durable (a
+            # named command waits for its executable, below).
+            ahead.hand_on(spec)
         code = resolve(spec)
         spec["executable"] = code["origin"]
         apply_limits(spec["limits"])
@@ -1681,11 +1700,14 @@ def main() -> int:
     tracked = Tracked(control, containment, ahead)
     tracked.cgroups = spec.get("cgroups") or spec.get("joined", [])
     tracked.pokes = spec["kind"] != "command"
-    control.send({"event": "resolved", "code": code, "containment": containment})
-    # P takes its spawn message (and with it its log, environment, limits and uid), or
-    # is forked, while the supervisor makes the child's identity durable, before "start".
+    # With it goes the writing end of P's "go" pipe: the supervisor lets P go itself at
+    # "start", one wake-up sooner than through T (T lets it go too, as it takes "start").
+    control.send({"event": "resolved", "code": code, "containment": containment}, tracked.going)
+    # A named command's P takes its spawn message, or P is forked, while the supervisor
+    # makes the child's identity durable, before "start".
     if ahead is not None:
-        ahead.hand_on(spec)
+        if spec["kind"] == "command":
+            ahead.hand_on(spec)
         tracked.started = ahead.started
     elif tracked.fork_plugin(spec) == 0:
         return plugin_main(spec, control)  # in P (a named command never gets here: it exec'd)

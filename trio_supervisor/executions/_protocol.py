@@ -173,6 +173,8 @@ class Code(TypedDict):
 
 
 class ResolvedEvent(TypedDict):
+    """The code T found; sent with the writing end of P's "go" pipe (SCM_RIGHTS)."""
+
     event: Literal["resolved"]
     code: Code
     containment: Literal["namespace", "sweep"]  # what this child really uses

@@ -46,6 +46,7 @@ import math
 import os
 import signal
 import socket
+import sys
 from collections.abc import Callable
 
 import attrs
@@ -63,6 +64,8 @@ from ._trees import Tree, left_behind, process_table, strays
 __all__ = ["ProcessUnit", "failure"]
 
 _CHUNK = 65536
+# Room for the one descriptor a reply may carry ("resolved": the plugin's "go" pipe).
+_RIGHTS = socket.CMSG_SPACE(4)
 _EOF: EofReply = {"event": "eof"}
 # How long an abandoned child, killed, may take to be reaped; how long the last of its
 # copied output may take to reach the log once its group is gone.
@@ -130,9 +133,12 @@ class ProcessUnit:
         self._pgid = identity.pgid or process.pid
         self.code = CodeIdentity(specifier=load.specifier)
         self._specifier = load.specifier
-        self._socket = control  # the same socket, for reading what is left at exit
+        self._socket = control  # the same socket: replies are read from it (recvmsg)
         self._control = trio.SocketStream(trio.socket.from_stdlib_socket(control))
         self._buffer = b""
+        # The writing end of P's "go" pipe, sent with "resolved": "start" lets P go
+        # through it at once, as well as through T.
+        self._go: int | None = None
         # Processes the child left that had to be killed: counted by T as it exits
         # ("exited"), and by our own kill.
         self._descendants_killed = 0
@@ -158,16 +164,46 @@ class ProcessUnit:
 
     async def _receive(self) -> Reply:
         while (taken := take_message(self._buffer)) is None:
-            try:
-                chunk = await self._control.receive_some(_CHUNK)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                chunk = b""
+            chunk = await self._read()
             if not chunk:
                 return _EOF
             self._buffer += chunk
         message: Reply
         message, self._buffer = taken
         return message
+
+    async def _read(self) -> bytes:
+        """What the child sent next, and any descriptor with it; empty at EOF."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            try:
+                chunk, ancillary, _, _ = self._socket.recvmsg(_CHUNK, _RIGHTS)
+            except BlockingIOError:
+                try:
+                    await trio.lowlevel.wait_readable(self._socket)
+                except trio.ClosedResourceError:
+                    return b""
+                continue
+            except OSError:
+                chunk, ancillary = b"", []
+            break
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                whole = len(payload) - len(payload) % 4
+                for at in range(0, whole, 4):
+                    fd = int.from_bytes(payload[at : at + 4], sys.byteorder)
+                    if self._go is None and not self._started:
+                        self._go = fd
+                    else:
+                        os.close(fd)  # none other is asked for
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return chunk
+
+    def _let_go(self) -> None:
+        """Close our end of P's "go" pipe (once it was used, or will never be)."""
+        go, self._go = self._go, None
+        if go is not None:
+            os.close(go)
 
     async def resolve(self, spec: SpawnCommand) -> bool:
         """Send the spawn message and take in the code the bootstrap resolved.
@@ -242,6 +278,11 @@ class ProcessUnit:
             await trio.lowlevel.checkpoint()
             raise ExecutionError("this unit was started already")
         self._started = True
+        if self._go is not None:
+            # P goes now; T, told next, lets it go too (and reports a command's exec).
+            with contextlib.suppress(OSError):  # P is gone: T reports how it ended
+                os.write(self._go, b"g")
+            self._let_go()
         with outside_the_run():  # the child's time is not the run's (realtime.py)
             try:
                 await self._send({"command": "start"})
@@ -384,6 +425,7 @@ class ProcessUnit:
             with bounded(KILL_CONFIRMATION), outside_the_run():
                 await self.wait()
         # Closing the socket is the child's dead-man switch if anything still runs.
+        self._let_go()
         await self._control.aclose()
         if self._marker is not None:
             os.close(self._marker)
