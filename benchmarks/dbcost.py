@@ -36,6 +36,7 @@ import collections
 import contextlib
 import functools
 import json
+import os
 import statistics
 import time
 import uuid
@@ -262,6 +263,14 @@ class Server:
         self.schema = schema
         self._wal = psycopg.connect(dsn, autocommit=True)
         self._wal.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+        # The WAL read back must outlive checkpoints: other work on the server (a test
+        # suite's CREATE DATABASE, say) can have a segment recycled within a window.
+        # A temporary slot of this connection's reserves it from now on, and goes with
+        # the connection.
+        self._wal.execute(
+            "SELECT pg_create_physical_replication_slot(%s, true, true)",
+            (f"ts_cost_{os.getpid()}_{id(self)}",),
+        )
         self._listener = psycopg.connect(dsn, autocommit=True)
         self._listener.execute(_postgres_sql.listen(schema))
 

@@ -146,6 +146,9 @@ class ProcessUnit:
         self._wait_lock = trio.Lock()
         self._send_lock = trio.StrictFIFOLock()
         self._started = False
+        # Set once start() has its answer (or gave up): until then the exit is not
+        # told (see wait), so a plugin that failed to load and ended is a failed load.
+        self._start_answered = trio.Event()
         self._signalled = False  # interrupted or killed: its exit is near
         self._closed = False
         self._marker = marker
@@ -278,6 +281,12 @@ class ProcessUnit:
             await trio.lowlevel.checkpoint()
             raise ExecutionError("this unit was started already")
         self._started = True
+        try:
+            await self._start()
+        finally:
+            self._start_answered.set()
+
+    async def _start(self) -> None:
         if self._go is not None:
             # P goes now; T, told next, lets it go too (and reports a command's exec).
             with contextlib.suppress(OSError):  # P is gone: T reports how it ended
@@ -329,7 +338,12 @@ class ProcessUnit:
         # Once signalled, the child's exit is near and bounded in real time: a virtual
         # clock waits for it (realtime.py). Before, the wait is the child's whole life.
         with outside_the_run() if self._signalled else contextlib.nullcontext():
-            return await self._wait()
+            status = await self._wait()
+        if self._started and not self._start_answered.is_set():
+            # A plugin that failed to load says so and ends: its answer is start()'s to
+            # take first (a failed load, L5), and only then is its exit told.
+            await self._start_answered.wait()
+        return status
 
     async def _wait(self) -> ExitStatus:
         async with self._wait_lock:  # one waiter works it out; the others read it
