@@ -522,8 +522,10 @@ class Tracked:
         self.child = 0  # P, once forked (a standby's, forked ahead: see Ahead)
         self.cgroups: list[str] = []  # the cgroup.procs files T joined, if any
         self.status: int | None = None  # P's wait status, once reaped
-        # P waits on ``go`` (forked before "start", it runs nothing until then); T
-        # alone holds ``going``, so EOF there also means T is gone.
+        # P waits on ``go`` (forked before "start", it runs nothing until then). T holds
+        # ``going``, and the supervisor a copy until "start" (sent with "resolved"): EOF
+        # there means both are gone (P ends with T anyway: its namespace, or its
+        # parent-death signal).
         if ahead is None:
             self.go, self.going = os.pipe()
         else:
