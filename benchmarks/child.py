@@ -216,148 +216,110 @@ def ours(
 
 def run(quick: bool, rounds: int) -> list[Result]:
     cycles = 3 if quick else 10
-    spawn = "raw Trio: spawn, ready line, SIGTERM, reap"
     # The runner service's defaults (issue 43): every child isolated (a uid of its own,
     # where the runner is root) and in a cgroup of its own with the default ceilings.
     warm = functools.partial(ours, fork_server=True, standby=True, preload=PRELOAD)
+    # Every row's time is lower-is-better; a cycle's is a cycle's, a stop's a stop's.
+    cycle = functools.partial(compare, unit="s/cycle", better="lower", rounds=rounds)
+    stop = functools.partial(compare, unit="s", better="lower", rounds=rounds)
+    against_spawn = functools.partial(
+        cycle,
+        baseline=lambda: raw(cycles, 0),
+        baseline_name="raw Trio: spawn, ready line, SIGTERM, reap",
+    )
     return [
-        compare(
+        against_spawn(
             "child.cycle",
             ours=lambda: warm(cycles, 0, limits=CEILINGS),
-            baseline=lambda: raw(cycles, 0),
-            baseline_name=spawn,
-            unit="s/cycle",
-            better="lower",
             target=0.25,
-            rounds=rounds,
             note="open+load+dispose of a minimal plugin as the runner service runs it, its "
             "defaults on (fork_server=True, standby=True: the next child is forked ahead; "
             "isolated; the default ceilings, a cgroup per child) with the plugin's one "
             "import preloaded (typing) vs a cold spawn of the same code, ready line, "
             "SIGTERM, reaped",
         ),
-        compare(
+        cycle(
             "child.cycle.ceilings",
             ours=lambda: warm(cycles, 0, limits=CEILINGS),
             baseline=lambda: warm(cycles, 0),
             baseline_name="ours: child.cycle without ceilings",
-            unit="s/cycle",
-            better="lower",
             target=1.05,
-            rounds=rounds,
             note="child.cycle (the runner service's default ceilings: memory_bytes 1 GiB, "
             "processes 4096, a cgroup per child) vs the same without them",
         ),
-        compare(
+        against_spawn(
             "child.cycle.no_ceilings",
             ours=lambda: warm(cycles, 0),
-            baseline=lambda: raw(cycles, 0),
-            baseline_name=spawn,
-            unit="s/cycle",
-            better="lower",
             target=0.25,
-            rounds=rounds,
             informational=True,
             note="as child.cycle without ceilings: no cgroup (isolated all the same)",
         ),
-        compare(
+        against_spawn(
             "child.cycle.no_isolation",
             ours=lambda: warm(cycles, 0, isolation="none"),
-            baseline=lambda: raw(cycles, 0),
-            baseline_name=spawn,
-            unit="s/cycle",
-            better="lower",
             target=0.25,
-            rounds=rounds,
             informational=True,
             note="as child.cycle.no_ceilings with isolation='none': the child runs as the "
             "runner's user (else a uid of its own, its private directory made and removed, "
             "the children's view entered)",
         ),
-        compare(
+        against_spawn(
             "child.cycle.no_preload",
             ours=lambda: ours(cycles, 0, fork_server=True, standby=True, limits=CEILINGS),
-            baseline=lambda: raw(cycles, 0),
-            baseline_name=spawn,
-            unit="s/cycle",
-            better="lower",
             target=0.25,
-            rounds=rounds,
             informational=True,
             note="as child.cycle with nothing preloaded: the plugin imports typing itself",
         ),
-        compare(
+        against_spawn(
             "child.cycle.cold",
             ours=lambda: ours(cycles, 0, limits=CEILINGS),
-            baseline=lambda: raw(cycles, 0),
-            baseline_name=spawn,
-            unit="s/cycle",
-            better="lower",
             target=1.15,
-            rounds=rounds,
             note="as child.cycle, with the default standby=False and fork_server=False: the "
             "interpreter starts during the load",
         ),
-        compare(
+        cycle(
             "child.cycle.cold.ceilings",
             ours=lambda: ours(cycles, 0, limits=CEILINGS),
             baseline=lambda: ours(cycles, 0),
             baseline_name="ours: child.cycle.cold without ceilings",
-            unit="s/cycle",
-            better="lower",
             target=1.05,
-            rounds=rounds,
             note="child.cycle.cold vs the same without ceilings",
         ),
-        compare(
+        against_spawn(
             "child.cycle.cold.no_isolation",
             ours=lambda: ours(cycles, 0, isolation="none"),
-            baseline=lambda: raw(cycles, 0),
-            baseline_name=spawn,
-            unit="s/cycle",
-            better="lower",
             target=1.15,
-            rounds=rounds,
             informational=True,
             note="as child.cycle.cold with isolation='none' and no ceilings",
         ),
-        compare(
+        stop(
             "terminate.cooperative",
             ours=lambda: ours(cycles, 1, limits=CEILINGS),
             baseline=lambda: raw(cycles, 1, lambda: _floor_cycle(CONTAINED)),
             baseline_name="floor: section 5's stop in raw Trio, a contained child",
-            unit="s",
-            better="lower",
             target=1.25,
-            rounds=rounds,
             note="dispose of a running child (defaults on, started cold) that exits on "
             "SIGTERM vs the same stop shaped as docs/design.md section 5 with no store, its "
             "child shaped as containment needs: it runs the plugin as its child, passes "
             "SIGTERM on, ends as it did (see the module docs)",
         ),
-        compare(
+        stop(
             "terminate.cooperative.watched",
             ours=lambda: ours(cycles, 1, limits=CEILINGS),
             baseline=lambda: raw(cycles, 1, _floor_cycle),
             baseline_name="floor: section 5's stop in raw Trio, one child with a watchdog thread",
-            unit="s",
-            better="lower",
             target=1.25,
-            rounds=rounds,
             informational=True,
             note="as terminate.cooperative, against the floor whose child is one process "
             "with a thread blocked on a read (the older floor)",
         ),
-        compare(
+        stop(
             "terminate.cooperative.raw",
             ours=lambda: ours(cycles, 1, limits=CEILINGS),
             baseline=lambda: raw(cycles, 1),
             baseline_name="raw Trio: SIGTERM + wait",
-            unit="s",
-            better="lower",
             target=1.2,
-            rounds=rounds,
-            note="the oldest baseline: no session, no watchdog, nothing saved",
             informational=True,
+            note="the oldest baseline: no session, no watchdog, nothing saved",
         ),
     ]
