@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import trio
 
-__all__ = ["open_background_nursery"]
+__all__ = ["open_background_nursery", "when_idle"]
 
 
 @contextlib.asynccontextmanager
@@ -31,3 +31,17 @@ async def open_background_nursery() -> AsyncIterator[trio.Nursery]:
     if escaped is not None:
         # Raised outside the handler, so the group does not become its __context__.
         raise escaped
+
+
+async def when_idle(bound: float) -> None:
+    """Wait until the run has nothing else to do, or ``bound`` seconds at most.
+
+    For background work that nobody waits for (the next standby, removing what a gone
+    child left): it runs while every other task waits, not between the steps of a
+    request that someone does wait for. The bound keeps a loop that is never idle from
+    putting the work off for ever.
+    """
+    from trio.testing import wait_all_tasks_blocked  # the one primitive that says "idle"
+
+    with trio.move_on_after(bound):
+        await wait_all_tasks_blocked()

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from .._background import when_idle
 from ..errors import ExecutionError
 from ..realtime import bounded, outside_the_run
 from ._cgroups import TreeCgroup
@@ -66,6 +67,7 @@ BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
 # one may take to say which process is T (Python's start-up, on a loaded machine).
 DISCARD_CONFIRMATION = 5.0
 BOOT_TIMEOUT = 30.0
+IDLE_BOUND = 0.05
 
 
 def compile_bootstrap(directory: Path) -> Path:
@@ -449,6 +451,7 @@ class Standby:
             return
         self._filling = True
         try:
+            await when_idle(IDLE_BOUND)
             interpreter = await self._start()
         except (OSError, ExecutionError):
             return  # the next load starts its own interpreter, and reports the error
