@@ -33,7 +33,11 @@ async def open_background_nursery() -> AsyncIterator[trio.Nursery]:
         raise escaped
 
 
-async def when_idle(bound: float) -> None:
+# How long background work waits for the run to be idle, at most.
+IDLE_BOUND = 0.05
+
+
+async def when_idle(bound: float = IDLE_BOUND) -> None:
     """Wait until the run has nothing else to do, or ``bound`` seconds at most.
 
     For background work that nobody waits for (the next standby, removing what a gone

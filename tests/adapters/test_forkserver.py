@@ -193,7 +193,13 @@ async def test_an_execution_closed_while_its_standby_is_forked_leaves_nothing(
         taken = standby.take(execution._nursery)
         assert taken is not None
         await taken.discard()
-        await trio.testing.wait_all_tasks_blocked()  # the next fork is under way
+        # The next standby is forked once the loop is idle (Standby.fill): the first idle
+        # moment starts its request, and the next finds it waiting for the answer.
+        await trio.testing.wait_all_tasks_blocked()
+        await trio.testing.wait_all_tasks_blocked()
+        fork_server = execution._host.server
+        assert fork_server is not None
+        assert fork_server._lock.locked(), "the next fork is not under way"
         server = execution.fork_server_pid
         assert server is not None
     assert read_stat(server) is None, "the fork server outlived its execution"

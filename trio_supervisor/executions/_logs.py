@@ -31,6 +31,7 @@ from typing import Final
 
 import trio
 
+from .._background import when_idle
 from ..model import Handle
 from ..realtime import outside_the_run
 
@@ -78,12 +79,16 @@ class Logs:
         """Remove the queued logs as they come, in batches, in a worker thread; until
         cancelled (what is queued then is for :meth:`flush`)."""
         async for path in self._queue:
-            batch = [path]
-            with contextlib.suppress(trio.WouldBlock):
-                while True:
-                    batch.append(self._queue.receive_nowait())
-            with outside_the_run():
-                await trio.to_thread.run_sync(_remove, batch)
+            # Shielded: a batch taken is removed (unlinks: a bounded wait), once the
+            # loop is idle. What is still queued when this is cancelled is flush()'s.
+            with trio.CancelScope(shield=True):
+                await when_idle()
+                batch = [path]
+                with contextlib.suppress(trio.WouldBlock):
+                    while True:
+                        batch.append(self._queue.receive_nowait())
+                with outside_the_run():
+                    await trio.to_thread.run_sync(_remove, batch)
 
     def flush(self) -> None:
         """Remove what is queued now, blocking: as the execution ends."""

@@ -67,7 +67,6 @@ BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
 # one may take to say which process is T (Python's start-up, on a loaded machine).
 DISCARD_CONFIRMATION = 5.0
 BOOT_TIMEOUT = 30.0
-IDLE_BOUND = 0.05
 
 
 def compile_bootstrap(directory: Path) -> Path:
@@ -408,10 +407,13 @@ class ForkedProcess:
 
     async def wait(self) -> int:
         await self.reap_maker()
+        waited = False
         while self.poll() is None:
             assert self._pidfd is not None
             await trio.lowlevel.wait_readable(self._pidfd)
-        await trio.lowlevel.checkpoint()
+            waited = True
+        if not waited:  # else the wait was the schedule point
+            await trio.lowlevel.checkpoint()
         assert self._returncode is not None
         return self._returncode
 
@@ -451,7 +453,7 @@ class Standby:
             return
         self._filling = True
         try:
-            await when_idle(IDLE_BOUND)
+            await when_idle()
             interpreter = await self._start()
         except (OSError, ExecutionError):
             return  # the next load starts its own interpreter, and reports the error

@@ -162,8 +162,28 @@ class ProcessUnit:
         return self._identity
 
     async def _send(self, message: Command) -> None:
-        async with self._send_lock:
-            await self._control.send_all(frame(message))
+        data = frame(message)
+        if self._send_lock.locked():  # a send is waiting for room: queue behind it
+            async with self._send_lock:
+                await self._control.send_all(data)
+            return
+        # A message is small, and T reads while it waits: it goes at once, whole, with
+        # one schedule point (not the lock's and the stream's).
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            sent = self._socket.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError as error:  # closed by us, or T is gone
+            raise trio.BrokenResourceError(f"the child's socket: {error}") from error
+        if sent == len(data):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        self._send_lock.acquire_nowait()  # free still: no schedule point since the check
+        try:
+            await self._control.send_all(data[sent:])
+        finally:
+            self._send_lock.release()
 
     async def _receive(self) -> Reply:
         while (taken := take_message(self._buffer)) is None:
@@ -178,6 +198,7 @@ class ProcessUnit:
     async def _read(self) -> bytes:
         """What the child sent next, and any descriptor with it; empty at EOF."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         while True:
             try:
                 chunk, ancillary, _, _ = self._socket.recvmsg(_CHUNK, _RIGHTS)
@@ -186,6 +207,7 @@ class ProcessUnit:
                     await trio.lowlevel.wait_readable(self._socket)
                 except trio.ClosedResourceError:
                     return b""
+                waited = True
                 continue
             except OSError:
                 chunk, ancillary = b"", []
@@ -199,7 +221,8 @@ class ProcessUnit:
                         self._go = fd
                     else:
                         os.close(fd)  # none other is asked for
-        await trio.lowlevel.cancel_shielded_checkpoint()
+        if not waited:  # else the wait was the schedule point
+            await trio.lowlevel.cancel_shielded_checkpoint()
         return chunk
 
     def _let_go(self) -> None:

@@ -94,7 +94,7 @@ from typing import Any, ClassVar, Literal, Self
 import attrs
 import trio
 
-from .._background import open_background_nursery
+from .._background import open_background_nursery, when_idle
 from ..abc import Unit
 from ..errors import ExecutionError, PackageError
 from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination, thaw
@@ -780,15 +780,26 @@ class SubprocessExecution:
 
     def _release(self, grant: Grant | None, cgroup: TreeCgroup | None) -> None:
         """A child is gone: its empty cgroup is removed, its private directory goes and
-        its uid is free again, after its termination is reported (each in a worker
-        thread: they wait on the kernel, see TreeCgroup.remove_blocking). An execution
-        that exits waits for them; what a crash leaves, its next start removes."""
+        its uid is free again, in the background (see :meth:`_let_go`)."""
         if self._nursery is None:
             return  # the execution has exited: its next start removes what is left
-        if cgroup is not None:
-            self._nursery.start_soon(_remove, cgroup, name="child's cgroup")
-        if grant is not None:
-            self._nursery.start_soon(self.isolated.release, grant, name="private directory")
+        if cgroup is not None or grant is not None:
+            self._nursery.start_soon(self._let_go, cgroup, grant, name="a gone child's leftovers")
+
+    async def _let_go(self, cgroup: TreeCgroup | None, grant: Grant | None) -> None:
+        """Remove what a gone child left once the loop is idle: after its termination is
+        reported, and between the steps of nobody's request. The removals run in worker
+        threads (they wait on the kernel, see TreeCgroup.remove_blocking). An execution
+        that exits waits for the cgroup's (a bounded wait); what a crash leaves, its next
+        start removes."""
+        try:
+            with trio.CancelScope(shield=True):
+                await when_idle()
+                if cgroup is not None:
+                    await _remove(cgroup)
+        finally:
+            if grant is not None:
+                await self.isolated.release(grant)  # given back even if cancelled
 
     async def recover(self, child: ChildIdentity) -> Termination:
         """Make sure a child left by an earlier run is gone; never touch anyone else.
