@@ -338,7 +338,7 @@ class Termination:
         elif status.signal == signal.SIGKILL and status.oom_limit is not None:
             details = []  # the kernel's OOM killer: said below instead of SIGKILL
         elif status.signal is not None:
-            details = [_signal_name(status.signal)]
+            details = [signal_name(status.signal)]
         elif status.runner_lost:
             details = ["runner lost; exit status unknown"]
         else:
@@ -364,7 +364,7 @@ def _bytes(number: int) -> str:
     return f"{number} bytes"
 
 
-def _signal_name(number: int) -> str:
+def signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
     except ValueError:

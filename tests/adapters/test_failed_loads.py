@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from trio_supervisor import (
+    ExecutionError,
     ExitStatus,
     Key,
     Load,
@@ -33,6 +34,8 @@ SOURCES = {
     "raises.py": "def helper():\n    raise RuntimeError('broken at import')\n\nhelper()\n",
     "syntax.py": "def f(:\n    pass\n",
     "fine.py": "def main(context):\n    pass\n",
+    "quits.py": "import os\n\nos._exit(3)\n",
+    "killed.py": "import os\nimport signal\n\nos.kill(os.getpid(), signal.SIGKILL)\n",
 }
 
 # specifier -> the whole message of the PackageError the load raises.
@@ -49,6 +52,9 @@ FAILURES = {
     "that it defines",
     "absent:main": "cannot load 'absent:main': there is no module 'absent' on the runner's "
     "entry paths; check its name",
+    # The plugin ends itself as it is imported: T reports how, and that is the sentence.
+    "quits:main": "cannot load 'quits:main': the child exited with code 3 while its module "
+    "was imported, before it started; fix the module",
 }
 
 
@@ -89,6 +95,21 @@ async def test_a_failed_load_raises_one_sentence_and_ends_with_no_child(
         # importing), the session's code never ran, and its end says so.
         assert stopped.termination == Termination(kind="none", exit=ExitStatus())
         assert stopped.termination.describe() == "no child"
+
+
+async def test_a_child_killed_before_it_started_says_by_what(sup: Supervisor) -> None:
+    # Killed by a signal (here its own; an operator's or the kernel's reads the same):
+    # not the package's fault as far as anyone can tell, and the sentence says what.
+    record = await sup.open(Key(identity="failing", instance="killed"), "r")
+    with trio.fail_after(BOUND), pytest.raises(ExecutionError) as raised:
+        await sup.load(record.handle, Load(specifier="killed:main"))
+    assert (
+        str(raised.value) == "the child for 'killed:main' was killed by SIGKILL before it started"
+    )
+    stopped = await sup.status(record.handle)
+    assert isinstance(stopped, StoppedRecord)
+    assert isinstance(stopped.reason, LoadFailed)
+    assert stopped.termination.describe() == "no child"
 
 
 async def test_the_import_traceback_always_reaches_the_log(

@@ -47,13 +47,14 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 import trio
 
 from ..errors import ExecutionError, PackageError
-from ..model import ChildIdentity, CodeIdentity, ExitStatus, Load
+from ..model import ChildIdentity, CodeIdentity, ExitStatus, Load, signal_name
 from ..realtime import bounded, outside_the_run
 from ._cgroups import TreeCgroup
 from ._groups import exit_status, group_gone, signal_group
@@ -85,6 +86,22 @@ def failure(reply: Reply, specifier: str, limits: str = "") -> Exception:
                 f"the child for {specifier!r} could not run under the limits asked for ({limits})"
             )
         return ExecutionError(f"the child for {specifier!r} exited before it reported")
+    if reply["event"] == "exited":  # see ExitedEvent
+        # The plugin ended before it said it started: its module ended it as it was
+        # imported (os._exit, a crash in an extension), or it was killed.
+        returncode = os.waitstatus_to_exitcode(int(reply["status"]))
+        if returncode >= 0:
+            return PackageError(
+                f"cannot load {specifier!r}: the child exited with code {returncode} "
+                "while its module was imported, before it started; fix the module"
+            )
+        name = signal_name(-returncode)
+        if limits:
+            return PackageError(
+                f"cannot load {specifier!r}: the child was killed by {name} before it "
+                f"started, under the limits asked for ({limits})"
+            )
+        return ExecutionError(f"the child for {specifier!r} was killed by {name} before it started")
     if reply["event"] != "failed":  # out of step with us
         return ExecutionError(str(reply))
     if reply["kind"] == "PackageError":
@@ -142,6 +159,7 @@ class ProcessUnit:
         # Processes the child left that had to be killed: counted by T as it exits
         # ("exited"), and by our own kill.
         self._descendants_killed = 0
+        self._reported: int | None = None  # how P ended, as T reported it (a returncode)
         self._status: ExitStatus | None = None
         self._wait_lock = trio.Lock()
         self._send_lock = trio.StrictFIFOLock()
@@ -193,6 +211,8 @@ class ProcessUnit:
             self._buffer += chunk
         message: Reply
         message, self._buffer = taken
+        if message["event"] == "exited":  # P ended first: T's last word (see wait)
+            self._exited(message)
         return message
 
     async def _read(self) -> bytes:
@@ -361,17 +381,17 @@ class ProcessUnit:
         # Once signalled, the child's exit is near and bounded in real time: a virtual
         # clock waits for it (realtime.py). Before, the wait is the child's whole life.
         with outside_the_run() if self._signalled else contextlib.nullcontext():
-            status = await self._wait()
-        if self._started and not self._start_answered.is_set():
-            # A plugin that failed to load says so and ends: its answer is start()'s to
-            # take first (a failed load, L5), and only then is its exit told.
-            await self._start_answered.wait()
-        return status
+            return await self._wait()
 
     async def _wait(self) -> ExitStatus:
         async with self._wait_lock:  # one waiter works it out; the others read it
             if self._status is None:
                 returncode = await self._process.wait()
+                if self._started and not self._start_answered.is_set():
+                    # A plugin that failed to load says so and ends: its answer is
+                    # start()'s to read first (a failed load, L5), before what T said as
+                    # it exited is read here, and only then is its exit told.
+                    await self._start_answered.wait()
                 # T is gone (and its namespace with it); the child is gone when its
                 # whole group is, and all that the kill froze.
                 await group_gone(self._pgid)
@@ -443,13 +463,16 @@ class ProcessUnit:
             if not chunk:
                 break
             self._buffer += chunk
-        reported = None
         while (taken := take_message(self._buffer)) is not None:
             message, self._buffer = taken
             if isinstance(message, dict) and message.get("event") == "exited":
-                self._descendants_killed += int(message.get("killed", 0))
-                reported = os.waitstatus_to_exitcode(int(message["status"]))
-        return reported
+                self._exited(message)
+        return self._reported
+
+    def _exited(self, message: Mapping[str, Any]) -> None:
+        """Take in T's report of how the plugin ended (read here, or by start())."""
+        self._descendants_killed += int(message.get("killed", 0))
+        self._reported = os.waitstatus_to_exitcode(int(message["status"]))
 
     async def aclose(self) -> None:
         if self._closed:
