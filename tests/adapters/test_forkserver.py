@@ -29,6 +29,7 @@ from trio_supervisor import (
     open_supervisor,
 )
 from trio_supervisor.executions._groups import read_stat
+from trio_supervisor.executions._standby import Interpreter
 
 from ..support.plugins import PLUGINS, report_in
 from ..support.sessions import opened
@@ -179,28 +180,40 @@ def test_preload_must_be_a_list_of_names(tmp_path: Path) -> None:
         SubprocessExecution(tmp_path, preload="json")
 
 
+# How many standbys the race test may take to catch a fork request under way.
+TRIES = 5
+
+
 async def test_an_execution_closed_while_its_standby_is_forked_leaves_nothing(
     tmp_path: Path,
 ) -> None:
     # A load takes the standby, and the next one is forked in the background; the
     # execution exits while the fork server is still answering that request.
+    taken: list[Interpreter] = []
     async with SubprocessExecution(
         tmp_path, entry_paths=[PLUGINS], fork_server=True, standby=True
     ) as execution:
         standby = execution._standby  # white-box: take the standby as a load would
-        await until(lambda: standby.ready is not None, "the standby is ready", bound=BOUND)
-        assert execution._nursery is not None
-        taken = standby.take(execution._nursery)
-        assert taken is not None
-        await taken.discard()
-        # The next standby is forked once the loop is idle (Standby.fill): the first idle
-        # moment starts its request, and the next finds it waiting for the answer.
-        await trio.testing.wait_all_tasks_blocked()
-        await trio.testing.wait_all_tasks_blocked()
         fork_server = execution._host.server
+        assert execution._nursery is not None
         assert fork_server is not None
-        assert fork_server._lock.locked(), "the next fork is not under way"
+        for _ in range(TRIES):
+            await until(lambda: standby.ready is not None, "the standby is ready", bound=BOUND)
+            interpreter = standby.take(execution._nursery)
+            assert interpreter is not None
+            taken.append(interpreter)
+            # The next standby is forked once the loop is idle (Standby.fill): the first
+            # idle moment starts its request, and the next finds it waiting for the
+            # answer, unless the server answered at once (the runner was preempted).
+            await trio.testing.wait_all_tasks_blocked()
+            await trio.testing.wait_all_tasks_blocked()
+            if fork_server._lock.locked():
+                break
+        else:
+            pytest.fail(f"the next fork was never seen under way in {TRIES} tries")
         server = execution.fork_server_pid
         assert server is not None
+    for interpreter in taken:  # as loads that failed would
+        await interpreter.discard()
     assert read_stat(server) is None, "the fork server outlived its execution"
     assert bootstraps() == set(), "a bootstrap outlived its execution"
