@@ -295,7 +295,14 @@ async def test_f7_a_killed_runner_is_taken_over_after_the_margin_with_its_childr
             # test_postgres_store.py) is evicted by generation 2's (one kept per key).
             took = "is dead past its takeover margin; took over 1 of its sessions: fleet/one#1"
             assert any(took in runner.stderr() for runner in (second_runner, third_runner))
-            superseded = await second.status(opened["r2"].handle)
+
+            # r3's open returned once generation 2's Stopped row was committed; r2 answers
+            # from its own record once its store has told it so (a moment later).
+            async def stopped_on_r2() -> StoppedRecord | None:
+                found = await second.status(opened["r2"].handle)
+                return found if isinstance(found, StoppedRecord) else None
+
+            superseded = await until(stopped_on_r2, "generation 2 Stopped on r2", bound=10)
             assert isinstance(superseded, StoppedRecord)
             assert isinstance(superseded.reason, Superseded)
             # After the takeover nothing points at the dead runner: its session was
