@@ -788,10 +788,10 @@ class SubprocessExecution:
 
     async def _let_go(self, cgroup: TreeCgroup | None, grant: Grant | None) -> None:
         """Remove what a gone child left once the loop is idle: after its termination is
-        reported, and between the steps of nobody's request. The removals run in worker
-        threads (they wait on the kernel, see TreeCgroup.remove_blocking). An execution
-        that exits waits for the cgroup's (a bounded wait); what a crash leaves, its next
-        start removes."""
+        reported, and never between the steps of a request someone waits for. What waits
+        on the kernel runs in a worker thread (see TreeCgroup.remove_blocking). An
+        execution that exits waits for the cgroup's removal (a bounded wait); what a
+        crash leaves, its next start removes."""
         try:
             with trio.CancelScope(shield=True):
                 await when_idle()
