@@ -35,7 +35,7 @@ from typing import Any, Final, NamedTuple
 from .groups import GROUPS as ALL_GROUPS
 from .measure import Result, Skipped, Table, grid
 
-GROUPS: Final = ("control", "memory", "durable", "fleet", "service")
+GROUPS: Final = ("control", "memory", "durable", "fleet", "service", "child")
 ROUNDS: Final = 11
 LEAST_BAND: Final = 0.05
 # A band is this many times the spread the recording saw: a sound run lands beyond the
