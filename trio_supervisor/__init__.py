@@ -32,12 +32,14 @@ from .errors import RunnerClosingError as RunnerClosingError
 from .errors import RunnerDrainingError as RunnerDrainingError
 from .errors import RunnerFullError as RunnerFullError
 from .errors import RunnerLostError as RunnerLostError
+from .errors import RunnerRestartingError as RunnerRestartingError
 from .errors import RunnerUnreachableError as RunnerUnreachableError
 from .errors import SessionConflictError as SessionConflictError
 from .errors import SessionLostError as SessionLostError
 from .errors import SessionStoppedError as SessionStoppedError
 from .errors import StaleSessionError as StaleSessionError
 from .errors import StateStorageError as StateStorageError
+from .errors import StoreUnavailableError as StoreUnavailableError
 from .errors import SupervisorError as SupervisorError
 from .errors import TerminationUnconfirmedError as TerminationUnconfirmedError
 from .errors import ThrottledError as ThrottledError
@@ -121,6 +123,7 @@ __all__ = [
     "RunnerDrainingError",
     "RunnerFullError",
     "RunnerLostError",
+    "RunnerRestartingError",
     "RunnerUnreachableError",
     "SessionConflictError",
     "SessionRecord",
@@ -129,6 +132,7 @@ __all__ = [
     "SqliteStore",
     "StaleSessionError",
     "StateStorageError",
+    "StoreUnavailableError",
     "StopReason",
     "StoppedRecord",
     "StoppingRecord",

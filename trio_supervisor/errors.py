@@ -35,12 +35,14 @@ __all__ = [
     "RunnerDrainingError",
     "RunnerFullError",
     "RunnerLostError",
+    "RunnerRestartingError",
     "RunnerUnreachableError",
     "SessionConflictError",
     "SessionLostError",
     "SessionStoppedError",
     "StaleSessionError",
     "StateStorageError",
+    "StoreUnavailableError",
     "SupervisorError",
     "TerminationUnconfirmedError",
     "ThrottledError",
@@ -106,6 +108,24 @@ class StateStorageError(SupervisorError):
     """The store failed to make a record durable, or returned records it cannot vouch for."""
 
     code = "StateStorageError"
+
+
+class StoreUnavailableError(StateStorageError):
+    """The store did not answer within its wait (``store_wait``: a broken or refused
+    connection, a server restarting, a standby that is read-only), and the call
+    certainly wrote nothing (503, ``Retry-After``). Unlike the other storage errors it
+    does not poison the supervisor (docs/design.md, B1): the same call may be made again
+    once the store answers.
+
+    Attributes:
+        retry_after: Seconds after which the call may be tried again.
+    """
+
+    code = "StoreUnavailable"
+
+    def __init__(self, detail: str, retry_after: float | None = 1.0) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
 
 
 class RecordFormatError(StateStorageError):
@@ -242,6 +262,22 @@ class RunnerDrainingError(_Refused):
     code = "RunnerDraining"
 
 
+class RunnerRestartingError(SupervisorError):
+    """The runner's supervisor was poisoned and the runner makes a new incarnation of it
+    by itself (503, ``Retry-After``; docs/design.md, B5): the session calls are refused
+    meanwhile, and answered again once it serves. The detail says why it restarts.
+
+    Attributes:
+        retry_after: Seconds after which the call may be tried again.
+    """
+
+    code = "RunnerRestarting"
+
+    def __init__(self, detail: str, retry_after: float | None = 1.0) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
+
+
 class MisdirectedError(SupervisorError):
     """A call on a session reached a runner of a fleet that does not hold it (421), and
     the runner it named did not hold it either, or could not be named.
@@ -335,6 +371,7 @@ BY_CODE: dict[str, type[SupervisorError]] = {
         SessionStoppedError,
         SessionConflictError,
         StateStorageError,  # before its subclass: a wire code names the documented class
+        StoreUnavailableError,
         ExecutionError,
         PackageError,
         TerminationUnconfirmedError,
@@ -347,6 +384,7 @@ BY_CODE: dict[str, type[SupervisorError]] = {
         RunnerDrainingError,
         MisdirectedError,
         RunnerLostError,
+        RunnerRestartingError,
         RunnerUnreachableError,
         SessionLostError,
     )
