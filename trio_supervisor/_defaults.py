@@ -9,12 +9,22 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["CONFIRMATION", "GRACE", "LEASE", "RUNNER_LEASE", "takeover_margin"]
+__all__ = [
+    "CONFIRMATION",
+    "GRACE",
+    "LEASE",
+    "RESTART_LIMIT",
+    "RUNNER_LEASE",
+    "STORE_WAIT",
+    "takeover_margin",
+]
 
 LEASE: Final = 15.0  # seconds a session lives unrenewed
 GRACE: Final = 5.0  # seconds a child has between its interrupt and its kill
 CONFIRMATION: Final = 5.0  # seconds to see a killed child's exit
 RUNNER_LEASE: Final = 10.0  # seconds a fleet's runner row stays valid unrenewed
+STORE_WAIT: Final = 5.0  # seconds a store call reconnects and tries again before giving up
+RESTART_LIMIT: Final = (5, 600.0)  # a runner heals itself this often in this many seconds
 
 
 def takeover_margin(lease: float, stop_bound: float) -> float:

@@ -16,13 +16,27 @@ renewals within its lease, other calls within ``retry_for``. What is not mended 
 is one :class:`RunnerUnreachableError` naming the URL, never an httpx exception. In a
 fleet, a 421 is followed once and the session's holder remembered; a lost holder
 (``HolderLost``) is waited out within ``retry_for``, then raised as
-:class:`RunnerLostError` (docs/service.md section C). The client imports only the
-package's values, errors and codec (and its background-nursery helper), never the
-service. Its errors (:class:`SessionLostError`, :class:`RunnerAccessError`,
-:class:`ForbiddenError`, :class:`OperatorsOnlyError`) and the admission's refusals
-(:class:`QuotaExceededError`, :class:`ThrottledError`, :class:`RunnerFullError`, each with
-the ``retry_after`` the runner gave) live in :mod:`trio_supervisor.errors` with the
-others, and are re-exported here. The wire it speaks is docs/service.md, section A.
+:class:`RunnerLostError` (docs/service.md section C).
+
+A runner whose store did not answer (``StoreUnavailable``: the call wrote nothing) and
+a runner making a new incarnation of itself (``RunnerRestarting``: the call was refused
+before it began) are waited out too, for any call, a load too (nothing of it was made,
+and a load is idempotent by specifier, L2): the call is asked again as the answer's
+``Retry-After`` says, at most every two seconds and never past its window (for a
+session's own renewals, what is left of its lease). What is not mended in time is the runner's
+last answer, :class:`StoreUnavailableError` or :class:`RunnerRestartingError`, whose
+detail names the runner's URL, how long the client waited and the runner's cause
+(docs/service.md section E). A runner that stops taking connections meanwhile (its
+process restarted by its service manager) is still one :class:`RunnerUnreachableError`,
+with a note of what it answered before.
+
+The client imports only the package's values, errors and codec (and its
+background-nursery helper), never the service. Its errors (:class:`SessionLostError`,
+:class:`RunnerAccessError`, :class:`ForbiddenError`, :class:`OperatorsOnlyError`) and the
+admission's refusals (:class:`QuotaExceededError`, :class:`ThrottledError`,
+:class:`RunnerFullError`, each with the ``retry_after`` the runner gave) live in
+:mod:`trio_supervisor.errors` with the others, and are re-exported here. The wire it
+speaks is docs/service.md, section A.
 
 Example::
 
@@ -66,10 +80,12 @@ from .errors import (
     RunnerDrainingError,
     RunnerFullError,
     RunnerLostError,
+    RunnerRestartingError,
     RunnerUnreachableError,
     SessionLostError,
     SessionStoppedError,
     StaleSessionError,
+    StoreUnavailableError,
     SupervisorError,
     ThrottledError,
 )
@@ -94,8 +110,10 @@ __all__ = [
     "RunnerDrainingError",
     "RunnerFullError",
     "RunnerLostError",
+    "RunnerRestartingError",
     "RunnerUnreachableError",
     "SessionLostError",
+    "StoreUnavailableError",
     "ThrottledError",
     "connect",
 ]
@@ -104,6 +122,9 @@ _T = TypeVar("_T")
 
 # A renew that fails with one of these failed for good: the session is gone.
 _LOST: Final = (LeaseExpiredError, SessionStoppedError, StaleSessionError)
+# A runner answering one of these did nothing of the call, and will answer it later: any
+# call is asked again within its window (docs/service.md section E).
+_UNAVAILABLE: Final = (StoreUnavailableError, RunnerRestartingError)
 FIRST_BACKOFF: Final = 0.05  # seconds before the first retry; doubled each time
 MAX_BACKOFF: Final = 2.0
 RETRY_FOR: Final = 15.0  # seconds a repeatable call made directly is retried
@@ -144,7 +165,14 @@ def _error_of(response: httpx.Response) -> Exception:
             used=_number(problem.get("used")),
             hard=_number(problem.get("hard")),
         )
-    elif issubclass(kind, ThrottledError | RunnerFullError | RunnerDrainingError):
+    elif issubclass(
+        kind,
+        ThrottledError
+        | RunnerFullError
+        | RunnerDrainingError
+        | StoreUnavailableError
+        | RunnerRestartingError,
+    ):
         error = kind(detail, _retry_after(response))
     else:
         error = kind(detail)
@@ -181,6 +209,44 @@ def _unreachable(url: str, error: httpx.TransportError, elapsed: float) -> Runne
     else:
         what = "stopped answering the call"
     return RunnerUnreachableError(f"the runner at {url} {what}: {why}", url=url)
+
+
+def _still_unavailable(
+    error: StoreUnavailableError | RunnerRestartingError, url: str, waited: float, window: float
+) -> StoreUnavailableError | RunnerRestartingError:
+    """The error raised for a runner at ``url`` that answered ``error`` until the call's
+    ``window`` ended, ``waited`` s after it began: of the same class, its detail naming
+    the runner, the wait and the runner's cause."""
+    what = (
+        "could not reach its store" if isinstance(error, StoreUnavailableError) else "is restarting"
+    )
+    if waited >= 0.1:
+        how_long = f"waited {waited:.1f} s of the call's {window:g} s window"
+    else:
+        how_long = f"not waited: the call's window is {window:g} s"
+    again = type(error)(
+        f"the runner at {url} {what} ({how_long}; the call changed nothing): {error.detail}"
+    )
+    again.retry_after = error.retry_after
+    for note in getattr(error, "__notes__", ()):
+        again.add_note(note)
+    return again
+
+
+def _note_before(
+    error: RunnerUnreachableError,
+    unavailable: tuple[StoreUnavailableError | RunnerRestartingError, str] | None,
+) -> None:
+    """Note on ``error`` what a runner answered the call before it stopped answering."""
+    if unavailable is not None:
+        answer, url = unavailable
+        error.add_note(f"before, the runner at {url} answered {answer.code}: {answer.detail}")
+
+
+def _runner_of(response: httpx.Response, path: str) -> str:
+    """The URL of the runner that gave ``response`` to the call of ``path``."""
+    url = str(response.request.url.copy_with(query=None))
+    return url.removesuffix(path).rstrip("/")
 
 
 def _misdirection(response: httpx.Response) -> tuple[str, str]:
@@ -248,6 +314,11 @@ class RemoteSupervisor:
     It satisfies :class:`trio_supervisor.abc.SupervisorAPI`: ``open``, ``renew``,
     ``load``, ``dispose``, ``status`` and ``high_water`` take and return what the
     embedded supervisor's do, and raise the same error classes.
+
+    Each call waits out, within ``retry_for``, what the runner answers for a call it did
+    not make: ``HolderLost`` (raised as :class:`RunnerLostError`), ``StoreUnavailable``
+    and ``RunnerRestarting`` (raised as :class:`StoreUnavailableError` and
+    :class:`RunnerRestartingError`, naming the runner's URL, the wait and the cause).
     """
 
     def __init__(
@@ -289,8 +360,9 @@ class RemoteSupervisor:
 
         Args:
             retry_for: Seconds within which a failed call that is safe to repeat is
-                retried; None: only what nothing reached (a refused connection, a lost
-                holder) is tried again, within the client's windows.
+                retried; None: only what the runner did not make (a refused connection,
+                a lost holder, a store that did not answer, a runner restarting) is
+                tried again, within the client's windows.
             token: The token of the session the call names, if it names one.
         """
         method, path = ROUTES[name]
@@ -312,26 +384,41 @@ class RemoteSupervisor:
         it: the call goes there, once, and the client remembers where the session lives,
         so its next calls go there at once (behind a balancer, one round trip). When the
         holder does not take the connection, the call goes back to where it came from:
-        the fleet answers ``HolderLost`` once the holder's row has expired, and that is
-        waited out (its ``Retry-After``, re-asking at most every two seconds) within the
-        call's window (``retry_for``, else the client's).
+        the fleet answers ``HolderLost`` once the holder's row has expired.
+
+        What the runner answers for a call it did not make is waited out within the
+        call's window (``retry_for``, else the client's), whatever the call: a lost holder
+        (``HolderLost``), a store that did not answer (``StoreUnavailable``: nothing was
+        written) and a runner making a new incarnation of itself (``RunnerRestarting``).
+        The call is asked again after the answer's ``Retry-After`` (one second without
+        one), at most every two seconds, and never past the window: a wait that would end
+        past it raises the last answer at once.
 
         Raises:
             RunnerLostError: The holder stayed lost for the whole window; says when the
                 takeover is due.
-            RunnerUnreachableError: This runner, or the holder it named, did not answer.
+            StoreUnavailableError: The runner's store did not answer for the whole
+                window; the detail names the runner's URL, the wait and its cause.
+            RunnerRestartingError: The runner was restarting for the whole window; the
+                detail names its URL, the wait and why it restarts.
+            RunnerUnreachableError: This runner, or the holder it named, did not answer
+                (also after it answered one of the above: a note says so).
             MisdirectedError: A 421 that cannot be followed (see :meth:`_follow`).
             SupervisorError: Any other problem the runner answered, as its class.
         """
         window = self._retry_for if retry_for is None else retry_for
-        deadline = trio.current_time() + window
+        started = trio.current_time()
+        deadline = started + window
         backoff = FIRST_BACKOFF
+        # The runner's last answer that it did not make the call, and who answered it.
+        unavailable: tuple[StoreUnavailableError | RunnerRestartingError, str] | None = None
         while True:
             holder = self._holders.get(token, "") if token else ""
             try:
                 response = await self._send(method, holder, path, retry_for, **request)
-            except RunnerUnreachableError:
+            except RunnerUnreachableError as unreachable:
                 if not holder:
+                    _note_before(unreachable, unavailable)
                     raise
                 self._holders.pop(token or "", None)
                 continue  # the holder known is gone: ask where the call came from
@@ -345,10 +432,11 @@ class RemoteSupervisor:
                         lambda location: self._send(method, location, path, retry_for, **request),
                         token,
                     )
-                except RunnerUnreachableError:
+                except RunnerUnreachableError as unreachable:
                     # Named, and not answering: until the fleet tells it lost (its row
                     # expires), ask again where the call came from.
                     if trio.current_time() + backoff >= deadline:
+                        _note_before(unreachable, unavailable)
                         raise
                     await trio.sleep(backoff)
                     backoff = min(backoff * 2, MAX_BACKOFF)
@@ -356,14 +444,24 @@ class RemoteSupervisor:
             if response.status_code == 200:
                 return response
             error = _error_of(response)
+            if not isinstance(
+                error, RunnerLostError | StoreUnavailableError | RunnerRestartingError
+            ):
+                raise error
             if isinstance(error, RunnerLostError):
                 if token:
                     self._holders.pop(token, None)
-                wait = min(error.retry_after or 1.0, MAX_BACKOFF)
-                if trio.current_time() + wait < deadline:
-                    await trio.sleep(wait)
-                    continue
-            raise error
+            else:
+                unavailable = error, _runner_of(response, path)
+            wait = min(error.retry_after or 1.0, MAX_BACKOFF)
+            if trio.current_time() + wait < deadline:
+                await trio.sleep(wait)
+                continue
+            if isinstance(error, RunnerLostError):
+                raise error
+            raise _still_unavailable(
+                error, _runner_of(response, path), trio.current_time() - started, window
+            )
 
     async def _send(
         self, method: str, where: str, path: str, retry_for: float | None, **request: Any
@@ -467,8 +565,9 @@ class RemoteSupervisor:
     ) -> SessionRecord:
         """Open the next generation of ``key`` (O1-O11); see ``Supervisor.open``.
 
-        Retried on a failed connection: the request id makes a repeated open return the
-        record of the first (O3).
+        Retried on a failed connection, and while the runner answers ``StoreUnavailable``
+        or ``RunnerRestarting`` (within the lease when one is given): the request id
+        makes a repeated open return the record of the first (O3).
         """
         _check(key, Key, "key")
         if limits is not None:
@@ -489,7 +588,8 @@ class RemoteSupervisor:
     async def renew(self, handle: Handle) -> float:
         """Renew the session's lease (R1-R6); see ``Supervisor.renew``.
 
-        Retried on a failed connection (renewing twice is renewing once, later).
+        Retried on a failed connection (renewing twice is renewing once, later), and
+        while the runner answers ``StoreUnavailable`` or ``RunnerRestarting``.
         """
         return await self._renew(handle, self._retry_for)
 
@@ -498,7 +598,12 @@ class RemoteSupervisor:
         return float(answer["lease"])
 
     async def load(self, handle: Handle, load: Load) -> CodeIdentity:
-        """Load code into the session's child (L1-L6); see ``Supervisor.load``."""
+        """Load code into the session's child (L1-L6); see ``Supervisor.load``.
+
+        Asked again while the runner answers ``StoreUnavailable`` or ``RunnerRestarting``
+        (it made nothing of the load, and a load is idempotent by specifier, L2), but
+        never once it was sent and its answer lost: the child may be loading it.
+        """
         _check(load, Load, "load")
         body = {**_handle(handle), "load": converter.unstructure(load)}
         answer = await self._call("load", body, token=handle.token)
@@ -508,8 +613,9 @@ class RemoteSupervisor:
     async def dispose(self, handle: Handle) -> Termination:
         """Stop the session (D1-D5); see ``Supervisor.dispose``.
 
-        Retried on a failed connection: disposing a stopped session returns its
-        termination again (D4).
+        Retried on a failed connection, and while the runner answers
+        ``StoreUnavailable`` or ``RunnerRestarting``: disposing a stopped session returns
+        its termination again (D4).
         """
         return await self._dispose(handle, self._retry_for)
 
@@ -524,7 +630,8 @@ class RemoteSupervisor:
     async def status(self, handle: Handle) -> SessionRecord:
         """The session's last durable record (S1); see ``Supervisor.status``.
 
-        Retried on a failed connection.
+        Retried on a failed connection, and while the runner answers ``StoreUnavailable``
+        or ``RunnerRestarting``.
         """
         answer = await self._call(
             "status", _handle(handle), retry_for=self._retry_for, token=handle.token
@@ -533,7 +640,11 @@ class RemoteSupervisor:
         return record
 
     async def high_water(self, key: Key) -> int | None:
-        """The highest generation ever opened for ``key`` (S2)."""
+        """The highest generation ever opened for ``key`` (S2).
+
+        Retried on a failed connection, and while the runner answers ``StoreUnavailable``
+        or ``RunnerRestarting``.
+        """
         _check(key, Key, "key")
         answer = await self._call(
             "high_water",
@@ -647,10 +758,13 @@ class RemoteSupervisor:
     ) -> AsyncIterator[RemoteSession]:
         """Open a session, keep its lease alive, and dispose it when the block ends.
 
-        The lease is renewed every third of its length in a background task. If a renew
-        fails for good, the block is cancelled and :class:`SessionLostError` is raised
-        with the cause. Leaving the block disposes the session, also when the block
-        raised or was cancelled; the dispose is shielded and bounded by the lease.
+        The lease is renewed every third of its length in a background task; a renew that
+        meets a failed connection, ``StoreUnavailable`` or ``RunnerRestarting`` is asked
+        again within what is left of the lease (``RemoteSession.last_error`` keeps what
+        was not mended). If a renew fails for good, the block is cancelled and
+        :class:`SessionLostError` is raised with the cause. Leaving the block disposes the
+        session, also when the block raised or was cancelled; the dispose is shielded and
+        bounded by the lease.
 
         Raises:
             SessionLostError: The session's lease was lost while the block ran.
@@ -689,19 +803,26 @@ class RemoteSupervisor:
     ) -> None:
         lease = session.record.lease
         every = lease / 3
+        renewed = trio.current_time()  # the lease runs from about then
         while True:
             await trio.sleep(every)
             try:
-                # Retried within what is left of the lease after this period.
-                await self._renew(session.handle, max(lease - every, 0.0))
+                # Retried, and a runner that did not make it (StoreUnavailable,
+                # RunnerRestarting) asked again, within what is left of the lease.
+                lease = await self._renew(
+                    session.handle, max(renewed + lease - trio.current_time(), 0.0)
+                )
             except _LOST as error:
                 lost.append(error)
                 body.cancel()
                 return
             except (SupervisorError, httpx.HTTPError) as error:
-                # Not lost yet (a runner closing, a network that failed for a while):
-                # the next period tries again, while the lease lasts.
+                # Not lost yet (a runner closing or restarting, a store or a network that
+                # failed for a while): the next period tries again; the runner says when
+                # the lease is over.
                 session.last_error = error
+            else:
+                renewed = trio.current_time()
 
 
 class RemoteSession:
@@ -761,8 +882,11 @@ async def connect(
     """Connect to a runner.
 
     Nothing is sent until the first call. A runner that does not take the connection
-    (down, restarting, or not at ``url``) is tried again for ``connect_for`` seconds,
-    then the call raises :class:`RunnerUnreachableError` naming the URL.
+    (down, its process restarting, or not at ``url``) is tried again for ``connect_for``
+    seconds, then the call raises :class:`RunnerUnreachableError` naming the URL. A
+    runner that answers it is restarting (``RunnerRestarting``: its listener stays up
+    while it makes a new incarnation of itself) or that its store did not answer
+    (``StoreUnavailable``) is waited out within ``retry_for``.
 
     Args:
         url: The runner's URL, as its ``listening on`` line says.
@@ -773,9 +897,14 @@ async def connect(
         retry_for: Seconds within which a call that is safe to repeat (open by request
             id, renew, dispose, status, high-water) is retried when its connection
             fails mid-call; 0: never. An open with a lease is retried within that
-            lease. It is also how long a call waits out a fleet's ``HolderLost`` (its
-            session's runner is lost, and the takeover is due) before raising
-            :class:`RunnerLostError`.
+            lease. It is also how long any call (a load too) waits out what a runner
+            answers for a call it did not make, asking again as its ``Retry-After``
+            says (at most every 2 s): a fleet's ``HolderLost`` (its session's runner is
+            lost, and the takeover is due), raised then as :class:`RunnerLostError`; a
+            store that did not answer (``StoreUnavailable``) and a runner making a new
+            incarnation of itself (``RunnerRestarting``), raised then as
+            :class:`StoreUnavailableError` and :class:`RunnerRestartingError`, whose
+            detail names the runner's URL, how long the client waited, and the cause.
         connect_for: Seconds within which a refused connection is tried again, for any
             call (nothing reached the runner); 0: never. The default is 5 s.
     """

@@ -80,6 +80,9 @@ class TcpProxy:
         self._refusing = False
         self._closed = False
         self._cut_pending = False
+        self._cuts_done = threading.Condition()
+        self._cuts = 0  # cuts asked for, and done by the thread
+        self._cuts_made = 0
         self._lock = threading.Lock()
         # A socket pair wakes the thread when a method changed what it must do.
         self._wake_read, self._wake_write = socket.socketpair()
@@ -116,8 +119,14 @@ class TcpProxy:
         self._change(paused=False)
 
     def cut(self) -> None:
-        """Reset every connection, and refuse new ones until :meth:`restore`."""
+        """Reset every connection, and refuse new ones until :meth:`restore`; returns
+        once the connections were reset."""
+        with self._cuts_done:
+            self._cuts += 1
+            wanted = self._cuts
         self._change(refusing=True, cut=True)
+        with self._cuts_done:
+            self._cuts_done.wait_for(lambda: self._cuts_made >= wanted, timeout=5)
 
     def restore(self) -> None:
         """Accept and forward connections again, both ways."""
@@ -171,8 +180,13 @@ class TcpProxy:
                     self._cut_pending = False
                     paused, answers_held = self._paused, self._answers_held
                 if cut:
+                    with self._cuts_done:
+                        asked = self._cuts
                     for pipe in {id(pipe): pipe for pipe in self._pipes.values()}.values():
                         self._drop(pipe)
+                    with self._cuts_done:
+                        self._cuts_made = asked
+                        self._cuts_done.notify_all()
                 if closed:
                     return
                 self._arm(paused, answers_held)

@@ -20,6 +20,7 @@ import contextlib
 import enum
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Final, Self
@@ -46,16 +47,37 @@ class Job:
         kind: What to do ("open", "save", "list", ..., "close"); each store has its own.
         rows: The records a save writes, each with its encoded body.
         args: What else the job needs, as the kind says.
+        wait: Seconds from its making within which a store that does not answer is
+            tried again (None: the store's own ``store_wait``).
+        born: When it was made (``time.monotonic()``): its wait counts from then.
     """
 
-    __slots__ = ("args", "error", "kind", "result", "rows", "state", "task", "token")
+    __slots__ = (
+        "args",
+        "born",
+        "error",
+        "kind",
+        "result",
+        "rows",
+        "state",
+        "task",
+        "token",
+        "wait",
+    )
 
     def __init__(
-        self, kind: str, rows: list[tuple[SessionRecord, str]] | None = None, args: Any = None
+        self,
+        kind: str,
+        rows: list[tuple[SessionRecord, str]] | None = None,
+        args: Any = None,
+        *,
+        wait: float | None = None,
     ) -> None:
         self.kind = kind
         self.rows = rows or []
         self.args = args
+        self.wait = wait
+        self.born = time.monotonic()
         self.state = State.QUEUED
         self.task = trio.lowlevel.current_task()
         self.token = trio.lowlevel.current_trio_token()

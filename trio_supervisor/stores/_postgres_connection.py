@@ -41,16 +41,26 @@ KEEPALIVE_COUNT: Final = 3
 
 
 def describe(dsn: str) -> tuple[str, str | None]:
-    """The DSN as errors name it (never with its password), and the password if any."""
+    """The DSN as errors name it (never with its password), and the password if any.
+
+    A multi-host DSN (libpq's ``host=a,b port=1,2``, or ``postgresql://a:1,b:2/db``)
+    is shown with each of its hosts.
+    """
     try:
         params = conninfo_to_dict(dsn)
     except psycopg.Error:
         return "PostgreSQL (a DSN that does not parse)", None
     password = params.get("password")
     user = params.get("user")
-    host = params.get("host") or params.get("hostaddr") or "localhost"
-    port = params.get("port")
-    shown = f"postgresql://{f'{user}@' if user else ''}{host}{f':{port}' if port else ''}"
+    hosts = str(params.get("host") or params.get("hostaddr") or "localhost").split(",")
+    ports = str(params.get("port") or "").split(",")
+    if len(ports) == 1:
+        ports = ports * len(hosts)  # one port for every host, as libpq reads it
+    where = ",".join(
+        f"{host}{f':{port}' if port else ''}"
+        for host, port in zip(hosts, ports + [""] * len(hosts), strict=False)
+    )
+    shown = f"postgresql://{f'{user}@' if user else ''}{where}"
     return f"{shown}/{params.get('dbname') or ''}", str(password) if password else None
 
 
@@ -68,8 +78,10 @@ class Settings:
         retention: Retention,
         connect_timeout: float,
         statement_timeout: float,
+        store_wait: float,
     ) -> None:
         self.dsn = dsn
+        self.store_wait = store_wait
         self.shown, self.password = describe(dsn)
         self.schema = schema
         self.runner_id = runner_id
@@ -200,10 +212,14 @@ class Listener:
         )
 
     def run(self) -> None:
+        quiet = False
         while not self.stopping.is_set():
             try:
                 with self.settings.connect(autocommit=True) as connection:
                     connection.execute(listen(self.settings.schema))
+                    if quiet:
+                        logger.info("%s: listening again", self.settings.shown)
+                    quiet = False
                     self._listening()
                     while not self.stopping.is_set():
                         for note in connection.notifies(timeout=self.POLL):
@@ -212,5 +228,9 @@ class Listener:
                 if self.stopping.is_set():
                     return
                 # Only a wake-up: the periodic checks cover what is missed meanwhile.
-                logger.warning("%s; listening again", self.settings.explain("listen", error))
+                # Said once per outage, not at every attempt.
+                if not quiet:
+                    logger.warning("%s; listening again", self.settings.explain("listen", error))
+                quiet = True
                 self.stopping.wait(self.RETRY)
+                continue

@@ -550,6 +550,36 @@ EXPIRE: Final = (
     "WHERE runner_id = %s AND epoch = %s"
 )
 
+# -- the server: who it is, and whether it takes writes (docs/design.md, B4-B7) ---------
+
+# Whether it is a standby, and the current WAL file's name (its first 8 digits are the
+# timeline: a promoted standby starts a new one).
+SERVER: Final = (
+    "SELECT pg_is_in_recovery(), "
+    "CASE WHEN pg_is_in_recovery() THEN NULL ELSE pg_walfile_name(pg_current_wal_lsn()) END"
+)
+# The cluster's identity (a standby made by pg_basebackup shares its primary's).
+SERVER_IDENTITY: Final = "SELECT system_identifier FROM pg_control_system()"
+# A mark in this session, and the look for it from another: a pooler that hands one
+# server session to several clients shows it.
+POOL_MARK: Final = "SELECT set_config('trio_supervisor.pool_mark', %s, false)"
+POOL_SEEN: Final = "SELECT current_setting('trio_supervisor.pool_mark', true)"
+# After a failover: the generations the tokens still hold, the keys whose mark is below
+# what this runner handed out, and those marks raised back.
+LIVE_GENERATIONS: Final = "SELECT token, generation FROM records WHERE token = ANY(%s)"
+LOW_MARKS: Final = (
+    "SELECT k.identity, k.instance FROM unnest(%s::text[], %s::text[], %s::bigint[]) "
+    "AS k (identity, instance, generation) LEFT JOIN high_water h "
+    "ON h.identity = k.identity AND h.instance = k.instance "
+    "WHERE coalesce(h.generation, 0) < k.generation"
+)
+RAISE_MARKS: Final = (
+    "INSERT INTO high_water AS h (identity, instance, generation) "
+    "SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[]) "
+    "ON CONFLICT (identity, instance) DO UPDATE "
+    "SET generation = greatest(h.generation, excluded.generation)"
+)
+
 # -- saving: SAVE_BATCH, and the look at a batch whose answer was lost ------------------
 
 # The epoch and body each of the tokens holds.

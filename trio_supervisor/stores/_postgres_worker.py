@@ -24,13 +24,20 @@ import contextlib
 import functools
 import logging
 import queue
+import select
 import time
-from collections.abc import Callable, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from .._extras import needs_extra
 from ..codec import encode
-from ..errors import QuotaExceededError, StaleSessionError, StateStorageError
+from ..errors import (
+    QuotaExceededError,
+    StaleSessionError,
+    StateStorageError,
+    StoreUnavailableError,
+)
 from ..model import (
     ExitStatus,
     FleetRecord,
@@ -61,7 +68,9 @@ from ._postgres_sql import (
     HIGH_WATER,
     LANDED,
     LIST,
+    LIVE_GENERATIONS,
     LOOKUP,
+    LOW_MARKS,
     MARKS,
     MIGRATION_LOCK,
     MIGRATIONS,
@@ -70,12 +79,17 @@ from ._postgres_sql import (
     OTHERS_ALIVE,
     OWN_ROW,
     OWNER,
+    POOL_MARK,
+    POOL_SEEN,
+    RAISE_MARKS,
     REGISTER,
     RENEW,
     RUNNERS,
     SAVE_BATCH,
     SCHEMA_VERSION,
     SCHEMA_VERSIONS,
+    SERVER,
+    SERVER_IDENTITY,
     TAKE_MIGRATION_LOCK,
     WRITE_SCHEMA_VERSION,
     Kind,
@@ -93,8 +107,50 @@ logger = logging.getLogger("trio_supervisor.stores.postgres")
 
 # What a dead runner's sessions are stopped with when another runner takes them over.
 RUNNER_LOST: Final = Termination(kind="exited", exit=ExitStatus(runner_lost=True))
-# Seconds before each look for a save whose answer the broken connection lost.
-LOOK_PAUSES: Final = (0.0, 0.25, 1.0)
+# Seconds between two tries of a store that does not answer: the first pause, doubled
+# up to the last. A server back from a restart is seen within the last.
+FIRST_PAUSE: Final = 0.05
+LAST_PAUSE: Final = 0.25
+# SQLSTATEs that say the server cannot serve now, not that the call is wrong: every
+# connection exception (class 08), a server shutting down, crashed or starting up
+# (57P01-57P03), and a server that is read-only (25006: a standby, or a primary that
+# was demoted), where the next connection may reach the new primary.
+UNAVAILABLE_STATES: Final = ("57P01", "57P02", "57P03", "25006")
+# How many keys' last generations a worker remembers, to raise them again should the
+# database lose writes (a failover to a standby that missed the last commits).
+REMEMBERED_MARKS: Final = 1 << 16
+
+
+def unavailable(error: BaseException, connection: psycopg.Connection[Any] | None) -> bool:
+    """Whether ``error`` says the store is out of reach for now (docs/design.md, B1),
+    rather than that the call failed: then it is tried again on a new connection."""
+    if not isinstance(error, psycopg.Error):
+        return False
+    state = error.sqlstate
+    if state is not None and (state.startswith("08") or state in UNAVAILABLE_STATES):
+        return True
+    if isinstance(error, psycopg.OperationalError) and state is None:
+        return True  # no connection, or one that broke: libpq's, with no SQLSTATE
+    return connection is not None and (connection.broken or connection.closed)
+
+
+def _hung_up(connection: psycopg.Connection[Any]) -> bool:
+    """Whether an idle connection has something to read: its server's last words (a
+    FATAL message as it shuts down or ends the session) or its end. Nothing else comes
+    on an idle connection that does not LISTEN."""
+    if connection.broken or connection.closed:
+        return True
+    try:
+        readable, _, _ = select.select([connection.pgconn.socket], [], [], 0)
+    except (OSError, ValueError, psycopg.Error):
+        return True
+    return bool(readable)
+
+
+class _Standby(psycopg.OperationalError):
+    """The connection reached a server in recovery: it takes no writes (B4)."""
+
+    sqlstate = "25006"
 
 
 class Worker:
@@ -111,16 +167,31 @@ class Worker:
         # Written by this thread only, read by anyone.
         self.commits = 0
         self.epoch = 0
+        self.lost_writes = 0  # records and marks found lost by a failover (B6)
         self._connection: psycopg.Connection[Any] | None = None
         self._open_error: StateStorageError | None = None
         self._watchdog = Watchdog(
             2 * settings.statement_timeout + settings.connect_timeout, lambda: self._connection
         )
+        # Whether the statement that may commit was sent (a failure after it leaves the
+        # outcome unknown until a look tells), and since when the store is unreachable.
+        self._sent = False
+        self._down: StoreUnavailableError | None = None
+        # The server's identity (system identifier, timeline) as last seen; a change
+        # means a failover, whose new primary may lack the last commits (B6).
+        self._server: tuple[object, object] | None = None
+        self._check_lost = False
+        # What this incarnation wrote that a lost write would take back: its live
+        # records' last rows by token, and the highest generation it wrote per key.
+        self._live: dict[str, tuple[SessionRecord, str]] = {}
+        self._handed: dict[Key, int] = {}
 
     def run(self) -> None:
         jobs = self._jobs
         self._watchdog.start()
-        self._open_error = self._attempt("open the store", self._open)
+        self._open_error = self._retrying(
+            "open the store", self._open, time.monotonic() + self.settings.store_wait
+        )
         closing: Job | None = None
         while closing is None:
             taken, closing = next_batch(jobs)  # group commit
@@ -146,39 +217,123 @@ class Worker:
         # Writes first, so a read queued after a save sees it.
         saves = [job for job in jobs if job.kind == "save"]
         if saves:
-            failure = self._attempt("save", functools.partial(self._save, saves))
-            landed: set[int] = set()
-            if failure is not None and self._connection is None:
-                # The connection broke during the save: the batch may have committed
-                # before its answer was lost. Look, on a new connection, rather than
-                # report a failure for what landed (a runner then poisons itself, and
-                # an Open that landed would be left without its session).
-                # A blip of the network may outlast the break by a moment: the look is
-                # tried again, briefly, before the save is reported failed.
-                for pause in LOOK_PAUSES:
-                    time.sleep(pause)
-                    look = functools.partial(self._landed, saves, landed)
-                    if self._attempt("look for a save whose answer was lost", look) is None:
-                        break
-            for index, job in enumerate(saves):
-                if index in landed:
-                    logger.warning(
-                        "%s: the connection broke as a save committed; it had landed",
-                        self.settings.shown,
-                    )
-                    job.error = None
-                else:
-                    job.error = job.error or failure
+            self._save_batch(saves)
         for job in jobs:
             if job.kind == "open":
                 continue  # the thread opened the store as it started: nothing left to do
             if job.kind != "save":
                 action = _ACTIONS.get(job.kind, job.kind)
-                job.error = self._attempt(action, functools.partial(self._do, job))
+                job.error = self._retrying(
+                    action, functools.partial(self._do, job), self._deadline(job)
+                )
         deliver(jobs)
 
+    def _deadline(self, job: Job) -> float:
+        """Until when ``job`` may try again a store that does not answer (B1)."""
+        return job.born + (self.settings.store_wait if job.wait is None else job.wait)
+
+    def _save_batch(self, saves: list[Job]) -> None:
+        """Write the saves of a batch in one transaction, trying again within their wait
+        while the store does not answer (B1).
+
+        A save given up on certainly wrote nothing: where the connection broke after the
+        batch was sent, the batch may have committed before its answer was lost, so the
+        rows are looked at on a new connection (for as long as the runner's row could
+        last, should the store stay away) before anything is tried again or reported.
+        Jobs that landed are done; the others are written again (an Open that lost its
+        compare-and-set, or a claim refused, is refused again, and says why).
+        """
+        deadline = max(self._deadline(job) for job in saves)
+        pending = saves
+        pause = FIRST_PAUSE
+        while pending:
+            for job in pending:
+                job.error = None
+            failure = self._attempt("save", functools.partial(self._save, pending))
+            if failure is None:
+                return
+            if isinstance(failure, StoreUnavailableError) and self._sent:
+                landed = self._look(pending)
+                if landed is None:
+                    failure = StateStorageError(
+                        f"{self.settings.shown}: cannot tell whether a save landed: the "
+                        "connection broke as it was sent, and the store did not answer "
+                        f"for {self._look_bound():g} s after"
+                    )
+                    failure.__cause__ = self._down
+                else:
+                    if landed:
+                        logger.warning(
+                            "%s: the connection broke as a save committed; it had landed",
+                            self.settings.shown,
+                        )
+                    pending = [job for index, job in enumerate(pending) if index not in landed]
+                    if not pending:
+                        return
+            if not isinstance(failure, StoreUnavailableError) or time.monotonic() >= deadline:
+                for job in pending:
+                    job.error = job.error or self._given_up(failure, "save")
+                return
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2 * pause, LAST_PAUSE)
+
+    def _look_bound(self) -> float:
+        """How long a save whose outcome is unknown is looked for: past the runner's
+        own lease, it would have been fenced anyway."""
+        return max(self.settings.store_wait, self.settings.runner_lease)
+
+    def _look(self, jobs: list[Job]) -> set[int] | None:
+        """The indexes of ``jobs`` that landed (empty: the batch did not commit), or
+        None when the store did not answer within :meth:`_look_bound`."""
+        until = time.monotonic() + self._look_bound()
+        pause = FIRST_PAUSE
+        while True:
+            landed: set[int] = set()
+            look = functools.partial(self._landed, jobs, landed)
+            if self._attempt("look for a save whose answer was lost", look) is None:
+                return landed
+            if time.monotonic() >= until:
+                return None
+            time.sleep(pause)
+            pause = min(2 * pause, LAST_PAUSE)
+
+    def _retrying(
+        self, action: str, work: Callable[[], None], deadline: float
+    ) -> StateStorageError | None:
+        """:meth:`_attempt`, again and again while the store does not answer, until
+        ``deadline`` (B1); what the caller is to get."""
+        pause = FIRST_PAUSE
+        while True:
+            if self._down is not None and time.monotonic() >= deadline:
+                # Out of reach a moment ago, and this job's wait is over: it is not
+                # kept waiting for one more connection attempt.
+                return self._given_up(self._down, action)
+            failure = self._attempt(action, work)
+            if not isinstance(failure, StoreUnavailableError):
+                return failure
+            if time.monotonic() >= deadline:
+                return self._given_up(failure, action)
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2 * pause, LAST_PAUSE)
+
+    def _given_up(self, failure: StateStorageError, action: str) -> StateStorageError:
+        """The error of a call that gave up on a store out of reach: it wrote nothing."""
+        if not isinstance(failure, StoreUnavailableError):
+            return failure
+        given = StoreUnavailableError(
+            f"{failure.detail}; gave up after {self.settings.store_wait:g} s of trying "
+            f"(store_wait): nothing of this {action} was written"
+            if action == "save"
+            else f"{failure.detail}; gave up after {self.settings.store_wait:g} s of trying "
+            "(store_wait)"
+        )
+        given.__cause__ = failure.__cause__
+        return given
+
     def _attempt(self, action: str, work: Callable[[], None]) -> StateStorageError | None:
-        """Run ``work`` in a transaction; return the error its callers are to get, if any."""
+        """Run ``work`` in a transaction once; return the error its callers are to get, if
+        any: a :class:`StoreUnavailableError` where the store was out of reach."""
+        self._sent = False
         try:
             with self._watchdog:
                 work()
@@ -186,7 +341,8 @@ class Worker:
             self._end_transaction()
             return error
         except Exception as error:
-            self._end_transaction()
+            down = unavailable(error, self._connection) or self._watchdog.fired
+            self._end_transaction(drop=down)
             if self._watchdog.fired:
                 text = (
                     f"{self.settings.shown}: cannot {action}: no answer within "
@@ -195,20 +351,25 @@ class Worker:
                 )
             else:
                 text = self.settings.explain(action, error)
-            failure = StateStorageError(text)
+            failure = StoreUnavailableError(text) if down else StateStorageError(text)
             failure.__cause__ = error
+            if down:
+                if self._down is None:
+                    logger.warning("%s; trying again", text)
+                self._down = failure if isinstance(failure, StoreUnavailableError) else None
             return failure
+        if self._down is not None:
+            logger.info("%s: the store answers again", self.settings.shown)
+            self._down = None
         return None
 
-    def _end_transaction(self) -> None:
+    def _end_transaction(self, *, drop: bool = False) -> None:
         connection = self._connection
         if connection is None:
             return
-        if connection.broken or connection.closed:
-            # Dropped: the next job connects again.
-            logger.warning(
-                "%s: the connection broke; the next call reconnects", self.settings.shown
-            )
+        if drop or connection.broken or connection.closed:
+            # Dropped: the next job connects again (to another host of a multi-host
+            # DSN, where this one is a standby now).
             with contextlib.suppress(psycopg.Error):
                 connection.close()
             self._connection = None
@@ -221,14 +382,55 @@ class Worker:
             self._connection = None
 
     def _connected(self) -> psycopg.Connection[Any]:
+        if self._connection is not None and _hung_up(self._connection):
+            # The server ended the session while it was idle (a restart, a failover, an
+            # administrator): connect again now, before anything is sent on it, so that
+            # a call after a restart certainly wrote nothing where it fails.
+            with contextlib.suppress(psycopg.Error):
+                self._connection.close()
+            self._connection = None
         if self._connection is None:
-            self._connection = self.settings.connect()
+            connection = self.settings.connect()
+            try:
+                self._meet(connection)
+            except BaseException:
+                connection.close()
+                raise
+            self._connection = connection
         return self._connection
+
+    def _meet(self, connection: psycopg.Connection[Any]) -> None:
+        """Check a new connection's server: a standby is out of reach for writes (B4);
+        a server of another identity or timeline than the last one may have lost this
+        runner's last writes (B6), which are looked for before its next write."""
+        in_recovery, walfile = connection.execute(SERVER).fetchone() or (False, None)
+        if in_recovery:
+            connection.rollback()
+            raise _Standby(
+                "the server is a standby in recovery (read-only); looking for the primary"
+            )
+        try:
+            identity: object = connection.execute(SERVER_IDENTITY).fetchone()
+        except psycopg.errors.InsufficientPrivilege:
+            identity = None  # pg_control_system() is for superusers and pg_monitor
+        connection.commit()
+        server = (identity, str(walfile)[:8])  # a WAL file's name begins with its timeline
+        if self._server is not None and server != self._server:
+            logger.warning(
+                "%s: the store's server changed (from %s to %s: a failover?); this "
+                "runner's live records are checked before its next write",
+                self.settings.shown,
+                self._server,
+                server,
+            )
+            self._check_lost = True
+        self._server = server
 
     # -- opening: the schema, then this runner's row ------------------------------------
 
     def _open(self) -> None:
         connection = self._connected()
+        self._refuse_transaction_pooling(connection)
         migrate(connection, self.settings)
         settings = self.settings
         runner = settings.runner_id
@@ -273,6 +475,29 @@ class Worker:
                 else "no other runner alive",
             )
 
+    def _refuse_transaction_pooling(self, connection: psycopg.Connection[Any]) -> None:
+        """Refuse a pooler that shares server sessions between transactions (B7).
+
+        The store needs a session of its own: its settings (timeouts, search path) are
+        set once per connection, and its LISTEN lasts as long as the session. A mark set
+        in this session is looked for from a second connection: through PgBouncer's
+        ``pool_mode=transaction`` the second gets the server session the first left idle
+        (its pools are last-in first-out), and sees the mark.
+        """
+        mark = uuid.uuid4().hex
+        connection.execute(POOL_MARK, (mark,))
+        connection.commit()
+        with self.settings.connect(autocommit=True) as other:
+            row = other.execute(POOL_SEEN).fetchone()
+        if row is not None and row[0] == mark:
+            raise StateStorageError(
+                f"{self.settings.shown}: this store shares one server session between "
+                "its clients' transactions (a pooler such as PgBouncer with "
+                "pool_mode=transaction or statement), and the fleet needs sessions of "
+                "its own (its settings, and LISTEN for supersedes): point --store at the "
+                "server, or at a pool with pool_mode=session"
+            )
+
     def _close(self) -> None:
         # Its row stops counting as alive now, so that the fleet need not wait out its
         # lease (a takeover still waits out each record's margin from here).
@@ -284,6 +509,8 @@ class Worker:
     # -- saving ------------------------------------------------------------------------
 
     def _save(self, jobs: list[Job]) -> None:
+        if self._check_lost:
+            self._restore(self._connected())
         # A save's args are its quota claim, if it carries one (PostgresStore.save_within).
         claims = {index: job.args for index, job in enumerate(jobs) if job.args is not None}
         refused = self._write(
@@ -291,6 +518,83 @@ class Worker:
         )
         for index, refusal in refused.items():
             jobs[index].error = _refusal_error(refusal, claims.get(index))
+        self._remember(job for index, job in enumerate(jobs) if index not in refused)
+
+    def _remember(self, jobs: Iterable[Job]) -> None:
+        """Keep what landed that a lost write would take back (B6): each live record's
+        last row, and each key's highest generation (the oldest keys forgotten first)."""
+        live, marks = self._live, self._handed
+        for job in jobs:
+            for record, body in job.rows:
+                handle = record.handle
+                if isinstance(record, StoppedRecord):
+                    live.pop(handle.token, None)
+                else:
+                    live[handle.token] = (record, body)
+                key = handle.key
+                if marks.get(key, 0) < handle.generation:
+                    marks.pop(key, None)
+                    marks[key] = handle.generation
+                    if len(marks) > REMEMBERED_MARKS:
+                        del marks[next(iter(marks))]
+
+    def _restore(self, connection: psycopg.Connection[Any]) -> None:
+        """After a change of server: check that every live record of this incarnation is
+        there with its generation, and no key's mark is below what it handed out; write
+        back what the database lost (B6), and say so."""
+        tokens = list(self._live)
+        held = dict(connection.execute(LIVE_GENERATIONS, (tokens,)).fetchall())
+        lost = [
+            rows
+            for token, rows in self._live.items()
+            if held.get(token) != rows[0].handle.generation
+        ]
+        keys = list(self._handed)
+        low = connection.execute(
+            LOW_MARKS,
+            (
+                [key.identity for key in keys],
+                [key.instance for key in keys],
+                [self._handed[key] for key in keys],
+            ),
+        ).fetchall()
+        connection.commit()
+        self._check_lost = False
+        if not lost and not low:
+            logger.info("%s: no write of this runner was lost", self.settings.shown)
+            return
+        connection.execute(
+            RAISE_MARKS,
+            (
+                [key.identity for key in keys],
+                [key.instance for key in keys],
+                [self._handed[key] for key in keys],
+            ),
+        )
+        if lost:
+            # Written again as they were (no Open's compare-and-set: their generations
+            # were handed out already), under this runner's epoch, which fences it.
+            self._write(self.settings.runner_id, self.epoch, [lost], restore=True)
+        else:
+            connection.commit()
+        self.lost_writes += len(lost) + len(low)
+        logger.critical(
+            "%s: the database lost writes of this runner (a failover to a standby that "
+            "had not received them): %d live record%s (%s) and %d high-water mark%s "
+            "below generations it handed out; written back, so no generation is handed "
+            "out twice by this runner. Only synchronous replication keeps every "
+            "acknowledged write through a failover",
+            self.settings.shown,
+            len(lost),
+            "" if len(lost) == 1 else "s",
+            ", ".join(
+                f"{r.handle.key.identity}/{r.handle.key.instance}#{r.handle.generation}"
+                for r, _ in lost
+            )
+            or "none",
+            len(low),
+            "" if len(low) == 1 else "s",
+        )
 
     def _landed(self, jobs: list[Job], landed: set[int]) -> None:
         """Add to ``landed`` the index of every job of a batch that committed.
@@ -322,6 +626,7 @@ class Worker:
             ):
                 landed.add(index)
         self.commits += 1
+        self._remember(jobs[index] for index in landed)
 
     def _write(
         self,
@@ -329,12 +634,17 @@ class Worker:
         epoch: int,
         jobs: list[list[tuple[SessionRecord, str]]],
         claims: Mapping[int, QuotaClaim] | None = None,
+        *,
+        restore: bool = False,
     ) -> dict[int, tuple[Any, ...]]:
         """One call of save_batch and its commit; the jobs (each its rows, some with a
-        quota claim, by index) refused, by index, with save_batch's row for each."""
+        quota claim, by index) refused, by index, with save_batch's row for each.
+        ``restore``: rows written back after a lost write, Opens without their
+        compare-and-set (their marks rise with them)."""
         connection = self._connected()
         retention = self.settings.retention
         try:
+            self._sent = True
             refused = connection.execute(
                 SAVE_BATCH,
                 (
@@ -342,7 +652,7 @@ class Worker:
                     epoch,
                     retention.stopped_per_key,
                     retention.stopped_total,
-                    *columns(jobs),
+                    *columns(jobs, restore=restore),
                     None if not claims else Jsonb(claimed(claims)),
                 ),
             ).fetchall()
@@ -511,6 +821,8 @@ class Worker:
         self, connection: psycopg.Connection[Any], runner: str, seen: int
     ) -> list[StoppedRecord]:
         """Take a dead runner's records over, if its row still is as it was seen."""
+        if self._check_lost:
+            self._restore(connection)
         row = connection.execute(DEAD_ROW, (runner,)).fetchone()
         if row is None or row[0] != seen or not row[1]:
             return []  # it renewed, restarted, or another runner took it over first
@@ -552,10 +864,13 @@ _ACTIONS: Final = {
 }
 
 
-def columns(jobs: Sequence[Sequence[tuple[SessionRecord, str]]]) -> tuple[list[Any], ...]:
+def columns(
+    jobs: Sequence[Sequence[tuple[SessionRecord, str]]], *, restore: bool = False
+) -> tuple[list[Any], ...]:
     """save_batch's row arrays for ``jobs`` (each its records with their bodies), in its
     parameters' order: job, token, identity, instance, generation, request id, lease,
-    kind, body, phase, and the memory_bytes and cpu_percent limits."""
+    kind, body, phase, and the memory_bytes and cpu_percent limits. ``restore``: no
+    record is an Open (see :meth:`Worker._write`)."""
     built: tuple[list[Any], ...] = ([], [], [], [], [], [], [], [], [], [], [], [])
     (
         numbers,
@@ -581,7 +896,8 @@ def columns(jobs: Sequence[Sequence[tuple[SessionRecord, str]]]) -> tuple[list[A
             generations.append(handle.generation)
             requests.append(record.request_id)
             leases.append(record.lease)
-            kinds.append(_kind(record))
+            opened = restore and isinstance(record, OpenRecord)
+            kinds.append(Kind.OTHER if opened else _kind(record))
             bodies.append(body)
             phases.append(record.phase.value)
             memory.append(record.limits.memory_bytes)

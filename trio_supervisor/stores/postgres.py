@@ -92,11 +92,16 @@ class PostgresStore(Opening):
         retention: Which Stopped records to keep (fleet-wide).
         connect_timeout: Seconds a connection attempt may take.
         statement_timeout: Seconds a statement, or a wait for a lock, may take.
+        store_wait: Seconds a call that meets a broken or refused connection, or a
+            read-only server, reconnects and tries again before it gives up with
+            :class:`~trio_supervisor.errors.StoreUnavailableError` (docs/design.md, B1).
         schema: The PostgreSQL schema that holds the store's tables: fleets that share
             a database each use their own.
 
     Attributes:
         commits: How many write transactions this store has committed.
+        lost_writes: How many of this runner's live records and high-water marks a
+            failover was found to have lost, and that were written back (B6).
     """
 
     def __init__(
@@ -109,12 +114,14 @@ class PostgresStore(Opening):
         retention: Retention | None = None,
         connect_timeout: float = 5.0,
         statement_timeout: float = 10.0,
+        store_wait: float = defaults.STORE_WAIT,
         schema: str = "trio_supervisor",
     ) -> None:
         for name, value in (
             ("runner_lease", runner_lease),
             ("connect_timeout", connect_timeout),
             ("statement_timeout", statement_timeout),
+            ("store_wait", store_wait),
         ):
             if not isinstance(value, int | float) or not 0 < value < math.inf:
                 raise ValueError(f"PostgresStore {name} must be a positive number, got {value!r}")
@@ -131,6 +138,7 @@ class PostgresStore(Opening):
             retention=self._retention,
             connect_timeout=float(connect_timeout),
             statement_timeout=float(statement_timeout),
+            store_wait=float(store_wait),
         )
         self._worker: Worker | None = None
         self._desk = Desk(f"trio_supervisor postgres {self.dsn}", self.dsn, self._start)
@@ -173,6 +181,16 @@ class PostgresStore(Opening):
     def retention(self) -> Retention:
         """The retention policy this store applies."""
         return self._retention
+
+    @property
+    def lost_writes(self) -> int:
+        """How many records and marks of this runner a failover lost (B6)."""
+        return 0 if self._worker is None else self._worker.lost_writes
+
+    @property
+    def store_wait(self) -> float:
+        """Seconds a call tries again a store that does not answer (B1)."""
+        return self._settings.store_wait
 
     # -- the face ----------------------------------------------------------------------
 
@@ -361,7 +379,11 @@ class PostgresStore(Opening):
             raise failure
 
     async def _keep(self, member: FleetMember) -> None:
-        """Renew this runner's row every third of its lease; raise once it is not trusted."""
+        """Renew this runner's row every third of its lease; raise once it is not trusted.
+
+        A renewal that fails is tried again until the row's local trust ends (B2): a
+        blip of the database, or a restart of its server, costs no more than that.
+        """
         lease = self._settings.runner_lease
         trust = lease - lease / 5
         trusted_until: float | None = None
@@ -369,16 +391,8 @@ class PostgresStore(Opening):
             sent = time.monotonic()
             # The first renewal gets a whole trust of its own: whether the row was taken
             # over meanwhile, its epoch says.
-            bound = (sent + trust if trusted_until is None else trusted_until) - sent
-            with realtime.bounded(max(bound, 0.0)) as scope:
-                # Its sessions' times go with it: the fleet's other runners show them.
-                alive = await self._ask("renew", member.stop_bound, member.times())
-            if scope.cancelled_caught:
-                raise StateStorageError(
-                    f"{self.dsn}: runner {self.member} could not renew its row within "
-                    f"{trust:g} s of the last renewal sent; it may be taken over, so it "
-                    "stops serving"
-                )
+            until = sent + trust if trusted_until is None else trusted_until
+            alive = await self._renew_within(member, until, trust)
             if not alive:
                 raise StateStorageError(
                     f"{self.dsn}: runner {self.member} lost its row: its epoch {self.epoch} "
@@ -388,12 +402,55 @@ class PostgresStore(Opening):
             # The run's clock: under a virtual one, renewals come more often, never late.
             await trio.sleep(max(0.0, sent + lease / 3 - time.monotonic()))
 
+    async def _renew_within(self, member: FleetMember, until: float, trust: float) -> bool:
+        """Renew the row, trying again until ``until`` (monotonic); whether it still
+        held this epoch. Trust counts from when the first try was sent, so a later try
+        that succeeds only shortens it.
+
+        Raises:
+            StateStorageError: No try succeeded before ``until``: the runner is fenced.
+        """
+        failed: StateStorageError | None = None
+        while (left := until - time.monotonic()) > 0:
+            with realtime.bounded(left) as scope:
+                try:
+                    # Its sessions' times go with it: the fleet's other runners show them.
+                    alive: bool = await self._submit(
+                        Job("renew", args=(member.stop_bound, member.times()), wait=left),
+                        abandonable=True,
+                    )
+                except StateStorageError as error:
+                    if failed is None:
+                        logger.warning(
+                            "%s; trying again for %.1f s, until this runner's row is no "
+                            "longer trusted",
+                            error,
+                            left,
+                        )
+                    failed = error
+                    # The worker tried again already while the store was out of reach;
+                    # any other failure is given a moment before the next try.
+                    await trio.sleep(min(MOST_CHECK, max(0.0, until - time.monotonic())))
+                    continue
+            if scope.cancelled_caught:
+                break
+            if failed is not None:
+                logger.info("%s: runner %s renewed its row again", self.dsn, self.member)
+            return alive
+        fenced = StateStorageError(
+            f"{self.dsn}: runner {self.member} could not renew its row within {trust:g} s "
+            "of the last renewal sent; it may be taken over, so it stops serving"
+            + (f" (last failure: {failed.detail})" if failed is not None else "")
+        )
+        raise fenced from failed
+
     async def _check(self, member: FleetMember) -> None:
         """The guarantee beneath the notifications, and the takeover of dead runners: the
         member's live keys against their high-water in one statement, at least every
         third of its shortest lease (F5) and every check period."""
         takeover_every = self._settings.runner_lease / 3
         next_takeover = 0.0
+        failing = False
         while True:
             try:
                 live = dict(member.live())
@@ -405,10 +462,13 @@ class PostgresStore(Opening):
                 if time.monotonic() >= next_takeover:
                     next_takeover = time.monotonic() + takeover_every
                     await self.take_over_dead()
+                failing = False
             except StateStorageError as error:
                 # The renewals decide whether this runner is still a member; a check
-                # that failed is tried again.
-                logger.warning("%s", error)
+                # that failed is tried again (and said once while the store is away).
+                if not failing:
+                    logger.warning("%s", error)
+                failing = True
             shortest = member.shortest_lease()
             period = self._check_period if shortest is None else shortest / 3
             await trio.sleep(min(self._check_period, period))
