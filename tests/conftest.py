@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Final
 
+import hypothesis
 import pytest
 import pytest_timeout  # type: ignore[import-untyped]
 import trio
@@ -38,6 +39,12 @@ from .support import sessions
 from .support.postgres import database  # noqa: F401  (the fixture, for every module)
 from .support.processes import IN_SYSTEM_TMP
 from .support.sessions import supervise
+
+# No Hypothesis deadline: an example's time is no assertion of this suite's (a machine
+# busy with other work made examples of the codec's tests pass 200 ms), and a deadlocked
+# one is ended by pytest-timeout.
+hypothesis.settings.register_profile("suite", deadline=None)
+hypothesis.settings.load_profile("suite")
 
 # The tests of these rules run twice: on the embedded supervisor, and over the wire
 # (docs/service.md section A), except those marked ``embedded_only`` (they look inside it).

@@ -9,7 +9,9 @@ answered from it in O(1), never from the store.
 Everything a store raises is wrapped into a
 :class:`~trio_supervisor.errors.StateStorageError` here, whatever the adapter raised
 (saves in :meth:`Records._failed`, everything else in :func:`storage_call`); and a save
-that fails poisons the supervisor (H1).
+that fails poisons the supervisor (H1), unless the store says it was out of reach and
+wrote nothing (:class:`~trio_supervisor.errors.StoreUnavailableError`, B1): that is
+passed on as it is, for the caller to try again or give up.
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from ..abc import BatchStore, FleetStore, Store
-from ..errors import QuotaExceededError, StaleSessionError, StateStorageError
+from ..errors import (
+    QuotaExceededError,
+    StaleSessionError,
+    StateStorageError,
+    StoreUnavailableError,
+)
 from ..model import Key, OpenRecord, QuotaClaim, SessionRecord, log_fields
 from ..retention import RecordIndex, Retention
 from .events import Watchers
@@ -87,6 +94,8 @@ class Records:
             The records retention evicted from the index, oldest first.
 
         Raises:
+            StoreUnavailableError: The store was out of reach and wrote nothing (B1);
+                nothing is poisoned.
             StateStorageError: The store did not acknowledge it; the supervisor is
                 poisoned.
             StaleSessionError: A fleet's store refused an Open record because another
@@ -102,8 +111,10 @@ class Records:
                 await self._save_within(record, quota)
             else:
                 await self._store.save(record)
-        except QuotaExceededError:
-            raise  # an answer, not a failure: the store wrote nothing
+        except (QuotaExceededError, StoreUnavailableError):
+            # An answer, not a failure: the store wrote nothing (F9; B1: the caller may
+            # try again once the store answers), so nothing is poisoned.
+            raise
         except StaleSessionError as stale:
             if isinstance(record, OpenRecord):
                 raise
@@ -133,6 +144,8 @@ class Records:
         """
         try:
             await self._write(records)
+        except StoreUnavailableError:
+            raise  # nothing written, nothing poisoned (B1)
         except Exception as failure:
             error = self._failed(records, failure)
             raise error from error.__cause__

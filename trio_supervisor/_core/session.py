@@ -63,6 +63,7 @@ from ..errors import (
     ExecutionError,
     QuotaExceededError,
     StateStorageError,
+    StoreUnavailableError,
     SupervisorError,
     TerminationUnconfirmedError,
 )
@@ -100,6 +101,9 @@ _T = TypeVar("_T")
 # Stopped). Stores must answer in bounded time; this only keeps a broken one from
 # holding a shutdown forever.
 SAVE_BOUND = 30.0
+# Seconds between two tries of a stop's save while the store is out of reach (B3); the
+# store itself tries again within its own wait before it says so.
+SAVE_RETRY = 0.5
 
 
 class Reply(Generic[_T]):
@@ -461,9 +465,11 @@ class Session:
             quota, self.load_quota = self.load_quota, None
             try:
                 await services.persist(lifecycle.active(), quota)
-            except QuotaExceededError as refusal:
+            except (QuotaExceededError, StoreUnavailableError) as refusal:
                 if not lifecycle.live:
                     raise  # a stop came first: the load fails, the session stops as asked
+                # Nothing written, nothing spawned: the session is Open again and may
+                # load later (F9; B1: the store was out of reach).
                 self._refused(refusal)
                 return True
             unit = await adapter_call(
@@ -509,9 +515,10 @@ class Session:
             reply.set(code)
         return False
 
-    def _refused(self, refusal: QuotaExceededError) -> None:
-        """The first Loading record was refused over its quota: the session is Open
-        again, without a task (see the module's docs). No await: a stop request either
+    def _refused(self, refusal: QuotaExceededError | StoreUnavailableError) -> None:
+        """The first Loading record was refused over its quota, or not written because
+        the store was out of reach: the session is Open again, without a task (see the
+        module's docs). No await: a stop request either
         came before (and the caller does not get here) or finds no task after."""
         reply = self.load_reply
         assert reply is not None
@@ -549,7 +556,17 @@ class Session:
         # still runs and the storage error is the stop's outcome.
         fenced_error: StateStorageError | None = None
         try:
-            await self._save_within_bound((lifecycle.stopping_record(),))
+            await self._save_within_bound((lifecycle.stopping_record(),), keep_trying=False)
+        except StoreUnavailableError as error:
+            # B3: the store is out of reach. The stop does not wait for it: the child is
+            # terminated now (a restart would find it by its Loading or Loaded record,
+            # V2), and the Stopped record keeps trying below.
+            logger.warning(
+                "stopping %s before its Stopping record could be saved: %s",
+                task_name("session", self.handle),
+                error,
+                extra=_fields(self.handle),
+            )
         except StateStorageError as error:
             fenced_error = error
         problems = self.problems
@@ -603,28 +620,68 @@ class Session:
             if bounded:
                 await self._save_within_bound(records)
             else:
-                await self._services.persist_together(records)
+                try:
+                    await self._services.persist_together(records)
+                except StoreUnavailableError:
+                    # Out of reach, nothing written (B3): tried again, as a bounded stop.
+                    await self._save_within_bound(records)
         except StateStorageError as error:
             return error  # poisoned already; the session stays fenced in memory
         lifecycle.finish(records[1])
         self._services.stopped(self)
         return NO_CHILD
 
-    async def _save_within_bound(self, records: Sequence[SessionRecord]) -> None:
-        """Save the records of a stop; a store that does not answer counts as failed."""
+    async def _save_within_bound(
+        self, records: Sequence[SessionRecord], *, keep_trying: bool = True
+    ) -> None:
+        """Save the records of a stop; a store that does not answer counts as failed.
+
+        ``keep_trying``: a store out of reach (:class:`StoreUnavailableError`, B3) is
+        tried again until SAVE_BOUND, unless the supervisor is poisoned meanwhile (no
+        later save of it can land then); past the bound the supervisor is poisoned.
+        Otherwise that error is raised at once, and poisons nothing.
+        """
         services = self._services
-        with bounded(SAVE_BOUND) as scope:  # real time, also on a virtual clock
-            if len(records) == 1:
-                await services.persist(records[0])
-            else:
-                await services.persist_together(records)
-        if scope.cancelled_caught:
-            phases = " and ".join(record.phase.value for record in records)
-            failure = StateStorageError(
-                f"the store did not save the {phases} record of "
-                f"{task_name('session', self.handle)} within {SAVE_BOUND:g} s"
+        unavailable: StoreUnavailableError | None = None
+        # Real time, also on a virtual clock; and the run's clock, so that a test's
+        # virtual clock does not spin through a real-time bound.
+        until = trio.current_time() + SAVE_BOUND
+        with bounded(SAVE_BOUND) as scope:
+            while True:
+                try:
+                    if len(records) == 1:
+                        await services.persist(records[0])
+                    else:
+                        await services.persist_together(records)
+                    return
+                except StoreUnavailableError as error:
+                    if not keep_trying or services.health.error is not None:
+                        raise
+                    if unavailable is None:
+                        logger.warning(
+                            "the store is out of reach; the stop of %s tries again for "
+                            "up to %g s: %s",
+                            task_name("session", self.handle),
+                            SAVE_BOUND,
+                            error,
+                            extra=_fields(self.handle),
+                        )
+                    unavailable = error
+                if trio.current_time() + SAVE_RETRY >= until:
+                    break
+                await trio.sleep(SAVE_RETRY)
+        phases = " and ".join(record.phase.value for record in records)
+        failure = StateStorageError(
+            f"the store did not save the {phases} record of "
+            f"{task_name('session', self.handle)} within {SAVE_BOUND:g} s"
+            + (
+                f" (out of reach: {unavailable.detail})"
+                if unavailable is not None and not scope.cancelled_caught
+                else ""
             )
-            raise services.health.poison(failure)
+        )
+        failure.__cause__ = unavailable
+        raise services.health.poison(failure)
 
 
 def _identity_of(unit: Unit) -> ChildIdentity:

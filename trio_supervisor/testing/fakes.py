@@ -16,7 +16,7 @@ import attrs
 import trio
 
 from ..abc import Store
-from ..errors import ExecutionError, StateStorageError, SupervisorError
+from ..errors import ExecutionError, StateStorageError, StoreUnavailableError, SupervisorError
 from ..model import (
     ChildIdentity,
     CodeIdentity,
@@ -309,6 +309,7 @@ class FaultyStore:
     def __init__(self, inner: Store) -> None:
         self.inner = inner
         self.failing = False
+        self.unreachable = False
         self._fail_next = 0
         self._when: Callable[[SessionRecord], bool] | None = None
         self.saved: list[SessionRecord] = []
@@ -330,9 +331,15 @@ class FaultyStore:
         """Fail the saves of records ``predicate`` picks (None: stop failing those)."""
         self._when = predicate
 
+    def out_of_reach(self) -> None:
+        """Answer every save from now on as a store out of reach that wrote nothing
+        (:class:`StoreUnavailableError`, B1), until :meth:`heal`."""
+        self.unreachable = True
+
     def heal(self) -> None:
-        """Stop failing."""
+        """Stop failing, and be within reach again."""
         self.failing = False
+        self.unreachable = False
         self._fail_next = 0
         self._when = None
 
@@ -345,6 +352,13 @@ class FaultyStore:
         return False
 
     async def save(self, record: SessionRecord) -> None:
+        if self.unreachable:
+            await trio.lowlevel.checkpoint()
+            self.refused.append(record)
+            raise StoreUnavailableError(
+                f"injected: the store is out of reach; the {record.phase.value} record "
+                "was not written"
+            )
         if self._refuses(record):
             await trio.lowlevel.checkpoint()
             self.refused.append(record)
