@@ -75,8 +75,8 @@ async def test_b3_a_dispose_while_out_of_reach_stops_the_child_and_keeps_trying_
         async with trio.open_nursery() as nursery:
             nursery.start_soon(dispose)
             # The child is stopped without waiting for the Stopping record (P2, B3)...
-            while not unit.exited:
-                await trio.sleep(0.1)
+            await trio.testing.wait_all_tasks_blocked()
+            assert unit.exited
             assert unit.signals == ["interrupt"]
             # ... and the stop keeps trying its Stopped record while the store is away.
             await trio.sleep(SAVE_BOUND / 2)
