@@ -30,9 +30,10 @@ logging.getLogger("nox").addFilter(_NoUvNotice())
 
 
 # What the tests need from the machine, beyond Python: Debian's package for each command.
-# The dashboard's test drives a real headless chromium (never a downloaded browser), and
-# the TLS test makes its certificate with openssl.
-MACHINE_NEEDS = {"chromium": "chromium", "openssl": "openssl"}
+# The dashboard's test drives a real headless chromium (never a downloaded browser), the
+# TLS test makes its certificate with openssl, and the fleet's tests put PgBouncer in front
+# of clusters of their own (tests/support/clusters.py; Debian's is /usr/sbin/pgbouncer).
+MACHINE_NEEDS = {"chromium": "chromium", "openssl": "openssl", "pgbouncer": "pgbouncer"}
 
 
 def install_machine_needs(session: nox.Session) -> None:
