@@ -30,6 +30,7 @@ from .errors import RecordFormatError as RecordFormatError
 from .errors import RunnerAccessError as RunnerAccessError
 from .errors import RunnerClosingError as RunnerClosingError
 from .errors import RunnerDrainingError as RunnerDrainingError
+from .errors import RunnerFencedError as RunnerFencedError
 from .errors import RunnerFullError as RunnerFullError
 from .errors import RunnerLostError as RunnerLostError
 from .errors import RunnerRestartingError as RunnerRestartingError
@@ -121,6 +122,7 @@ __all__ = [
     "Retention",
     "RunnerClosingError",
     "RunnerDrainingError",
+    "RunnerFencedError",
     "RunnerFullError",
     "RunnerLostError",
     "RunnerRestartingError",

@@ -33,6 +33,7 @@ __all__ = [
     "RunnerAccessError",
     "RunnerClosingError",
     "RunnerDrainingError",
+    "RunnerFencedError",
     "RunnerFullError",
     "RunnerLostError",
     "RunnerRestartingError",
@@ -126,6 +127,15 @@ class StoreUnavailableError(StateStorageError):
     def __init__(self, detail: str, retry_after: float | None = 1.0) -> None:
         super().__init__(detail)
         self.retry_after = retry_after
+
+
+class RunnerFencedError(StateStorageError):
+    """This runner may no longer write to its fleet's store: its row was not renewed
+    within its local trust, or another runner took its epoch over (docs/design.md, F4
+    and B2). Its supervisor is poisoned (H1); the runner service then makes a new
+    incarnation of itself (B5). On the wire it is a ``StateStorageError``."""
+
+    code = "StateStorageError"
 
 
 class RecordFormatError(StateStorageError):

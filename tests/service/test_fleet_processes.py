@@ -10,8 +10,9 @@ is what the issue promises a fleet does (docs/design.md, "The fleet"):
 * F7: a runner killed with SIGKILL is taken over only after the margin, its child gone;
 * F4: a runner frozen (SIGSTOP) past its takeover and then resumed writes nothing, and
   poisons itself;
-* F2: a runner cut off from the database (through a proxy of the test's) poisons,
-  drains and reaps, and nothing it acknowledged is lost;
+* B2, B5: a runner cut off from the database (through a proxy of the test's) past its
+  trust is fenced, reaps its children, and serves again by itself once the database
+  answers, as a new epoch; nothing it acknowledged is lost;
 * failover: a dead runner's sessions answer HolderLost until the takeover, and a chain of
   opens across it ends without a 500;
 * drain: a fleet restarted runner by runner while hosts work;
@@ -45,6 +46,7 @@ from trio_supervisor import (
     LoadedRecord,
     RunnerDrainingError,
     RunnerLostError,
+    RunnerRestartingError,
     RunnerUnreachableError,
     StaleSessionError,
     StoppedRecord,
@@ -348,13 +350,16 @@ async def test_f4_a_runner_frozen_past_its_takeover_writes_nothing_once_it_resum
             assert after == before, "a runner taken over still wrote"
 
 
-async def test_f2_a_runner_cut_off_from_the_database_poisons_drains_and_loses_nothing(
+async def test_b5_a_runner_cut_off_past_its_trust_reaps_its_children_and_heals_itself(
     tmp_path: Path, tokens: tuple[Path, Path], database: str
 ) -> None:
-    """F2: the connection cut (resets, then refused) and restored through a proxy."""
+    """B2, B5: the connection cut (resets, then refused) past the runner's trust, then
+    restored through a proxy. The runner is fenced, answers RunnerRestarting while its
+    children are reaped, and once the database answers serves again by itself, as a
+    new epoch; its old sessions read as stopped, and nothing it acknowledged is lost."""
     with TcpProxy(("127.0.0.1", 5432)) as proxy:
         store = proxy.url(database)
-        with member(tmp_path, tokens, store, "cut") as runner:
+        with member(tmp_path, tokens, store, "cut", "--store-wait", "0.5") as runner:
             async with hosts([runner]) as (host,):
                 records = [
                     await host.open(
@@ -365,23 +370,37 @@ async def test_f2_a_runner_cut_off_from_the_database_poisons_drains_and_loses_no
                 await host.load(records[0].handle, Load(specifier="heartbeat:main"))
                 pid = await child_of(host, records[0].handle)
                 acknowledged = {record.handle.token for record in records}
+                [epoch] = {row[1] for row in stored(database).values()}
                 proxy.cut()
 
-                async def poisoned() -> bool:
+                async def ready() -> tuple[int, str]:
                     async with runner.http(FLEET_OPERATOR_TOKEN) as client:
                         answer = await client.get("/readyz")
-                    return answer.status_code == 503
+                    return answer.status_code, answer.json().get("code", "")
 
-                await until(poisoned, "the cut-off runner poisoned itself", bound=30)
-                with pytest.raises(SupervisorError):
-                    await host.open(Key(identity="fleet", instance="late"), "late")
-                # It drains: its child ends by its lease and is reaped.
+                async def restarting() -> bool:
+                    return await ready() == (503, "RunnerRestarting")
+
+                await until(restarting, "the cut-off runner fenced itself", bound=30)
                 await until(lambda: process_state(pid) is None, "the child reaped", bound=30)
+                async with connect(runner.url, token=FLEET_HOSTS_TOKEN, retry_for=0) as hurried:
+                    with pytest.raises(RunnerRestartingError, match="fenced"):
+                        await hurried.open(Key(identity="fleet", instance="late"), "late")
                 proxy.restore()
-            # A poisoned runner still stops on SIGTERM, reaping everything, and says
-            # why it was poisoned, with exit status 1.
-            assert runner.stop() == 1
-            assert "cannot save" in runner.stderr() or "cannot renew" in runner.stderr()
+
+                async def serving_again() -> bool:
+                    return (await ready())[0] == 200
+
+                await until(serving_again, "the runner serving again", bound=30)
+                for record in records:
+                    status = await host.status(record.handle)
+                    assert isinstance(status, StoppedRecord), status
+                late = await host.open(Key(identity="fleet", instance="late"), "late")
+                assert late.handle.generation == 1
+                epochs = {row[1] for token, row in stored(database).items()}
+                assert max(epochs) > epoch, "no new incarnation registered"
+            assert runner.stop() == 0
+            assert "the supervisor was poisoned (fenced)" in runner.stderr()
         rows = stored(database)
         assert acknowledged <= set(rows), "an acknowledged Open record is gone"
 

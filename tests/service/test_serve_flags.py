@@ -108,6 +108,8 @@ def samples(tmp: Path) -> dict[str, Sample]:
             ("--reserve-memory", "1048576"), "reserve_memory = 1048576", 1048576
         ),
         "drain_on_sigterm": Sample(("--drain-on-sigterm", "120"), "drain_on_sigterm = 120", 120.0),
+        "store_wait": Sample(("--store-wait", "2.5"), "store-wait = 2.5", 2.5),
+        "restart_limit": Sample(("--restart-limit", "3/60"), 'restart-limit = "3/60"', "3/60"),
         # A table of the file's alone: no flag (docs/service.md D).
         "limits": Sample(
             (),
@@ -356,6 +358,12 @@ def test_a_bad_config_file_is_a_usage_error_naming_the_key(
             ("--isolation", "none", "--child-users", "5000-5999"),
             "Error: --child-users is for isolated children: it needs --isolation auto\n",
         ),
+        (
+            ("--restart-limit", "5 per 600"),
+            "--restart-limit must be N/SECONDS (N >= 0 restarts within 0 < SECONDS <= "
+            "86400, as 5/600), got '5 per 600'",
+        ),
+        (("--store-wait", "-1"), "-1"),
         (
             ("--isolation", "none", "--child-network", "none"),
             "Error: --child-network none is for isolated children: it needs --isolation auto "

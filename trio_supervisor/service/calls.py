@@ -33,10 +33,12 @@ from ..errors import (
     RunnerClosingError,
     RunnerDrainingError,
     RunnerFullError,
+    RunnerRestartingError,
     SessionConflictError,
     SessionStoppedError,
     StaleSessionError,
     StateStorageError,
+    StoreUnavailableError,
     SupervisorError,
     TerminationUnconfirmedError,
     ThrottledError,
@@ -112,8 +114,14 @@ class Param:
         return Problem(422, ProblemCode.INVALID, f"the query parameter {self.name!r} {must}")
 
 
-# Every /v1 call may meet a runner that is poisoned or shutting down.
-_RUNNER: Final = (StateStorageError, RunnerClosingError)
+# Every /v1 call may meet a runner that is poisoned, shutting down, restarting by
+# itself, or whose store is out of reach for the moment.
+_RUNNER: Final = (
+    StateStorageError,
+    StoreUnavailableError,
+    RunnerClosingError,
+    RunnerRestartingError,
+)
 # A tenant's call on a key outside its identities, or over its fairness.
 _TENANT: Final = (ForbiddenError, ThrottledError)
 _HANDLE: Final = (

@@ -63,6 +63,27 @@ DEFAULT_RUNNER_LEASE: Final = defaults.RUNNER_LEASE
 # A runner's row: renewed every third of it, so a second is a database round trip every
 # third of a second at least; an hour is past any takeover anyone wants to wait for.
 RUNNER_LEASE: Final = fields.Seconds(minimum=1.0, inclusive=True, maximum=3600.0)
+STORE_WAIT: Final = fields.Seconds(minimum=0.0, inclusive=True, maximum=3600.0)
+DEFAULT_RESTART_LIMIT: Final = f"{defaults.RESTART_LIMIT[0]}/{defaults.RESTART_LIMIT[1]:g}"
+
+
+def parse_restart_limit(text: str) -> tuple[int, float]:
+    """``N/SECONDS`` (at most N restarts within SECONDS) as a count and seconds."""
+    count, slash, seconds = str(text).partition("/")
+    try:
+        limit = (int(count), float(seconds))
+    except ValueError:
+        limit = (-1, -1.0)
+    if not slash or limit[0] < 0 or not 0 < limit[1] <= 86400.0:
+        raise ConfigError(
+            f"--restart-limit must be N/SECONDS (N >= 0 restarts within 0 < SECONDS <= "
+            f"86400, as {DEFAULT_RESTART_LIMIT}), got {text!r}"
+        )
+    return limit
+
+
+def _restart_limit(instance: object, attribute: object, value: str) -> None:
+    parse_restart_limit(value)
 
 
 UID_MAX: Final = 2**32 - 2  # uids are 32 bits, and (uid_t) -1 is "unchanged" to setuid()
@@ -146,6 +167,9 @@ class RunnerConfig:
         max_children: Children at once; None: ``CHILDREN_PER_CORE`` per core.
         reserve_memory: Bytes of the machine's memory the children's memory ceilings
             may not take.
+        store_wait: Seconds a store call out of reach is tried again (docs/design.md, B1).
+        restart_limit: ``N/SECONDS``: how often the runner makes a new incarnation of a
+            poisoned supervisor before it exits for its service manager (B5).
         drain_on_sigterm: Seconds: SIGTERM drains the runner with this deadline
             (``drain.py``) instead of stopping it; None: SIGTERM stops it.
     """
@@ -330,6 +354,25 @@ class RunnerConfig:
         ),
     )
 
+    store_wait: float = attrs.field(
+        default=defaults.STORE_WAIT,
+        validator=STORE_WAIT,
+        metadata=_flag(
+            "Seconds a call that meets its store out of reach (a broken or refused "
+            "connection, a database restarting, a read-only standby) reconnects and tries "
+            f"again before it answers 503 StoreUnavailable ({STORE_WAIT.bounds}).",
+            metavar="SECONDS",
+        ),
+    )
+    restart_limit: str = attrs.field(
+        default=DEFAULT_RESTART_LIMIT,
+        validator=_restart_limit,
+        metadata=_flag(
+            "At most N restarts of a poisoned supervisor within SECONDS; past it the "
+            "runner exits 3 for its service manager to restart or report.",
+            metavar="N/SECONDS",
+        ),
+    )
     drain_on_sigterm: float | None = attrs.field(
         default=None,
         validator=fields.optional(DRAIN_DEADLINE),
@@ -348,6 +391,11 @@ class RunnerConfig:
     @property
     def operator_token_path(self) -> Path:
         return self.operator_token_file or self.state / "operator-token"
+
+    @property
+    def restarts(self) -> tuple[int, float]:
+        """``restart_limit`` read: at most this many restarts within these seconds."""
+        return parse_restart_limit(self.restart_limit)
 
     @property
     def tls(self) -> bool:

@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Final
 
 import trio
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as CounterMetric
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .._core.events import Overflow
@@ -125,6 +125,24 @@ class _Tenants(Collector):
         return iter(())
 
 
+class _LostWrites(Collector):
+    """How many of this runner's records and marks failovers were found to have lost."""
+
+    def __init__(self, count: Callable[[], int]) -> None:
+        self._count = count
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            f"{PREFIX}_store_lost_writes",
+            "Live records and high-water marks of this runner that its store was found to "
+            "have lost after a failover (written back; docs/design.md B6).",
+            value=self._count(),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
 class Metrics:
     """The service's series, in a registry of its own.
 
@@ -153,6 +171,20 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30),
             registry=self.registry,
         )
+        self.restarts = CounterMetric(
+            f"{PREFIX}_restarts",
+            "New incarnations the runner made by itself after its supervisor was poisoned, "
+            "by cause (fenced, store, termination, execution, crash).",
+            ["cause"],
+            registry=self.registry,
+        )
+        self.restarting = Gauge(
+            f"{PREFIX}_restarting",
+            "1 while the runner makes a new incarnation of its supervisor: it answers "
+            "503 RunnerRestarting meanwhile.",
+            registry=self.registry,
+        )
+        self._tenants: _Tenants | None = None
         self.save_seconds = Histogram(
             f"{PREFIX}_store_save_seconds",
             "Seconds a store save (one transaction) took, from the call to its acknowledgement.",
@@ -161,8 +193,16 @@ class Metrics:
         )
 
     def watch_tenants(self, tally: Tally) -> None:
-        """Render each tenant's usage and quota (``tally``) at every scrape."""
-        self.registry.register(_Tenants(tally))
+        """Render each tenant's usage and quota (``tally``) at every scrape, in place of
+        the tally watched before (a runner's new incarnation brings its own)."""
+        if self._tenants is not None:
+            self.registry.unregister(self._tenants)
+        self._tenants = _Tenants(tally)
+        self.registry.register(self._tenants)
+
+    def watch_lost_writes(self, count: Callable[[], int]) -> None:
+        """Render ``count()`` as the writes a failover was found to have lost (B6)."""
+        self.registry.register(_LostWrites(count))
 
     def called(self, call: str, outcome: str, tenant: str = "") -> None:
         """Count one answered call."""

@@ -30,7 +30,7 @@ from .._core.supervisor import Supervisor
 from .metrics import Metrics
 from .wire import public_record
 
-__all__ = ["dashboard_page", "operator_handlers"]
+__all__ = ["dashboard_page", "dashboard_response", "metrics_response", "operator_handlers"]
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 EVENT_BUFFER: Final = 1024  # records one events reader may fall behind before overflow
@@ -51,6 +51,26 @@ def dashboard_page(token_file: Path | None = None) -> str:
     else:
         where = f"it is in <code>{html.escape(str(token_file))}</code> on the runner's machine"
     return page.replace(_TOKEN_WHERE, where)
+
+
+def dashboard_response(page: str) -> Response:
+    """The dashboard's page as it is served: nothing outside the runner is reachable
+    from it, and nothing else may run in it."""
+    return HTMLResponse(
+        page,
+        headers={
+            "Content-Security-Policy": (
+                "default-src 'self'; script-src 'unsafe-inline'; style-src "
+                "'unsafe-inline'; connect-src 'self'; img-src 'self' data:"
+            ),
+            "Cache-Control": "no-store",
+        },
+    )
+
+
+def metrics_response(metrics: Metrics) -> Response:
+    """``GET /metrics``: the Prometheus text format of ``metrics``."""
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def operator_handlers(
@@ -107,20 +127,10 @@ def operator_handlers(
         )
 
     async def render_metrics(request: Request) -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return metrics_response(metrics)
 
     async def dashboard(request: Request) -> Response:
-        return HTMLResponse(
-            page,
-            headers={
-                # Nothing outside the runner is reachable, and nothing else may run here.
-                "Content-Security-Policy": (
-                    "default-src 'self'; script-src 'unsafe-inline'; style-src "
-                    "'unsafe-inline'; connect-src 'self'; img-src 'self' data:"
-                ),
-                "Cache-Control": "no-store",
-            },
-        )
+        return dashboard_response(page)
 
     handlers: dict[str, Endpoint] = {
         "events": events,

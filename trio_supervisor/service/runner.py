@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import logging
 import os
 import secrets
@@ -59,7 +58,7 @@ from .._core.lifetime import open_supervisor
 from .._core.supervisor import Supervisor
 from .._extras import needs_extra
 from ..abc import FleetStore, Store
-from ..errors import StateStorageError
+from ..errors import StateStorageError, SupervisorError
 from ..executions.subprocess import SubprocessExecution
 from ..stores.sqlite import SqliteStore
 from .app import create_app
@@ -67,6 +66,7 @@ from .capacity import capacity_of, runner_admission
 from .config import ConfigError, RunnerConfig
 from .drain import Drain
 from .fleet import Fleet
+from .healing import GAVE_UP, LAST_BACKOFF, Front, Healer, asgi, restarting_app
 from .metrics import Metrics, timed
 from .tenants import Tenants, TenantsError, token_hash
 from .tenants_file import Roster
@@ -106,6 +106,7 @@ def _fleet_store(config: RunnerConfig, advertise: str) -> _RunnerStore:
         runner_id=config.runner_id,
         advertise=advertise,
         runner_lease=config.runner_lease,
+        store_wait=config.store_wait,
     )
     return store
 
@@ -238,6 +239,85 @@ def _url(bind: str, tls: bool) -> str:
     return f"{'https' if tls else 'http'}://{address}"
 
 
+async def _until_stopped_or_poisoned(
+    supervisor: Supervisor, drain: Drain, stop_serving: trio.Event
+) -> SupervisorError | None:
+    """Wait until the runner is to stop (None) or ``supervisor`` is poisoned (its error)."""
+    poisoned: SupervisorError | None = None
+    async with trio.open_nursery() as waiting:
+
+        async def failed() -> None:
+            nonlocal poisoned
+            try:
+                await supervisor.wait_failed()
+            except SupervisorError as error:
+                poisoned = error
+            waiting.cancel_scope.cancel()
+
+        async def stopped() -> None:
+            await stop_serving.wait()
+            waiting.cancel_scope.cancel()
+
+        async def drained() -> None:
+            await drain.wait()
+            stop_serving.set()
+
+        waiting.start_soon(failed)
+        waiting.start_soon(stopped)
+        waiting.start_soon(drained)
+    # A stop asked for as the supervisor was poisoned is a stop: nothing restarts.
+    return None if stop_serving.is_set() else poisoned
+
+
+async def _reopen(
+    config: RunnerConfig, advertise: str, healer: Healer, stop_serving: trio.Event
+) -> _RunnerStore | None:
+    """The store opened again for a new incarnation (a new epoch in a fleet), after the
+    back-off, trying until it answers; None when the runner is to stop meanwhile."""
+    while not stop_serving.is_set():
+        with trio.move_on_after(LAST_BACKOFF + 1) as waited:
+            # A signal ends the back-off at once.
+            async with trio.open_nursery() as pausing:
+
+                async def stop() -> None:
+                    await stop_serving.wait()
+                    pausing.cancel_scope.cancel()
+
+                pausing.start_soon(stop)
+                await healer.pause()
+                pausing.cancel_scope.cancel()
+        if stop_serving.is_set():
+            return None
+        assert not waited.cancelled_caught
+        try:
+            return await _open_store(config, advertise)
+        except (StartupError, StateStorageError) as error:
+            healer.failed_start(error)
+    return None
+
+
+async def _close_store(store: _Closable) -> None:
+    """Close an incarnation's store; what that meets is logged, not raised."""
+    try:
+        with trio.CancelScope(shield=True):
+            await store.aclose()
+    except Exception as error:
+        logger.warning("the store did not close cleanly: %s", error)
+
+
+def _incarnation(store: object) -> str:
+    """How the log names a new incarnation: its epoch, in a fleet."""
+    epoch = getattr(store, "epoch", None)
+    return f"epoch {epoch}" if epoch else "recovered"
+
+
+def _problems_of(error: BaseException) -> list[BaseException]:
+    """The leaves of an exception group, or the error itself."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in _problems_of(inner)]
+    return [error]
+
+
 async def run_runner(
     config: RunnerConfig,
     *,
@@ -329,34 +409,59 @@ async def run_runner(
         if listener is not None:
             listener.close()
         raise
-    with (
-        listener or contextlib.nullcontext(),
-        trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals,
-    ):
-        async with contextlib.AsyncExitStack() as closing, trio.open_nursery() as watching:
-            closing.push_async_callback(store.aclose)
-            watching.start_soon(watch_signals, signals)
-            metrics = Metrics()
-            fleet = Fleet(
-                config.runner_id,
-                store=store if isinstance(store, FleetStore) else None,
-                advertise=advertise,
+    metrics = Metrics()
+    healer = Healer(config.restarts, metrics)
+    front = Front(
+        restarting_app(
+            healer,
+            operator_token=operator_token,
+            tenants=roster,
+            metrics=metrics,
+            token_file=config.operator_token_path.absolute(),
+        )
+    )
+    lost_before = 0  # writes failovers lost, found by the stores of earlier incarnations
+    metrics.watch_lost_writes(lambda: lost_before + getattr(store, "lost_writes", 0))
+    served = trio.Event()  # Hypercorn stopped serving (it serves every incarnation)
+    started: list[str] = []  # the URL, once Hypercorn listens
+
+    async def serve_front(*, task_status: trio.TaskStatus[Sequence[str]]) -> None:
+        try:
+            await serve(
+                asgi(front),  # type: ignore[arg-type]  # Hypercorn's own ASGI type
+                server,
+                shutdown_trigger=stop_serving.wait,
+                task_status=task_status,
             )
-            async with (
-                _execution(config) as execution,
-                open_supervisor(
-                    timed(store, metrics.save_seconds),
-                    execution,
-                    lease=config.lease,
-                    grace=config.grace,
-                    confirmation_timeout=config.confirmation_timeout,
-                ) as supervisor,
-            ):
-                hurry.append(supervisor)
+        finally:
+            served.set()
+
+    async def incarnation(
+        store: _RunnerStore, execution: SubprocessExecution, serving: trio.Nursery
+    ) -> SupervisorError | None:
+        """Run one incarnation of the supervisor over ``store`` until the runner stops
+        (None) or the supervisor is poisoned (its error); every child is reaped and the
+        store closed when it returns (B5)."""
+        nonlocal advertise
+        fleet = Fleet(
+            config.runner_id,
+            store=store if isinstance(store, FleetStore) else None,
+            advertise=advertise,
+        )
+        poisoned: SupervisorError | None = None
+        try:
+            async with open_supervisor(
+                timed(store, metrics.save_seconds),
+                execution,
+                lease=config.lease,
+                grace=config.grace,
+                confirmation_timeout=config.confirmation_timeout,
+            ) as supervisor:
+                hurry[:] = [supervisor]
                 if exit_status:  # signalled twice while recovery ran
                     supervisor.skip_grace()
                 drain = Drain(supervisor, fleet.store)
-                drains.append(drain)
+                drains[:] = [drain]
                 app = create_app(
                     supervisor,
                     tenants=roster,
@@ -368,31 +473,13 @@ async def run_runner(
                     drain=drain,
                     operator_token_file=config.operator_token_path.absolute(),
                 )
-
-                async def stop_once_drained() -> None:
-                    await drain.wait()
-                    stop_serving.set()
-
-                watching.start_soon(stop_once_drained)
                 # Counts until the supervisor shuts down (its events end then).
-                watching.start_soon(metrics.follow, supervisor)
-
-                async def end_event_streams() -> None:
-                    await stop_serving.wait()
-                    app.state.end_event_streams()
-
-                watching.start_soon(end_event_streams)
-                async with trio.open_nursery() as serving:
-                    # serve returns once stop_serving is set and what it served is done.
+                serving.start_soon(metrics.follow, supervisor)
+                front.serve(app)
+                healer.serving()
+                if not started:
                     try:
-                        binds: Sequence[str] = await serving.start(
-                            functools.partial(
-                                serve,
-                                app,  # type: ignore[arg-type]  # Starlette is an ASGI app
-                                server,
-                                shutdown_trigger=stop_serving.wait,
-                            )
-                        )
+                        binds: Sequence[str] = await serving.start(serve_front)
                     except* OSError as failed:
                         # Hypercorn binds in nurseries of its own: the OSError comes
                         # wrapped in their groups.
@@ -401,9 +488,65 @@ async def run_runner(
                         listener.detach()  # Hypercorn's own socket holds it, and closes it
                     url = _url(binds[0], config.tls)
                     fleet.advertise = fleet.advertise or url
+                    advertise = advertise or url
+                    started.append(url)
                     print(f"listening on {url}", file=out, flush=True)
                     logger.info("listening on %s; state in %s", url, config.state)
                     task_status.started(url)
-            # Leaving open_supervisor stopped every session and reaped every child.
+                else:
+                    logger.info("serving again, as a new incarnation (%s)", _incarnation(store))
+                poisoned = await _until_stopped_or_poisoned(supervisor, drain, stop_serving)
+                if poisoned is None:
+                    # The server stops accepting and finishes what it serves first; the
+                    # event streams would never end by themselves.
+                    app.state.end_event_streams()
+                    await served.wait()
+                else:
+                    healer.withdrawn(poisoned)
+                    front.withdraw()  # RunnerRestarting, from this request on
+        except BaseException as error:
+            if poisoned is None:
+                raise
+            # The shutdown of a poisoned supervisor reports its poison and what its stops
+            # met (Z3); every child was reaped all the same.
+            logger.warning(
+                "the poisoned incarnation shut down with: %s",
+                "; ".join(str(problem) for problem in _problems_of(error)),
+            )
+        finally:
+            await _close_store(store)
+        return poisoned
+
+    with (
+        listener or contextlib.nullcontext(),
+        trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals,
+    ):
+        async with trio.open_nursery() as watching:
+            watching.start_soon(watch_signals, signals)
+            async with _execution(config) as execution, trio.open_nursery() as serving:
+                while True:
+                    try:
+                        poisoned = await incarnation(store, execution, serving)
+                    except Exception as error:
+                        if not started or stop_serving.is_set():
+                            raise  # the first start's failure is the runner's (StartupError)
+                        # A new incarnation that could not start (its recovery met the
+                        # store out of reach, or a disk still full): tried again later.
+                        healer.failed_start(error)
+                    else:
+                        if poisoned is None or stop_serving.is_set():
+                            break
+                        if not healer.poisoned(poisoned):
+                            exit_status = GAVE_UP
+                            stop_serving.set()
+                            break
+                    finally:
+                        lost_before += getattr(store, "lost_writes", 0)
+                    reopened = await _reopen(config, advertise, healer, stop_serving)
+                    if reopened is None:
+                        break
+                    store = reopened
+                stop_serving.set()
+            # Every incarnation stopped every session and reaped every child.
             watching.cancel_scope.cancel()
     return exit_status

@@ -34,6 +34,7 @@ from .._extras import needs_extra
 from ..codec import encode
 from ..errors import (
     QuotaExceededError,
+    RunnerFencedError,
     StaleSessionError,
     StateStorageError,
     StoreUnavailableError,
@@ -659,7 +660,7 @@ class Worker:
             connection.commit()
         except psycopg.Error as error:
             if error.sqlstate == FENCED:
-                raise StateStorageError(
+                raise RunnerFencedError(
                     f"{self.settings.shown}: cannot save: the epoch {epoch} of runner "
                     f"{runner} was taken over by another runner of the fleet; nothing "
                     "of this write landed"

@@ -56,7 +56,7 @@ from .. import realtime
 from .._defaults import takeover_margin
 from ..abc import FleetMember
 from ..codec import encode
-from ..errors import StateStorageError, TerminationUnconfirmedError
+from ..errors import RunnerFencedError, StateStorageError, TerminationUnconfirmedError
 from ..model import FleetRecord, Handle, Key, QuotaClaim, RunnerInfo, SessionRecord
 from ..realtime import outside_the_run
 from ..retention import Retention
@@ -394,7 +394,7 @@ class PostgresStore(Opening):
             until = sent + trust if trusted_until is None else trusted_until
             alive = await self._renew_within(member, until, trust)
             if not alive:
-                raise StateStorageError(
+                raise RunnerFencedError(
                     f"{self.dsn}: runner {self.member} lost its row: its epoch {self.epoch} "
                     "was taken over by another runner of the fleet"
                 )
@@ -437,7 +437,7 @@ class PostgresStore(Opening):
             if failed is not None:
                 logger.info("%s: runner %s renewed its row again", self.dsn, self.member)
             return alive
-        fenced = StateStorageError(
+        fenced = RunnerFencedError(
             f"{self.dsn}: runner {self.member} could not renew its row within {trust:g} s "
             "of the last renewal sent; it may be taken over, so it stops serving"
             + (f" (last failure: {failed.detail})" if failed is not None else "")
