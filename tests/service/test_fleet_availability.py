@@ -36,11 +36,20 @@ from .test_fleet_processes import (
     FLEET_OPERATOR_TOKEN,
     child_of,
     member,
-    tokens,  # noqa: F401  (the fixture)
 )
 
 SESSION_LEASE = 3.0
 RENEW_EVERY = 0.5
+
+
+@pytest.fixture(name="tokens")
+def fleet_tokens(tmp_path: Path) -> tuple[Path, Path]:
+    """The hosts' and operators' token files every runner is given."""
+    paths = tmp_path / "hosts-token", tmp_path / "operator-token"
+    for path, token in zip(paths, (FLEET_HOSTS_TOKEN, FLEET_OPERATOR_TOKEN), strict=True):
+        path.write_text(token + "\n")
+        path.chmod(0o600)
+    return paths
 
 
 @pytest.fixture
@@ -54,9 +63,10 @@ def cluster() -> Iterator[Cluster]:
 def two_runners(
     tmp_path: Path, tokens: tuple[Path, Path], store: str, *flags: str
 ) -> Iterator[tuple[Runner, Runner]]:
-    with member(tmp_path, tokens, store, "r1", *flags) as r1, member(
-        tmp_path, tokens, store, "r2", *flags
-    ) as r2:
+    with (
+        member(tmp_path, tokens, store, "r1", *flags) as r1,
+        member(tmp_path, tokens, store, "r2", *flags) as r2,
+    ):
         yield r1, r2
 
 
