@@ -120,9 +120,11 @@ async def _open_store(config: RunnerConfig, advertise: str) -> _RunnerStore:
             await fleet.open()
         except StateStorageError as error:
             await fleet.aclose()
+            # Said once: the store's error begins with the database's name too.
+            detail = error.detail.removeprefix(f"{getattr(fleet, 'dsn', '')}: ")
             raise StartupError(
                 f"cannot open the fleet's store at {_without_password(config.store or '')}: "
-                f"{error.detail}"
+                f"{detail}"
             ) from error
         return fleet
     store = SqliteStore(config.state / "runner.db")
