@@ -361,6 +361,7 @@ async def test_connections_have_keepalives_timeouts_and_a_user_timeout(
             probe.detach()
         assert connection.execute("SHOW statement_timeout").fetchone() == ("7s",)
         assert connection.execute("SHOW lock_timeout").fetchone() == ("7s",)
+        assert connection.execute("SHOW idle_in_transaction_session_timeout").fetchone() == ("7s",)
         connection.rollback()
 
 

@@ -492,10 +492,13 @@ MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
 
 def session_settings(timeout: str, schema: str) -> sql.Composed:
     """A new connection's settings: ``timeout`` (a PostgreSQL interval, ``"10000ms"``) for
-    every statement and every wait for a lock, and the store's schema as the search path."""
+    every statement, every wait for a lock, and a transaction left idle (a runner frozen
+    between a statement and its commit holds its locks: on its own row, which a takeover
+    must lock, until the server ends its session), and the store's schema as the search
+    path."""
     return sql.SQL(
         "SET statement_timeout = {timeout}; SET lock_timeout = {timeout}; "
-        "SET search_path = {schema}"
+        "SET idle_in_transaction_session_timeout = {timeout}; SET search_path = {schema}"
     ).format(timeout=sql.Literal(timeout), schema=sql.Identifier(schema))
 
 

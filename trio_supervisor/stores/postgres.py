@@ -74,6 +74,9 @@ POLL: Final = 0.2
 # The longest a runner takes to hear of a supersede it missed the notification of: its
 # periodic check of live keys runs at least this often.
 MOST_CHECK: Final = 1.0
+# How many failed takeovers an open waiting for a dead runner's older generation tries
+# again (each is bounded by the store's lock timeout) before it fails.
+TAKEOVER_TRIES: Final = 3
 
 
 class PostgresStore(Opening):
@@ -321,6 +324,7 @@ class PostgresStore(Opening):
         """
         key, generation = handle.key, handle.generation
         deadlines: dict[str, float] = {}  # each live holder's, from when it was first seen
+        failed_takeovers = 0
         while True:
             # The event of the next notified stop is taken before the look, so a stop
             # notified while the look runs wakes this wait at once.
@@ -351,7 +355,15 @@ class PostgresStore(Opening):
                         )
             taken = 0
             for runner, epoch in dead.items():
-                taken += len(await self._submit(Job("takeover", args=(runner, epoch))))
+                try:
+                    taken += len(await self._submit(Job("takeover", args=(runner, epoch))))
+                except StateStorageError as error:
+                    # Its row may still be locked by its frozen incarnation, until the
+                    # server ends that idle transaction: tried again at the next look.
+                    failed_takeovers += 1
+                    if failed_takeovers > TAKEOVER_TRIES:
+                        raise
+                    logger.warning("%s; trying again", error)
             if taken:
                 continue  # look again at once: those records are Stopped now
             with realtime.bounded(POLL):
