@@ -16,7 +16,8 @@ is what the issue promises a fleet does (docs/design.md, "The fleet"):
 * failover: a dead runner's sessions answer HolderLost until the takeover, and a chain of
   opens across it ends without a 500;
 * drain: a fleet restarted runner by runner while hosts work;
-* chaos: all of it at random while hosts work, checked from their history.
+* chaos: all of it at random while hosts work, with the database's server restarted,
+  stopped past the runners' trust and failed over, checked from their history.
 
 Waits are bounded polls (``until``); the one timing assertion is a lower bound that
 says a takeover did not come early.
@@ -56,6 +57,7 @@ from trio_supervisor import (
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.executions._groups import read_stat
 
+from ..support.clusters import own_clusters
 from ..support.processes import SHUTDOWN, process_state, reap_orphans, running
 from ..support.runners import Runner, serving
 from ..support.tcp_proxy import TcpProxy
@@ -542,12 +544,15 @@ class Statuses(httpx.AsyncBaseTransport):
 
 
 async def test_a_fleet_under_chaos_keeps_every_promise(
-    tmp_path: Path, tokens: tuple[Path, Path], database: str
+    tmp_path: Path, tokens: tuple[Path, Path]
 ) -> None:
-    """Three runners; hosts open, load, renew and dispose over a handful of keys while a
+    """Three runners on a primary and its synchronous standby of the test's own (a
+    multi-host URL); hosts open, load, renew and dispose over a handful of keys while a
     chaos loop kills runners (-9), freezes them past their takeover (SIGSTOP, then
-    SIGCONT: fenced, they poison themselves, and are restarted), drains and restarts
-    them, one at a time. From the history of every acknowledged reply: each (key,
+    SIGCONT: fenced, they heal themselves, and are restarted), drains and restarts them,
+    one at a time, and restarts the database's server, stops it past the runners' trust
+    (each fenced, each healing by itself), or fails it over to the standby (once). From
+    the history of every acknowledged reply: each (key,
     generation) handed out once; each key's generations acknowledged in increasing order;
     at each open, no older generation of its key still running a child; every child gone
     within the takeover margin once the hosts stop; no 5xx other than 503; nothing
@@ -562,13 +567,22 @@ async def test_a_fleet_under_chaos_keeps_every_promise(
     done = trio.Event()
     actions: list[str] = []
     with contextlib.ExitStack() as stack:
+        made = stack.enter_context(own_clusters())
+        servers = [made.primary("chaos")]
+        servers.append(made.standby(servers[0], "chaos_standby", synchronous=True))
+        database = (
+            f"postgresql://postgres@127.0.0.1:{servers[0].port},127.0.0.1:{servers[1].port}"
+            "/postgres?target_session_attrs=read-write"
+        )
+        flags = ("--store-wait", "1")
         current = {
-            name: stack.enter_context(member(tmp_path, tokens, database, name)) for name in names
+            name: stack.enter_context(member(tmp_path, tokens, database, name, *flags))
+            for name in names
         }
 
         async def start(name: str) -> None:
             current[name] = await trio.to_thread.run_sync(
-                stack.enter_context, member(tmp_path, tokens, database, name)
+                stack.enter_context, member(tmp_path, tokens, database, name, *flags)
             )
 
         async def host(number: int) -> None:
@@ -625,7 +639,25 @@ async def test_a_fleet_under_chaos_keeps_every_promise(
                 await trio.sleep(chance.uniform(0.5, 2.0))
                 name = chance.choice(names)
                 victim = current[name]
-                action = chance.choice(["kill", "freeze", "drain"])
+                action = chance.choice(
+                    ["kill", "freeze", "drain", "restart", "outage"]
+                    + (["failover"] if len(servers) > 1 else [])
+                )
+                if action in ("restart", "outage", "failover"):
+                    actions.append(f"{action} the database")
+                    primary = servers[0]
+                    if action == "restart":
+                        await trio.to_thread.run_sync(primary.restart)
+                    elif action == "outage":
+                        # Past every runner's trust: each is fenced and heals (B2, B5).
+                        await trio.to_thread.run_sync(primary.stop)
+                        await trio.sleep(2 * RUNNER_LEASE)
+                        await trio.to_thread.run_sync(primary.start)
+                    else:
+                        await trio.to_thread.run_sync(primary.kill)
+                        await trio.to_thread.run_sync(servers[1].promote)
+                        del servers[0]
+                    continue
                 actions.append(f"{action} {name}")
                 if action == "kill":
                     victim.process.kill()
