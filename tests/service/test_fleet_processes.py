@@ -407,6 +407,26 @@ async def test_b5_a_runner_cut_off_past_its_trust_reaps_its_children_and_heals_i
         assert acknowledged <= set(rows), "an acknowledged Open record is gone"
 
 
+async def test_b5_a_runner_past_its_restart_limit_reaps_its_children_and_exits_3(
+    tmp_path: Path, tokens: tuple[Path, Path], database: str
+) -> None:
+    """B5: with ``--restart-limit 0/600`` the first poisoning is past the limit: the runner
+    stops its sessions, reaps its children and exits 3, for its service manager."""
+    with TcpProxy(("127.0.0.1", 5432)) as proxy:
+        store = proxy.url(database)
+        flags = ("--store-wait", "0.5", "--restart-limit", "0/600")
+        with member(tmp_path, tokens, store, "limited", *flags) as runner:
+            async with hosts([runner]) as (host,):
+                record = await host.open(KEY, "held", lease=SESSION_LEASE)
+                await host.load(record.handle, Load(specifier="heartbeat:main"))
+                pid = await child_of(host, record.handle)
+                proxy.cut()
+                with trio.fail_after(30):
+                    assert await runner.wait() == 3, runner.stderr()
+            assert process_state(pid) is None, "the child outlived its runner"
+            assert "the runner gives up and exits 3" in runner.stderr()
+
+
 async def test_a_fleet_of_three_is_restarted_runner_by_runner_by_drain_while_hosts_work(
     tmp_path: Path, tokens: tuple[Path, Path], database: str
 ) -> None:
