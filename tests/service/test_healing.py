@@ -59,7 +59,9 @@ def test_b5_each_poisoning_is_counted_under_its_cause(error: SupervisorError, ca
     text = generate_latest(metrics.registry).decode()
     assert f'trio_supervisor_restarts_total{{cause="{cause}"}} 1.0' in text
     assert "trio_supervisor_restarting 1.0" in text
-    assert healer.why is not None and cause in healer.why and str(error) in healer.why
+    assert healer.why is not None
+    assert cause in healer.why
+    assert str(error) in healer.why
 
 
 async def test_b5_restarts_back_off_doubling_to_a_ceiling_and_give_up_past_the_limit(
@@ -76,7 +78,8 @@ async def test_b5_restarts_back_off_doubling_to_a_ceiling_and_give_up_past_the_l
     assert (FIRST_BACKOFF, LAST_BACKOFF) == (1.0, 30.0)
     # The eighth within the window is past the limit: the runner gives up.
     assert not healer.poisoned(StateStorageError("failed again"))
-    assert healer.why is not None and "gave up after 7 restarts within 600 s" in healer.why
+    assert healer.why is not None
+    assert "gave up after 7 restarts within 600 s" in healer.why
 
 
 def test_b5_a_limit_of_zero_gives_up_at_the_first_poisoning() -> None:
@@ -128,6 +131,7 @@ async def test_b5_while_restarting_the_runner_answers_why_and_keeps_its_guards()
         assert scraped.status_code == 200
         assert "trio_supervisor_restarting 1.0" in scraped.text
         page = await client.get("/")
-        assert page.status_code == 200 and "RunnerRestarting" in page.text
+        assert page.status_code == 200
+        assert "RunnerRestarting" in page.text
         unknown = await client.get("/no/such/path")
         assert unknown.status_code == 404
