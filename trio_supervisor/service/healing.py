@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 FIRST_BACKOFF: Final = 1.0  # seconds before the first restart
 LAST_BACKOFF: Final = 30.0  # the longest back-off; an incarnation this stable resets it
+SAY_EVERY: Final = 60.0  # seconds between two log lines of a new incarnation that cannot start
 # Exit status of a runner past its restart limit: neither 0 (a clean stop) nor 1 (a
 # failed start or a second signal), so that a service manager can tell.
 GAVE_UP: Final = 3
@@ -101,6 +102,7 @@ class Healer:
         self._restarts: collections.deque[float] = collections.deque()
         self._backoff = FIRST_BACKOFF
         self._serving_since: float | None = None
+        self._said: float | None = None  # when a failed start was last logged
 
     @property
     def retry_after(self) -> float:
@@ -110,6 +112,7 @@ class Healer:
     def serving(self) -> None:
         """An incarnation serves from now on."""
         self.why = None
+        self._said = None
         self._serving_since = time.monotonic()
         self._metrics.restarting.set(0)
 
@@ -170,10 +173,13 @@ class Healer:
         self._backoff = min(2 * self._backoff, LAST_BACKOFF)
 
     def failed_start(self, error: BaseException) -> None:
-        """A new incarnation could not start (its store does not answer, or recovery
-        failed): it is tried again after the next back-off, uncounted."""
+        """A new incarnation could not start (its store does not answer, or its recovery
+        failed): it is tried again, uncounted. Said once per minute at most."""
         self.why = f"restarting: cannot start a new incarnation yet: {error}"
-        logger.warning("%s; trying again in %g s", self.why, self._backoff)
+        now = time.monotonic()
+        if self._said is None or now - self._said >= SAY_EVERY:
+            self._said = now
+            logger.warning("%s; trying again until it can", self.why)
 
 
 class Front:

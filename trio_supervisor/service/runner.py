@@ -66,7 +66,7 @@ from .capacity import capacity_of, runner_admission
 from .config import ConfigError, RunnerConfig
 from .drain import Drain
 from .fleet import Fleet
-from .healing import GAVE_UP, LAST_BACKOFF, Front, Healer, asgi, restarting_app
+from .healing import GAVE_UP, Front, Healer, asgi, restarting_app
 from .metrics import Metrics, timed
 from .tenants import Tenants, TenantsError, token_hash
 from .tenants_file import Roster
@@ -76,6 +76,7 @@ __all__ = ["StartupError", "run_runner"]
 logger = logging.getLogger(__name__)
 
 GRACEFUL_SECONDS: Final = 5.0  # how long the server lets requests in flight finish
+REOPEN_PAUSE: Final = 0.25  # seconds between two tries of a store a new incarnation waits for
 
 
 class StartupError(Exception):
@@ -275,26 +276,25 @@ async def _reopen(
     config: RunnerConfig, advertise: str, healer: Healer, stop_serving: trio.Event
 ) -> _RunnerStore | None:
     """The store opened again for a new incarnation (a new epoch in a fleet), after the
-    back-off, trying until it answers; None when the runner is to stop meanwhile."""
+    back-off; None when the runner is to stop meanwhile. A store that does not answer is
+    tried again at once (each try waits ``store_wait`` for it), so that the runner serves
+    within moments of the database's return, whatever the back-off had grown to."""
+    async with trio.open_nursery() as pausing:
+        # A signal ends the back-off at once.
+        async def stop() -> None:
+            await stop_serving.wait()
+            pausing.cancel_scope.cancel()
+
+        pausing.start_soon(stop)
+        await healer.pause()
+        pausing.cancel_scope.cancel()
     while not stop_serving.is_set():
-        with trio.move_on_after(LAST_BACKOFF + 1) as waited:
-            # A signal ends the back-off at once.
-            async with trio.open_nursery() as pausing:
-
-                async def stop() -> None:
-                    await stop_serving.wait()
-                    pausing.cancel_scope.cancel()
-
-                pausing.start_soon(stop)
-                await healer.pause()
-                pausing.cancel_scope.cancel()
-        if stop_serving.is_set():
-            return None
-        assert not waited.cancelled_caught
         try:
             return await _open_store(config, advertise)
         except (StartupError, StateStorageError) as error:
             healer.failed_start(error)
+        with trio.move_on_after(REOPEN_PAUSE):
+            await stop_serving.wait()
     return None
 
 

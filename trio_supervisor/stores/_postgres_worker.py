@@ -359,7 +359,8 @@ class Worker:
                     logger.warning("%s; trying again", text)
                 self._down = failure if isinstance(failure, StoreUnavailableError) else None
             return failure
-        if self._down is not None:
+        if self._down is not None and self._connection is not None:
+            # Only a connection says so (closing without one talks to nobody).
             logger.info("%s: the store answers again", self.settings.shown)
             self._down = None
         return None
