@@ -414,7 +414,9 @@ class Worker:
         try:
             identity: object = connection.execute(SERVER_IDENTITY).fetchone()
         except psycopg.errors.InsufficientPrivilege:
-            identity = None  # pg_control_system() is for superusers and pg_monitor
+            # Where pg_control_system() is revoked, the timeline alone tells a failover.
+            connection.rollback()
+            identity = None
         connection.commit()
         server = (identity, str(walfile)[:8])  # a WAL file's name begins with its timeline
         if self._server is not None and server != self._server:
