@@ -4,7 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from . import child, control, dbcost, durable, fleet, loop, memory, recovery, service, tenants
+from . import (
+    availability,
+    child,
+    control,
+    dbcost,
+    durable,
+    fleet,
+    loop,
+    memory,
+    recovery,
+    service,
+    tenants,
+)
 from .measure import Result, Table
 
 # Each group runs its scenarios (or counts, in tables); the order puts the cheap ones first.
@@ -19,4 +31,7 @@ GROUPS: dict[str, Callable[[bool, int], Sequence[Result | Table]]] = {
     "service": service.run,
     "tenants": tenants.run,  # service.cycle.tenants, service.flood: a real serve
     "child": child.run,
+    # Real runners on PostgreSQL clusters of its own, restarted, stopped and failed over
+    # (tests/support/clusters.py: the test packages); about four minutes.
+    "availability": availability.run,
 }
