@@ -15,8 +15,8 @@ whichever of them takes writes.
   were lost finds them missing, writes them back, says so (CRITICAL) and counts them.
 
 B6 runs four ways (``Missed``): the runner rides through the failover (its trust
-outlasts it), which passes; and three that show gaps of the product, marked as strict
-xfails that assert what the design promises (see MISSED).
+outlasts it); a Stopped record is among what was lost; both runners are fenced by the
+failover and heal; and the runner that did not lose writes opens first (see MISSED).
 
 Waits are bounded polls (``until``) or the client's own waiting (``retry_for``).
 """
@@ -448,41 +448,16 @@ class Missed:
 
 MISSED = [
     pytest.param(Missed(), id="the-runner-rides-through"),
-    # Product gaps (issue 50, item 8): each variant asserts what the design promises,
-    # and fails today as its reason says; strict, so that a fix turns it into a failure
-    # to remove the mark.
-    pytest.param(
-        Missed(live_across=True),
-        id="a-stopped-record-is-lost",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="a Stopped record the failover lost leaves its generation live in the "
-            "database under a runner that holds no session of it; nothing stops it (the "
-            "restore rewrites only what its runner holds live, a supersede stops only "
-            "sessions held), so each open of the key on another runner fails after the "
-            "stop bound with 500 TerminationUnconfirmed",
-        ),
-    ),
-    pytest.param(
-        Missed(runner_lease=1.0, fenced=True),
-        id="both-runners-fenced",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="a runner fenced during the failover heals with a new store that "
-            "remembers nothing the old incarnation wrote: no lost write is found (no "
-            "CRITICAL, lost_writes 0) and acknowledged generations are handed out again",
-        ),
-    ),
-    pytest.param(
-        Missed(first="r2"),
-        id="the-other-runner-opens-first",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="lost writes are looked for only before the next write of the runner "
-            "that made them; until then another runner answers from the old high-water, "
-            "and a host that opens with it gets an acknowledged generation again",
-        ),
-    ),
+    # A Stopped record the failover lost: its runner writes it back, as any record it
+    # wrote last and the database lost (else the key's generation would stay live under
+    # a runner that holds no session of it, and every later open fail its stop bound).
+    pytest.param(Missed(live_across=True), id="a-stopped-record-is-lost"),
+    # Both runners fenced during the failover: each new incarnation's store is handed
+    # what the last one wrote, and finds what was lost.
+    pytest.param(Missed(runner_lease=1.0, fenced=True), id="both-runners-fenced"),
+    # The other runner opens first: after a change of server no runner hands out a
+    # generation until every live one checked its writes on the new one.
+    pytest.param(Missed(first="r2"), id="the-other-runner-opens-first"),
 ]
 
 
@@ -499,7 +474,7 @@ async def test_b6_a_promoted_asynchronous_standby_that_missed_commits_hands_out_
     opened with the last generation it was told of (after a StaleSessionError, with the
     high-water the runner says, as a host would). No generation told before the failover
     is handed out again; each open gets the next one; r1 said CRITICAL, and counted what
-    was lost. (``Missed`` and MISSED: the ways it goes, and the product's gaps.)"""
+    was lost. (``Missed`` and MISSED: the ways it goes.)"""
     key = Key(identity="failover", instance="k")
     o0, o1 = (Key(identity="failover", instance=f"o{n}") for n in range(2))
     acknowledged: list[tuple[Key, int, str]] = []  # key, generation, its runner

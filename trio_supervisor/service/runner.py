@@ -95,8 +95,9 @@ class _Closable(Protocol):
 class _RunnerStore(Store, _Closable, Protocol): ...
 
 
-def _fleet_store(config: RunnerConfig, advertise: str) -> _RunnerStore:
-    """The fleet's ``PostgresStore`` (the ``postgres`` extra), not yet opened."""
+def _fleet_store(config: RunnerConfig, advertise: str, memory: Any = None) -> _RunnerStore:
+    """The fleet's ``PostgresStore`` (the ``postgres`` extra), not yet opened; ``memory``
+    is the last incarnation's store's (B6)."""
     with needs_extra("postgres", "a runner with --store postgresql://...", "psycopg"):
         # Imported here: a runner of its own needs neither psycopg nor this module.
         from ..stores.postgres import PostgresStore
@@ -108,15 +109,17 @@ def _fleet_store(config: RunnerConfig, advertise: str) -> _RunnerStore:
         advertise=advertise,
         runner_lease=config.runner_lease,
         store_wait=config.store_wait,
+        memory=memory,
     )
     return store
 
 
-async def _open_store(config: RunnerConfig, advertise: str) -> _RunnerStore:
+async def _open_store(config: RunnerConfig, advertise: str, memory: Any = None) -> _RunnerStore:
     """The runner's store, opened; a store another process holds, or a database out of
-    reach, is a :class:`StartupError`."""
+    reach, is a :class:`StartupError`. ``memory``: what the store of the runner's last
+    incarnation remembers of its writes (a fleet's), handed on (B6)."""
     if config.fleet:
-        fleet = _fleet_store(config, advertise)
+        fleet = _fleet_store(config, advertise, memory)
         try:
             await fleet.open()
         except StateStorageError as error:
@@ -273,7 +276,7 @@ async def _until_stopped_or_poisoned(
 
 
 async def _reopen(
-    config: RunnerConfig, advertise: str, healer: Healer, stop_serving: trio.Event
+    config: RunnerConfig, advertise: str, healer: Healer, stop_serving: trio.Event, memory: Any
 ) -> _RunnerStore | None:
     """The store opened again for a new incarnation (a new epoch in a fleet), after the
     back-off; None when the runner is to stop meanwhile. A store that does not answer is
@@ -290,7 +293,7 @@ async def _reopen(
         pausing.cancel_scope.cancel()
     while not stop_serving.is_set():
         try:
-            return await _open_store(config, advertise)
+            return await _open_store(config, advertise, memory)
         except (StartupError, StateStorageError) as error:
             healer.failed_start(error)
         with trio.move_on_after(REOPEN_PAUSE):
@@ -544,7 +547,9 @@ async def run_runner(
                             break
                     finally:
                         lost_before += getattr(store, "lost_writes", 0)
-                    reopened = await _reopen(config, advertise, healer, stop_serving)
+                    reopened = await _reopen(
+                        config, advertise, healer, stop_serving, getattr(store, "memory", None)
+                    )
                     if reopened is None:
                         break
                     store = reopened

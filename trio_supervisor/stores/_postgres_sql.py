@@ -68,7 +68,7 @@ __all__ = [
     "session_settings",
 ]
 
-SCHEMA_VERSION: Final = 4
+SCHEMA_VERSION: Final = 5
 
 # pg_advisory_xact_lock's key for creating or migrating the schema: "trio_sup" in ASCII.
 MIGRATION_LOCK: Final = 0x7472696F5F737570
@@ -477,6 +477,9 @@ _VERSION_3 = ("ALTER TABLE runners ADD COLUMN draining boolean NOT NULL DEFAULT 
 # clock): renewals of a session's lease write nothing (R6), so the fleet's other runners
 # read its age and lease left from here (GET /v1/sessions).
 _VERSION_4 = ("ALTER TABLE runners ADD COLUMN session_times jsonb NOT NULL DEFAULT '{}'",)
+# Which server each runner last checked its writes on (B6): after a failover, no runner
+# hands out a generation until every live one has.
+_VERSION_5 = ("ALTER TABLE runners ADD COLUMN checked text NOT NULL DEFAULT ''",)
 
 MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     # From version N - 1 to N: the statements, run in order.
@@ -485,6 +488,7 @@ MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     2: _VERSION_2,
     3: _VERSION_3,
     4: _VERSION_4,
+    5: _VERSION_5,
 }
 
 # -- every connection: its settings, and the listener's channel ------------------------
@@ -567,9 +571,16 @@ SERVER_IDENTITY: Final = "SELECT system_identifier FROM pg_control_system()"
 # server session to several clients shows it.
 POOL_MARK: Final = "SELECT set_config('trio_supervisor.pool_mark', %s, false)"
 POOL_SEEN: Final = "SELECT current_setting('trio_supervisor.pool_mark', true)"
-# After a failover: the generations the tokens still hold, the keys whose mark is below
-# what this runner handed out, and those marks raised back.
-LIVE_GENERATIONS: Final = "SELECT token, generation FROM records WHERE token = ANY(%s)"
+# After a failover: how far on the tokens' rows are, the keys whose mark is below what
+# this runner handed out, and those marks raised back.
+WRITTEN_PHASES: Final = "SELECT token, phase FROM records WHERE token = ANY(%s)"
+# A runner checked its writes on a server (or registered on it); the live runners that
+# have not checked on the one a runner sees.
+CHECKED: Final = "UPDATE runners SET checked = %s WHERE runner_id = %s AND epoch = %s"
+UNCHECKED: Final = (
+    "SELECT runner_id FROM runners WHERE runner_id <> %s AND checked <> %s "
+    "AND lease_until > clock_timestamp() ORDER BY runner_id"
+)
 LOW_MARKS: Final = (
     "SELECT k.identity, k.instance FROM unnest(%s::text[], %s::text[], %s::bigint[]) "
     "AS k (identity, instance, generation) LEFT JOIN high_water h "

@@ -44,6 +44,7 @@ from ..model import (
     FleetRecord,
     Key,
     OpenRecord,
+    Phase,
     QuotaClaim,
     RunnerInfo,
     SessionRecord,
@@ -56,6 +57,7 @@ from ._jobs import Job, deliver, next_batch
 from ._postgres_connection import Settings, Watchdog
 from ._postgres_patterns import identity_regex
 from ._postgres_sql import (
+    CHECKED,
     CLEAR_SCHEMA_VERSION,
     CREATE_SCHEMA_VERSION,
     DEAD,
@@ -69,7 +71,6 @@ from ._postgres_sql import (
     HIGH_WATER,
     LANDED,
     LIST,
-    LIVE_GENERATIONS,
     LOOKUP,
     LOW_MARKS,
     MARKS,
@@ -92,7 +93,9 @@ from ._postgres_sql import (
     SERVER,
     SERVER_IDENTITY,
     TAKE_MIGRATION_LOCK,
+    UNCHECKED,
     WRITE_SCHEMA_VERSION,
+    WRITTEN_PHASES,
     Kind,
     create_schema,
 )
@@ -102,7 +105,7 @@ with needs_extra("postgres", "trio_supervisor.stores.postgres", "psycopg"):
     import psycopg
     from psycopg.types.json import Jsonb
 
-__all__ = ["Worker", "migrate"]
+__all__ = ["Memory", "Worker", "migrate"]
 
 logger = logging.getLogger("trio_supervisor.stores.postgres")
 
@@ -117,9 +120,9 @@ LAST_PAUSE: Final = 0.25
 # (57P01-57P03), and a server that is read-only (25006: a standby, or a primary that
 # was demoted), where the next connection may reach the new primary.
 UNAVAILABLE_STATES: Final = ("57P01", "57P02", "57P03", "25006")
-# How many keys' last generations a worker remembers, to raise them again should the
-# database lose writes (a failover to a standby that missed the last commits).
-REMEMBERED_MARKS: Final = 1 << 16
+# How many tokens' last records and keys' last generations a runner remembers, to write
+# them again should the database lose them (a failover to a standby that missed them).
+REMEMBERED: Final = 1 << 16
 
 
 def unavailable(error: BaseException, connection: psycopg.Connection[Any] | None) -> bool:
@@ -148,6 +151,43 @@ def _hung_up(connection: psycopg.Connection[Any]) -> bool:
     return bool(readable)
 
 
+_PHASES: Final = [phase.value for phase in Phase]  # the order a record moves in
+
+
+class Memory:
+    """What a runner wrote, which a failover to a standby that missed it would take back
+    (B6), and the server it wrote it to; handed from one incarnation's store to the next.
+
+    Attributes:
+        server: The server last seen, as its system identifier and timeline.
+        check_lost: Whether the server changed since, and its writes are to be checked.
+        written: The last record saved of each of the latest tokens, with its body.
+        handed: The highest generation saved of each of the latest keys.
+    """
+
+    def __init__(self) -> None:
+        self.server: str | None = None
+        self.check_lost = False
+        self.written: dict[str, tuple[SessionRecord, str]] = {}
+        self.handed: dict[Key, int] = {}
+
+    def wrote(self, rows: Iterable[tuple[SessionRecord, str]]) -> None:
+        """Take in the records of a save that landed (the oldest forgotten first)."""
+        written, handed = self.written, self.handed
+        for record, body in rows:
+            handle = record.handle
+            written.pop(handle.token, None)
+            written[handle.token] = (record, body)
+            if len(written) > REMEMBERED:
+                del written[next(iter(written))]
+            key = handle.key
+            if handed.get(key, 0) < handle.generation:
+                handed.pop(key, None)
+                handed[key] = handle.generation
+                if len(handed) > REMEMBERED:
+                    del handed[next(iter(handed))]
+
+
 class _Standby(psycopg.OperationalError):
     """The connection reached a server in recovery: it takes no writes (B4)."""
 
@@ -162,7 +202,9 @@ class Worker:
     callers get; no failure ends the thread, which would leave its callers waiting.
     """
 
-    def __init__(self, settings: Settings, jobs: queue.SimpleQueue[Job]) -> None:
+    def __init__(
+        self, settings: Settings, jobs: queue.SimpleQueue[Job], memory: Memory | None = None
+    ) -> None:
         self.settings = settings
         self._jobs = jobs
         # Written by this thread only, read by anyone.
@@ -178,14 +220,12 @@ class Worker:
         # outcome unknown until a look tells), and since when the store is unreachable.
         self._sent = False
         self._down: StoreUnavailableError | None = None
-        # The server's identity (system identifier, timeline) as last seen; a change
-        # means a failover, whose new primary may lack the last commits (B6).
-        self._server: tuple[object, object] | None = None
-        self._check_lost = False
-        # What this incarnation wrote that a lost write would take back: its live
-        # records' last rows by token, and the highest generation it wrote per key.
-        self._live: dict[str, tuple[SessionRecord, str]] = {}
-        self._handed: dict[Key, int] = {}
+        # What this runner wrote, and the server it last saw (B6): handed on from the
+        # store of its last incarnation, so that one fenced by a failover remembers.
+        self.memory = memory if memory is not None else Memory()
+        # Set when this worker saw the server change, until every live runner of the
+        # fleet checked its writes on the new one (PostgresStore.lookup waits for it).
+        self.failover_pending = False
 
     def run(self) -> None:
         jobs = self._jobs
@@ -399,6 +439,10 @@ class Worker:
                 connection.close()
                 raise
             self._connection = connection
+            if self.memory.check_lost and self.epoch:
+                # B6: at once, before this job writes, and before another runner of the
+                # fleet hands out a generation this one handed out (they wait for it).
+                self._restore(connection)
         return self._connection
 
     def _meet(self, connection: psycopg.Connection[Any]) -> None:
@@ -418,17 +462,20 @@ class Worker:
             connection.rollback()
             identity = None
         connection.commit()
-        server = (identity, str(walfile)[:8])  # a WAL file's name begins with its timeline
-        if self._server is not None and server != self._server:
+        # A WAL file's name begins with its timeline: a promoted standby starts a new one.
+        server = f"{identity[0] if isinstance(identity, tuple) else '?'}/{str(walfile)[:8]}"
+        memory = self.memory
+        if memory.server is not None and server != memory.server:
             logger.warning(
                 "%s: the store's server changed (from %s to %s: a failover?); this "
-                "runner's live records are checked before its next write",
+                "runner's records and marks are checked before anything else",
                 self.settings.shown,
-                self._server,
+                memory.server,
                 server,
             )
-            self._check_lost = True
-        self._server = server
+            memory.check_lost = True
+            self.failover_pending = True
+        memory.server = server
 
     # -- opening: the schema, then this runner's row ------------------------------------
 
@@ -447,6 +494,11 @@ class Worker:
         connection.commit()
         assert row is not None
         self.epoch = row[0]
+        if self.memory.check_lost:
+            self._restore(connection)  # the last incarnation's writes, on a new server
+        else:
+            connection.execute(CHECKED, (self.memory.server, runner, self.epoch))
+            connection.commit()
         twins = [other for other, where in others if where and where == settings.advertise]
         if twins:
             logger.warning(
@@ -513,8 +565,6 @@ class Worker:
     # -- saving ------------------------------------------------------------------------
 
     def _save(self, jobs: list[Job]) -> None:
-        if self._check_lost:
-            self._restore(self._connected())
         # A save's args are its quota claim, if it carries one (PostgresStore.save_within).
         claims = {index: job.args for index, job in enumerate(jobs) if job.args is not None}
         refused = self._write(
@@ -525,80 +575,71 @@ class Worker:
         self._remember(job for index, job in enumerate(jobs) if index not in refused)
 
     def _remember(self, jobs: Iterable[Job]) -> None:
-        """Keep what landed that a lost write would take back (B6): each live record's
-        last row, and each key's highest generation (the oldest keys forgotten first)."""
-        live, marks = self._live, self._handed
         for job in jobs:
-            for record, body in job.rows:
-                handle = record.handle
-                if isinstance(record, StoppedRecord):
-                    live.pop(handle.token, None)
-                else:
-                    live[handle.token] = (record, body)
-                key = handle.key
-                if marks.get(key, 0) < handle.generation:
-                    marks.pop(key, None)
-                    marks[key] = handle.generation
-                    if len(marks) > REMEMBERED_MARKS:
-                        del marks[next(iter(marks))]
+            self.memory.wrote(job.rows)
 
     def _restore(self, connection: psycopg.Connection[Any]) -> None:
-        """After a change of server: check that every live record of this incarnation is
-        there with its generation, and no key's mark is below what it handed out; write
-        back what the database lost (B6), and say so."""
-        tokens = list(self._live)
-        held = dict(connection.execute(LIVE_GENERATIONS, (tokens,)).fetchall())
+        """After a change of server: check that every record this runner wrote last is
+        there, at least as far on as it wrote it, and no key's mark is below what it
+        handed out; write back what the database lost (B6), say so, and check in, so
+        that the fleet's other runners may hand out generations again."""
+        memory = self.memory
+        written = memory.written
+        held = dict(connection.execute(WRITTEN_PHASES, (list(written),)).fetchall())
         lost = [
             rows
-            for token, rows in self._live.items()
-            if held.get(token) != rows[0].handle.generation
+            for token, rows in written.items()
+            # A Stopped record that is gone was evicted (retention); a row further on
+            # than this runner wrote it was moved on by the fleet (a takeover): both
+            # stay as they are.
+            if (token not in held and not isinstance(rows[0], StoppedRecord))
+            or (token in held and _PHASES.index(held[token]) < _PHASES.index(rows[0].phase.value))
         ]
-        keys = list(self._handed)
-        low = connection.execute(
-            LOW_MARKS,
-            (
-                [key.identity for key in keys],
-                [key.instance for key in keys],
-                [self._handed[key] for key in keys],
-            ),
-        ).fetchall()
-        connection.commit()
-        self._check_lost = False
-        if not lost and not low:
-            logger.info("%s: no write of this runner was lost", self.settings.shown)
-            return
-        connection.execute(
-            RAISE_MARKS,
-            (
-                [key.identity for key in keys],
-                [key.instance for key in keys],
-                [self._handed[key] for key in keys],
-            ),
+        keys = list(memory.handed)
+        marks = (
+            [key.identity for key in keys],
+            [key.instance for key in keys],
+            [memory.handed[key] for key in keys],
         )
+        low = connection.execute(LOW_MARKS, marks).fetchall()
+        if lost or low:
+            connection.execute(RAISE_MARKS, marks)
+        connection.execute(CHECKED, (memory.server, self.settings.runner_id, self.epoch))
+        connection.commit()
         if lost:
             # Written again as they were (no Open's compare-and-set: their generations
             # were handed out already), under this runner's epoch, which fences it.
             self._write(self.settings.runner_id, self.epoch, [lost], restore=True)
-        else:
-            connection.commit()
+        memory.check_lost = False
+        if not lost and not low:
+            logger.info("%s: no write of this runner was lost", self.settings.shown)
+            return
         self.lost_writes += len(lost) + len(low)
         logger.critical(
             "%s: the database lost writes of this runner (a failover to a standby that "
-            "had not received them): %d live record%s (%s) and %d high-water mark%s "
-            "below generations it handed out; written back, so no generation is handed "
-            "out twice by this runner. Only synchronous replication keeps every "
+            "had not received them): %d record%s (%s) and %d high-water mark%s below "
+            "generations it handed out; written back, so no generation is handed out "
+            "twice by the fleet's live runners. Only synchronous replication keeps every "
             "acknowledged write through a failover",
             self.settings.shown,
             len(lost),
             "" if len(lost) == 1 else "s",
             ", ".join(
-                f"{r.handle.key.identity}/{r.handle.key.instance}#{r.handle.generation}"
+                f"{r.handle.key.identity}/{r.handle.key.instance}#{r.handle.generation} "
+                f"{r.phase.value}"
                 for r, _ in lost
             )
             or "none",
             len(low),
             "" if len(low) == 1 else "s",
         )
+
+    def _unchecked(self, connection: psycopg.Connection[Any]) -> list[str]:
+        """The fleet's live runners that have not checked their writes on this server."""
+        rows = connection.execute(
+            UNCHECKED, (self.settings.runner_id, self.memory.server or "")
+        ).fetchall()
+        return [runner for (runner,) in rows]
 
     def _landed(self, jobs: list[Job], landed: set[int]) -> None:
         """Add to ``landed`` the index of every job of a batch that committed.
@@ -825,8 +866,6 @@ class Worker:
         self, connection: psycopg.Connection[Any], runner: str, seen: int
     ) -> list[StoppedRecord]:
         """Take a dead runner's records over, if its row still is as it was seen."""
-        if self._check_lost:
-            self._restore(connection)
         row = connection.execute(DEAD_ROW, (runner,)).fetchone()
         if row is None or row[0] != seen or not row[1]:
             return []  # it renewed, restarted, or another runner took it over first
@@ -863,6 +902,7 @@ _ACTIONS: Final = {
     "draining": "mark this runner draining",
     "marks": "check the high-water of live keys",
     "older": "look for older generations",
+    "unchecked": "look for runners that did not check their writes after a failover",
     "dead": "look for dead runners",
     "takeover": "take a dead runner's records over",
 }

@@ -56,13 +56,18 @@ from .. import realtime
 from .._defaults import takeover_margin
 from ..abc import FleetMember
 from ..codec import encode
-from ..errors import RunnerFencedError, StateStorageError, TerminationUnconfirmedError
+from ..errors import (
+    RunnerFencedError,
+    StateStorageError,
+    StoreUnavailableError,
+    TerminationUnconfirmedError,
+)
 from ..model import FleetRecord, Handle, Key, QuotaClaim, RunnerInfo, SessionRecord
 from ..realtime import outside_the_run
 from ..retention import Retention
 from ._jobs import Desk, Job, Opening
 from ._postgres_connection import Listener, Settings
-from ._postgres_worker import Worker
+from ._postgres_worker import Memory, Worker
 
 __all__ = ["PostgresStore"]
 
@@ -100,6 +105,10 @@ class PostgresStore(Opening):
             :class:`~trio_supervisor.errors.StoreUnavailableError` (docs/design.md, B1).
         schema: The PostgreSQL schema that holds the store's tables: fleets that share
             a database each use their own.
+        memory: What the store of this runner's last incarnation wrote, and the server
+            it wrote it to (its :attr:`memory`): a runner that makes a new incarnation
+            hands it on, so that writes a failover lost are found and written back even
+            when the failover fenced it (B6).
 
     Attributes:
         commits: How many write transactions this store has committed.
@@ -119,6 +128,7 @@ class PostgresStore(Opening):
         statement_timeout: float = 10.0,
         store_wait: float = defaults.STORE_WAIT,
         schema: str = "trio_supervisor",
+        memory: Memory | None = None,
     ) -> None:
         for name, value in (
             ("runner_lease", runner_lease),
@@ -144,6 +154,7 @@ class PostgresStore(Opening):
             store_wait=float(store_wait),
         )
         self._worker: Worker | None = None
+        self._memory = memory if memory is not None else Memory()
         self._desk = Desk(f"trio_supervisor postgres {self.dsn}", self.dsn, self._start)
         # How often run_member checks the live keys' high-water (tests make it rare).
         self._check_period = min(runner_lease / 3, MOST_CHECK)
@@ -184,6 +195,11 @@ class PostgresStore(Opening):
     def retention(self) -> Retention:
         """The retention policy this store applies."""
         return self._retention
+
+    @property
+    def memory(self) -> Memory:
+        """What this runner wrote, and the server it last saw (B6)."""
+        return self._memory
 
     @property
     def lost_writes(self) -> int:
@@ -256,7 +272,36 @@ class PostgresStore(Opening):
         """The key's high-water now, and its retained record opened with ``request_id``
         (whichever runner holds it), if any: one query."""
         found: tuple[int, SessionRecord | None] = await self._ask("lookup", key, request_id)
+        if self._worker is not None and self._worker.failover_pending:
+            # B6: after a failover, a mark here may be one another runner is still to
+            # raise back; the key is looked up again once every live runner checked.
+            await self._checked_by_all()
+            found = await self._ask("lookup", key, request_id)
         return found
+
+    async def _checked_by_all(self) -> None:
+        """Wait until every live runner of the fleet checked its writes on the server
+        this store sees (each does as it first meets it, or at its next renewal).
+
+        Raises:
+            StoreUnavailableError: Some still had not within ``store_wait``; the caller
+                may try again (nothing was written).
+        """
+        assert self._worker is not None
+        until = time.monotonic() + self._settings.store_wait
+        while True:
+            unchecked: list[str] = await self._ask("unchecked")
+            if not unchecked:
+                self._worker.failover_pending = False
+                return
+            if time.monotonic() >= until:
+                raise StoreUnavailableError(
+                    f"{self.dsn}: the database's server changed (a failover?), and "
+                    f"runner{'s' if len(unchecked) > 1 else ''} {', '.join(unchecked)} "
+                    "of the fleet did not check yet for writes it lost; no generation "
+                    "is handed out until each did, or its row expired"
+                )
+            await trio.sleep(POLL)
 
     async def runners(self) -> Sequence[RunnerInfo]:
         """Every runner of the fleet, by id."""
@@ -540,7 +585,7 @@ class PostgresStore(Opening):
         return await self._submit(Job(kind, args=args), abandonable=True)
 
     def _start(self, jobs: queue.SimpleQueue[Job]) -> Callable[[], None]:
-        self._worker = Worker(self._settings, jobs)
+        self._worker = Worker(self._settings, jobs, self._memory)
         return self._worker.run
 
     async def _submit(self, job: Job, *, abandonable: bool = False) -> Any:
