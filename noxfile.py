@@ -1,5 +1,5 @@
-"""Sessions: tests, lint, typecheck, build, examples, conformance, fleet, chaos, api, mutants,
-bench, bench-check."""
+"""Sessions: tests, lint, typecheck, build, examples, conformance, fleet, availability, chaos,
+api, mutants, bench, bench-check."""
 
 from __future__ import annotations
 
@@ -170,8 +170,9 @@ def api(session: nox.Session) -> None:
 
 @nox.session
 def chaos(session: nox.Session) -> None:
-    """The fleet's chaos test at length: three runners killed, frozen and drained at
-    random for 7 minutes while hosts work (``TRIO_SUPERVISOR_CHAOS_SECONDS``; the suite
+    """The fleet's chaos test at length: three runners killed, frozen and drained, and
+    their database restarted, stopped past their trust and failed over, at random for 7
+    minutes while hosts work (``TRIO_SUPERVISOR_CHAOS_SECONDS``; the suite
     runs it for 10 s). ``TRIO_SUPERVISOR_CHAOS_SEED`` replays a run's choices."""
     session.install("-e", ".[test]")
     seconds = os.environ.get("TRIO_SUPERVISOR_CHAOS_SECONDS", "420")
@@ -186,6 +187,31 @@ def chaos(session: nox.Session) -> None:
         "chaos",
         "-s",
         *session.posargs,
+    )
+
+
+@nox.session
+def availability(session: nox.Session) -> None:
+    """The fleet through its database at length (docs/design.md B1-B7): the suite's
+    restarts, outages, failovers, PgBouncer and full-disk tests, with the outage under
+    ``--runner-lease 60`` as long as a Patroni failover with its defaults (35 s; the
+    suite stops its server for 8 s), then the chaos test with the database's restarts,
+    outages and failover for 3 minutes."""
+    session.install("-e", ".[test]")
+    session.env["TRIO_SUPERVISOR_OUTAGE_SECONDS"] = "35"
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/service/test_fleet_availability.py",
+        "tests/service/test_fleet_failover.py",
+        "tests/service/test_store_availability.py",
+        *session.posargs,
+    )
+    session.env["TRIO_SUPERVISOR_CHAOS_SECONDS"] = "180"
+    session.env["PYTEST_TIMEOUT"] = "0"
+    session.run(
+        "python", "-m", "pytest", "tests/service/test_fleet_processes.py", "-k", "chaos", "-s"
     )
 
 

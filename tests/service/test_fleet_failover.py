@@ -50,16 +50,16 @@ from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.executions._groups import read_stat
 
 from ..support.clusters import Cluster, own_clusters
-from ..support.processes import process_state
-from ..support.runners import Runner
-from ..support.waits import until
-from .test_fleet_processes import (
+from ..support.members import (
     FLEET_HOSTS_TOKEN,
     FLEET_OPERATOR_TOKEN,
     SESSION_LEASE,
     child_of,
     member,
 )
+from ..support.processes import process_state
+from ..support.runners import Runner
+from ..support.waits import until
 
 STORE_WAIT = 2.0
 WORK = 3.0  # seconds the hosts work before the crash, and at least after the failover
@@ -98,16 +98,6 @@ TOLD = re.compile(
     r"server changed|lost writes|write of this runner|trying again|answers again|poisoned|"
     r"serving again|registered as epoch|left the fleet|CRITICAL"
 )
-
-
-@pytest.fixture
-def tokens(tmp_path: Path) -> tuple[Path, Path]:
-    """The token files both runners are given (as test_fleet_processes.py's)."""
-    hosts, operators = tmp_path / "hosts-token", tmp_path / "operator-token"
-    for path, token in ((hosts, FLEET_HOSTS_TOKEN), (operators, FLEET_OPERATOR_TOKEN)):
-        path.write_text(token + "\n")
-        path.chmod(0o600)
-    return hosts, operators
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,6 @@ import pytest
 import trio
 
 from trio_supervisor import (
-    Handle,
     Key,
     Load,
     LoadedRecord,
@@ -58,21 +57,25 @@ from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.executions._groups import read_stat
 
 from ..support.clusters import own_clusters
+from ..support.members import (
+    CONFIRMATION,
+    FLEET_HOSTS_TOKEN,
+    FLEET_OPERATOR_TOKEN,
+    GRACE,
+    MARGIN,
+    RUNNER_LEASE,
+    SESSION_LEASE,
+    child_of,
+    hosts,
+    member,
+    stored,
+)
 from ..support.processes import SHUTDOWN, process_state, reap_orphans, running
-from ..support.runners import Runner, serving
+from ..support.runners import Runner
 from ..support.tcp_proxy import TcpProxy
 from ..support.waits import until
 
 KEY = Key(identity="fleet", instance="one")
-RUNNER_LEASE = 1.0  # each runner's row: renewed every third of it
-SESSION_LEASE = 2.0  # each session's
-GRACE = 0.5
-CONFIRMATION = 1.0
-# F7: a dead runner's session is taken over once its row expired by the session's lease,
-# its grace, its confirmation and the children's switch slack (2 s).
-MARGIN = SESSION_LEASE + GRACE + CONFIRMATION + 2.0
-FLEET_HOSTS_TOKEN = "fleet-hosts-token-for-tests"
-FLEET_OPERATOR_TOKEN = "fleet-operator-token-for-tests"
 
 
 @pytest.fixture
@@ -83,48 +86,11 @@ def database(database: str) -> str:
     return database
 
 
-@pytest.fixture
-def tokens(tmp_path: Path) -> tuple[Path, Path]:
-    """The token files every runner of the fleet is given (copies, on real machines)."""
-    hosts, operators = tmp_path / "hosts-token", tmp_path / "operator-token"
-    for path, token in ((hosts, FLEET_HOSTS_TOKEN), (operators, FLEET_OPERATOR_TOKEN)):
-        path.write_text(token + "\n")
-        path.chmod(0o600)
-    return hosts, operators
-
-
 @pytest.fixture(autouse=True)
 def _no_orphans() -> Iterator[None]:
     yield
     # What a killed runner left comes back to the test process (a subreaper).
     reap_orphans()
-
-
-def member(
-    tmp_path: Path, tokens: tuple[Path, Path], store: str, name: str, *flags: str
-) -> contextlib.AbstractContextManager[Runner]:
-    """``serve`` as runner ``name`` of the fleet on ``store``."""
-    hosts, operators = tokens
-    return serving(
-        tmp_path / name,
-        "--store",
-        store,
-        "--runner-id",
-        name,
-        "--runner-lease",
-        str(RUNNER_LEASE),
-        "--lease",
-        str(SESSION_LEASE),
-        "--grace",
-        str(GRACE),
-        "--confirmation-timeout",
-        str(CONFIRMATION),
-        "--token-file",
-        str(hosts),
-        "--operator-token-file",
-        str(operators),
-        *flags,
-    )
 
 
 @contextlib.contextmanager
@@ -136,33 +102,6 @@ def fleet(
             stack.enter_context(member(tmp_path, tokens, store, f"r{number}"))
             for number in range(1, count + 1)
         ]
-
-
-@contextlib.asynccontextmanager
-async def hosts(runners: list[Runner]) -> AsyncIterator[list[RemoteSupervisor]]:
-    async with contextlib.AsyncExitStack() as stack:
-        yield [
-            await stack.enter_async_context(connect(runner.url, token=FLEET_HOSTS_TOKEN))
-            for runner in runners
-        ]
-
-
-def stored(url: str) -> dict[str, tuple[str, int, str]]:
-    """Every record row: token -> (runner, epoch, body)."""
-    with psycopg.connect(url, autocommit=True) as connection:
-        return {
-            token: (runner, epoch, body)
-            for token, runner, epoch, body in connection.execute(
-                "SELECT token, runner_id, epoch, body FROM trio_supervisor.records"
-            ).fetchall()
-        }
-
-
-async def child_of(host: RemoteSupervisor, handle: Handle) -> int:
-    record = await host.status(handle)
-    assert isinstance(record, LoadedRecord), record
-    assert record.child.pid is not None
-    return record.child.pid
 
 
 async def fleet_record(runner: Runner, generation: int) -> dict[str, Any] | None:

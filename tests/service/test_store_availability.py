@@ -44,17 +44,17 @@ from trio_supervisor.client import connect
 
 from ..support import ROOT
 from ..support.clusters import own_clusters
-from ..support.plugins import PLUGINS
-from ..support.processes import process_state, reap_orphans, running
-from ..support.runners import Runner, serving
-from ..support.waits import until
-from .test_fleet_processes import (
+from ..support.members import (
     FLEET_HOSTS_TOKEN,
     FLEET_OPERATOR_TOKEN,
     child_of,
     hosts,
     member,
 )
+from ..support.plugins import PLUGINS
+from ..support.processes import process_state, reap_orphans, running
+from ..support.runners import Runner, serving
+from ..support.waits import until
 
 KEY: Final = Key(identity="b7", instance="one")
 # A fleet runner's row with the default lease (10 s), trusted for 8 s unrenewed (F2): a
@@ -65,16 +65,6 @@ RUNNER_LEASE: Final = "10"
 # default) and a failed server login turns clients away for server_login_retry (15 s):
 # both longer than a runner waits for its store (--store-wait, 5 s).
 BOUNCER_OUTAGE: Final = {"query_wait_timeout": 2, "server_login_retry": 1}
-
-
-@pytest.fixture
-def tokens(tmp_path: Path) -> tuple[Path, Path]:
-    """The token files each runner is given (test_fleet_processes.py's tokens)."""
-    hosts, operators = tmp_path / "hosts-token", tmp_path / "operator-token"
-    for path, token in ((hosts, FLEET_HOSTS_TOKEN), (operators, FLEET_OPERATOR_TOKEN)):
-        path.write_text(token + "\n")
-        path.chmod(0o600)
-    return hosts, operators
 
 
 @pytest.fixture(autouse=True)

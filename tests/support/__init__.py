@@ -10,6 +10,10 @@ run real children also from tests/adapters/children.py), never from another test
   embedded or over the wire) and what opens and ends its sessions;
 * :mod:`.service`: a supervisor served in the test's own Trio run, its clients and tokens;
 * :mod:`.runners`: ``trio-supervisor serve`` processes (:func:`~.runners.serving`);
+* :mod:`.members`: such processes as the runners of a fleet (:func:`~.members.member`),
+  their timings, tokens and hosts;
+* :mod:`.clusters`: PostgreSQL clusters and PgBouncers of a test's own, to restart, stop
+  and fail over;
 * :mod:`.postgres`: the PostgreSQL server, the ``database`` fixture, schemas of a test's own;
 * :mod:`.tcp_proxy`: a proxy that pauses and cuts a runner's connections.
 

@@ -1,0 +1,109 @@
+"""The runners of a fleet as the tests run them: ``trio-supervisor serve`` processes on
+one database (``member``), with short timings, the token files they share (the
+``tokens`` fixture of tests/service/conftest.py), their hosts, and a look at what the
+database holds."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Final
+
+import psycopg
+
+from trio_supervisor import Handle, LoadedRecord
+from trio_supervisor.client import RemoteSupervisor, connect
+
+from .runners import Runner, serving
+
+__all__ = [
+    "CONFIRMATION",
+    "FLEET_HOSTS_TOKEN",
+    "FLEET_OPERATOR_TOKEN",
+    "GRACE",
+    "MARGIN",
+    "RUNNER_LEASE",
+    "SESSION_LEASE",
+    "child_of",
+    "hosts",
+    "member",
+    "stored",
+    "write_tokens",
+]
+
+RUNNER_LEASE: Final = 1.0  # each runner's row: renewed every third of it
+SESSION_LEASE: Final = 2.0  # each session's
+GRACE: Final = 0.5
+CONFIRMATION: Final = 1.0
+# F7: a dead runner's session is taken over once its row expired by the session's lease,
+# its grace, its confirmation and the children's switch slack (2 s).
+MARGIN: Final = SESSION_LEASE + GRACE + CONFIRMATION + 2.0
+FLEET_HOSTS_TOKEN: Final = "fleet-hosts-token-for-tests"
+FLEET_OPERATOR_TOKEN: Final = "fleet-operator-token-for-tests"
+
+
+def write_tokens(directory: Path) -> tuple[Path, Path]:
+    """The token files every runner of the fleet is given (copies, on real machines)."""
+    hosts, operators = directory / "hosts-token", directory / "operator-token"
+    for path, token in ((hosts, FLEET_HOSTS_TOKEN), (operators, FLEET_OPERATOR_TOKEN)):
+        path.write_text(token + "\n")
+        path.chmod(0o600)
+    return hosts, operators
+
+
+def member(
+    tmp_path: Path, tokens: tuple[Path, Path], store: str, name: str, *flags: str
+) -> contextlib.AbstractContextManager[Runner]:
+    """``serve`` as runner ``name`` of the fleet on ``store``; ``flags`` come last, so
+    that they win over these timings."""
+    hosts, operators = tokens
+    return serving(
+        tmp_path / name,
+        "--store",
+        store,
+        "--runner-id",
+        name,
+        "--runner-lease",
+        str(RUNNER_LEASE),
+        "--lease",
+        str(SESSION_LEASE),
+        "--grace",
+        str(GRACE),
+        "--confirmation-timeout",
+        str(CONFIRMATION),
+        "--token-file",
+        str(hosts),
+        "--operator-token-file",
+        str(operators),
+        *flags,
+    )
+
+
+@contextlib.asynccontextmanager
+async def hosts(runners: list[Runner]) -> AsyncIterator[list[RemoteSupervisor]]:
+    """A client of each runner, with the hosts' token."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield [
+            await stack.enter_async_context(connect(runner.url, token=FLEET_HOSTS_TOKEN))
+            for runner in runners
+        ]
+
+
+def stored(url: str) -> dict[str, tuple[str, int, str]]:
+    """Every record row: token -> (runner, epoch, body)."""
+    with psycopg.connect(url, autocommit=True) as connection:
+        return {
+            token: (runner, epoch, body)
+            for token, runner, epoch, body in connection.execute(
+                "SELECT token, runner_id, epoch, body FROM trio_supervisor.records"
+            ).fetchall()
+        }
+
+
+async def child_of(host: RemoteSupervisor, handle: Handle) -> int:
+    """The pid of the child of a loaded session."""
+    record = await host.status(handle)
+    assert isinstance(record, LoadedRecord), record
+    assert record.child.pid is not None
+    return record.child.pid
