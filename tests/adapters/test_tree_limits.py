@@ -16,7 +16,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import attrs
@@ -35,7 +36,9 @@ from trio_supervisor import (
     open_supervisor,
 )
 from trio_supervisor.executions._cgroups import ROOT, TreeCgroup, detect
-from trio_supervisor.executions._standby import Interpreter
+from trio_supervisor.executions._protocol import Command
+from trio_supervisor.executions._standby import Interpreter, frame
+from trio_supervisor.executions._unit import ProcessUnit
 
 from ..support.plugins import LIMITS, PLUGINS
 from ..support.processes import descendants, reap_orphans
@@ -321,3 +324,83 @@ async def test_a_prepared_cgroup_goes_with_its_standby(tmp_path: Path) -> None:
             await sup.dispose(third.handle)
     assert not any(directory.exists() for directory in directories)
     assert not any(directory.parent.exists() for directory in directories)
+
+
+def outrun(interpreter: Interpreter, cgroup: TreeCgroup) -> None:
+    """The load's making gets to the first directory before the standby reads "join"."""
+    cgroup.directories()[0].mkdir(parents=True)
+    interpreter.control.sendall(
+        frame({"command": "join", "make": cgroup.made_by_member(), "cgroups": cgroup.procs})
+    )
+    interpreter.cgroup = cgroup
+
+
+def failed(interpreter: Interpreter, cgroup: TreeCgroup) -> None:
+    """The standby makes none of it (its mkdir failed: no memory, a parent removed under
+    it meanwhile), so its join fails too."""
+    cgroup.made_by_member()
+    interpreter.control.sendall(frame({"command": "join", "make": [], "cgroups": cgroup.procs}))
+    interpreter.cgroup = cgroup
+
+
+@pytest.mark.parametrize("join_ahead", [outrun, failed])
+async def test_a_spawn_message_names_only_cgroups_that_are_made(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    join_ahead: Callable[[Interpreter, TreeCgroup], None],
+) -> None:
+    # The race of a loaded machine: a load takes the standby before it has read its
+    # "join", and makes what it finds missing of its cgroup, a directory per hierarchy;
+    # the standby then finds the first made already. Or the standby could not make it.
+    # Either way T joins each hierarchy as soon as it reads its spawn message, which
+    # must name none that is not made. Here the load's own making is slow: its thread
+    # is preempted after the spawn message went out, as on 2 cores under load.
+    configure = TreeCgroup.configure
+
+    def preempted(cgroup: TreeCgroup) -> None:
+        time.sleep(0.5)
+        configure(cgroup)
+
+    send = ProcessUnit._send
+    missing: list[str] = []
+
+    async def sent(unit: ProcessUnit, message: Command) -> None:
+        if message["command"] == "spawn":
+            # Looked at as it goes (a few stats), not after: that is the moment T reads.
+            procs = message.get("cgroups", [])
+            missing.extend(path for path in procs if not os.path.exists(path))  # noqa: ASYNC240
+        await send(unit, message)
+
+    monkeypatch.setattr(Interpreter, "join_ahead", join_ahead)
+    monkeypatch.setattr(TreeCgroup, "configure", preempted)
+    monkeypatch.setattr(ProcessUnit, "_send", sent)
+    limits = Limits(processes=10, memory_bytes=256 * MiB)  # two hierarchies, and the kill's
+    async with (
+        SubprocessExecution(tmp_path, entry_paths=[PLUGINS], standby=True) as execution,
+        open_supervisor(MemoryStore(), execution, lease=30.0, grace=1.0) as sup,
+    ):
+        if not {"memory", "pids"} <= set(execution.cgroups.limits):
+            pytest.skip(f"cgroups here: {execution.cgroups.describe()}")
+        # Standbys are told to join a cgroup once a load resolved under a tree limit:
+        # the one started as the second load takes its own is the first to.
+        for request in ("first", "second"):
+            await loaded(sup, "heartbeat:main", limits, request)
+
+        def told_to_join() -> Interpreter | None:
+            ready = execution._standby.ready  # white-box: what the next load takes
+            return ready if ready is not None and ready.cgroup is not None else None
+
+        standby = await until(told_to_join, "a standby told to join a cgroup", bound=BOUND)
+        assert standby.cgroup is not None
+        if join_ahead is outrun:
+            # What it finds made is its own cgroup: it joins it while it waits all the
+            # same (the move stays off the load's path).
+            assert await prepared_standby(execution) == (standby, standby.cgroup)
+        directories = standby.cgroup.directories()
+        with trio.fail_after(BOUND):
+            record = await loaded(sup, "heartbeat:main", limits, "third")
+        assert missing == []
+        assert record.child.pid == standby.process.pid
+        assert record.child.cgroup == standby.cgroup.path
+        for directory in directories:
+            assert str(standby.process.pid) in (directory / "cgroup.procs").read_text().split()

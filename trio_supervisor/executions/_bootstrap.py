@@ -1655,7 +1655,9 @@ def main() -> int:
             continue
         try:
             for directory in command["make"]:
-                os.makedirs(directory)
+                # Made already where a load took us before we read this: the same cgroup
+                # (see _cgroups, TreeCgroup.create), which we join all the same.
+                os.makedirs(directory, exist_ok=True)
             join_cgroups(command["cgroups"])
             joined = command["cgroups"]
         except OSError:

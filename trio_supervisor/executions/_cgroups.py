@@ -35,10 +35,12 @@ limits, :meth:`TreeCgroup.create`):
   while it waits (told to by a "join" message before any spawn message: the work and
   the kernel's wait are its own, not the runner's), once a load of this execution has
   resolved under a tree limit, in the hierarchies that load's limits needed. The load
-  that takes the standby writes its limits, and makes the hierarchies it needs that
-  the last one did not (T joins those as it resolves; and all of it, should the
-  standby have failed to). A load that takes the standby before it has joined waits
-  only for the rest of the move;
+  that takes the standby makes, before its spawn message is sent, whatever of the
+  cgroup is not there yet: the hierarchies it needs that the last one did not, and
+  what the standby has not made (a load may take it before it has read its "join":
+  both then make the same directories, and each takes the other's for its own), and
+  writes its limits; T joins what it is not in as it reads the spawn message. A load
+  that takes the standby before it has joined waits only for the rest of the move;
 * **a cold start** moves the started interpreter in while Python boots, and its limits
   are written as T resolves (one that it cannot boot under fails the load as the
   request's fault). T, forked by the started interpreter once it has booted, is born in
@@ -70,6 +72,10 @@ alone, and the log says so.
 
 Rules that never bend:
 
+* A spawn message names only cgroups that are made: T writes itself into their
+  ``cgroup.procs`` as soon as it reads it, and a cgroup made after the message was sent
+  may be made too late (the runner's thread preempted between the two, on a busy
+  machine), which fails the load.
 * A cgroup is removed only once its ``cgroup.procs`` is empty: a zombie has left it
   (and ``rmdir`` succeeds), but ``pids.current`` still counts it, so that is never
   what is waited on.
@@ -572,6 +578,9 @@ class TreeCgroup:
         self.controllers = None if controllers is None else frozenset(controllers)
         self.made = False
         self._wider = False  # made, and in more hierarchies since (see cover)
+        # Made by the process it is for (a standby, as it reads "join"), which may not
+        # have got to it yet: create makes what is missing (see made_by_member).
+        self._by_member = False
         self.removed = False
         # A process :meth:`create` moves in, for a T that cannot join by itself.
         self.member: int | None = None
@@ -622,10 +631,13 @@ class TreeCgroup:
             OSError: It cannot be made.
         """
         if self.made:
-            # Prepared: only the limits are left to write (and the hierarchies
-            # :meth:`cover` added to make, and the member to move in). A failure leaves
-            # it to the unit, which removes it once its processes are gone.
-            if self._wider:
+            # Prepared: only the limits are left to write (and the member to move in),
+            # and what is not made yet to make: the hierarchies :meth:`cover` added, and
+            # whatever a standby has not made of it (it makes it as it reads "join", which
+            # a load that takes it at once may come before; T joins every hierarchy as
+            # it reads its spawn message, so each must be there before that is sent). A
+            # failure leaves it to the unit, which removes it once its processes are gone.
+            if self._wider or self._by_member:
                 self._make(missing=True)
             if limits:
                 self.configure()
@@ -641,18 +653,13 @@ class TreeCgroup:
             raise
 
     def configure(self) -> None:
-        """Write its limits (:meth:`create` made it).
+        """Write its limits (:meth:`create` made it, every hierarchy of it).
 
         Raises:
             PackageError: The kernel refused a limit's value.
             OSError: It cannot be written.
         """
-        try:
-            self._configure()
-        except FileNotFoundError:
-            # The standby could not make it (it joins as it resolves, then).
-            self._make(missing=True)
-            self._configure()
+        self._configure()
 
     def prepare(self, pid: int) -> None:
         """Make it with no limits, and move ``pid`` in (see :meth:`Hierarchies.prepared`).
@@ -690,8 +697,8 @@ class TreeCgroup:
                 except FileExistsError:
                     if not missing:
                         raise
-                    # Made meanwhile by the standby it was prepared for, which makes
-                    # its own while it waits (and joins it, or leaves it to T to join).
+                    # Made by the standby it was prepared for, which makes its own as
+                    # it reads "join" (and joins it, or leaves it to T to join).
                     continue
                 made.append(directory)
         except BaseException:
@@ -719,9 +726,10 @@ class TreeCgroup:
     def made_by_member(self) -> list[str]:
         """Its directories, for the process that makes it and joins it (a standby, as
         it waits: see ``_bootstrap``'s "join"). From now on it counts as made, with no
-        limit written: :meth:`create` writes them (and makes it, should the process
-        have failed to)."""
+        limit written: :meth:`create` writes them, and makes first what the process has
+        not made (yet, or at all: it may read "join" only after the load took it)."""
         self.made = True
+        self._by_member = True
         return [str(directory) for directory in self.directories()]
 
     def _configure(self) -> None:

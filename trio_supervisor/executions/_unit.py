@@ -270,7 +270,8 @@ class ProcessUnit:
             if cgroup is not None:
                 try:
                     if joins:
-                        cgroup.create(limits=False)  # a few mkdirs (none, made ahead)
+                        # A few mkdirs: what a standby made ahead is there already.
+                        cgroup.create(limits=False)
                     else:
                         # Moving another process waits for the kernel (an RCU grace
                         # period, milliseconds): not on the event loop.

@@ -602,8 +602,9 @@ class SubprocessExecution:
         """Have the standby make its cgroup, in the hierarchies the last load's limits
         needed, and join it while it waits: the mkdirs and the move (which waits for the
         kernel, see _cgroups) are its own, not the runner's; the load that takes it
-        writes its limits. Where that fails, the load makes it, and the standby joins it
-        as it resolves, as it would unprepared."""
+        writes its limits. Where that fails (or the load took it first), the load makes
+        what is missing before its spawn message, and the standby joins as it reads
+        that, as it would unprepared."""
         pid = interpreter.process.pid
         started = interpreter.start_time()
         if started is None:
