@@ -79,6 +79,8 @@ POLL: Final = 0.2
 # The longest a runner takes to hear of a supersede it missed the notification of: its
 # periodic check of live keys runs at least this often.
 MOST_CHECK: Final = 1.0
+# The jobs that write for this runner: refused at once once it is fenced.
+_WRITES: Final = frozenset({"save", "takeover", "draining"})
 # How many failed takeovers an open waiting for a dead runner's older generation tries
 # again (each is bounded by the store's lock timeout) before it fails.
 TAKEOVER_TRIES: Final = 3
@@ -155,6 +157,7 @@ class PostgresStore(Opening):
         )
         self._worker: Worker | None = None
         self._memory = memory if memory is not None else Memory()
+        self._fenced: RunnerFencedError | None = None  # once run_member found it fenced
         self._desk = Desk(f"trio_supervisor postgres {self.dsn}", self.dsn, self._start)
         # How often run_member checks the live keys' high-water (tests make it rare).
         self._check_period = min(runner_lease / 3, MOST_CHECK)
@@ -431,6 +434,10 @@ class PostgresStore(Opening):
                 await self._keep(member)
             except StateStorageError as error:
                 failure = error
+                if isinstance(error, RunnerFencedError):
+                    # No write of this incarnation may land any more (F4): its stops
+                    # need not wait for the store to say so, each for its store_wait.
+                    self._fenced = error
             nursery.cancel_scope.cancel()
         if failure is not None:
             raise failure
@@ -589,4 +596,7 @@ class PostgresStore(Opening):
         return self._worker.run
 
     async def _submit(self, job: Job, *, abandonable: bool = False) -> Any:
+        if self._fenced is not None and job.kind in _WRITES:
+            await trio.lowlevel.checkpoint()
+            raise self._fenced.again()
         return await self._desk.submit(job, abandonable=abandonable)
