@@ -74,8 +74,14 @@ async def test_f5_a_renew_of_a_session_superseded_elsewhere_stops_it(database: s
         # Stopped already (notified, or the open's wait); a renew says why either way.
         with pytest.raises(SessionStoppedError, match=r"[Ss]uperseded"):
             await a.renew(first.handle)
-        record = await a.status(first.handle)
-        assert isinstance(record, StoppedRecord)
+
+        # b's open returned once a's Stopped row committed (F6); a's own index takes it
+        # in as its save returns, a moment later on a busy machine (found by CI).
+        async def stopped() -> StoppedRecord | None:
+            record = await a.status(first.handle)
+            return record if isinstance(record, StoppedRecord) else None
+
+        record = await until(stopped, "a's index holds the Stopped record", bound=10)
         assert isinstance(record.reason, Superseded)
 
 
