@@ -72,6 +72,16 @@ async def readiness(runner: Runner) -> tuple[int, str]:
     return answer.status_code, str(answer.json().get("code", ""))
 
 
+async def each_answers(runners: tuple[Runner, ...], answer: tuple[int, str], what: str) -> None:
+    """Wait, bounded, until each runner's /readyz gives ``answer``."""
+    for runner in runners:
+
+        async def answers(runner: Runner = runner) -> bool:
+            return await readiness(runner) == answer
+
+        await until(answers, f"{runner} {what}", bound=30)
+
+
 def epochs(store: str) -> dict[str, int]:
     with psycopg.connect(store, autocommit=True, connect_timeout=5) as connection:
         rows = connection.execute("SELECT runner_id, epoch FROM trio_supervisor.runners")
@@ -203,12 +213,7 @@ async def test_b5_an_outage_past_the_trust_fences_both_runners_which_heal_by_the
                 await trio.to_thread.run_sync(cluster.stop)
                 down = time.monotonic()
                 # Fenced once its trust is over; every child stopped and reaped.
-                for runner in runners:
-
-                    async def restarting(runner: Runner = runner) -> bool:
-                        return await readiness(runner) == (503, "RunnerRestarting")
-
-                    await until(restarting, f"{runner} restarting", bound=30)
+                await each_answers(runners, (503, "RunnerRestarting"), "restarting")
                 await until(lambda: not any(map(process_state, renewing.pids)), "children gone")
                 gone = time.monotonic() - down
                 nursery.cancel_scope.cancel()
@@ -218,12 +223,7 @@ async def test_b5_an_outage_past_the_trust_fences_both_runners_which_heal_by_the
             await trio.sleep(2.0)  # the server stays away a while longer
             await trio.to_thread.run_sync(cluster.start)
             back = time.monotonic()
-            for runner in runners:
-
-                async def ready(runner: Runner = runner) -> bool:
-                    return await readiness(runner) == (200, "")
-
-                await until(ready, f"{runner} serving again", bound=30)
+            await each_answers(runners, (200, ""), "serving again")
             healed = time.monotonic() - back
             after = epochs(store)
             assert all(after[name] > before[name] for name in before), (before, after)

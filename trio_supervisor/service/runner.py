@@ -509,11 +509,12 @@ async def run_runner(
                 else:
                     healer.withdrawn(poisoned)
                     front.withdraw()  # RunnerRestarting, from this request on
-        except BaseException as error:
+        except Exception as error:
             if poisoned is None:
                 raise
             # The shutdown of a poisoned supervisor reports its poison and what its stops
-            # met (Z3); every child was reaped all the same.
+            # met (Z3, an ExceptionGroup); every child was reaped all the same. Anything
+            # else (a cancellation) goes on out.
             logger.warning(
                 "the poisoned incarnation shut down with: %s",
                 "; ".join(str(problem) for problem in _problems_of(error)),
