@@ -6,7 +6,7 @@ them.
 * B1, B2: a fast restart of the server costs nothing: no renew refused, no child
   stopped, no runner poisoned;
 * B2: an outage as long as a Patroni failover's (about 35 s, in ``nox -s availability``;
-  8 s in the suite) under runners whose lease outlasts it (``--runner-lease 60``) costs
+  5 s in the suite) under runners whose lease outlasts it (``--runner-lease 60``) costs
   nothing either;
 * B2, B5: an outage past the runners' trust fences both; their children are gone
   before any takeover could start, and both serve again by themselves once the server
@@ -44,7 +44,7 @@ SESSION_LEASE = 3.0
 RENEW_EVERY = 0.5
 # How long B2's outage lasts: as long as a Patroni failover with its defaults (35 s) in
 # the nox session ``availability``; a short pass of the same in the suite.
-OUTAGE = float(os.environ.get("TRIO_SUPERVISOR_OUTAGE_SECONDS", "8"))
+OUTAGE = float(os.environ.get("TRIO_SUPERVISOR_OUTAGE_SECONDS", "5"))
 
 
 @pytest.fixture

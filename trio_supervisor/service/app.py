@@ -61,7 +61,9 @@ from ..errors import (
     RunnerClosingError,
     RunnerDrainingError,
     RunnerLostError,
+    RunnerRestartingError,
     StaleSessionError,
+    StateStorageError,
     SupervisorError,
     ThrottledError,
 )
@@ -639,6 +641,11 @@ def _problem_of(
         if error.status in (401, 403):
             _log_refusal(request, caller, error.status, error.detail)
         return _problem(error.status, error.code, error.detail, error.fields, **headers)
+    restarting: str | None = getattr(request.app.state, "restarting", None)
+    if restarting is not None and isinstance(error, RunnerClosingError | StateStorageError):
+        # The runner makes a new incarnation (service/healing.py): this call, under way
+        # as the old one was poisoned, may be made again of the next (B5).
+        error = RunnerRestartingError(restarting)
     if isinstance(error, SupervisorError):
         status = call.status(error, poisoned=supervisor.poisoned is not None)
         headers = {"Retry-After": RETRY_AFTER} if isinstance(error, RunnerClosingError) else {}

@@ -198,11 +198,14 @@ class Front:
         """Hand every request from now on to ``app``."""
         self._serving = app
 
-    def withdraw(self) -> None:
-        """The serving incarnation stops serving: its event streams end, and every
-        request from now on gets the restarting app."""
+    def withdraw(self, why: str) -> None:
+        """The serving incarnation stops serving: its event streams end, every request
+        from now on gets the restarting app, and a call of its still under way that its
+        poisoned supervisor refuses is answered RunnerRestarting with ``why`` (the host
+        waits that out, and repeats it of the next incarnation)."""
         app, self._serving = self._serving, None
         if app is not None:
+            app.state.restarting = why
             app.state.end_event_streams()
 
     async def __call__(

@@ -508,7 +508,7 @@ async def run_runner(
                     await served.wait()
                 else:
                     healer.withdrawn(poisoned)
-                    front.withdraw()  # RunnerRestarting, from this request on
+                    front.withdraw(healer.why or "restarting")  # RunnerRestarting from now
         except Exception as error:
             if poisoned is None:
                 raise
