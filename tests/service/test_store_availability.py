@@ -178,8 +178,14 @@ async def test_b7_two_runners_behind_pgbouncer_in_session_mode_work_and_supersed
                 again = await first.open(live_key, "again", expected_generation=1, lease=30.0)
                 assert again.handle.generation == 2
                 assert process_state(live_pid) in (None, "Z")
-                gone = await second.status(live.handle)
-                assert isinstance(gone, StoppedRecord), gone
+
+                # r1's open returned on r2's committed Stopped row (F6); r2's index takes
+                # it in as its save returns, a moment later on a busy machine.
+                async def stopped() -> StoppedRecord | None:
+                    record = await second.status(live.handle)
+                    return record if isinstance(record, StoppedRecord) else None
+
+                gone = await until(stopped, "r2's index holds the Stopped record", bound=10)
                 assert isinstance(gone.reason, Superseded), gone.reason
             logs = {"r1": r1.stderr(), "r2": r2.stderr()}
             for name, log in logs.items():
