@@ -28,7 +28,9 @@ a read (as a child-side watchdog would wait on a control pipe);
 from __future__ import annotations
 
 import compileall
+import contextlib
 import functools
+import os
 import signal
 import subprocess
 import sys
@@ -129,7 +131,10 @@ async def _floor_cycle(code: str = WATCHED) -> tuple[float, float]:
                 process.send_signal(signal.SIGTERM)
                 await process.wait()
             if process.returncode is None:  # P3: then the kill
-                process.kill()
+                # Its whole group (it was started in a session of its own): the watched
+                # process's plugin, its child, must not outlive it as an orphan.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
                 await process.wait()
             await stdout.aclose()  # P4
             await trio.lowlevel.checkpoint()  # P5: the Stopped record is saved

@@ -68,6 +68,7 @@ from ..support.members import (
     child_of,
     hosts,
     member,
+    stopped_on,
     stored,
 )
 from ..support.processes import SHUTDOWN, process_state, reap_orphans, running
@@ -165,8 +166,7 @@ async def test_an_open_that_supersedes_a_session_on_another_runner_returns_once_
             newer = await second.open(KEY, "supersede", expected_generation=1, lease=30.0)
             # The open returned: the older generation's child is gone already.
             assert process_state(pid) in (None, "Z"), process_state(pid)
-            older = await first.status(record.handle)
-            assert isinstance(older, StoppedRecord), older
+            older = await stopped_on(first, record.handle)
             assert isinstance(older.reason, Superseded)
             assert newer.handle.generation == 2
             # The second runner answers for it; the first sends the host there (421).

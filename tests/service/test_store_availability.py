@@ -50,6 +50,7 @@ from ..support.members import (
     child_of,
     hosts,
     member,
+    stopped_on,
 )
 from ..support.plugins import PLUGINS
 from ..support.processes import process_state, reap_orphans, running
@@ -113,8 +114,7 @@ async def test_b7_two_runners_behind_pgbouncer_in_session_mode_work_and_supersed
                 newer = await second.open(KEY, "supersede", expected_generation=1, lease=30.0)
                 superseded_in = time.monotonic() - began
                 assert process_state(pid) in (None, "Z"), "the open returned before r1's child went"
-                older = await first.status(held.handle)
-                assert isinstance(older, StoppedRecord), older
+                older = await stopped_on(first, held.handle)
                 assert isinstance(older.reason, Superseded), older.reason
                 assert newer.handle.generation == 2
                 print(f"F6 through the bouncer: the supersede returned in {superseded_in:.2f} s")
@@ -178,14 +178,7 @@ async def test_b7_two_runners_behind_pgbouncer_in_session_mode_work_and_supersed
                 again = await first.open(live_key, "again", expected_generation=1, lease=30.0)
                 assert again.handle.generation == 2
                 assert process_state(live_pid) in (None, "Z")
-
-                # r1's open returned on r2's committed Stopped row (F6); r2's index takes
-                # it in as its save returns, a moment later on a busy machine.
-                async def stopped() -> StoppedRecord | None:
-                    record = await second.status(live.handle)
-                    return record if isinstance(record, StoppedRecord) else None
-
-                gone = await until(stopped, "r2's index holds the Stopped record", bound=10)
+                gone = await stopped_on(second, live.handle)
                 assert isinstance(gone.reason, Superseded), gone.reason
             logs = {"r1": r1.stderr(), "r2": r2.stderr()}
             for name, log in logs.items():

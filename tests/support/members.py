@@ -12,10 +12,11 @@ from typing import Final
 
 import psycopg
 
-from trio_supervisor import Handle, LoadedRecord
+from trio_supervisor import Handle, LoadedRecord, StoppedRecord
 from trio_supervisor.client import RemoteSupervisor, connect
 
 from .runners import Runner, serving
+from .waits import until
 
 __all__ = [
     "CONFIRMATION",
@@ -28,6 +29,7 @@ __all__ = [
     "child_of",
     "hosts",
     "member",
+    "stopped_on",
     "stored",
     "write_tokens",
 ]
@@ -107,3 +109,15 @@ async def child_of(host: RemoteSupervisor, handle: Handle) -> int:
     assert isinstance(record, LoadedRecord), record
     assert record.child.pid is not None
     return record.child.pid
+
+
+async def stopped_on(holder: RemoteSupervisor, handle: Handle) -> StoppedRecord:
+    """The session's Stopped record as its holder reads it. Another runner's open returns
+    once the holder's Stopped row committed (F6); the holder's own index takes the record
+    in as its save returns, a moment later on a busy machine (found by CI)."""
+
+    async def stopped() -> StoppedRecord | None:
+        record = await holder.status(handle)
+        return record if isinstance(record, StoppedRecord) else None
+
+    return await until(stopped, "the holder's index holds the Stopped record", bound=10)
