@@ -117,6 +117,18 @@ OPERATORS: Final = Operators()
 Caller = Tenant | Operators
 
 
+def bearer_caller(request: Request, operators_secret: bytes, roster: Roster) -> Caller | None:
+    """Who the request's bearer token says called: the operators (compared in constant
+    time), a tenant (found by its SHA-256), or None for no valid token."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        return None
+    token = given.strip()
+    if hmac.compare_digest(token.encode(), operators_secret):
+        return OPERATORS
+    return roster.tenants.find(token)
+
+
 @runtime_checkable
 class Logs(Protocol):
     """An execution that keeps its children's output (``SubprocessExecution`` does)."""
@@ -186,13 +198,7 @@ def create_app(
     operators_secret = operator_token.encode()
 
     def caller_of(request: Request) -> Caller | None:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            return None
-        token = given.strip()
-        if hmac.compare_digest(token.encode(), operators_secret):
-            return OPERATORS
-        return roster.tenants.find(token)
+        return bearer_caller(request, operators_secret, roster)
 
     def guarded(call: Call, handler: Endpoint) -> Endpoint:
         """``handler`` as ``call`` is served: its caller checked (401, 403), its errors

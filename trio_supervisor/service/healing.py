@@ -25,7 +25,6 @@ PostgreSQL's postmaster restarts its backends and an OTP supervisor restarts a c
 from __future__ import annotations
 
 import collections
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -47,6 +46,7 @@ from ..errors import (
     SupervisorError,
     TerminationUnconfirmedError,
 )
+from .app import OPERATORS, bearer_caller
 from .calls import CALLS
 from .metrics import Metrics
 from .openapi import document
@@ -262,19 +262,15 @@ def restarting_app(
             if name == "dashboard":
                 return dashboard_response(page)
             if role is not None:
-                scheme, _, given = request.headers.get("authorization", "").partition(" ")
-                token = given.strip()
-                is_operator = hmac.compare_digest(token.encode(), operators)
-                if scheme.lower() != "bearer" or not (
-                    is_operator or tenants.tenants.find(token) is not None
-                ):
+                caller = bearer_caller(request, operators, tenants)
+                if caller is None:
                     return JSONResponse(
                         problem_body(401, RunnerAccessError.code, "a valid bearer token is needed"),
                         status_code=401,
                         media_type="application/problem+json",
                         headers={"WWW-Authenticate": "Bearer"},
                     )
-                if name == "metrics" and is_operator:
+                if name == "metrics" and caller is OPERATORS:
                     return metrics_response(metrics)
             return restarting()
 
