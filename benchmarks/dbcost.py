@@ -7,24 +7,26 @@ process; a load saves its three records as a real one does). Per operation
 the table gives:
 
 * **statements** the stores sent, by name (the constants of ``_postgres_sql``), and
-  **round trips**: the store's connections are not in autocommit, so each job is
-  ``BEGIN``, its statements and ``COMMIT``, each a round trip of its own;
-* **commits**, and of them **write commits** (a transaction that wrote: the ones whose
-  ``COMMIT`` waits for the WAL to reach the disk);
+  **round trips**: the store's connections are in autocommit, so a statement alone is
+  one round trip and a transaction of its own; a job whose statements must land
+  together (a takeover, a registration) adds its ``BEGIN`` and ``COMMIT``;
+* **commits** (transactions), and of them **write commits** (a transaction that wrote:
+  the ones whose commit waits for the WAL to reach the disk);
 * **rows written** (inserted, updated or deleted), read from the server's own counters
   (``pg_stat_user_tables`` of the schema, once the backends flushed them);
 * **NOTIFY** s sent, heard by a listener of this benchmark on the fleet's channel.
 
-How it counts: :class:`Counting` wraps ``execute``, ``commit`` and ``rollback`` of every
-connection the stores open while it is active (it replaces ``Settings.connect``, the
-one place they connect: a hook of this benchmark's, the store's code is unchanged).
-The membership's periodic work (the row's renewal, the check of live keys, the scan
-for dead runners) runs meanwhile and is not the operation's: its statements are left
+How it counts: :class:`Counting` wraps ``execute``, ``transaction``, ``commit`` and
+``rollback`` of every connection the stores open while it is active (it replaces
+``Settings.connect``, the one place they connect: a hook of this benchmark's, the
+store's code is unchanged).
+The membership's periodic work (the row's renewal, the read of its inbox, the scan for
+dead runners) runs meanwhile and is not the operation's: its statements are left
 out by name (``UPKEEP``), and the rows a renewal writes (one each) are taken off. That
 work is measured on its own, per runner per second, by a member holding ``live``
-sessions with the default leases (``upkeep``), and the two statements whose cost grows
-with the sessions a runner holds (the check of live keys, the renewal with its
-sessions' times) are timed with 10,000 sessions (``scale``).
+sessions with the default leases (``upkeep``), and the statements that might grow with
+the sessions a runner holds (the inbox, the renewal, the publication of its sessions'
+times when a listing asks) are timed with 10,000 sessions (``scale``).
 
 pg_stat_statements is not used: it must be in the server's
 ``shared_preload_libraries``, which needs a restart of a server other work shares.
@@ -40,7 +42,7 @@ import os
 import statistics
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Final
 from unittest import mock
 
@@ -62,7 +64,7 @@ from trio_supervisor._defaults import LEASE as LEASE_DEFAULT
 from trio_supervisor._defaults import RUNNER_LEASE
 from trio_supervisor.stores import _postgres_sql
 from trio_supervisor.stores._postgres_connection import Settings
-from trio_supervisor.stores._postgres_sql import MARKS, RENEW
+from trio_supervisor.stores._postgres_sql import INBOX, PUBLISH_TIMES, RENEW
 
 from . import postgres
 from .fleet import Member, members
@@ -76,10 +78,20 @@ NAMES: Final = {
     if name.isupper() and isinstance(value, str)
 }
 # What the membership sends by itself, whatever the sessions do.
-UPKEEP: Final = frozenset({"RENEW", "MARKS", "DEAD"})
-# The statements that write (a transaction with one of them commits to the WAL).
+UPKEEP: Final = frozenset({"RENEW", "INBOX", "DEAD"})
+# The statements that write (a transaction with one of them commits to the WAL). The
+# inbox's read deletes what it reads: a write only where a supersede left a row.
 WRITES: Final = frozenset(
-    {"SAVE_BATCH", "RENEW", "DRAINING", "EXPIRE", "REGISTER", "DEAD_ROW", "NEXT_EPOCH"}
+    {
+        "SAVE_BATCH",
+        "RENEW",
+        "DRAINING",
+        "EXPIRE",
+        "REGISTER",
+        "DEAD_ROW",
+        "NEXT_EPOCH",
+        "PUBLISH_TIMES",
+    }
 )
 LEASE: Final = 60.0  # the sessions' lease in the operations' fleet: none expires
 QUIET_RUNNER_LEASE: Final = 600.0  # ... and its runners renew and scan only as they start
@@ -119,12 +131,16 @@ class Log:
 
     def executed(self, query: object, idle: bool) -> None:
         name = NAMES.get(query, "other") if isinstance(query, str) else "other"
-        if self.autocommit:
+        if self.autocommit and idle and self._open is None:
             self.done.append(Transaction(statements=[name], autocommit=True))
             return
-        if idle or self._open is None:
+        if self._open is None or (idle and not self.autocommit):
             self._open = Transaction()
         self._open.statements.append(name)
+
+    def began(self) -> None:
+        """A transaction block began (``BEGIN``, in autocommit)."""
+        self._open = Transaction()
 
     def ended(self, *, committed: bool) -> None:
         if self._open is not None:
@@ -167,6 +183,7 @@ class Counting:
             connection = original(settings, autocommit=autocommit)
             log = Log(settings.runner_id, autocommit)
             execute, commit, rollback = connection.execute, connection.commit, connection.rollback
+            transaction = connection.transaction
 
             def counted_execute(query: Any, params: Any = None, **options: Any) -> Any:
                 idle = connection.info.transaction_status == pq.TransactionStatus.IDLE
@@ -181,7 +198,19 @@ class Counting:
                 log.ended(committed=False)
                 rollback()
 
+            @contextlib.contextmanager
+            def counted_transaction(*args: Any, **options: Any) -> Iterator[Any]:
+                log.began()
+                try:
+                    with transaction(*args, **options) as block:
+                        yield block
+                except BaseException:
+                    log.ended(committed=False)
+                    raise
+                log.ended(committed=True)
+
             connection.execute = counted_execute  # type: ignore[method-assign]
+            connection.transaction = counted_transaction  # type: ignore[method-assign]
             connection.commit = counted_commit  # type: ignore[method-assign]
             connection.rollback = counted_rollback  # type: ignore[method-assign]
             logs.append(log)
@@ -351,7 +380,7 @@ async def cost_of(
         repeats=count,
         statements={name: n / count for name, n in names.items()},
         round_trips=sum(done.round_trips for done in ours) / count,
-        commits=sum(1 for done in ours if not done.autocommit and done.committed) / count,
+        commits=sum(1 for done in ours if done.committed) / count,
         write_commits=sum(1 for done in ours if done.wrote and done.committed) / count,
         rows=(rows - renewals) / count,
         wal_bytes=wal / count,
@@ -567,15 +596,17 @@ SCALE_COLUMNS: Final = (
 
 
 async def scale(dsn: str, schema: str, sessions: int, others: int, samples: int) -> Table:
-    """The check of ``sessions`` live keys (MARKS) and a renewal publishing their times
-    (RENEW), on a table of marks that also holds ``others`` keys of other runners."""
+    """What a runner of ``sessions`` live sessions sends that might grow with them: the
+    read of its inbox, its row's renewal, and (on demand only) the publication of its
+    sessions' times; on tables that also hold ``others`` keys and records of other
+    runners."""
     async with PostgresStore(dsn, schema=schema, runner_id="big") as store:
         epoch = store.epoch
     return await trio.to_thread.run_sync(_scale, dsn, schema, epoch, sessions, others, samples)
 
 
 def _scale(dsn: str, schema: str, epoch: int, sessions: int, others: int, samples: int) -> Table:
-    with psycopg.connect(dsn) as connection:
+    with psycopg.connect(dsn, autocommit=True) as connection:
         connection.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(schema)))
         connection.execute(
             "INSERT INTO high_water (identity, instance, generation) "
@@ -583,41 +614,46 @@ def _scale(dsn: str, schema: str, epoch: int, sessions: int, others: int, sample
             "UNION ALL SELECT 'other', i::text, 1 FROM generate_series(1, %s) AS i",
             (sessions, others),
         )
-        connection.commit()
+        # Other runners' supersedes waiting in their inboxes: the index is not empty.
+        connection.execute(
+            "INSERT INTO inbox (runner_id, identity, instance, generation) "
+            "SELECT 'other' || (i %% 100), 'other', i::text, 2 "
+            "FROM generate_series(1, %s) AS i",
+            (max(1, others // 100),),
+        )
         connection.execute("ANALYZE high_water")
-        connection.commit()
-        instances = [str(number) for number in range(1, sessions + 1)]
-        marks = (MARKS, (["scale"] * sessions, instances))
+        connection.execute("ANALYZE inbox")
         tokens = [uuid.uuid4().hex for _ in range(sessions)]
-        renew = (
-            RENEW,
-            (600.0, 7.0, tokens, [10.0] * sessions, [5.0] * sessions, "big", epoch),
+        statements = (
+            ("INBOX", INBOX, ("big",), "the check for supersedes: an empty inbox"),
+            ("RENEW", RENEW, (600.0, 7.0, "big", epoch), "the runner's row"),
+            (
+                "PUBLISH_TIMES",
+                PUBLISH_TIMES,
+                ("big", tokens, [10.0] * sessions, [5.0] * sessions),
+                "its sessions' times, only when a listing asks",
+            ),
         )
         rows: list[tuple[str, ...]] = []
-        for name, (statement, params), note in (
-            ("MARKS", marks, f"the check of live keys; {sessions + others:,} keys in high_water"),
-            ("RENEW", renew, "the runner's row with its sessions' times"),
-        ):
+        for name, statement, params, note in statements:
             times = []
             for _ in range(samples):
                 started = time.perf_counter()
                 cursor = connection.execute(statement, params)
                 if cursor.description is not None:
                     cursor.fetchall()
-                connection.commit()
                 times.append(time.perf_counter() - started)
-            plan = connection.execute(
-                sql.SQL("EXPLAIN (ANALYZE, WAL, FORMAT JSON) ") + sql.SQL(statement), params
-            ).fetchone()
-            connection.commit()
+            with connection.transaction(force_rollback=True):
+                plan = connection.execute(
+                    sql.SQL("EXPLAIN (ANALYZE, WAL, FORMAT JSON) ") + sql.SQL(statement), params
+                ).fetchone()
             assert plan is not None
             top = plan[0][0]
             wal = top["Plan"].get("WAL Bytes", 0)
-            if name == "RENEW":
+            if name == "PUBLISH_TIMES":
                 size = connection.execute(
-                    "SELECT pg_column_size(session_times) FROM runners WHERE runner_id = 'big'"
+                    "SELECT pg_column_size(times) FROM runner_times WHERE runner_id = 'big'"
                 ).fetchone()
-                connection.commit()
                 assert size is not None
                 note += f" ({size[0]:,} bytes stored, compressed)"
             rows.append(
@@ -632,7 +668,7 @@ def _scale(dsn: str, schema: str, epoch: int, sessions: int, others: int, sample
             )
     return Table(
         name="dbcost.scale",
-        note=f"medians of {samples} statements, each in its own transaction",
+        note=f"medians of {samples} statements, each in autocommit",
         columns=SCALE_COLUMNS,
         rows=rows,
     )

@@ -32,17 +32,17 @@ def test_a_renew_costs_the_database_nothing(costs: dict[str, Cost]) -> None:
     )
 
 
-def test_an_open_is_a_lookup_one_save_and_a_look_for_older_generations(
-    costs: dict[str, Cost],
-) -> None:
+def test_an_open_is_a_lookup_and_one_save(costs: dict[str, Cost]) -> None:
     opened = costs["open"]
-    assert opened.statements == {"LOOKUP": 1, "SAVE_BATCH": 1, "OLDER": 1}
-    # Each statement in a transaction of its own: BEGIN, it, COMMIT.
-    assert (opened.round_trips, opened.commits, opened.write_commits) == (9, 3, 1)
+    # The save says which older generations other runners hold: no look of its own.
+    assert opened.statements == {"LOOKUP": 1, "SAVE_BATCH": 1}
+    # Each statement in autocommit: one round trip, a transaction of its own.
+    assert (opened.round_trips, opened.commits, opened.write_commits) == (2, 2, 1)
     # A new key: its high-water row made and raised, and its Open record.
     assert opened.rows == 3
     assert opened.notify_count == 0
     assert costs["high_water"].statements == {"LOOKUP": 1}
+    assert costs["high_water"].round_trips == 1
     assert costs["high_water"].rows == 0
 
 
@@ -52,35 +52,41 @@ def test_a_load_and_a_dispose_are_one_write_per_record_batch(costs: dict[str, Co
         costs["dispose, loaded"],
         costs["dispose, no child"],
     )
+    # Loading before the spawn (L3), with the child's identity before it starts (L4),
+    # Loaded: one round trip each.
     assert load.statements == {"SAVE_BATCH": 3}
-    assert (load.write_commits, load.rows) == (3, 3)
+    assert (load.round_trips, load.write_commits, load.rows) == (3, 3, 3)
     # With a child: Stopping before the signal, Stopped after (P2, P5).
     assert loaded.statements == {"SAVE_BATCH": 2}
-    assert (loaded.write_commits, loaded.rows) == (2, 2)
+    assert (loaded.round_trips, loaded.write_commits, loaded.rows) == (2, 2, 2)
     # Without: both at once (deviation (k)).
     assert childless.statements == {"SAVE_BATCH": 1}
-    assert (childless.round_trips, childless.write_commits, childless.rows) == (3, 1, 2)
+    assert (childless.round_trips, childless.write_commits, childless.rows) == (1, 1, 2)
     for cost in (load, loaded, childless):
         assert cost.notify_count == 0
 
 
-def test_a_supersede_across_runners_notifies_twice_and_writes_four_rows(
+def test_a_supersede_across_runners_notifies_twice_and_writes_five_rows(
     costs: dict[str, Cost],
 ) -> None:
     supersede = costs["supersede across runners"]
-    # b: its lookup, its Open, and one look for a's generation, or a second one once
-    # a's stop was notified; a: Stopping and Stopped, together.
+    # b: its lookup, its Open (which names a's live generation), and a look once a's
+    # stop was notified (or two, where the first came before a's save); a: Stopping
+    # and Stopped, together.
     assert supersede.statements["LOOKUP"] == 1
     assert supersede.statements["SAVE_BATCH"] == 2
     assert 1 <= supersede.statements["OLDER"] <= 2
     assert set(supersede.statements) == {"LOOKUP", "SAVE_BATCH", "OLDER"}
     assert supersede.write_commits == 2
     assert supersede.notifies == {"stopped": 1, "superseded": 1}
-    # The mark raised, b's Open record, a's Stopping and Stopped.
-    assert supersede.rows == 4
+    # The mark raised, b's Open record, the row in a's inbox, a's Stopping and Stopped
+    # (a's read of its inbox, which deletes the row, is its upkeep's).
+    assert supersede.rows == 5
 
 
-def test_a_takeover_is_two_transactions_whatever_the_sessions(costs: dict[str, Cost]) -> None:
+def test_a_takeover_is_a_look_and_a_transaction_whatever_the_sessions(
+    costs: dict[str, Cost],
+) -> None:
     for sessions in (1, 100):
         cost = costs[f"takeover, {sessions} session{'s' * (sessions > 1)}"]
         assert cost.statements == {
@@ -90,22 +96,26 @@ def test_a_takeover_is_two_transactions_whatever_the_sessions(costs: dict[str, C
             "NEXT_EPOCH": 1,
             "SAVE_BATCH": 1,
         }
-        assert (cost.round_trips, cost.commits, cost.write_commits) == (9, 2, 1)
+        # DEAD alone; the rest in one transaction: BEGIN, four statements, COMMIT.
+        assert (cost.round_trips, cost.commits, cost.write_commits) == (7, 2, 1)
         # Each session's record written Stopped, and the dead runner's epoch moved on.
         assert cost.rows == sessions + 1
 
 
-async def test_a_runner_s_upkeep_is_its_renewal_its_check_and_its_scan(database: str) -> None:
+async def test_a_runner_s_upkeep_is_its_renewal_its_inbox_and_its_scan(database: str) -> None:
     with own_schema(database) as schema:
-        # A runner lease of 1.5 s: a renewal and a scan every 0.5 s, and the check of
-        # the live keys as often (a third of the runner lease, under a second).
+        # A runner lease of 1.5 s: a renewal and a scan every 0.5 s, and the read of
+        # its inbox as often (a third of the runner lease, under a second).
         kept: Upkeep = await upkeep(database, schema, 3.0, live=50, runner_lease=1.5)
-    assert set(kept.statements) <= {"RENEW", "MARKS", "DEAD"}
+    assert set(kept.statements) <= {"RENEW", "INBOX", "DEAD"}
+    # Each in autocommit: a round trip each.
+    assert kept.round_trips == pytest.approx(sum(kept.statements.values()))
     per_period = {name: rate * 0.5 for name, rate in kept.statements.items()}
-    for name in ("RENEW", "MARKS", "DEAD"):
+    for name in ("RENEW", "INBOX", "DEAD"):
         # About one each a period; a loaded machine makes some late.
         assert 0.4 <= per_period.get(name, 0) <= 1.2, kept
-    # The check is one statement whatever the live keys; only a renewal writes: one row.
+    # The inbox is one statement whatever the live keys, and empty here: only a
+    # renewal writes, one short row.
     assert kept.write_commits == kept.statements["RENEW"]
     # (A renewal that straddles the window's edge may have its row on one side of it
     # and its commit on the other.)

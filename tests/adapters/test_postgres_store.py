@@ -44,9 +44,11 @@ from trio_supervisor import (
     codec,
 )
 from trio_supervisor.abc import BatchStore, FleetMember, FleetStore, Store
+from trio_supervisor.codec import encode
 from trio_supervisor.model import FleetRecord
 from trio_supervisor.stores._jobs import Job
-from trio_supervisor.stores._postgres_sql import SCHEMA_VERSION
+from trio_supervisor.stores._postgres_sql import SAVE_BATCH, SCHEMA_VERSION
+from trio_supervisor.stores._postgres_worker import columns
 from trio_supervisor.testing import FakeExecution
 from trio_supervisor.testing.contracts import StoreContract, StoreFactory
 
@@ -712,16 +714,22 @@ async def test_run_member_hears_a_supersede_by_notification(database: str, schem
 
 
 async def test_run_member_finds_a_supersede_it_was_not_told_of(database: str, schema: str) -> None:
-    async with PostgresStore(database, runner_id="a", schema=schema, runner_lease=3) as a:
+    async with two_runners(database, schema, runner_lease=3) as (a, b):
         await a.save(record("k", 1))
+        # b supersedes it while a listens to nothing: the notification is lost, the
+        # row in a's inbox is not.
+        await b.save(record("k", 2))
+        assert run(in_schema(database, schema), "SELECT runner_id, generation FROM inbox") == [
+            ("a", 2)
+        ]
         member = Member({key("k"): 1})
         async with trio.open_nursery() as nursery:
             nursery.start_soon(a.run_member, member)
-            # A newer generation without any notification: as if it had been lost.
-            run(in_schema(database, schema), "UPDATE high_water SET generation = 3")
             await until(lambda: member.calls, "superseded() called", bound=5)
-            assert member.calls[0] == (key("k"), 3)
+            assert member.calls[0] == (key("k"), 2)
             nursery.cancel_scope.cancel()
+        # Read once, and cleared.
+        assert run(in_schema(database, schema), "SELECT * FROM inbox") == []
 
 
 async def test_run_member_checks_at_least_every_third_of_the_shortest_lease(
@@ -737,8 +745,9 @@ async def test_run_member_checks_at_least_every_third_of_the_shortest_lease(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(a.run_member, member)
             await until(lambda: member.checks, "the first check", bound=5)
-            # A newer generation without any notification: as if it had been lost.
-            run(in_schema(database, schema), "UPDATE high_water SET generation = 2")
+            # The row another runner's Open of generation 2 writes, without its
+            # notification: as if that had been lost.
+            run(in_schema(database, schema), "INSERT INTO inbox VALUES ('a', 'p', 'k', 2)")
             await until(lambda: member.calls, "superseded() called", bound=5)
             assert member.calls[0] == (key("k"), 2)
             nursery.cancel_scope.cancel()
@@ -785,21 +794,23 @@ async def test_run_member_keeps_the_row_alive_and_writes_its_stop_bound(
         nursery.cancel_scope.cancel()
 
 
-async def test_run_member_publishes_its_sessions_times_and_any_runner_reads_them(
+async def test_run_member_publishes_its_sessions_times_when_a_listing_asks(
     database: str, schema: str
 ) -> None:
-    """A renewal of a session's lease writes nothing (R6): its runner's renewals of its
-    own row carry its sessions' age and lease left, which every runner of the fleet reads
-    as they are now by the database's clock, for the sessions that are not Stopped."""
+    """A renewal of a session's lease writes nothing (R6), and neither does the renewal
+    of its runner's row: a listing of the fleet's records asks every runner for its
+    sessions' times, and reads each as published then, by the database's clock, for the
+    sessions that are not Stopped."""
     live, unpublished, ended = record("live", 1), record("new", 1), record("ended", 1)
     async with (
-        two_runners(database, schema, runner_lease=1.0) as (a, b),
+        # A runner lease that renews nothing within the test: only the asks publish.
+        two_runners(database, schema, runner_lease=60.0) as (a, b),
         trio.open_nursery() as nursery,
     ):
         for saved in (live, unpublished, ended, stopped(ended)):
             await a.save(saved)
-        times = {live.handle.token: (2.0, 8.0), ended.handle.token: (1.0, 4.0)}
-        nursery.start_soon(a.run_member, Member(times=times))
+        member = Member(times={live.handle.token: (2.0, 8.0), ended.handle.token: (1.0, 4.0)})
+        nursery.start_soon(a.run_member, member)
 
         async def read() -> dict[str, FleetRecord] | None:
             found = {f.record.handle.key.instance: f for f in await b.fleet_records()}
@@ -813,7 +824,29 @@ async def test_run_member_publishes_its_sessions_times_and_any_runner_reads_them
         assert (found["ended"].age, found["ended"].lease_left) == (None, None)  # Stopped
         # Neither is part of the record: a record compares as it did.
         assert found["live"] == FleetRecord(record=live, runner_id="a", epoch=a.epoch)
+        # The host renewed the session, and another session began: the next listing
+        # asks again, and a answers with what is true now.
+        member.ages_and_leases[live.handle.token] = (30.0, 14.0)
+        member.ages_and_leases[unpublished.handle.token] = (0.5, 15.0)
+        again = {f.record.handle.key.instance: f for f in await b.fleet_records()}
+        assert 30.0 <= (again["live"].age or 0) < 31.0, again["live"]
+        assert 13.0 < (again["live"].lease_left or 0) <= 14.0, again["live"]
+        assert 0.5 <= (again["new"].age or 0) < 1.5, again["new"]
+        # One row of times per runner, written as it began to listen and when asked.
+        assert run(in_schema(database, schema), "SELECT count(*) FROM runner_times") == [(1,)]
         nursery.cancel_scope.cancel()
+
+
+async def test_a_listing_does_not_wait_for_runners_that_do_not_listen(
+    database: str, schema: str
+) -> None:
+    """A runner that is no member (it never listened) is not waited for: it answers no
+    request for times, and says so by having published none."""
+    async with two_runners(database, schema) as (a, b):
+        await a.save(record("k", 1))
+        with trio.fail_after(0.9):  # under the wait for runners that do answer
+            (found,) = await b.fleet_records()
+        assert (found.age, found.lease_left) == (None, None)
 
 
 async def test_run_member_takes_over_dead_runners(database: str, schema: str) -> None:
@@ -952,3 +985,29 @@ async def test_a_stop_notifies_only_when_a_newer_generation_is_held_by_another_r
         ("superseded", 3),  # b's open told a
         ("stopped", 2),  # a's stop told b
     ], heard
+
+
+async def test_a_runner_of_version_5_keeps_saving_through_save_batch(
+    database: str, schema: str
+) -> None:
+    """Version 6 keeps save_batch as a wrapper of write_batch: a runner of the version
+    before, still running, saves as it did (its refusals in their old shape), and its
+    Opens fill the inbox of the runners whose sessions they supersede."""
+    async with two_runners(database, schema) as (a, b):
+        await a.save(record("k", 1))
+        old_call = SAVE_BATCH.replace("write_batch", "save_batch")
+
+        def saved_by_b(*opens: OpenRecord) -> list[tuple[Any, ...]]:
+            rows = [[(opened, encode(opened))] for opened in opens]
+            return run(
+                in_schema(database, schema), old_call, "b", b.epoch, 8, 1000, *columns(rows), None
+            )
+
+        assert saved_by_b(record("k", 2)) == []
+        assert run(in_schema(database, schema), "SELECT runner_id, generation FROM inbox") == [
+            ("a", 2)
+        ]
+        (refusal,) = saved_by_b(record("k", 2, token="again".rjust(32, "0")))
+        assert refusal[:5] == (0, "p", "k", 2, 2)  # job, key, generation, the mark
+        assert len(refusal) == 9
+        assert [r.handle.generation for r in await b.list()] == [2]

@@ -6,10 +6,11 @@ tables unqualified. The schema is versioned in ``schema_version``; :data:`MIGRAT
 takes an empty schema to :data:`SCHEMA_VERSION`, inside the one transaction that holds
 :data:`MIGRATION_LOCK`.
 
-A batch of saves is one call of ``save_batch`` (so one round trip, as SQLite's trigger
-makes it one statement): the function fences the writer, claims the generations of its
-Open records, writes the rows, raises the marks, applies retention and notifies, in the
-transaction of its caller. A save that carries a tenant's quota claim is counted there
+A batch of saves is one call of ``write_batch`` (so one round trip, as SQLite's trigger
+makes it one statement, and in autocommit one transaction): the function fences the
+writer, claims the generations of its Open records, writes the rows, raises the marks,
+applies retention, writes the supersedes into their holders' inboxes and notifies, and
+returns its refusals and the older generations its Opens found on other runners. A save that carries a tenant's quota claim is counted there
 too, by ``quota_refusal``, once the batch holds its tenants' advisory locks.
 
 Every other statement the store runs is here too, after the migrations, grouped by what
@@ -31,6 +32,7 @@ with needs_extra("postgres", "trio_supervisor.stores.postgres", "psycopg"):
     from psycopg import sql
 
 __all__ = [
+    "ASK_TIMES",
     "CLEAR_SCHEMA_VERSION",
     "CREATE_SCHEMA_VERSION",
     "DEAD",
@@ -42,10 +44,10 @@ __all__ = [
     "FLEET_RECORDS",
     "HELD",
     "HIGH_WATER",
+    "INBOX",
     "LANDED",
     "LIST",
     "LOOKUP",
-    "MARKS",
     "MIGRATIONS",
     "MIGRATION_LOCK",
     "NEXT_EPOCH",
@@ -53,6 +55,8 @@ __all__ = [
     "OTHERS_ALIVE",
     "OWNER",
     "OWN_ROW",
+    "PUBLISH_TIMES",
+    "REFILL_INBOX",
     "REGISTER",
     "RENEW",
     "RUNNERS",
@@ -61,6 +65,7 @@ __all__ = [
     "SCHEMA_VERSIONS",
     "TAKEOVER_DUE",
     "TAKE_MIGRATION_LOCK",
+    "TIMES_DUE",
     "WRITE_SCHEMA_VERSION",
     "Kind",
     "create_schema",
@@ -68,25 +73,25 @@ __all__ = [
     "session_settings",
 ]
 
-SCHEMA_VERSION: Final = 5
+SCHEMA_VERSION: Final = 6
 
 # pg_advisory_xact_lock's key for creating or migrating the schema: "trio_sup" in ASCII.
 MIGRATION_LOCK: Final = 0x7472696F5F737570
 
-# The call of save_batch, as the store's worker (and the benchmark's baseline) sends it.
+# The call of write_batch, as the store's worker (and the benchmark's baseline) sends it.
 SAVE_BATCH: Final = (
-    "SELECT * FROM save_batch(%s, %s, %s, %s, %s::integer[], %s::text[], "
+    "SELECT * FROM write_batch(%s, %s, %s, %s, %s::integer[], %s::text[], "
     "%s::text[], %s::text[], %s::bigint[], %s::text[], %s::double precision[], "
     "%s::smallint[], %s::text[], %s::text[], %s::bigint[], %s::bigint[], %s::jsonb)"
 )
 
-# The SQLSTATE save_batch raises when the writer's epoch was taken over ("TS" is no
+# The SQLSTATE write_batch raises when the writer's epoch was taken over ("TS" is no
 # class of PostgreSQL's own).
 FENCED: Final = "TS001"
 
 
 class Kind:
-    """What save_batch is told of each row (a smallint; Python builds them, SQL reads)."""
+    """What write_batch is told of each row (a smallint; Python builds them, SQL reads)."""
 
     OTHER: Final = 0  # Loading, Loaded, Stopping
     OPEN: Final = 1  # claims its generation: compare-and-set on the key's high-water
@@ -146,17 +151,24 @@ CREATE TABLE high_water (
 # jobs of the batch land either way: they are other callers' saves. A job may carry a
 # tenant's quota claim (p_claims, by job number: quota_refusal says what it holds), and
 # is refused whole, the same way, when the claim would pass its quota.
-_SAVE_BATCH = _named("""
-CREATE FUNCTION save_batch(
+_PARAMETERS = """
     p_runner text, p_epoch bigint, p_per_key integer, p_total integer,
     p_jobs integer[], p_tokens text[], p_identities text[], p_instances text[],
     p_generations bigint[], p_requests text[], p_leases double precision[],
     p_kinds smallint[], p_bodies text[], p_phases text[], p_memory bigint[],
     p_cpu bigint[], p_claims jsonb
-) RETURNS TABLE (
+"""
+_REFUSALS = """
     refused_job integer, refused_identity text, refused_instance text,
     refused_generation bigint, refused_mark bigint, refused_quota text,
     refused_requested numeric, refused_used numeric, refused_hard numeric
+"""
+_WRITE_BATCH = _named(
+    "CREATE FUNCTION write_batch(" + _PARAMETERS + ") RETURNS TABLE (" + _REFUSALS + ","
+    """
+    older_runner text, older_epoch bigint, older_generation bigint,
+    older_lease double precision, older_stop_bound double precision,
+    older_expired double precision
 )
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
@@ -175,6 +187,7 @@ DECLARE
     claim jsonb;
     tenant_lock bigint;
     over record;
+    older record;
 BEGIN
     -- (a) Fencing: the writer's row must still hold its epoch. FOR SHARE, so a takeover
     -- (FOR UPDATE) waits for this transaction, and this one for a takeover.
@@ -275,16 +288,46 @@ BEGIN
         END IF;
         FOR j IN job_first .. job_last LOOP
             IF p_kinds[j] = KIND_OPEN THEN
-                -- (e) Another runner's live older generation: tell its runner. Only
-                -- here, not on the common path: NOTIFY serializes commits.
-                PERFORM pg_notify(current_schema(), json_build_object(
-                        'kind', 'superseded', 'runner', o.runner_id,
+                -- (e) Another runner's live older generation: a row in its runner's
+                -- inbox, a notification to it (only here, not on the common path:
+                -- NOTIFY serializes commits), and a row to the opener, which waits for
+                -- its stop (F6) without a look of its own.
+                FOR older IN
+                    SELECT r.runner_id, u.epoch, r.generation, r.lease, u.stop_bound,
+                        extract(epoch FROM clock_timestamp() - u.lease_until)::double precision
+                            AS expired
+                    FROM records r JOIN runners u ON u.runner_id = r.runner_id
+                    WHERE r.identity = p_identities[j] AND r.instance = p_instances[j]
+                      AND r.generation < p_generations[j] AND r.stopped IS NULL
+                      AND r.runner_id <> p_runner
+                LOOP
+                    INSERT INTO inbox AS b (runner_id, identity, instance, generation)
+                        VALUES (older.runner_id, p_identities[j], p_instances[j],
+                                p_generations[j])
+                        ON CONFLICT (runner_id, identity, instance) DO UPDATE
+                        SET generation = greatest(b.generation, excluded.generation);
+                    PERFORM pg_notify(current_schema(), json_build_object(
+                        'kind', 'superseded', 'runner', older.runner_id,
                         'identity', p_identities[j], 'instance', p_instances[j],
-                        'generation', p_generations[j])::text)
-                    FROM (SELECT DISTINCT r.runner_id FROM records r
-                          WHERE r.identity = p_identities[j] AND r.instance = p_instances[j]
-                            AND r.generation < p_generations[j] AND r.stopped IS NULL
-                            AND r.runner_id <> p_runner) AS o;
+                        'generation', p_generations[j])::text);
+                    refused_job := p_jobs[j];
+                    refused_identity := NULL;
+                    refused_instance := NULL;
+                    refused_generation := NULL;
+                    refused_mark := NULL;
+                    refused_quota := NULL;
+                    refused_requested := NULL;
+                    refused_used := NULL;
+                    refused_hard := NULL;
+                    older_runner := older.runner_id;
+                    older_epoch := older.epoch;
+                    older_generation := older.generation;
+                    older_lease := older.lease;
+                    older_stop_bound := older.stop_bound;
+                    older_expired := older.expired;
+                    RETURN NEXT;
+                END LOOP;
+                older_runner := NULL;
                 UPDATE high_water h SET generation = p_generations[j]
                     WHERE h.identity = p_identities[j] AND h.instance = p_instances[j];
             ELSIF NOT EXISTS (
@@ -370,7 +413,8 @@ BEGIN
     END LOOP;
 END
 $$
-""")
+"""
+)
 
 
 # What a job's claim (a QuotaClaim, as the worker sends it: tenant, pattern (the
@@ -466,7 +510,8 @@ _VERSION_2 = (
     "DROP FUNCTION IF EXISTS save_batch(text, bigint, integer, integer, integer[], text[], "
     "text[], text[], bigint[], text[], double precision[], smallint[], text[])",
     _QUOTA_REFUSAL,
-    _SAVE_BATCH,
+    # Versions 2 to 5 created save_batch here, as write_batch is now; version 6 makes
+    # it a wrapper, so a database migrated from any version holds the same functions.
 )
 
 # Version 3: whether a runner drains (it takes no new sessions), for the fleet's listing.
@@ -481,6 +526,53 @@ _VERSION_4 = ("ALTER TABLE runners ADD COLUMN session_times jsonb NOT NULL DEFAU
 # hands out a generation until every live one has.
 _VERSION_5 = ("ALTER TABLE runners ADD COLUMN checked text NOT NULL DEFAULT ''",)
 
+# Version 6 (issue 51): what a fleet of a hundred runners can afford.
+# - Each runner's inbox of supersedes: an Open that supersedes another runner's live
+#   session writes a row for it in the Open's transaction; the holder reads (and clears)
+#   its own rows on the notification and every check period, one index probe, where it
+#   looked up the high-water of every live key.
+# - The sessions' times published on demand (a listing asks; each runner answers with
+#   one row), no longer with every renewal (runners.session_times, 355 kB of WAL at 10k
+#   sessions a renewal, is left empty; a runner of version 5 still writes it).
+# - write_batch, which tells the opener the older generations its Open superseded on
+#   other runners (the look F6 waits with starts from them); save_batch stays, for the
+#   runners of version 5 until they restart, as its refusals.
+_INBOX = """
+CREATE TABLE inbox (
+    runner_id  text NOT NULL,               -- the holder of the superseded session
+    identity   text NOT NULL,
+    instance   text NOT NULL,
+    generation bigint NOT NULL,             -- the generation that supersedes it
+    PRIMARY KEY (runner_id, identity, instance)
+)
+"""
+_TIMES = """
+CREATE TABLE runner_times (
+    runner_id text PRIMARY KEY,
+    published double precision NOT NULL,    -- seconds since the Unix epoch, database clock
+    times     jsonb NOT NULL                -- token -> [opened, lease ends], the same clock
+)
+"""
+_SAVE_BATCH = f"""
+CREATE OR REPLACE FUNCTION save_batch({_PARAMETERS}) RETURNS TABLE ({_REFUSALS})
+LANGUAGE sql SET search_path FROM CURRENT AS $$
+    SELECT w.refused_job, w.refused_identity, w.refused_instance, w.refused_generation,
+        w.refused_mark, w.refused_quota, w.refused_requested, w.refused_used,
+        w.refused_hard
+    FROM write_batch(p_runner, p_epoch, p_per_key, p_total, p_jobs, p_tokens,
+        p_identities, p_instances, p_generations, p_requests, p_leases, p_kinds,
+        p_bodies, p_phases, p_memory, p_cpu, p_claims) AS w
+    WHERE w.older_runner IS NULL
+$$
+"""
+_VERSION_6 = (
+    _INBOX,
+    _TIMES,
+    "UPDATE runners SET session_times = '{}'",
+    _WRITE_BATCH,
+    _SAVE_BATCH,
+)
+
 MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     # From version N - 1 to N: the statements, run in order.
     # Version 1 also created the save_batch of its day, which version 2 drops.
@@ -489,6 +581,7 @@ MIGRATIONS: Final[dict[int, tuple[str, ...]]] = {
     3: _VERSION_3,
     4: _VERSION_4,
     5: _VERSION_5,
+    6: _VERSION_6,
 }
 
 # -- every connection: its settings, and the listener's channel ------------------------
@@ -507,7 +600,7 @@ def session_settings(timeout: str, schema: str) -> sql.Composed:
 
 
 def listen(schema: str) -> sql.Composed:
-    """LISTEN on the fleet's channel: its name is the schema's (save_batch notifies it)."""
+    """LISTEN on the fleet's channel: its name is the schema's (write_batch notifies it)."""
     return sql.SQL("LISTEN {}").format(sql.Identifier(schema))
 
 
@@ -637,12 +730,36 @@ HELD: Final = (
 # by the database's clock now.
 FLEET_RECORDS: Final = (
     "SELECT r.token, r.identity, r.instance, r.body, r.runner_id, r.epoch, "
-    "    n.e - (u.session_times -> r.token ->> 0)::double precision, "
-    "    (u.session_times -> r.token ->> 1)::double precision - n.e "
-    "FROM records r LEFT JOIN runners u "
-    "    ON u.runner_id = r.runner_id AND r.stopped IS NULL, "
+    "    n.e - (t.times -> r.token ->> 0)::double precision, "
+    "    (t.times -> r.token ->> 1)::double precision - n.e "
+    "FROM records r LEFT JOIN runner_times t "
+    "    ON t.runner_id = r.runner_id AND r.stopped IS NULL, "
     "    (SELECT extract(epoch FROM clock_timestamp())::double precision AS e) AS n "
     "ORDER BY r.saved"
+)
+# A listing asks every runner for its sessions' times (each answers with PUBLISH_TIMES
+# as it hears it); the moment it asked, by the database's clock.
+ASK_TIMES: Final = (
+    "SELECT extract(epoch FROM clock_timestamp())::double precision, "
+    '    pg_notify(current_schema(), \'{"kind": "times"}\')'
+)
+# The live runners that publish their times (they listen) and did not since a moment.
+TIMES_DUE: Final = (
+    "SELECT u.runner_id FROM runners u JOIN runner_times t ON t.runner_id = u.runner_id "
+    "WHERE u.lease_until > clock_timestamp() AND t.published < %s ORDER BY u.runner_id"
+)
+# This runner's sessions' times, by token (arrays of tokens, ages and leases left, in
+# seconds), published as moments of the database's clock; a runner that starts to
+# listen publishes none, which says it will answer.
+PUBLISH_TIMES: Final = (
+    "INSERT INTO runner_times AS t (runner_id, published, times) "
+    "SELECT %s, n.e, coalesce(("
+    "    SELECT jsonb_object_agg(w.t, jsonb_build_array(n.e - w.a, n.e + w.l)) "
+    "    FROM unnest(%s::text[], %s::double precision[], %s::double precision[]) "
+    "        AS w (t, a, l)), '{}') "
+    "FROM (SELECT extract(epoch FROM clock_timestamp())::double precision AS e) AS n "
+    "ON CONFLICT (runner_id) DO UPDATE SET published = excluded.published, "
+    "    times = excluded.times"
 )
 
 # -- membership: renewal, the checks, and the takeover of dead runners ------------------
@@ -651,25 +768,28 @@ FLEET_RECORDS: Final = (
 # by the database's clock (u: the runner's row, r: the record).
 TAKEOVER_DUE: Final = "u.lease_until + make_interval(secs => r.lease + u.stop_bound)"
 
-# This runner's row renewed, if it still holds this epoch, with its sessions' times: by
-# token (an array each of tokens, ages and leases left), as moments of the database's
-# clock.
+# This runner's row renewed, if it still holds this epoch: one short row, whatever the
+# number of its sessions (their times are published on demand: PUBLISH_TIMES).
 RENEW: Final = (
     "UPDATE runners SET lease_until = clock_timestamp() + make_interval(secs => %s), "
-    "    stop_bound = %s, session_times = ("
-    "        SELECT coalesce("
-    "            jsonb_object_agg(w.t, jsonb_build_array(n.e - w.a, n.e + w.l)), '{}') "
-    "        FROM unnest(%s::text[], %s::double precision[], %s::double precision[]) "
-    "            AS w (t, a, l), "
-    "        (SELECT extract(epoch FROM clock_timestamp())::double precision AS e) AS n) "
-    "WHERE runner_id = %s AND epoch = %s"
+    "    stop_bound = %s WHERE runner_id = %s AND epoch = %s"
 )
 DRAINING: Final = "UPDATE runners SET draining = true WHERE runner_id = %s AND epoch = %s"
-# The marks of the keys given as two arrays (identities, instances).
-MARKS: Final = (
-    "SELECT h.identity, h.instance, h.generation FROM high_water h "
-    "JOIN unnest(%s::text[], %s::text[]) AS w (i, n) "
-    "ON h.identity = w.i AND h.instance = w.n"
+# This runner's inbox, read and cleared: the keys of its sessions that a later
+# generation opened on another runner supersedes, with that generation.
+INBOX: Final = "DELETE FROM inbox WHERE runner_id = %s RETURNING identity, instance, generation"
+# After a failover (B6): the inbox rows of the keys whose marks this runner raised back,
+# for the other runners still holding a live older generation of one.
+REFILL_INBOX: Final = (
+    "INSERT INTO inbox AS b (runner_id, identity, instance, generation) "
+    "SELECT DISTINCT ON (r.runner_id, k.identity, k.instance) r.runner_id, k.identity, "
+    "    k.instance, k.generation "
+    "FROM unnest(%s::text[], %s::text[], %s::bigint[]) AS k (identity, instance, generation) "
+    "JOIN records r ON r.identity = k.identity AND r.instance = k.instance "
+    "    AND r.generation < k.generation AND r.stopped IS NULL AND r.runner_id <> %s "
+    "ORDER BY r.runner_id, k.identity, k.instance, k.generation DESC "
+    "ON CONFLICT (runner_id, identity, instance) DO UPDATE "
+    "SET generation = greatest(b.generation, excluded.generation)"
 )
 # A key's unstopped records below a generation on runners other than the one named.
 OLDER: Final = (
@@ -688,7 +808,7 @@ DEAD: Final = (
 )
 # A takeover, in one transaction: the dead runner's row locked (its epoch, and whether
 # it is still expired: the takeover re-checks what it saw), its records due, then its
-# epoch moved on; save_batch writes them Stopped under that epoch.
+# epoch moved on; write_batch writes them Stopped under that epoch.
 DEAD_ROW: Final = (
     "SELECT epoch, lease_until < clock_timestamp() FROM runners WHERE runner_id = %s FOR UPDATE"
 )

@@ -5,7 +5,7 @@ Theory of operation
 -------------------
 Callers (``PostgresStore``, in the Trio run) put :class:`~._jobs.Job` s on a queue and
 park; the worker takes everything queued, writes the saves of that batch in one
-transaction through one call of ``save_batch`` (group commit), then serves the other
+transaction through one call of ``write_batch`` (group commit), then serves the other
 jobs one transaction each, and wakes each caller through its run's token. Every
 statement runs under ``statement_timeout`` and ``lock_timeout``, on a socket with TCP
 keepalives and ``tcp_user_timeout``, and every job under a watchdog
@@ -28,7 +28,7 @@ import select
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from .._extras import needs_extra
 from ..codec import encode
@@ -57,6 +57,7 @@ from ._jobs import Job, deliver, next_batch
 from ._postgres_connection import Settings, Watchdog
 from ._postgres_patterns import identity_regex
 from ._postgres_sql import (
+    ASK_TIMES,
     CHECKED,
     CLEAR_SCHEMA_VERSION,
     CREATE_SCHEMA_VERSION,
@@ -69,11 +70,11 @@ from ._postgres_sql import (
     FLEET_RECORDS,
     HELD,
     HIGH_WATER,
+    INBOX,
     LANDED,
     LIST,
     LOOKUP,
     LOW_MARKS,
-    MARKS,
     MIGRATION_LOCK,
     MIGRATIONS,
     NEXT_EPOCH,
@@ -83,7 +84,9 @@ from ._postgres_sql import (
     OWNER,
     POOL_MARK,
     POOL_SEEN,
+    PUBLISH_TIMES,
     RAISE_MARKS,
+    REFILL_INBOX,
     REGISTER,
     RENEW,
     RUNNERS,
@@ -93,6 +96,7 @@ from ._postgres_sql import (
     SERVER,
     SERVER_IDENTITY,
     TAKE_MIGRATION_LOCK,
+    TIMES_DUE,
     UNCHECKED,
     WRITE_SCHEMA_VERSION,
     WRITTEN_PHASES,
@@ -105,7 +109,7 @@ with needs_extra("postgres", "trio_supervisor.stores.postgres", "psycopg"):
     import psycopg
     from psycopg.types.json import Jsonb
 
-__all__ = ["Memory", "Worker", "migrate"]
+__all__ = ["Memory", "Older", "Worker", "migrate"]
 
 logger = logging.getLogger("trio_supervisor.stores.postgres")
 
@@ -186,6 +190,17 @@ class Memory:
                 handed[key] = handle.generation
                 if len(handed) > REMEMBERED:
                     del handed[next(iter(handed))]
+
+
+class Older(NamedTuple):
+    """An unstopped record of a key, below a generation opened, on another runner."""
+
+    runner: str
+    epoch: int  # its runner's
+    generation: int
+    lease: float  # the record's
+    stop_bound: float  # its runner's
+    expired_for: float  # seconds since its runner's row expired; negative: alive
 
 
 class _Standby(psycopg.OperationalError):
@@ -432,7 +447,7 @@ class Worker:
                 self._connection.close()
             self._connection = None
         if self._connection is None:
-            connection = self.settings.connect()
+            connection = self.settings.connect(autocommit=True)
             try:
                 self._meet(connection)
             except BaseException:
@@ -451,7 +466,6 @@ class Worker:
         runner's last writes (B6), which are looked for before its next write."""
         in_recovery, walfile = connection.execute(SERVER).fetchone() or (False, None)
         if in_recovery:
-            connection.rollback()
             raise _Standby(
                 "the server is a standby in recovery (read-only); looking for the primary"
             )
@@ -459,9 +473,7 @@ class Worker:
             identity: object = connection.execute(SERVER_IDENTITY).fetchone()
         except psycopg.errors.InsufficientPrivilege:
             # Where pg_control_system() is revoked, the timeline alone tells a failover.
-            connection.rollback()
             identity = None
-        connection.commit()
         # A WAL file's name begins with its timeline: a promoted standby starts a new one.
         server = f"{identity[0] if isinstance(identity, tuple) else '?'}/{str(walfile)[:8]}"
         memory = self.memory
@@ -485,20 +497,19 @@ class Worker:
         migrate(connection, self.settings)
         settings = self.settings
         runner = settings.runner_id
-        previous = connection.execute(OWN_ROW, (runner,)).fetchone()
-        row = connection.execute(
-            REGISTER,
-            {"runner": runner, "advertise": settings.advertise, "lease": settings.runner_lease},
-        ).fetchone()
-        others = connection.execute(OTHERS_ALIVE, (runner,)).fetchall()
-        connection.commit()
+        with connection.transaction():
+            previous = connection.execute(OWN_ROW, (runner,)).fetchone()
+            row = connection.execute(
+                REGISTER,
+                {"runner": runner, "advertise": settings.advertise, "lease": settings.runner_lease},
+            ).fetchone()
+            others = connection.execute(OTHERS_ALIVE, (runner,)).fetchall()
         assert row is not None
         self.epoch = row[0]
         if self.memory.check_lost:
             self._restore(connection)  # the last incarnation's writes, on a new server
         else:
             connection.execute(CHECKED, (self.memory.server, runner, self.epoch))
-            connection.commit()
         twins = [other for other, where in others if where and where == settings.advertise]
         if twins:
             logger.warning(
@@ -542,7 +553,6 @@ class Worker:
         """
         mark = uuid.uuid4().hex
         connection.execute(POOL_MARK, (mark,))
-        connection.commit()
         with self.settings.connect(autocommit=True) as other:
             row = other.execute(POOL_SEEN).fetchone()
         if row is not None and row[0] == mark:
@@ -560,18 +570,19 @@ class Worker:
         if self._connection is None or self._connection.closed:
             return
         self._connection.execute(EXPIRE, (self.settings.runner_id, self.epoch))
-        self._connection.commit()
 
     # -- saving ------------------------------------------------------------------------
 
     def _save(self, jobs: list[Job]) -> None:
         # A save's args are its quota claim, if it carries one (PostgresStore.save_within).
         claims = {index: job.args for index, job in enumerate(jobs) if job.args is not None}
-        refused = self._write(
+        refused, older = self._write(
             self.settings.runner_id, self.epoch, [job.rows for job in jobs], claims
         )
         for index, refusal in refused.items():
             jobs[index].error = _refusal_error(refusal, claims.get(index))
+        for index, job in enumerate(jobs):
+            job.result = older.get(index, [])
         self._remember(job for index, job in enumerate(jobs) if index not in refused)
 
     def _remember(self, jobs: Iterable[Job]) -> None:
@@ -601,11 +612,14 @@ class Worker:
             [key.instance for key in keys],
             [memory.handed[key] for key in keys],
         )
-        low = connection.execute(LOW_MARKS, marks).fetchall()
-        if lost or low:
-            connection.execute(RAISE_MARKS, marks)
-        connection.execute(CHECKED, (memory.server, self.settings.runner_id, self.epoch))
-        connection.commit()
+        with connection.transaction():
+            low = connection.execute(LOW_MARKS, marks).fetchall()
+            if lost or low:
+                connection.execute(RAISE_MARKS, marks)
+                # Another runner's live older generation of such a key is superseded,
+                # and the Open's row in its inbox may be lost too: written again.
+                connection.execute(REFILL_INBOX, (*marks, self.settings.runner_id))
+            connection.execute(CHECKED, (memory.server, self.settings.runner_id, self.epoch))
         if lost:
             # Written again as they were (no Open's compare-and-set: their generations
             # were handed out already), under this runner's epoch, which fences it.
@@ -656,7 +670,6 @@ class Worker:
             token: (epoch, body)
             for token, epoch, body in connection.execute(LANDED, (list(last),)).fetchall()
         }
-        connection.commit()
         if not any(held.get(token) == (self.epoch, body) for token, body in last.items()):
             return  # it did not commit: the failure stands
         for index, job in enumerate(jobs):
@@ -681,16 +694,18 @@ class Worker:
         claims: Mapping[int, QuotaClaim] | None = None,
         *,
         restore: bool = False,
-    ) -> dict[int, tuple[Any, ...]]:
-        """One call of save_batch and its commit; the jobs (each its rows, some with a
-        quota claim, by index) refused, by index, with save_batch's row for each.
+    ) -> tuple[dict[int, tuple[Any, ...]], dict[int, list[Older]]]:
+        """One call of write_batch, in autocommit (or in the caller's transaction): one
+        round trip. The jobs (each its rows, some with a quota claim, by index) refused,
+        by index, with write_batch's row for each; and the older generations of its keys
+        each job's Opens superseded on other runners, by index.
         ``restore``: rows written back after a lost write, Opens without their
         compare-and-set (their marks rise with them)."""
         connection = self._connected()
         retention = self.settings.retention
         try:
             self._sent = True
-            refused = connection.execute(
+            rows = connection.execute(
                 SAVE_BATCH,
                 (
                     runner,
@@ -701,7 +716,6 @@ class Worker:
                     None if not claims else Jsonb(claimed(claims)),
                 ),
             ).fetchall()
-            connection.commit()
         except psycopg.Error as error:
             if error.sqlstate == FENCED:
                 raise RunnerFencedError(
@@ -711,14 +725,22 @@ class Worker:
                 ) from error
             raise
         self.commits += 1
-        return {row[0]: tuple(row[1:]) for row in refused}
+        refusals: dict[int, tuple[Any, ...]] = {}
+        older: dict[int, list[Older]] = {}
+        for row in rows:
+            if row[9] is None:
+                refusals[row[0]] = tuple(row[1:9])
+            else:
+                older.setdefault(row[0], []).append(Older(*row[9:15]))
+        return refusals, older
 
     # -- everything else ---------------------------------------------------------------
 
     def _do(self, job: Job) -> None:
         connection = self._connected()
+        # In autocommit: a job of one statement is one round trip; a job of several
+        # that must land together opens a transaction of its own.
         job.result = getattr(self, f"_{job.kind}")(connection, *(job.args or ()))
-        connection.commit()  # a read's too: no snapshot is held between jobs
 
     def _list(self, connection: psycopg.Connection[Any]) -> list[SessionRecord]:
         rows = connection.execute(LIST, (self.settings.runner_id,)).fetchall()
@@ -806,56 +828,59 @@ class Worker:
             for token, identity, instance, body, runner, epoch, age, lease_left in rows
         ]
 
-    def _renew(
-        self,
-        connection: psycopg.Connection[Any],
-        stop_bound: float,
-        times: Mapping[str, tuple[float, float]] | None = None,
-    ) -> bool:
-        """Renew this runner's row, publishing its sessions' ``times`` (by token: age and
-        lease left, in seconds) as moments of the database's clock."""
+    def _renew(self, connection: psycopg.Connection[Any], stop_bound: float) -> bool:
+        """Renew this runner's row; whether it still held this epoch."""
         settings = self.settings
-        tokens = list(times or {})
-        ages = [times[token][0] for token in tokens] if times else []
-        left = [times[token][1] for token in tokens] if times else []
         done = connection.execute(
-            RENEW,
-            (
-                settings.runner_lease,
-                stop_bound,
-                tokens,
-                ages,
-                left,
-                settings.runner_id,
-                self.epoch,
-            ),
+            RENEW, (settings.runner_lease, stop_bound, settings.runner_id, self.epoch)
         )
         return done.rowcount == 1
 
     def _draining(self, connection: psycopg.Connection[Any]) -> None:
         connection.execute(DRAINING, (self.settings.runner_id, self.epoch))
 
-    def _marks(self, connection: psycopg.Connection[Any], keys: list[Key]) -> dict[Key, int]:
-        rows = connection.execute(
-            MARKS,
-            ([key.identity for key in keys], [key.instance for key in keys]),
-        ).fetchall()
+    def _inbox(self, connection: psycopg.Connection[Any]) -> dict[Key, int]:
+        """This runner's inbox, read and cleared: the keys of its sessions a later
+        generation opened elsewhere supersedes, with that generation (F5)."""
+        rows = connection.execute(INBOX, (self.settings.runner_id,)).fetchall()
         return {
             key_of(self.settings.shown, identity, instance): generation
             for identity, instance, generation in rows
         }
 
-    def _older(
-        self, connection: psycopg.Connection[Any], key: Key, generation: int
-    ) -> list[tuple[str, int, int, float, float, float]]:
-        """Unstopped records of ``key`` below ``generation`` on other runners: each
-        one's runner, its epoch, the record's generation and lease, the runner's
-        stop_bound, and for how long its row has been expired (negative: alive)."""
+    def _ask_times(self, connection: psycopg.Connection[Any]) -> float:
+        """Ask every runner of the fleet for its sessions' times; the moment asked."""
+        row = connection.execute(ASK_TIMES).fetchone()
+        assert row is not None
+        return float(row[0])
+
+    def _times_due(self, connection: psycopg.Connection[Any], asked: float) -> list[str]:
+        """The live runners that answer such requests and did not since ``asked``."""
+        return [runner for (runner,) in connection.execute(TIMES_DUE, (asked,)).fetchall()]
+
+    def _publish_times(
+        self, connection: psycopg.Connection[Any], times: Mapping[str, tuple[float, float]]
+    ) -> None:
+        """Publish this runner's sessions' ``times`` (by token: age and lease left, in
+        seconds) as moments of the database's clock."""
+        tokens = list(times)
+        connection.execute(
+            PUBLISH_TIMES,
+            (
+                self.settings.runner_id,
+                tokens,
+                [times[token][0] for token in tokens],
+                [times[token][1] for token in tokens],
+            ),
+        )
+
+    def _older(self, connection: psycopg.Connection[Any], key: Key, generation: int) -> list[Older]:
+        """Unstopped records of ``key`` below ``generation`` on other runners."""
         rows = connection.execute(
             OLDER,
             (key.identity, key.instance, generation, self.settings.runner_id),
         ).fetchall()
-        return [tuple(row) for row in rows]
+        return [Older(*row) for row in rows]
 
     def _dead(self, connection: psycopg.Connection[Any]) -> list[tuple[str, int]]:
         """Other runners whose row expired with a record whose margin passed too."""
@@ -866,14 +891,15 @@ class Worker:
         self, connection: psycopg.Connection[Any], runner: str, seen: int
     ) -> list[StoppedRecord]:
         """Take a dead runner's records over, if its row still is as it was seen."""
-        row = connection.execute(DEAD_ROW, (runner,)).fetchone()
-        if row is None or row[0] != seen or not row[1]:
-            return []  # it renewed, restarted, or another runner took it over first
-        rows = connection.execute(DUE, (runner,)).fetchall()
-        # Its epoch moves on first: whatever its old incarnation still tries is refused.
-        connection.execute(NEXT_EPOCH, (runner,))
-        stopped = [recovered(record_of(self.settings.shown, *row), RUNNER_LOST) for row in rows]
-        self._write(runner, seen + 1, [[(record, encode(record)) for record in stopped]])
+        with connection.transaction():
+            row = connection.execute(DEAD_ROW, (runner,)).fetchone()
+            if row is None or row[0] != seen or not row[1]:
+                return []  # it renewed, restarted, or another runner took it over first
+            rows = connection.execute(DUE, (runner,)).fetchall()
+            # Its epoch moves on first: whatever its old incarnation still tries is refused.
+            connection.execute(NEXT_EPOCH, (runner,))
+            stopped = [recovered(record_of(self.settings.shown, *row), RUNNER_LOST) for row in rows]
+            self._write(runner, seen + 1, [[(record, encode(record)) for record in stopped]])
         logger.warning(
             "%s: runner %s (epoch %d) is dead past its takeover margin; took over %d of its "
             "sessions: %s",
@@ -900,7 +926,10 @@ _ACTIONS: Final = {
     "held": "read a session's record",
     "renew": "renew this runner's row",
     "draining": "mark this runner draining",
-    "marks": "check the high-water of live keys",
+    "inbox": "read this runner's inbox of supersedes",
+    "ask_times": "ask the fleet's runners for their sessions' times",
+    "times_due": "look for runners that did not publish their sessions' times",
+    "publish_times": "publish this runner's sessions' times",
     "older": "look for older generations",
     "unchecked": "look for runners that did not check their writes after a failover",
     "dead": "look for dead runners",
@@ -911,7 +940,7 @@ _ACTIONS: Final = {
 def columns(
     jobs: Sequence[Sequence[tuple[SessionRecord, str]]], *, restore: bool = False
 ) -> tuple[list[Any], ...]:
-    """save_batch's row arrays for ``jobs`` (each its records with their bodies), in its
+    """write_batch's row arrays for ``jobs`` (each its records with their bodies), in its
     parameters' order: job, token, identity, instance, generation, request id, lease,
     kind, body, phase, and the memory_bytes and cpu_percent limits. ``restore``: no
     record is an Open (see :meth:`Worker._write`)."""
@@ -950,7 +979,7 @@ def columns(
 
 
 def claimed(claims: Mapping[int, QuotaClaim]) -> dict[str, dict[str, Any]]:
-    """save_batch's ``p_claims``: each job's claim by its number, as quota_refusal reads it."""
+    """write_batch's ``p_claims``: each job's claim by its number, as quota_refusal reads it."""
     return {
         str(number): {
             "tenant": claim.tenant,
@@ -969,7 +998,7 @@ def claimed(claims: Mapping[int, QuotaClaim]) -> dict[str, dict[str, Any]]:
 def _refusal_error(
     refusal: tuple[Any, ...], claim: QuotaClaim | None
 ) -> StaleSessionError | QuotaExceededError:
-    """What the caller of a job save_batch refused gets: its row says why."""
+    """What the caller of a job write_batch refused gets: its row says why."""
     identity, instance, generation, mark, quota, requested, used, hard = refusal
     if quota is None:
         return StaleSessionError(
@@ -991,28 +1020,28 @@ def _kind(record: SessionRecord) -> int:
 
 def migrate(connection: psycopg.Connection[Any], settings: Settings) -> None:
     """Create or migrate the schema, in one transaction under the advisory lock."""
-    connection.execute(TAKE_MIGRATION_LOCK, (MIGRATION_LOCK,))
-    connection.execute(create_schema(settings.schema))
-    connection.execute(CREATE_SCHEMA_VERSION)
-    versions = [row[0] for row in connection.execute(SCHEMA_VERSIONS)]
-    version = max(versions, default=0)
-    if version > SCHEMA_VERSION:
-        raise StateStorageError(
-            f"{settings.shown}: the schema {settings.schema} has version {version}; this "
-            f"library knows version {SCHEMA_VERSION} at most (a newer trio_supervisor "
-            "wrote it)"
-        )
-    for step in range(version + 1, SCHEMA_VERSION + 1):
-        for statement in MIGRATIONS[step]:
-            connection.execute(statement)
-    if version < SCHEMA_VERSION:
-        connection.execute(CLEAR_SCHEMA_VERSION)
-        connection.execute(WRITE_SCHEMA_VERSION, (SCHEMA_VERSION,))
-        logger.info(
-            "%s: schema %s migrated from version %d to %d",
-            settings.shown,
-            settings.schema,
-            version,
-            SCHEMA_VERSION,
-        )
-    connection.commit()
+    with connection.transaction():
+        connection.execute(TAKE_MIGRATION_LOCK, (MIGRATION_LOCK,))
+        connection.execute(create_schema(settings.schema))
+        connection.execute(CREATE_SCHEMA_VERSION)
+        versions = [row[0] for row in connection.execute(SCHEMA_VERSIONS)]
+        version = max(versions, default=0)
+        if version > SCHEMA_VERSION:
+            raise StateStorageError(
+                f"{settings.shown}: the schema {settings.schema} has version {version}; this "
+                f"library knows version {SCHEMA_VERSION} at most (a newer trio_supervisor "
+                "wrote it)"
+            )
+        for step in range(version + 1, SCHEMA_VERSION + 1):
+            for statement in MIGRATIONS[step]:
+                connection.execute(statement)
+        if version < SCHEMA_VERSION:
+            connection.execute(CLEAR_SCHEMA_VERSION)
+            connection.execute(WRITE_SCHEMA_VERSION, (SCHEMA_VERSION,))
+            logger.info(
+                "%s: schema %s migrated from version %d to %d",
+                settings.shown,
+                settings.schema,
+                version,
+                SCHEMA_VERSION,
+            )

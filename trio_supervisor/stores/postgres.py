@@ -6,8 +6,11 @@ Theory of operation
   async API is asyncio's); callers in the Trio run queue jobs and park, as with
   :class:`~trio_supervisor.SqliteStore`. Saves that queue while a transaction runs are
   written together in the next (group commit), each batch one call of the schema's
-  ``save_batch`` function: one round trip. A save returns once its batch committed; a
-  save cancelled while still queued is taken back and writes nothing.
+  ``write_batch`` function: one round trip, one commit (the connection is in
+  autocommit; only a call whose statements must land together opens a transaction). A
+  save returns once its batch committed; a save cancelled while still queued is taken
+  back and writes nothing. The batch answers with the older generations each Open
+  found on other runners, where the open's wait for them (F6) starts.
 * **The schema** (``trio_supervisor``) is versioned, and created or migrated on first
   use in one transaction holding an advisory lock, so runners that start together on
   an empty database do not race.
@@ -28,10 +31,12 @@ Theory of operation
   refuses it with ``QuotaExceededError``, writing nothing, past a quota.
 * **Membership** (:meth:`PostgresStore.run_member`): the row is renewed every third of
   ``runner_lease``, and trusted locally only for ``runner_lease`` minus a margin from
-  when its last renewal was *sent*; an open that supersedes a session of this runner
-  arrives as a notification (LISTEN, on a thread of its own) and, should that be lost,
-  by a periodic check of the live keys' high-water; dead runners are taken over once
-  their row expired by more than a record's lease plus their ``stop_bound``.
+  when its last renewal was *sent*; a renewal is one short row. An open that supersedes
+  a session of this runner writes a row in its inbox and notifies it (LISTEN, on a
+  thread of its own); should the notification be lost, the periodic read of the inbox
+  finds it. The sessions' times are published only when a listing of the fleet asks
+  (a notification too). Dead runners are taken over once their row expired by more
+  than a record's lease plus their ``stop_bound``.
 * Every failure reaches the caller as a :class:`StateStorageError` naming the database
   (never its password) and what failed; a row no record can be read from is a
   :class:`RecordFormatError` naming the row.
@@ -62,12 +67,12 @@ from ..errors import (
     StoreUnavailableError,
     TerminationUnconfirmedError,
 )
-from ..model import FleetRecord, Handle, Key, QuotaClaim, RunnerInfo, SessionRecord
+from ..model import FleetRecord, Handle, Key, OpenRecord, QuotaClaim, RunnerInfo, SessionRecord
 from ..realtime import outside_the_run
 from ..retention import Retention
 from ._jobs import Desk, Job, Opening
 from ._postgres_connection import Listener, Settings
-from ._postgres_worker import Memory, Worker
+from ._postgres_worker import Memory, Older, Worker
 
 __all__ = ["PostgresStore"]
 
@@ -81,6 +86,13 @@ POLL: Final = 0.2
 MOST_CHECK: Final = 1.0
 # The jobs that write for this runner: refused at once once it is fenced.
 _WRITES: Final = frozenset({"save", "takeover", "draining"})
+# How many Opens' older generations, as their saves found them, are kept for the waits
+# that follow (an Open saved by a caller that does not wait is forgotten in time).
+OLDER_KEPT: Final = 1024
+# How long a listing of the fleet's records waits for the runners to publish their
+# sessions' times (a runner that does not answer in time shows what it last published).
+TIMES_WAIT: Final = 1.0
+TIMES_POLL: Final = 0.02
 # How many failed takeovers an open waiting for a dead runner's older generation tries
 # again (each is bounded by the store's lock timeout) before it fails.
 TAKEOVER_TRIES: Final = 3
@@ -163,6 +175,9 @@ class PostgresStore(Opening):
         self._check_period = min(runner_lease / 3, MOST_CHECK)
         self._heard: trio.Event | None = None  # set when a stop is notified
         self._listening: trio.Event | None = None  # set once run_member LISTENs
+        self._times_asked: trio.Event | None = None  # set when a listing asks for times
+        # What the last saves of Opens found superseded on other runners, by token.
+        self._older_seen: dict[str, list[Older]] = {}
 
     @property
     def dsn(self) -> str:
@@ -234,11 +249,11 @@ class PostgresStore(Opening):
             StateStorageError: The record could not be written, or this runner's epoch
                 was taken over.
         """
-        await self._submit(Job("save", [(record, encode(record))]))
+        await self._save(Job("save", [(record, encode(record))]))
 
     async def save_many(self, records: Sequence[SessionRecord]) -> None:
         """Make every record durable in one transaction, or none of them."""
-        await self._submit(Job("save", [(record, encode(record)) for record in records]))
+        await self._save(Job("save", [(record, encode(record)) for record in records]))
 
     async def save_within(self, record: SessionRecord, quota: QuotaClaim) -> None:
         """Make ``record`` durable as :meth:`save` does, if ``quota``'s tenant stays
@@ -254,7 +269,20 @@ class PostgresStore(Opening):
                 generation was claimed.
             StaleSessionError, StateStorageError: As :meth:`save`.
         """
-        await self._submit(Job("save", [(record, encode(record))], args=quota))
+        await self._save(Job("save", [(record, encode(record))], args=quota))
+
+    async def _save(self, job: Job) -> None:
+        """Submit a save; keep what it says of the older generations its Opens
+        superseded on other runners, for :meth:`wait_older_stopped` to start from."""
+        older: list[Older] = await self._submit(job)
+        for record, _ in job.rows:
+            if isinstance(record, OpenRecord):
+                handle = record.handle
+                self._older_seen[handle.token] = [
+                    row for row in older if row.generation < handle.generation
+                ]
+                if len(self._older_seen) > OLDER_KEPT:
+                    del self._older_seen[next(iter(self._older_seen))]
 
     async def list(self) -> Sequence[SessionRecord]:
         """This runner's retained records (of all its epochs), in the order they were saved.
@@ -312,7 +340,16 @@ class PostgresStore(Opening):
         return found
 
     async def fleet_records(self) -> Sequence[FleetRecord]:
-        """Every retained record of the fleet, in save order, each with its runner."""
+        """Every retained record of the fleet, in save order, each with its runner.
+
+        The live sessions' age and lease left are those their runners publish when
+        asked: each is asked first, and given up to a second to answer (one that does
+        not shows what it published last).
+        """
+        asked: float = await self._ask("ask_times")
+        with realtime.bounded(TIMES_WAIT):
+            while await self._ask("times_due", asked):
+                await realtime.sleep(TIMES_POLL)
         found: list[FleetRecord] = await self._ask("fleet_records")
         return found
 
@@ -379,7 +416,10 @@ class PostgresStore(Opening):
             if self._heard is None:
                 self._heard = trio.Event()
             heard = self._heard
-            older = await self._ask("older", key, generation)
+            seen = self._older_seen.pop(handle.token, None)
+            older: list[Older] = (
+                seen if seen is not None else await self._ask("older", key, generation)
+            )
             if not older:
                 return
             now = time.monotonic()
@@ -428,8 +468,10 @@ class PostgresStore(Opening):
         await self.open()
         failure: StateStorageError | None = None
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._hear, member)
+            listening = self._listening = trio.Event()
+            nursery.start_soon(self._hear, member, listening)
             nursery.start_soon(self._check, member)
+            nursery.start_soon(self._publish_times, member, listening)
             try:
                 await self._keep(member)
             except StateStorageError as error:
@@ -478,9 +520,9 @@ class PostgresStore(Opening):
         while (left := until - time.monotonic()) > 0:
             with realtime.bounded(left) as scope:
                 try:
-                    # Its sessions' times go with it: the fleet's other runners show them.
+                    # One short row: the sessions' times are published when asked.
                     alive: bool = await self._submit(
-                        Job("renew", args=(member.stop_bound, member.times()), wait=left),
+                        Job("renew", args=(member.stop_bound,), wait=left),
                         abandonable=True,
                     )
                 except StateStorageError as error:
@@ -509,20 +551,19 @@ class PostgresStore(Opening):
         raise fenced from failed
 
     async def _check(self, member: FleetMember) -> None:
-        """The guarantee beneath the notifications, and the takeover of dead runners: the
-        member's live keys against their high-water in one statement, at least every
-        third of its shortest lease (F5) and every check period."""
+        """The guarantee beneath the notifications, and the takeover of dead runners:
+        this runner's inbox of supersedes (one index probe, whatever the number of its
+        sessions), at least every third of its shortest lease (F5) and every check
+        period."""
         takeover_every = self._settings.runner_lease / 3
         next_takeover = 0.0
         failing = False
         while True:
             try:
-                live = dict(member.live())
-                if live:
-                    marks: dict[Key, int] = await self._ask("marks", list(live))
-                    for key, high in marks.items():
-                        if high > live[key]:
-                            member.superseded(key, high)
+                if member.live():
+                    inbox: dict[Key, int] = await self._ask("inbox")
+                    for key, high in inbox.items():
+                        member.superseded(key, high)
                 if time.monotonic() >= next_takeover:
                     next_takeover = time.monotonic() + takeover_every
                     await self.take_over_dead()
@@ -537,11 +578,23 @@ class PostgresStore(Opening):
             period = self._check_period if shortest is None else shortest / 3
             await trio.sleep(min(self._check_period, period))
 
-    async def _hear(self, member: FleetMember) -> None:
+    async def _publish_times(self, member: FleetMember, listening: trio.Event) -> None:
+        """Publish the member's sessions' times each time a listing asks (requests that
+        come while one is published are answered by the next), and once it listens,
+        which says it answers such requests."""
+        await listening.wait()
+        while True:
+            asked = self._times_asked = trio.Event()
+            try:
+                await self._ask("publish_times", dict(member.times()))
+            except StateStorageError as error:
+                logger.warning("%s", error)
+            await asked.wait()
+
+    async def _hear(self, member: FleetMember, listening: trio.Event) -> None:
         """Listen for notifications, on a thread, and act on them in the run."""
         token = trio.lowlevel.current_trio_token()
         send, receive = trio.open_memory_channel[str](math.inf)
-        listening = self._listening = trio.Event()
 
         def offer(payload: str) -> None:  # in the run
             # run_member may have ended meanwhile.
@@ -574,6 +627,10 @@ class PostgresStore(Opening):
         try:
             note = json.loads(payload)
             kind = note["kind"]
+            if kind == "times":  # a listing asks every runner: no key
+                if self._times_asked is not None:
+                    self._times_asked.set()
+                return
             key = Key(identity=note["identity"], instance=note["instance"])
             generation = int(note["generation"])
         except (ValueError, KeyError, TypeError) as error:
@@ -581,6 +638,7 @@ class PostgresStore(Opening):
             return
         if kind == "superseded" and note.get("runner") == self.member:
             member.superseded(key, generation)
+
         elif kind == "stopped" and self._heard is not None:
             self._heard.set()
             self._heard = trio.Event()
