@@ -189,8 +189,9 @@ class FleetStore(BatchStore, Protocol):
         """Keep this member in the fleet until cancelled.
 
         Renews its row, hears of opens that supersede its sessions (a notification as
-        the wake-up, a periodic check of ``member.live()`` as the guarantee) and tells
-        ``member.superseded``, and takes over the records of dead members.
+        the wake-up, a periodic check as the guarantee, at least every third of
+        ``member.shortest_lease()``) and tells ``member.superseded``, and takes over the
+        records of dead members.
 
         Raises:
             StateStorageError: The member lost its row (it could not renew it in time,

@@ -32,12 +32,14 @@ def test_a_renew_costs_the_database_nothing(costs: dict[str, Cost]) -> None:
     )
 
 
-def test_an_open_is_a_lookup_and_one_save(costs: dict[str, Cost]) -> None:
+def test_an_open_is_one_save(costs: dict[str, Cost]) -> None:
     opened = costs["open"]
-    # The save says which older generations other runners hold: no look of its own.
-    assert opened.statements == {"LOOKUP": 1, "SAVE_BATCH": 1}
-    # Each statement in autocommit: one round trip, a transaction of its own.
-    assert (opened.round_trips, opened.commits, opened.write_commits) == (2, 2, 1)
+    # The host expects what the runner knows (a new key): the Open record goes first,
+    # its compare-and-set the check (F3), and the save says which older generations
+    # other runners hold (none): no lookup, no look of its own.
+    assert opened.statements == {"SAVE_BATCH": 1}
+    # In autocommit: one round trip, one transaction.
+    assert (opened.round_trips, opened.commits, opened.write_commits) == (1, 1, 1)
     # A new key: its high-water row made and raised, and its Open record.
     assert opened.rows == 3
     assert opened.notify_count == 0
@@ -70,7 +72,8 @@ def test_a_supersede_across_runners_notifies_twice_and_writes_five_rows(
     costs: dict[str, Cost],
 ) -> None:
     supersede = costs["supersede across runners"]
-    # b: its lookup, its Open (which names a's live generation), and a look once a's
+    # b: its lookup (the host expects a generation b never saw), its Open (which names
+    # a's live generation), and a look once a's
     # stop was notified (or two, where the first came before a's save); a: Stopping
     # and Stopped, together.
     assert supersede.statements["LOOKUP"] == 1

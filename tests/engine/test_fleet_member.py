@@ -76,6 +76,12 @@ class FleetOfOne(MemoryStore):
         self.saving.set()
         if self.save_hold is not None:
             await self.save_hold.wait()
+        if isinstance(record, OpenRecord):
+            # Global fencing, as the protocol has it: the fleet's mark + 1, or nothing.
+            key = record.handle.key
+            mark = max((await self.high_water()).get(key, 0), self.marks.get(key, 0))
+            if record.handle.generation != mark + 1:
+                raise StaleSessionError(f"the fleet's high-water of this key is {mark}")
         await super().save(record)
 
     async def save_within(self, record: SessionRecord, quota: QuotaClaim) -> None:
@@ -145,11 +151,21 @@ async def test_f3_high_water_and_open_read_the_fleets_marks(
     async with open_supervisor(store, FakeExecution(), lease=10.0) as sup:
         assert await sup.high_water(KEY) == 3
         assert await sup.high_water(OTHER) is None
+        store.lookups.clear()
+        # The host expects what this runner's index knows (a key never opened): its
+        # Open record goes first, loses, and the lookup then says why, and whether
+        # this is a retry (O3).
         with pytest.raises(StaleSessionError, match="high-water generation is 3"):
             await sup.open(KEY, "r1")
+        assert store.lookups == [(KEY, "r1")]
+        # The runner knows the mark now: an open that expects it needs no lookup.
         record = await sup.open(KEY, "r2", expected_generation=3)
         assert record.handle.generation == 4
-        assert store.lookups[-1] == (KEY, "r2")  # the request id, for a retry (O3)
+        assert store.lookups == [(KEY, "r1")]
+        # One that expects another generation than the runner knows looks first.
+        with pytest.raises(StaleSessionError, match="high-water generation is 4"):
+            await sup.open(KEY, "r3", expected_generation=2)
+        assert store.lookups[-1] == (KEY, "r3")  # the request id, for a retry (O3)
         assert await sup.high_water(KEY) == 4
 
 
@@ -179,6 +195,7 @@ async def test_f3_a_store_that_cannot_be_read_fails_the_open_by_name(
 ) -> None:
     store = FleetOfOne()
     store.lookup_fails = OSError("connection reset")
+    store.marks[KEY] = 2  # another runner opened it: the Open record loses, and reads
     async with open_supervisor(store, FakeExecution(), lease=10.0) as sup:
         with pytest.raises(StateStorageError) as refused:
             await sup.open(KEY, "r1")

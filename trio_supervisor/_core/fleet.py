@@ -10,9 +10,12 @@ of a :class:`Fleet` chosen once, when the supervisor is made (as trio's
 * :class:`Alone`, for a store of one supervisor: the key's high-water is its own index's,
   no open waits for anyone, and no session lives elsewhere. Nothing here awaits, so a
   supervisor alone checkpoints exactly where it did before fleets existed.
-* :class:`Member`, for a :class:`~trio_supervisor.abc.FleetStore`: an open first asks the
-  store for the key's high-water and a retried request's record (F3), then waits for
-  older generations held by other runners (F6); a session this supervisor does not
+* :class:`Member`, for a :class:`~trio_supervisor.abc.FleetStore`: an open whose host
+  expects the generation this runner knows for the key goes straight to its Open
+  record, whose compare-and-set checks that against the fleet (F3): one round trip. An
+  open that expects another, or whose record lost, asks the store for the key's
+  high-water and a retried request's record first. The open then waits for older
+  generations held by other runners (F6); a session this supervisor does not
   hold may be Stopped elsewhere (F8); and a task keeps the runner's row and hears of
   supersedes (F1, F2, F5), stopping the sessions a later generation opened elsewhere
   supersedes. A renew asks the fleet nothing: the store tells of supersedes by
@@ -47,9 +50,16 @@ class Fleet:
         """The key's highest generation (0: never opened) as the fleet knows it."""
         raise NotImplementedError
 
-    async def before_open(self, key: Key, request_id: str) -> SessionRecord | None:
-        """Ahead of an open's checks: raise the index's mark for ``key`` to the fleet's,
-        and return the record another runner made for this request id, if any (O3)."""
+    async def before_open(self, key: Key, request_id: str, expected: int) -> SessionRecord | None:
+        """Ahead of an open's checks, where its host ``expected`` another generation
+        than the index knows: raise the index's mark for ``key`` to the fleet's, and
+        return the record another runner made for this request id, if any (O3)."""
+        raise NotImplementedError
+
+    async def after_lost_open(self, key: Key, request_id: str) -> SessionRecord | None:
+        """The open's Open record lost its compare-and-set (another runner holds a later
+        generation): raise the index's mark to the fleet's, and return the record of
+        this request id another runner made, if any (a retry, O3)."""
         raise NotImplementedError
 
     async def wait_older(self, handle: Handle) -> BaseException | None:
@@ -81,7 +91,10 @@ class Alone(Fleet):
     async def high_water(self, key: Key) -> int:
         return self._records.high_water(key)
 
-    async def before_open(self, key: Key, request_id: str) -> SessionRecord | None:
+    async def before_open(self, key: Key, request_id: str, expected: int) -> SessionRecord | None:
+        return None
+
+    async def after_lost_open(self, key: Key, request_id: str) -> SessionRecord | None:
         return None
 
     async def wait_older(self, handle: Handle) -> BaseException | None:
@@ -137,7 +150,14 @@ class Member(Fleet):
         high, _ = await self._lookup(key, None)
         return high
 
-    async def before_open(self, key: Key, request_id: str) -> SessionRecord | None:
+    async def before_open(self, key: Key, request_id: str, expected: int) -> SessionRecord | None:
+        if expected == self._records.high_water(key):
+            # What the host expects is what this runner knows: the Open record's
+            # compare-and-set tells whether the fleet agrees (after_lost_open if not).
+            return None
+        return await self.after_lost_open(key, request_id)
+
+    async def after_lost_open(self, key: Key, request_id: str) -> SessionRecord | None:
         mark, prior = await self._lookup(key, request_id)
         if prior is None:
             self._records.index.raise_high_water(key, mark)

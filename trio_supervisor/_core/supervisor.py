@@ -324,24 +324,16 @@ class Supervisor:
         if prior is not None:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return prior
-        # In a fleet: its high-water, and a retry of an open another runner answered.
-        prior = await self._fleet.before_open(key, request_id)
+        # In a fleet: its high-water, and a retry of an open another runner answered,
+        # where the host expects another generation than this runner knows.
+        prior = await self._fleet.before_open(key, request_id, expected_generation or 0)
         if prior is not None:
             return prior
         self._check_usable()
         high = self._records.high_water(key)
         if (expected_generation or 0) != high:
             await trio.lowlevel.cancel_shielded_checkpoint()
-            expected = (
-                "a key never opened"
-                if expected_generation is None
-                else f"generation {expected_generation}"
-            )
-            raise StaleSessionError(
-                f"{key.identity}/{key.instance}: expected {expected}, but its high-water "
-                f"generation is {high}; pass expected_generation={high or None} to open "
-                "the next one"
-            )
+            raise _unexpected(key, expected_generation, high)
         await self._running.supersede(key)
         self._check_usable()
         record = OpenRecord(
@@ -353,7 +345,18 @@ class Supervisor:
         with self._running.opening():
             # In a fleet, the tenant's quota is counted with the save (F9); a refusal
             # wrote nothing, as a lost compare-and-set (F3) does.
-            await self._persist(record, quota)
+            try:
+                await self._persist(record, quota)
+            except StaleSessionError:
+                # Another runner holds a later generation: this is a retry it answered
+                # (O3), or the host's expectation was stale there too (O4).
+                prior = await self._fleet.after_lost_open(key, request_id)
+                if prior is not None:
+                    return prior
+                high = self._records.high_water(key)
+                if (expected_generation or 0) != high:
+                    raise _unexpected(key, expected_generation, high) from None
+                raise
             # The record is durable: from here on nothing may stop the session from
             # coming to exist (O11). In a fleet, an older generation held by another
             # runner was told to stop when the record landed, and the open waits for it
@@ -541,3 +544,14 @@ class Supervisor:
         if isinstance(record, StoppingRecord | StoppedRecord):
             raise stop_error(record.reason, handle)
         raise SessionStoppedError("the session was retired by recovery or eviction")
+
+
+def _unexpected(key: Key, expected_generation: int | None, high: int) -> StaleSessionError:
+    """O4's error: the host expected another generation than the key's high-water."""
+    expected = (
+        "a key never opened" if expected_generation is None else f"generation {expected_generation}"
+    )
+    return StaleSessionError(
+        f"{key.identity}/{key.instance}: expected {expected}, but its high-water "
+        f"generation is {high}; pass expected_generation={high or None} to open the next one"
+    )

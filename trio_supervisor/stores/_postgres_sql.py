@@ -10,8 +10,9 @@ A batch of saves is one call of ``write_batch`` (so one round trip, as SQLite's 
 makes it one statement, and in autocommit one transaction): the function fences the
 writer, claims the generations of its Open records, writes the rows, raises the marks,
 applies retention, writes the supersedes into their holders' inboxes and notifies, and
-returns its refusals and the older generations its Opens found on other runners. A save that carries a tenant's quota claim is counted there
-too, by ``quota_refusal``, once the batch holds its tenants' advisory locks.
+returns its refusals and the older generations its Opens found on other runners. A
+save that carries a tenant's quota claim is counted there too, by ``quota_refusal``,
+once the batch holds its tenants' advisory locks.
 
 Every other statement the store runs is here too, after the migrations, grouped by what
 runs it: migrating, this runner's row, saving, the reads, and membership (renewal, the

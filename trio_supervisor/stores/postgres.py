@@ -273,7 +273,15 @@ class PostgresStore(Opening):
 
     async def _save(self, job: Job) -> None:
         """Submit a save; keep what it says of the older generations its Opens
-        superseded on other runners, for :meth:`wait_older_stopped` to start from."""
+        superseded on other runners, for :meth:`wait_older_stopped` to start from.
+
+        After a failover, an Open waits until every live runner checked its writes on
+        the new server (B6), as a lookup does: its compare-and-set is then against
+        marks no runner is still to raise back.
+        """
+        opens = any(isinstance(record, OpenRecord) for record, _ in job.rows)
+        if opens and self._worker is not None and self._worker.failover_pending:
+            await self._checked_by_all()
         older: list[Older] = await self._submit(job)
         for record, _ in job.rows:
             if isinstance(record, OpenRecord):
