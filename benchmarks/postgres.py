@@ -2,18 +2,19 @@
 server every PostgreSQL scenario uses.
 
 Ours is a supervisor over ``PostgresStore``, a member of a fleet of one (so, as a
-runner's, each open also looks the key up in the fleet and waits for older generations
-held elsewhere). Its baseline is raw psycopg doing the same SQL with the same batching:
-one thread owns a connection and takes whatever the 100 clients queued; the saves of a
-batch go in one call of the store's own ``save_batch`` function (the same rows, the same
-JSON, the same retention) and one commit, and then each read is served in a transaction
-of its own, as the store's worker does. Per cycle a client asks the thread for what our
-supervisor asks the store for: the key's lookup (its high-water, and a retained record
-of the request id), the Open record, the look for older generations on other runners,
-and the Stopping and Stopped records together (a childless stop saves both at once,
-docs/design.md deviation (k)); each awaited before the next. ``durable.postgres.solo``
-(informational) is the same without the fleet: the store behind a plain ``BatchStore``
-face, so the supervisor neither looks up nor waits, and the baseline does not read.
+runner's, each open is fenced by the fleet's compare-and-set, and the save tells of
+older generations held elsewhere). Its baseline is raw psycopg doing the same SQL with
+the same batching: one thread owns a connection in autocommit and takes whatever the
+100 clients queued; the saves of a batch go in one call of the store's own
+``write_batch`` function (the same rows, the same JSON, the same retention), and then
+each read is served as a statement of its own, as the store's worker does. Per cycle a
+client asks the thread for what our supervisor asks the store for: the Open record
+(its host expects the generation the runner knows: no lookup, docs/design.md F3), and
+the Stopping and Stopped records together (a childless stop saves both at once,
+deviation (k)); each awaited before the next; a client reads its key's high-water
+once, before its first cycle, as ours does. ``durable.postgres.solo`` (informational)
+is the same without the fleet: the store behind a plain ``BatchStore`` face, so the
+supervisor neither reads nor waits, and the baseline does not read.
 
 The server is ``$TRIO_SUPERVISOR_BENCH_DSN`` (an admin connection; by default the one
 every machine of this project runs), on which the group makes a database of its own
@@ -53,7 +54,7 @@ from trio_supervisor import (
     codec,
     open_supervisor,
 )
-from trio_supervisor.stores._postgres_sql import LOOKUP, OLDER, SAVE_BATCH, Kind
+from trio_supervisor.stores._postgres_sql import LOOKUP, SAVE_BATCH, Kind
 from trio_supervisor.stores._postgres_worker import columns
 from trio_supervisor.testing import FakeExecution
 
@@ -128,15 +129,14 @@ class Request:
 class Writer:
     """A thread owning one psycopg connection, serving :class:`Request` s in batches.
 
-    Each batch is whatever is queued: its saves in one ``save_batch`` call and one
-    commit, then each read in a transaction of its own (psycopg's default: BEGIN, the
-    statement, COMMIT), then the clients of the batch are woken through the run's token.
+    Each batch is whatever is queued: its saves in one ``write_batch`` call (in
+    autocommit: one round trip, one commit), then each read as a statement of its own,
+    then the clients of the batch are woken through the run's token.
     """
 
     def __init__(self, dsn: str, schema: str, runner: str, epoch: int) -> None:
-        self._connection = psycopg.connect(dsn)
+        self._connection = psycopg.connect(dsn, autocommit=True)
         self._connection.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(schema)))
-        self._connection.commit()
         self.runner = runner
         self._epoch = epoch
         self._requests: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
@@ -175,19 +175,17 @@ class Writer:
             saves = [request for request in batch if request.rows]
             if saves:
                 refused = connection.execute(SAVE_BATCH, self._columns(saves)).fetchall()
-                connection.commit()
                 self.commits += 1
                 assert not refused, refused
             for request in batch:
                 if not request.rows:
                     request.result = connection.execute(request.query, request.params).fetchall()
-                    connection.commit()
             self._token.run_sync_soon(_wake, batch)
             if stop:
                 return
 
     def _columns(self, saves: list[Request]) -> tuple[Any, ...]:
-        """save_batch's arguments, built as the store's worker builds them."""
+        """write_batch's arguments, built as the store's worker builds them."""
         jobs = [[(record, body) for record, _, body in save.rows] for save in saves]
         # The store's default retention: one Stopped record per key, 10,000 in all; no
         # quota claims.
@@ -221,16 +219,11 @@ async def baseline_rate(
         generation = await lookup(key, None) if fleet else marks.get(key, 0)
         for cycle in range(cycles):
             request_id = f"{tag}-{cycle}"
-            if fleet:
-                generation = await lookup(key, request_id)
             handle = Handle(key=key, token=str(uuid.uuid4()), generation=generation + 1)
             opened = OpenRecord(handle=handle, request_id=request_id, lease=LEASE, limits=Limits())
             await writer.call(Request(rows=[(opened, Kind.OPEN, codec.encode(opened))]))
             generation = handle.generation
             marks[key] = generation
-            if fleet:
-                params = (key.identity, key.instance, generation, writer.runner)
-                await writer.call(Request(query=OLDER, params=params))
             stopping = StoppingRecord.of(opened, Disposed())
             stopped = StoppedRecord.of(
                 opened, Disposed(), Termination(kind="exited", exit=ExitStatus(code=0))

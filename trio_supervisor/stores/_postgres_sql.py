@@ -199,17 +199,22 @@ BEGIN
             p_runner, p_epoch, coalesce(held::text, 'no epoch'));
     END IF;
     -- The high-water rows of every key an Open claims exist and are locked, in one
-    -- order for every writer (no deadlock between two runners' batches).
-    IF KIND_OPEN = ANY (p_kinds) THEN
+    -- order for every writer (no deadlock between two runners' batches). A stop of
+    -- reason Superseded locks its key's row too: an Open of the key that another
+    -- runner writes meanwhile either committed first (then this batch's look below, a
+    -- statement after the lock, sees it, and tells its opener of the stop) or waits
+    -- for this one (then its look finds the session stopped): no opener waits for a
+    -- stop it is not told of.
+    IF KIND_OPEN = ANY (p_kinds) OR KIND_SUPERSEDED = ANY (p_kinds) THEN
         INSERT INTO high_water (identity, instance, generation)
             SELECT DISTINCT u.i, u.n, 0
             FROM unnest(p_identities, p_instances, p_kinds) AS u (i, n, k)
-            WHERE u.k = KIND_OPEN ORDER BY 1, 2
+            WHERE u.k IN (KIND_OPEN, KIND_SUPERSEDED) ORDER BY 1, 2
             ON CONFLICT DO NOTHING;
         PERFORM 1 FROM high_water h
             WHERE (h.identity, h.instance) IN (
                 SELECT u.i, u.n FROM unnest(p_identities, p_instances, p_kinds) AS u (i, n, k)
-                WHERE u.k = KIND_OPEN)
+                WHERE u.k IN (KIND_OPEN, KIND_SUPERSEDED))
             ORDER BY h.identity, h.instance FOR UPDATE;
     END IF;
     -- The tenants whose quota a job claims: one advisory lock each, held to the commit,

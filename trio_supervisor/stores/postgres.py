@@ -176,8 +176,9 @@ class PostgresStore(Opening):
         self._heard: trio.Event | None = None  # set when a stop is notified
         self._listening: trio.Event | None = None  # set once run_member LISTENs
         self._times_asked: trio.Event | None = None  # set when a listing asks for times
-        # What the last saves of Opens found superseded on other runners, by token.
-        self._older_seen: dict[str, list[Older]] = {}
+        # What the last saves of Opens found superseded on other runners, by token,
+        # with the event of the next notified stop as the save began.
+        self._older_seen: dict[str, tuple[list[Older], trio.Event]] = {}
 
     @property
     def dsn(self) -> str:
@@ -282,13 +283,19 @@ class PostgresStore(Opening):
         opens = any(isinstance(record, OpenRecord) for record, _ in job.rows)
         if opens and self._worker is not None and self._worker.failover_pending:
             await self._checked_by_all()
+        # The event of the next notified stop, taken before the save: a stop heard
+        # after it says that what the save found may have stopped since.
+        if self._heard is None:
+            self._heard = trio.Event()
+        heard = self._heard
         older: list[Older] = await self._submit(job)
         for record, _ in job.rows:
             if isinstance(record, OpenRecord):
                 handle = record.handle
-                self._older_seen[handle.token] = [
-                    row for row in older if row.generation < handle.generation
-                ]
+                self._older_seen[handle.token] = (
+                    [row for row in older if row.generation < handle.generation],
+                    heard,
+                )
                 if len(self._older_seen) > OLDER_KEPT:
                     del self._older_seen[next(iter(self._older_seen))]
 
@@ -425,9 +432,11 @@ class PostgresStore(Opening):
                 self._heard = trio.Event()
             heard = self._heard
             seen = self._older_seen.pop(handle.token, None)
-            older: list[Older] = (
-                seen if seen is not None else await self._ask("older", key, generation)
-            )
+            if seen is not None and not seen[1].is_set():
+                # Nothing stopped since the save looked: its look is as good as a new one.
+                older, heard = seen
+            else:
+                older = await self._ask("older", key, generation)
             if not older:
                 return
             now = time.monotonic()
