@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -227,6 +228,26 @@ async def test_concurrent_saves_share_transactions(database: str, schema: str) -
                 nursery.start_soon(store.save, record(f"k{number}", 1))
         assert len(await store.list()) == 103
         assert store.commits - 3 <= 20, "group commit batches the queue"
+
+
+async def test_a_commit_window_gathers_the_saves_of_a_busy_runner(
+    database: str, schema: str
+) -> None:
+    """commit_window: a save waits up to that long for others to share its commit. Saves
+    started together land in one commit, where without the window the first commits
+    alone; each is durable once its call returns, as ever."""
+    async with PostgresStore(database, runner_id="a", schema=schema, commit_window=1.0) as store:
+        async with trio.open_nursery() as nursery:
+            for number in range(5):
+                nursery.start_soon(store.save, record(f"w{number}", 1))
+        assert store.commits == 1
+        assert len(await store.list()) == 5
+
+
+@pytest.mark.parametrize("window", [-0.1, 1.5, math.inf, True, "0.1"])
+def test_a_commit_window_out_of_range_is_refused_by_name(window: Any) -> None:
+    with pytest.raises(ValueError, match=r"commit_window must be a number of seconds from 0 to 1"):
+        PostgresStore("postgresql://nowhere/x", runner_id="a", commit_window=window)
 
 
 async def test_a_save_cancelled_in_the_queue_writes_nothing(database: str, schema: str) -> None:

@@ -109,6 +109,11 @@ def samples(tmp: Path) -> dict[str, Sample]:
         ),
         "drain_on_sigterm": Sample(("--drain-on-sigterm", "120"), "drain_on_sigterm = 120", 120.0),
         "store_wait": Sample(("--store-wait", "2.5"), "store-wait = 2.5", 2.5),
+        "store_commit_window": Sample(
+            ("--store-commit-window", "0.02", "--store", FLEET),
+            f'store-commit-window = 0.02\nstore = "{FLEET}"',
+            0.02,
+        ),
         "restart_limit": Sample(("--restart-limit", "3/60"), 'restart-limit = "3/60"', "3/60"),
         # A table of the file's alone: no flag (docs/service.md D).
         "limits": Sample(
@@ -364,6 +369,11 @@ def test_a_bad_config_file_is_a_usage_error_naming_the_key(
             "86400, as 5/600), got '5 per 600'",
         ),
         (("--store-wait", "-1"), "-1"),
+        (("--store-commit-window", "2", "--store", FLEET), "2"),
+        (
+            ("--store-commit-window", "0.01"),
+            "--store-commit-window is for a fleet: it needs --store postgresql://...",
+        ),
         (
             ("--isolation", "none", "--child-network", "none"),
             "Error: --child-network none is for isolated children: it needs --isolation auto "

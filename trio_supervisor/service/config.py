@@ -64,6 +64,7 @@ DEFAULT_RUNNER_LEASE: Final = defaults.RUNNER_LEASE
 # third of a second at least; an hour is past any takeover anyone wants to wait for.
 RUNNER_LEASE: Final = fields.Seconds(minimum=1.0, inclusive=True, maximum=3600.0)
 STORE_WAIT: Final = fields.Seconds(minimum=0.0, inclusive=True, maximum=3600.0)
+COMMIT_WINDOW: Final = fields.Seconds(minimum=0.0, inclusive=True, maximum=1.0)
 DEFAULT_RESTART_LIMIT: Final = f"{defaults.RESTART_LIMIT[0]}/{defaults.RESTART_LIMIT[1]:g}"
 
 
@@ -168,6 +169,8 @@ class RunnerConfig:
         reserve_memory: Bytes of the machine's memory the children's memory ceilings
             may not take.
         store_wait: Seconds a store call out of reach is tried again (docs/design.md, B1).
+        store_commit_window: Seconds a save to a fleet's database may wait for others to
+            share its commit (``PostgresStore(commit_window=...)``).
         restart_limit: ``N/SECONDS``: how often the runner makes a new incarnation of a
             poisoned supervisor before it exits for its service manager (B5).
         drain_on_sigterm: Seconds: SIGTERM drains the runner with this deadline
@@ -364,6 +367,16 @@ class RunnerConfig:
             metavar="SECONDS",
         ),
     )
+    store_commit_window: float = attrs.field(
+        default=0.0,
+        validator=COMMIT_WINDOW,
+        metadata=_flag(
+            "Seconds a save to a fleet's database may wait for others to share its commit "
+            f"({COMMIT_WINDOW.bounds}; 0: none): a runner of a large fleet trades that much "
+            "of each save's latency for fewer commits on the database.",
+            metavar="SECONDS",
+        ),
+    )
     restart_limit: str = attrs.field(
         default=DEFAULT_RESTART_LIMIT,
         validator=_restart_limit,
@@ -477,6 +490,10 @@ class RunnerConfig:
             raise ConfigError("--advertise is for a fleet: it needs --store postgresql://...")
         elif self.runner_lease != DEFAULT_RUNNER_LEASE:
             raise ConfigError("--runner-lease is for a fleet: it needs --store postgresql://...")
+        elif self.store_commit_window:
+            raise ConfigError(
+                "--store-commit-window is for a fleet: it needs --store postgresql://..."
+            )
         if self.fleet and not self.advertise and _is_wildcard(host):
             raise ConfigError(
                 f"--listen {self.listen} is every address of this machine, which is no URL "

@@ -109,6 +109,7 @@ def _fleet_store(config: RunnerConfig, advertise: str, memory: Any = None) -> _R
         advertise=advertise,
         runner_lease=config.runner_lease,
         store_wait=config.store_wait,
+        commit_window=config.store_commit_window,
         memory=memory,
     )
     return store

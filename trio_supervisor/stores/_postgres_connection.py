@@ -79,9 +79,11 @@ class Settings:
         connect_timeout: float,
         statement_timeout: float,
         store_wait: float,
+        commit_window: float = 0.0,
     ) -> None:
         self.dsn = dsn
         self.store_wait = store_wait
+        self.commit_window = commit_window
         self.shown, self.password = describe(dsn)
         self.schema = schema
         self.runner_id = runner_id

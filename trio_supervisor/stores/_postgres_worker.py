@@ -251,6 +251,8 @@ class Worker:
         closing: Job | None = None
         while closing is None:
             taken, closing = next_batch(jobs)  # group commit
+            if closing is None and self.settings.commit_window > 0:
+                closing = self._gather(taken)
             self._serve(taken)
         if self._open_error is None:
             failure = self._attempt("mark this runner's row expired", self._close)
@@ -263,6 +265,28 @@ class Worker:
                 self._connection.close()
         self._watchdog.stop()
         deliver([closing])
+
+    def _gather(self, taken: list[Job]) -> Job | None:
+        """Hold a batch of saves open for more, up to ``commit_window`` from its first
+        save's call, so that the saves of a busy runner share fewer commits; a job that
+        is not a save ends the wait (a read is not held back). The close job, if one
+        came, is returned."""
+        saves = [job.born for job in taken if job.kind == "save"]
+        if not saves or len(saves) < len(taken):
+            return None
+        until = min(saves) + self.settings.commit_window
+        while (left := until - time.monotonic()) > 0:
+            try:
+                job = self._jobs.get(timeout=left)
+            except queue.Empty:
+                return None
+            if job.kind == "close":
+                return job
+            if job.take():
+                taken.append(job)
+                if job.kind != "save":
+                    return None
+        return None
 
     def _serve(self, jobs: list[Job]) -> None:
         if self._open_error is not None:

@@ -86,6 +86,8 @@ POLL: Final = 0.2
 MOST_CHECK: Final = 1.0
 # The jobs that write for this runner: refused at once once it is fenced.
 _WRITES: Final = frozenset({"save", "takeover", "draining"})
+# The longest commit_window: a save held longer would be slower than the database.
+MOST_COMMIT_WINDOW: Final = 1.0
 # How many Opens' older generations, as their saves found them, are kept for the waits
 # that follow (an Open saved by a caller that does not wait is forgotten in time).
 OLDER_KEPT: Final = 1024
@@ -117,6 +119,10 @@ class PostgresStore(Opening):
         store_wait: Seconds a call that meets a broken or refused connection, or a
             read-only server, reconnects and tries again before it gives up with
             :class:`~trio_supervisor.errors.StoreUnavailableError` (docs/design.md, B1).
+        commit_window: Seconds a save may wait for others to share its commit (0, the
+            default: none; saves that queue while a commit runs share the next one
+            anyway). A runner of a large fleet trades that much of each save's latency
+            for fewer commits on the database (docs/benchmarks.md, issue 51).
         schema: The PostgreSQL schema that holds the store's tables: fleets that share
             a database each use their own.
         memory: What the store of this runner's last incarnation wrote, and the server
@@ -141,6 +147,7 @@ class PostgresStore(Opening):
         connect_timeout: float = 5.0,
         statement_timeout: float = 10.0,
         store_wait: float = defaults.STORE_WAIT,
+        commit_window: float = 0.0,
         schema: str = "trio_supervisor",
         memory: Memory | None = None,
     ) -> None:
@@ -148,10 +155,25 @@ class PostgresStore(Opening):
             ("runner_lease", runner_lease),
             ("connect_timeout", connect_timeout),
             ("statement_timeout", statement_timeout),
-            ("store_wait", store_wait),
         ):
             if not isinstance(value, int | float) or not 0 < value < math.inf:
                 raise ValueError(f"PostgresStore {name} must be a positive number, got {value!r}")
+        # 0: a call that meets the store out of reach gives up at once (serve takes it).
+        if isinstance(store_wait, bool) or not isinstance(store_wait, int | float):
+            raise ValueError(f"PostgresStore store_wait must be a number, got {store_wait!r}")
+        if not 0 <= store_wait < math.inf:
+            raise ValueError(
+                f"PostgresStore store_wait must be 0 or more seconds, got {store_wait!r}"
+            )
+        if (
+            isinstance(commit_window, bool)
+            or not isinstance(commit_window, int | float)
+            or not 0 <= commit_window <= MOST_COMMIT_WINDOW
+        ):
+            raise ValueError(
+                "PostgresStore commit_window must be a number of seconds from 0 to "
+                f"{MOST_COMMIT_WINDOW:g}, got {commit_window!r}"
+            )
         runner = socket.gethostname() if runner_id is None else runner_id
         if not isinstance(runner, str) or not runner:
             raise ValueError(f"PostgresStore runner_id must be a non-empty string, got {runner!r}")
@@ -166,6 +188,7 @@ class PostgresStore(Opening):
             connect_timeout=float(connect_timeout),
             statement_timeout=float(statement_timeout),
             store_wait=float(store_wait),
+            commit_window=float(commit_window),
         )
         self._worker: Worker | None = None
         self._memory = memory if memory is not None else Memory()
