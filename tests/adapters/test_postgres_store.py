@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import socket
 import subprocess
@@ -1032,3 +1033,57 @@ async def test_a_runner_of_version_5_keeps_saving_through_save_batch(
         assert refusal[:5] == (0, "p", "k", 2, 2)  # job, key, generation, the mark
         assert len(refusal) == 9
         assert [r.handle.generation for r in await b.list()] == [2]
+
+
+async def test_a_batch_the_server_ends_a_deadlock_with_is_written_again(
+    database: str, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch the server rolls back to end a deadlock wrote nothing: the worker writes
+    it again at once, and its callers never see the conflict."""
+    caplog.set_level(logging.INFO, logger="trio_supervisor.stores.postgres")
+    async with PostgresStore(database, runner_id="a", schema=schema) as a:
+        await a.save_many([record("d1", 1), record("d2", 1)])
+        other = await trio.to_thread.run_sync(
+            lambda: psycopg.connect(in_schema(database, schema), autocommit=False)
+        )
+        try:
+            # The other transaction waits longest before it looks for a deadlock, so
+            # the batch's session finds it first, and the batch is the one rolled back.
+            await trio.to_thread.run_sync(other.execute, "SET deadlock_timeout = '30s'")
+            await trio.to_thread.run_sync(
+                other.execute, "SELECT 1 FROM high_water WHERE instance = 'd2' FOR UPDATE"
+            )
+
+            def waiting() -> bool:
+                rows = run(
+                    database,
+                    "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity s USING (pid) "
+                    "WHERE NOT l.granted AND s.application_name = 'trio_supervisor a'",
+                )
+                return rows[0][0] > 0
+
+            async with trio.open_nursery() as nursery:
+                # An Open of each key: the batch locks d1's mark, then waits for d2's.
+                nursery.start_soon(a.save_many, [record("d1", 2), record("d2", 2)])
+                await until(waiting, "the batch waits for the other transaction", bound=10)
+                # The other now waits for d1's: a deadlock, which the batch's session
+                # finds (after its deadlock_timeout, 1 s) and ends by rolling back.
+                nursery.start_soon(
+                    trio.to_thread.run_sync,
+                    other.execute,
+                    "SELECT 1 FROM high_water WHERE instance = 'd1' FOR UPDATE",
+                )
+                # Rolled back, it is written again, and waits for d2 once more, until
+                # the other transaction ends.
+                await until(
+                    lambda: any("written again" in r.getMessage() for r in caplog.records),
+                    "the batch rolled back to end the deadlock, and written again",
+                    bound=10,
+                )
+                await trio.to_thread.run_sync(other.rollback)
+        finally:
+            await trio.to_thread.run_sync(other.close)
+        marks = await a.high_water()
+        assert (marks[key("d1")], marks[key("d2")]) == (2, 2)
+    (retried,) = [r for r in caplog.records if "written again" in r.getMessage()]
+    assert "deadlock detected" in retried.getMessage()

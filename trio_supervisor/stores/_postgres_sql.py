@@ -393,11 +393,14 @@ BEGIN
                 END IF;
                 -- (d) Retention, fleet-wide: the oldest Stopped of the key beyond the
                 -- number kept per key go ...
+                -- Rows another batch is evicting meanwhile are skipped, never waited
+                -- for: two runners' evictions must not wait for each other (a deadlock
+                -- fails both batches), and what one skips, the other deletes.
                 DELETE FROM records r WHERE r.token IN (
                     SELECT s.token FROM records s
                     WHERE s.identity = p_identities[j] AND s.instance = p_instances[j]
                       AND s.stopped IS NOT NULL
-                    ORDER BY s.stopped DESC OFFSET p_per_key);
+                    ORDER BY s.stopped DESC OFFSET p_per_key FOR UPDATE SKIP LOCKED);
                 GET DIAGNOSTICS gone = ROW_COUNT;
                 -- ... then the oldest of all beyond the cap. The count is read once a
                 -- batch (a walk of the stop index) and kept here; a concurrent batch of
@@ -410,7 +413,8 @@ BEGIN
                 IF stopped_count > p_total THEN
                     DELETE FROM records r WHERE r.token IN (
                         SELECT s.token FROM records s WHERE s.stopped IS NOT NULL
-                        ORDER BY s.stopped LIMIT stopped_count - p_total);
+                        ORDER BY s.stopped LIMIT stopped_count - p_total
+                        FOR UPDATE SKIP LOCKED);
                     GET DIAGNOSTICS gone = ROW_COUNT;
                     stopped_count := stopped_count - gone;
                 END IF;

@@ -124,6 +124,11 @@ LAST_PAUSE: Final = 0.25
 # (57P01-57P03), and a server that is read-only (25006: a standby, or a primary that
 # was demoted), where the next connection may reach the new primary.
 UNAVAILABLE_STATES: Final = ("57P01", "57P02", "57P03", "25006")
+# SQLSTATEs of a transaction the server rolled back to end a conflict with another
+# (deadlock_detected, serialization_failure), and how often a batch so ended is written
+# again before its callers get the error.
+CONFLICT_STATES: Final = ("40P01", "40001")
+CONFLICT_TRIES: Final = 3
 # How many tokens' last records and keys' last generations a runner remembers, to write
 # them again should the database lose them (a failover to a standby that missed them).
 REMEMBERED: Final = 1 << 16
@@ -140,6 +145,14 @@ def unavailable(error: BaseException, connection: psycopg.Connection[Any] | None
     if isinstance(error, psycopg.OperationalError) and state is None:
         return True  # no connection, or one that broke: libpq's, with no SQLSTATE
     return connection is not None and (connection.broken or connection.closed)
+
+
+def _conflicted(failure: StateStorageError) -> bool:
+    """Whether a save failed because the server rolled it back to end a deadlock or a
+    serialization failure with another transaction: it wrote nothing, and may be tried
+    again at once."""
+    cause = failure.__cause__
+    return isinstance(cause, psycopg.Error) and cause.sqlstate in CONFLICT_STATES
 
 
 def _hung_up(connection: psycopg.Connection[Any]) -> bool:
@@ -326,12 +339,19 @@ class Worker:
         deadline = max(self._deadline(job) for job in saves)
         pending = saves
         pause = FIRST_PAUSE
+        conflicts = 0
         while pending:
             for job in pending:
                 job.error = None
             failure = self._attempt("save", functools.partial(self._save, pending))
             if failure is None:
                 return
+            if _conflicted(failure) and conflicts < CONFLICT_TRIES:
+                # The server chose this batch to end a deadlock (or a serialization
+                # failure): it rolled back, nothing of it landed; written again at once.
+                conflicts += 1
+                logger.info("%s; written again", failure)
+                continue
             if isinstance(failure, StoreUnavailableError) and self._sent:
                 landed = self._look(pending)
                 if landed is None:
