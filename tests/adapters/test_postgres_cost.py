@@ -60,15 +60,16 @@ def test_a_load_and_a_dispose_are_one_write_per_record_batch(costs: dict[str, Co
     assert (load.round_trips, load.write_commits, load.rows) == (3, 3, 3)
     # With a child: Stopping before the signal, Stopped after (P2, P5).
     assert loaded.statements == {"SAVE_BATCH": 2}
-    assert (loaded.round_trips, loaded.write_commits, loaded.rows) == (2, 2, 2)
+    # Each Stopped record also counts itself in its runner's counter (retention's cap).
+    assert (loaded.round_trips, loaded.write_commits, loaded.rows) == (2, 2, 3)
     # Without: both at once (deviation (k)).
     assert childless.statements == {"SAVE_BATCH": 1}
-    assert (childless.round_trips, childless.write_commits, childless.rows) == (1, 1, 2)
+    assert (childless.round_trips, childless.write_commits, childless.rows) == (1, 1, 3)
     for cost in (load, loaded, childless):
         assert cost.notify_count == 0
 
 
-def test_a_supersede_across_runners_notifies_twice_and_writes_five_rows(
+def test_a_supersede_across_runners_notifies_twice_and_writes_six_rows(
     costs: dict[str, Cost],
 ) -> None:
     supersede = costs["supersede across runners"]
@@ -84,7 +85,7 @@ def test_a_supersede_across_runners_notifies_twice_and_writes_five_rows(
     assert supersede.notifies == {"stopped": 1, "superseded": 1}
     # The mark raised, b's Open record, the row in a's inbox, a's Stopping and Stopped
     # (a's read of its inbox, which deletes the row, is its upkeep's).
-    assert supersede.rows == 5
+    assert supersede.rows == 6  # and a's counter of Stopped records
 
 
 def test_a_takeover_is_a_look_and_a_transaction_whatever_the_sessions(
@@ -102,7 +103,7 @@ def test_a_takeover_is_a_look_and_a_transaction_whatever_the_sessions(
         # DEAD alone; the rest in one transaction: BEGIN, four statements, COMMIT.
         assert (cost.round_trips, cost.commits, cost.write_commits) == (7, 2, 1)
         # Each session's record written Stopped, and the dead runner's epoch moved on.
-        assert cost.rows == sessions + 1
+        assert cost.rows == sessions + 2  # and the dead runner's counter of Stopped records
 
 
 async def test_a_runner_s_upkeep_is_its_renewal_its_inbox_and_its_scan(database: str) -> None:

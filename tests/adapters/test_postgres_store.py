@@ -322,6 +322,13 @@ def test_fleet_wide_retention_matches_the_memory_store(
                 await (a if number % 2 else b).save_many(records)
             fleet = [kept.record for kept in await a.fleet_records()]
             assert await b.high_water() == await memory.high_water()
+            # The runners' counters of Stopped records, which the cap reads, add up.
+            ((counted, there),) = run(
+                in_schema(database, schema),
+                "SELECT (SELECT sum(stopped) FROM stop_counts), "
+                "(SELECT count(*) FROM records WHERE stopped IS NOT NULL)",
+            )
+            assert counted == there
             return fleet, list(await memory.list())
 
     fleet, in_memory = trio.run(apply)
@@ -1060,19 +1067,21 @@ async def test_a_batch_the_server_ends_a_deadlock_with_is_written_again(
                     "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity s USING (pid) "
                     "WHERE NOT l.granted AND s.application_name = 'trio_supervisor a'",
                 )
-                return rows[0][0] > 0
+                return bool(rows[0][0] > 0)
 
             async with trio.open_nursery() as nursery:
                 # An Open of each key: the batch locks d1's mark, then waits for d2's.
                 nursery.start_soon(a.save_many, [record("d1", 2), record("d2", 2)])
                 await until(waiting, "the batch waits for the other transaction", bound=10)
+
                 # The other now waits for d1's: a deadlock, which the batch's session
                 # finds (after its deadlock_timeout, 1 s) and ends by rolling back.
-                nursery.start_soon(
-                    trio.to_thread.run_sync,
-                    other.execute,
-                    "SELECT 1 FROM high_water WHERE instance = 'd1' FOR UPDATE",
-                )
+                async def lock_d1() -> None:
+                    await trio.to_thread.run_sync(
+                        other.execute, "SELECT 1 FROM high_water WHERE instance = 'd1' FOR UPDATE"
+                    )
+
+                nursery.start_soon(lock_d1)
                 # Rolled back, it is written again, and waits for d2 once more, until
                 # the other transaction ends.
                 await until(

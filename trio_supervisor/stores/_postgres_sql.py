@@ -183,7 +183,8 @@ DECLARE
     refused boolean;
     fresh bigint;
     kept bigint;
-    stopped_count bigint;  -- Stopped rows in all; NULL until a stop of the batch counts them
+    stopped_count bigint;  -- Stopped rows in all before this batch; NULL until a stop reads it
+    stopped_delta bigint := 0;  -- how many this batch added (stops) and took (evictions)
     gone integer;
     claim jsonb;
     tenant_lock bigint;
@@ -349,12 +350,12 @@ BEGIN
                     ON CONFLICT (identity, instance) DO UPDATE
                     SET generation = greatest(h.generation, excluded.generation);
             END IF;
-            IF p_kinds[j] < KIND_STOPPED AND stopped_count IS NOT NULL THEN
+            IF p_kinds[j] < KIND_STOPPED THEN
                 -- A Stopped record saved as not Stopped (only a caller that un-stops
-                -- one): count again at the next stop.
+                -- one): one Stopped record fewer.
                 PERFORM 1 FROM records r WHERE r.token = p_tokens[j] AND r.stopped IS NOT NULL;
                 IF FOUND THEN
-                    stopped_count := NULL;
+                    stopped_delta := stopped_delta - 1;
                 END IF;
             END IF;
             fresh := CASE WHEN p_kinds[j] >= KIND_STOPPED THEN nextval('stop_order') END;
@@ -402,25 +403,31 @@ BEGIN
                       AND s.stopped IS NOT NULL
                     ORDER BY s.stopped DESC OFFSET p_per_key FOR UPDATE SKIP LOCKED);
                 GET DIAGNOSTICS gone = ROW_COUNT;
-                -- ... then the oldest of all beyond the cap. The count is read once a
-                -- batch (a walk of the stop index) and kept here; a concurrent batch of
-                -- another runner may overshoot the cap until the next count.
+                stopped_delta := stopped_delta + 1 - gone;
+                -- ... then the oldest of all beyond the cap. The count is the sum of
+                -- the runners' counters (stop_counts: each batch adds what it changed
+                -- to its own runner's, so no two runners write one row), read once a
+                -- batch; a concurrent batch of another runner may overshoot the cap
+                -- until the next. (Counting the Stopped rows took 6 ms a batch at a
+                -- million records: most of a session's cost to the server.)
                 IF stopped_count IS NULL THEN
-                    SELECT count(*) INTO stopped_count FROM records r WHERE r.stopped IS NOT NULL;
-                ELSE
-                    stopped_count := stopped_count + 1 - gone;
+                    SELECT coalesce(sum(c.stopped), 0) INTO stopped_count FROM stop_counts c;
                 END IF;
-                IF stopped_count > p_total THEN
+                IF stopped_count + stopped_delta > p_total THEN
                     DELETE FROM records r WHERE r.token IN (
                         SELECT s.token FROM records s WHERE s.stopped IS NOT NULL
-                        ORDER BY s.stopped LIMIT stopped_count - p_total
+                        ORDER BY s.stopped LIMIT stopped_count + stopped_delta - p_total
                         FOR UPDATE SKIP LOCKED);
                     GET DIAGNOSTICS gone = ROW_COUNT;
-                    stopped_count := stopped_count - gone;
+                    stopped_delta := stopped_delta - gone;
                 END IF;
             END IF;
         END LOOP;
     END LOOP;
+    IF stopped_delta <> 0 THEN
+        INSERT INTO stop_counts AS c (runner_id, stopped) VALUES (p_runner, stopped_delta)
+            ON CONFLICT (runner_id) DO UPDATE SET stopped = c.stopped + excluded.stopped;
+    END IF;
 END
 $$
 """
@@ -544,6 +551,8 @@ _VERSION_5 = ("ALTER TABLE runners ADD COLUMN checked text NOT NULL DEFAULT ''",
 # - The sessions' times published on demand (a listing asks; each runner answers with
 #   one row), no longer with every renewal (runners.session_times, 355 kB of WAL at 10k
 #   sessions a renewal, is left empty; a runner of version 5 still writes it).
+# - A counter of Stopped records per runner (stop_counts), which retention's fleet-wide
+#   cap sums, where each batch that stopped a session counted them all.
 # - write_batch, which tells the opener the older generations its Open superseded on
 #   other runners (the look F6 waits with starts from them); save_batch stays, for the
 #   runners of version 5 until they restart, as its refusals.
@@ -575,9 +584,16 @@ LANGUAGE sql SET search_path FROM CURRENT AS $$
     WHERE w.older_runner IS NULL
 $$
 """
+# What each runner's batches changed of the number of Stopped records (retention's
+# fleet-wide cap reads their sum); the Stopped records already there, under no runner.
+_STOP_COUNTS = (
+    "CREATE TABLE stop_counts (runner_id text PRIMARY KEY, stopped bigint NOT NULL)",
+    "INSERT INTO stop_counts SELECT '', count(*) FROM records WHERE stopped IS NOT NULL",
+)
 _VERSION_6 = (
     _INBOX,
     _TIMES,
+    *_STOP_COUNTS,
     "UPDATE runners SET session_times = '{}'",
     _WRITE_BATCH,
     _SAVE_BATCH,
