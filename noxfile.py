@@ -1,5 +1,5 @@
 """Sessions: tests, lint, typecheck, build, examples, conformance, fleet, availability, chaos,
-api, mutants, bench, bench-check."""
+api, mutants, bench, bench-hundred, bench-check."""
 
 from __future__ import annotations
 
@@ -247,6 +247,18 @@ def bench(session: nox.Session) -> None:
     """The side-by-side benchmarks; pass ``-- --json out.json`` to keep the figures."""
     session.install("-e", ".[service,postgres]")  # service.py serves a runner; fleet, dbcost
     session.run("python", "-m", "benchmarks", *session.posargs)
+
+
+@nox.session(name="bench-hundred")
+def bench_hundred(session: nox.Session) -> None:
+    """A hundred runners of 10,000 sessions each on one PostgreSQL cluster of its own, with
+    pgbench's TPC-B-like rate beside them (benchmarks/hundred.py, the group ``hundred``,
+    which a run without ``--only`` leaves out): about ten minutes and a million rows.
+    ``-- --json out.json`` keeps the tables; ``-- --quick`` is a smoke test (5 runners of
+    100 sessions, half a minute)."""
+    # As the session bench, and pytest: the cluster is tests/support/clusters.py's.
+    session.install("-e", ".[test]")  # the test extra pulls [service,client,postgres]
+    session.run("python", "-m", "benchmarks", "--only", "hundred", *session.posargs)
 
 
 @nox.session(name="bench-check")

@@ -11,6 +11,7 @@ from . import (
     dbcost,
     durable,
     fleet,
+    hundred,
     loop,
     memory,
     recovery,
@@ -26,6 +27,9 @@ GROUPS: dict[str, Callable[[bool, int], Sequence[Result | Table]]] = {
     "durable": durable.run,
     "fleet": fleet.run,  # durable.postgres and fleet.*: a PostgreSQL server
     "dbcost": dbcost.run,  # tables of what a session costs PostgreSQL: a server too
+    # A hundred runners of 10,000 sessions on a cluster of its own, with pgbench's TPC-B
+    # beside them: about ten minutes, a million rows; run only when asked (ON_REQUEST).
+    "hundred": hundred.run,
     "loop": loop.run,
     "recovery": recovery.run,
     "service": service.run,
@@ -35,3 +39,7 @@ GROUPS: dict[str, Callable[[bool, int], Sequence[Result | Table]]] = {
     # (tests/support/clusters.py: the test packages); about four minutes.
     "availability": availability.run,
 }
+
+# The groups a run without ``--only`` leaves out (so does ``--quick``'s smoke test,
+# tests/project/test_benchmarks.py): ``--only hundred``, or ``nox -s bench-hundred``.
+ON_REQUEST: frozenset[str] = frozenset({"hundred"})
