@@ -109,6 +109,7 @@ class Transaction:
     statements: list[str] = attrs.Factory(list)
     autocommit: bool = False
     committed: bool = True
+    deleted: int = 0  # rows its statements deleted from the inbox (the upkeep's INBOX)
 
     @property
     def round_trips(self) -> int:
@@ -129,14 +130,17 @@ class Log:
         self.done: list[Transaction] = []
         self._open: Transaction | None = None
 
-    def executed(self, query: object, idle: bool) -> None:
+    def executed(self, query: object, idle: bool) -> Transaction:
+        """Count a statement; the transaction it is part of."""
         name = NAMES.get(query, "other") if isinstance(query, str) else "other"
         if self.autocommit and idle and self._open is None:
-            self.done.append(Transaction(statements=[name], autocommit=True))
-            return
+            alone = Transaction(statements=[name], autocommit=True)
+            self.done.append(alone)
+            return alone
         if self._open is None or (idle and not self.autocommit):
             self._open = Transaction()
         self._open.statements.append(name)
+        return self._open
 
     def began(self) -> None:
         """A transaction block began (``BEGIN``, in autocommit)."""
@@ -187,8 +191,11 @@ class Counting:
 
             def counted_execute(query: Any, params: Any = None, **options: Any) -> Any:
                 idle = connection.info.transaction_status == pq.TransactionStatus.IDLE
-                log.executed(query, idle)
-                return execute(query, params, **options)
+                transaction = log.executed(query, idle)
+                cursor = execute(query, params, **options)
+                if transaction.statements[-1] == "INBOX":
+                    transaction.deleted += max(0, cursor.rowcount)
+                return cursor
 
             def counted_commit() -> None:
                 log.ended(committed=True)
@@ -375,6 +382,9 @@ async def cost_of(
     count = len(runs)
     # A renewal of the membership's (left out) updates one row: its runner's.
     renewals = sum(done.statements.count("RENEW") for _, done in found)
+    # ... and a read of an inbox the rows it found (an operation's supersede, read by
+    # the holder's upkeep within the operation's window or after it, as it happens).
+    renewals += sum(done.deleted for _, done in found)
     return Cost(
         operation=operation,
         repeats=count,

@@ -84,7 +84,7 @@ def test_a_supersede_across_runners_notifies_twice_and_writes_six_rows(
     assert supersede.write_commits == 2
     assert supersede.notifies == {"stopped": 1, "superseded": 1}
     # The mark raised, b's Open record, the row in a's inbox, a's Stopping and Stopped
-    # (a's read of its inbox, which deletes the row, is its upkeep's).
+    # (a's read of its inbox, which deletes the row, is its upkeep's, and taken off).
     assert supersede.rows == 6  # and a's counter of Stopped records
 
 
