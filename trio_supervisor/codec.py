@@ -12,7 +12,8 @@ generation stored as ``"3"`` is an error, not 3.
 :func:`encode` and :func:`decode` both go through :data:`converter`, so a hook
 registered on it (for :class:`~trio_supervisor.model.Limits`, say) takes effect in
 storage too. Writing is cattrs' generated unstructure functions and orjson; reading is
-``json`` and the converter (orjson would read an integer beyond 64 bits as a float).
+orjson, or ``json`` where orjson could read the text otherwise (see :func:`_parse`), and
+the converter.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def _strict(kind: type[_T], *accepted: type) -> Callable[[object, type], _T]:
     allowed = accepted or (kind,)
 
     def structure_scalar(value: object, _: type) -> _T:
+        if value.__class__ is kind:  # what JSON gives for nearly every field
+            return value
         if isinstance(value, bool) and kind is not bool:
             raise TypeError(f"expected {kind.__name__}, got a boolean")
         if not isinstance(value, allowed):
@@ -90,6 +93,61 @@ def _strict_array(kind: Any, target: cattrs.Converter) -> Callable[[object, Any]
         return tuple(items(value, as_type))
 
     return structure_array
+
+
+def _array(kind: Any, target: cattrs.Converter) -> Callable[[Any], list[Any]]:
+    # cattrs' own hook builds the list from a generator, which costs more than the items
+    # of the short arrays a record holds (a termination's cause is nearly always empty).
+    item = target.get_unstructure_hook(typing.get_args(kind)[0], cache_result=False)
+
+    def unstructure_array(value: tuple[Any, ...]) -> list[Any]:
+        return [item(each) for each in value]
+
+    return unstructure_array
+
+
+# -- Limits: one object for every record without limits ------------------------------
+
+
+def _limits(_: Any, target: cattrs.Converter) -> Callable[[Any, Any], Limits]:
+    # cattrs' own hook, but the record of a session without limits (most records, and
+    # the ``previous`` of their Stopping and Stopped ones) gets the one Limits() it
+    # makes for them, not one each: reading 10,000 records made 10,000 equal ones.
+    # Limits is frozen, so the records cannot tell.
+    generated = target.gen_structure_attrs_fromdict(Limits)
+    unset = target.unstructure(Limits())
+    if not isinstance(unset, dict) or any(value is not None for value in unset.values()):
+        return generated  # a hook of the user's writes limits otherwise
+    made: list[Limits] = []
+
+    def structure_limits(value: Any, as_type: Any) -> Limits:
+        if value != unset:  # null compares equal to nothing else
+            return generated(value, as_type)
+        if not made:
+            made.append(generated(value, as_type))
+        return made[0]
+
+    return structure_limits
+
+
+def _last_limits(
+    unstructure: Callable[[Limits], dict[str, Any]],
+) -> Callable[[Limits], dict[str, Any]]:
+    # ``unstructure``, remembering the last Limits it wrote: a record's limits are its
+    # ``previous``'s too, and a supervisor's sessions mostly share theirs (recovery's
+    # all share one, see _limits). Limits is frozen; its form holds ints and None only,
+    # so each caller gets a copy of its own.
+    last: tuple[Limits | None, dict[str, Any]] = (None, {})
+
+    def unstructure_limits(limits: Limits) -> dict[str, Any]:
+        nonlocal last
+        seen, written = last  # one read: another thread may write it meanwhile
+        if limits is not seen:
+            written = unstructure(limits)
+            last = (limits, written)
+        return dict(written)
+
+    return unstructure_limits
 
 
 # -- Load.config: an immutable JSON value in memory, plain JSON in storage ---------------
@@ -135,7 +193,8 @@ def _tagged(
         member = by_tag.get(tag) if isinstance(tag, str) else None
         if member is None:
             raise ValueError(f"unknown {tag_name} {tag!r} (expected one of {known})")
-        fields = {name: item for name, item in value.items() if name != tag_name}
+        fields = dict(value)
+        del fields[tag_name]
         return target.structure(fields, member)
 
     target.register_unstructure_hook_factory(lambda kind: kind == union, unstructure_factory)
@@ -167,6 +226,7 @@ def _configure(target: cattrs.Converter) -> cattrs.Converter:
     target.register_structure_hook(float, _strict(float, int, float))
     target.register_structure_hook(bool, _strict(bool))
     target.register_structure_hook_factory(_is_array, _strict_array)
+    target.register_unstructure_hook_factory(_is_array, _array)
     target.register_unstructure_hook(
         Load, make_dict_unstructure_fn(Load, target, config=override(unstruct_hook=thaw))
     )
@@ -183,11 +243,13 @@ def _configure(target: cattrs.Converter) -> cattrs.Converter:
     )
     target.register_unstructure_hook(
         Limits,
-        make_dict_unstructure_fn(
-            Limits,
-            target,
-            processes=override(omit_if_default=True),
-            cpu_percent=override(omit_if_default=True),
+        _last_limits(
+            make_dict_unstructure_fn(
+                Limits,
+                target,
+                processes=override(omit_if_default=True),
+                cpu_percent=override(omit_if_default=True),
+            )
         ),
     )
     target.register_unstructure_hook(
@@ -199,6 +261,7 @@ def _configure(target: cattrs.Converter) -> cattrs.Converter:
             uid=override(omit_if_default=True),
         ),
     )
+    target.register_structure_hook_factory(lambda kind: kind is Limits, _limits)
     target.register_structure_hook(
         Load,
         make_dict_structure_fn(
@@ -249,7 +312,8 @@ def structure(data: object) -> SessionRecord:
             f"unsupported record version {version!r} @ $.version "
             f"(this library reads version {VERSION})"
         )
-    fields = {name: item for name, item in data.items() if name != "version"}
+    fields = dict(data)
+    del fields["version"]
     try:
         record: SessionRecord = converter.structure(fields, SessionRecord)  # type: ignore[arg-type]
     except Exception as error:
@@ -284,7 +348,34 @@ def decode(text: str | bytes) -> SessionRecord:
         RecordFormatError: The text is not JSON, or not a version 1 record.
     """
     try:
-        data = json.loads(text)
+        data = _parse(text)
     except ValueError as error:  # UnicodeDecodeError too, for bytes
         raise RecordFormatError(f"a stored record is not valid JSON: {error}") from error
     return structure(data)
+
+
+# Every byte to "x", but ASCII digits to "0": a text holds a run of 19 digits if its
+# translation holds _LONG.
+_DIGITS: Final = bytes(ord("0") if chr(byte) in "0123456789" else ord("x") for byte in range(256))
+_LONG: Final = b"0" * 19
+
+
+def _parse(text: str | bytes) -> Any:
+    """``json.loads(text)``, at about half its cost where orjson reads the text alike.
+
+    orjson reads an integer beyond 64 bits as a float, and refuses what ``json`` takes
+    beyond the standard (NaN, a lone surrogate). So orjson reads a text without a run of
+    19 digits (every integer in it then has 18 digits at most, well within 64 bits), and
+    ``json`` the rest, as well as what orjson refuses: ``json`` has the last word, on the
+    value and on the error.
+    """
+    try:
+        data = text.encode() if isinstance(text, str) else text
+    except UnicodeEncodeError:  # a lone surrogate
+        return json.loads(text)
+    if _LONG not in data.translate(_DIGITS):
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(text)

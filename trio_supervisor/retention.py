@@ -55,42 +55,68 @@ class StopOrder(Generic[_K]):
     remembering, forgetting and evicting a token are O(1).
     """
 
-    __slots__ = ("_by_key", "_last", "_tokens")
+    __slots__ = ("_by_key", "_keys", "_last", "_numbers")
 
     def __init__(self) -> None:
         self._last = 0  # the last stop number given or restored
-        self._tokens: dict[str, tuple[int, _K]] = {}  # oldest first
+        # A token's number and its key, both oldest first. Two dictionaries, not one of
+        # (number, key) pairs: a pair holding a Key is one more object per Stopped record
+        # for Python's cyclic collector to visit, which costs more than the look-ups.
+        self._numbers: dict[str, int] = {}
+        self._keys: dict[str, _K] = {}
         self._by_key: dict[_K, dict[str, None]] = {}  # oldest first
 
     def __contains__(self, token: object) -> bool:
-        return token in self._tokens
+        return token in self._numbers
 
     def __len__(self) -> int:
-        return len(self._tokens)
+        return len(self._numbers)
 
     def stop(self, token: str, key: _K) -> int:
         """Remember that ``token``'s record (of ``key``) stopped; return its stop number.
 
         A token that is Stopped already keeps its place and its number.
         """
-        known = self._tokens.get(token)
+        known = self._numbers.get(token)
         if known is not None:
-            return known[0]
+            return known
         self.restore(token, key, self._last + 1)
         return self._last
+
+    def stop_evicting(self, token: str, key: _K, retention: Retention) -> tuple[int, list[str]]:
+        """:meth:`stop`, then :meth:`evict`: what every save of a Stopped record does.
+
+        Returns:
+            The stop number, and the tokens evicted, oldest first.
+        """
+        known = self._numbers.get(token)
+        if known is not None:
+            return known, self.evict(key, retention)
+        # stop() and restore() inline, with one look-up of the key: the busiest path of
+        # retention, once for every Stopped record the index or a store takes in.
+        number = self._last = self._last + 1
+        self._numbers[token] = number
+        self._keys[token] = key
+        of_key = self._by_key.get(key)
+        if of_key is None:
+            of_key = self._by_key[key] = {}
+        of_key[token] = None
+        if len(of_key) > retention.stopped_per_key or len(self._numbers) > retention.stopped_total:
+            return number, self.evict(key, retention)
+        return number, []
 
     def restore(self, token: str, key: _K, number: int) -> None:
         """Take in a stop read back from storage; call it in stop order."""
         self._last = max(self._last, number)
-        self._tokens[token] = (number, key)
+        self._numbers[token] = number
+        self._keys[token] = key
         self._by_key.setdefault(key, {})[token] = None
 
     def forget(self, token: str) -> None:
         """Forget ``token``'s stop, if it had one."""
-        known = self._tokens.pop(token, None)
-        if known is None:
+        if self._numbers.pop(token, None) is None:
             return
-        key = known[1]
+        key = self._keys.pop(token)
         of_key = self._by_key[key]
         del of_key[token]
         if not of_key:
@@ -107,8 +133,8 @@ class StopOrder(Generic[_K]):
         while len(of_key) > retention.stopped_per_key:
             evicted.append(next(iter(of_key)))
             self.forget(evicted[-1])
-        while len(self._tokens) > retention.stopped_total:
-            evicted.append(next(iter(self._tokens)))
+        while len(self._numbers) > retention.stopped_total:
+            evicted.append(next(iter(self._numbers)))
             self.forget(evicted[-1])
         return evicted
 
@@ -122,7 +148,9 @@ class RecordIndex:
         self.retention = retention
         # In the order they were last saved, oldest first.
         self._records: dict[str, SessionRecord] = {}
-        self._requests: dict[tuple[Key, str], str] = {}
+        # By (identity, instance, request_id): strings alone, so that Python's cyclic
+        # collector stops looking at each entry once it has seen it.
+        self._requests: dict[tuple[str, str, str], str] = {}
         self._stops: StopOrder[Key] = StopOrder()
         self._high_water: dict[Key, int] = {}
 
@@ -139,7 +167,7 @@ class RecordIndex:
 
     def find_request(self, key: Key, request_id: str) -> SessionRecord | None:
         """The retained record of ``key`` opened with ``request_id``, if any (O3)."""
-        token = self._requests.get((key, request_id))
+        token = self._requests.get((key.identity, key.instance, request_id))
         return None if token is None else self._records[token]
 
     def high_water(self, key: Key) -> int:
@@ -155,6 +183,13 @@ class RecordIndex:
         if generation > self._high_water.get(key, 0):
             self._high_water[key] = generation
 
+    def raise_high_waters(self, marks: Mapping[Key, int]) -> None:
+        """Take in the high-water marks read from a store."""
+        high_water = self._high_water
+        for key, generation in marks.items():
+            if generation > high_water.get(key, 0):
+                high_water[key] = generation
+
     def save(self, record: SessionRecord) -> list[SessionRecord]:
         """Keep ``record`` in place of its token's earlier record, then apply retention.
 
@@ -163,17 +198,24 @@ class RecordIndex:
         """
         handle = record.handle
         token = handle.token
-        self._records.pop(token, None)
-        self._records[token] = record
-        self._requests[(handle.key, record.request_id)] = token
-        self.raise_high_water(handle.key, handle.generation)
+        key = handle.key
+        records = self._records
+        records.pop(token, None)
+        records[token] = record
+        self._requests[(key.identity, key.instance, record.request_id)] = token
+        # raise_high_water() inline: the busiest path of the index.
+        generation = handle.generation
+        high_water = self._high_water
+        if generation > high_water.get(key, 0):
+            high_water[key] = generation
+        stops = self._stops
         if not isinstance(record, StoppedRecord):
-            self._stops.forget(token)  # a no-op but for a caller that un-stops a record
+            stops.forget(token)  # a no-op but for a caller that un-stops a record
             return []
-        if token in self._stops:
+        if token in stops:
             return []
-        self._stops.stop(token, handle.key)
-        return [self._evict(gone) for gone in self._stops.evict(handle.key, self.retention)]
+        _, gone = stops.stop_evicting(token, key, self.retention)
+        return [self._evict(each) for each in gone]
 
     def save_all(self, records: Iterable[SessionRecord]) -> list[SessionRecord]:
         """Save several records in order; return every record evicted."""
@@ -184,7 +226,8 @@ class RecordIndex:
 
     def _evict(self, token: str) -> SessionRecord:
         record = self._records.pop(token)
-        request = (record.handle.key, record.request_id)
+        key = record.handle.key
+        request = (key.identity, key.instance, record.request_id)
         if self._requests.get(request) == token:
             del self._requests[request]
         return record

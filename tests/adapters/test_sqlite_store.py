@@ -39,6 +39,7 @@ from trio_supervisor import (
     codec,
 )
 from trio_supervisor.abc import Store
+from trio_supervisor.stores._sqlite_worker import _ROWS
 from trio_supervisor.testing import FakeExecution
 
 from ..support.processes import launched
@@ -331,11 +332,9 @@ async def test_a_failed_transaction_changes_nothing_and_later_saves_apply_retent
 
 
 async def test_a_batch_of_several_statements_is_still_one_transaction(tmp_path: Path) -> None:
-    # A batch is written as multi-row statements of at most the connection's variable
-    # limit; one bigger than that takes several, which must land together or not at all.
-    with sqlite3.connect(":memory:") as probe:
-        per_statement = probe.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // 7
-    batch = [open_record(f"k{number}", 1) for number in range(per_statement + 10)]
+    # A batch is written as multi-row statements of at most _ROWS rows; one bigger than
+    # that takes several, which must land together or not at all.
+    batch = [open_record(f"k{number}", 1) for number in range(2 * _ROWS + 10)]
     path = tmp_path / "state.db"
     async with SqliteStore(path) as store:
         await store.save(open_record("first", 1))
@@ -354,6 +353,35 @@ async def test_a_batch_of_several_statements_is_still_one_transaction(tmp_path: 
         await store.save_many(batch[:-1])  # the same batch but for the refused record
         assert len(await store.list()) == len(batch)
         assert len(await store.high_water()) == len(batch)
+
+
+@pytest.mark.parametrize("reopen", [False, True])
+async def test_a_batch_larger_than_one_statement_keeps_what_the_memory_store_keeps(
+    tmp_path: Path, reopen: bool
+) -> None:
+    # A batch of more than _ROWS changes is written by plain statements, one kind of
+    # change at a time (Worker._write_large), not through the trigger: evictions, marks
+    # (one raised by a record the batch then evicts too) and un-stopped records must
+    # come out as the memory store has them.
+    retention = Retention(stopped_per_key=1, stopped_total=_ROWS // 2)
+    earlier = [stopped(f"k{number}", 1) for number in range(_ROWS // 4)]
+    batch: list[SessionRecord] = []
+    for number in range(_ROWS):
+        instance = f"k{number}"
+        batch += [stopped(instance, 5), stopped(instance, 2), open_record(instance, 7)]
+        if number % 3 == 0:
+            batch.append(open_record(instance, 2))  # un-stops the Stopped record of 2
+    memory = MemoryStore(retention=retention)
+    path = tmp_path / "state.db"
+    async with SqliteStore(path, retention=retention) as store:
+        for records in (earlier, batch):
+            await memory.save_many(records)
+            await store.save_many(records)
+        in_sqlite = await contents(store)
+    if reopen:
+        async with SqliteStore(path, retention=retention) as store:
+            in_sqlite = await contents(store)
+    assert in_sqlite == await contents(memory)
 
 
 async def test_the_high_water_outlives_eviction_and_generations_continue(tmp_path: Path) -> None:

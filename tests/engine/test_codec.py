@@ -118,6 +118,59 @@ def test_values_orjson_cannot_write_or_writes_differently_round_trip(
     assert codec.decode(codec._encoder.encode(codec.unstructure(record))) == record
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"n":18446744073709551616}',  # beyond 64 bits: orjson would read a float
+        '{"n":-9223372036854775809}',
+        '{"n":123456789012345678901234567890,"m":1.5}',
+        '{"n":999999999999999999,"m":-999999999999999999}',  # 18 digits: orjson's
+        '{"f":0.1234567890123456789,"g":1e-400,"h":-0.0}',
+        '{"a":1,"a":2}',  # the last one counts, for both
+        '{"s":"\\ud800"}',  # a lone surrogate, escaped: json's alone
+        '{"s":"\ud800"}',  # the same, unescaped in a str
+        '{"n":NaN}',  # beyond the standard: json's alone
+        '{"s":"fichier supprim\u00e9 \ud83d\uddd1"}',
+        b'{"s":"\xc3\xa9"}',
+        b"\xef\xbb\xbf{}",  # a byte order mark: json reads it, orjson does not
+        b'{"s":"\xff"}',  # not UTF-8
+        "[1,]",
+        '{"s":"\x01"}',
+        "",
+    ],
+)
+def test_text_is_read_as_json_reads_it(text: str | bytes) -> None:
+    # codec._parse reads with orjson where it reads the same as json, and with json
+    # otherwise: the value (and the type of every number) or the error is json's.
+    try:
+        expected: object = json.loads(text)
+    except ValueError as error:
+        with pytest.raises(type(error)):
+            codec._parse(text)
+    else:
+        parsed = codec._parse(text)
+        assert repr(parsed) == repr(expected)
+
+
+def test_records_without_limits_share_one() -> None:
+    # A record without limits reads back with the converter's one Limits() (Limits is
+    # frozen): 10,000 records read at recovery do not make 10,000 equal ones.
+    first, second = (
+        OpenRecord(
+            handle=Handle(key=Key(identity="p", instance=name), token=name * 32, generation=1),
+            request_id="r",
+            lease=5.0,
+            limits=limits,
+        )
+        for name, limits in (("a", Limits()), ("b", Limits()))
+    )
+    read = [codec.decode(codec.encode(record)) for record in (first, second)]
+    assert read == [first, second]
+    assert read[0].limits is read[1].limits
+    limited = attrs.evolve(first, limits=Limits(cpu_seconds=9))
+    assert codec.decode(codec.encode(limited)).limits == Limits(cpu_seconds=9)
+
+
 def test_an_exit_status_round_trips_its_flag_and_count() -> None:
     record = _loaded_then_stopped(
         limits=Limits(),

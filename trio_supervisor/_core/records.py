@@ -27,7 +27,7 @@ from ..errors import (
     StateStorageError,
     StoreUnavailableError,
 )
-from ..model import Key, OpenRecord, QuotaClaim, SessionRecord, log_fields
+from ..model import Key, OpenRecord, QuotaClaim, SessionRecord, StoppedRecord, log_fields
 from ..retention import RecordIndex, Retention
 from .events import Watchers
 from .health import Health
@@ -195,18 +195,27 @@ class Records:
         for record in records:
             await self._store.save(record)
 
-    async def read(self) -> Sequence[SessionRecord]:
-        """Read every stored record and high-water mark into the index (V1, V5).
+    async def read(self) -> list[SessionRecord]:
+        """Read every stored record and high-water mark (V1, V5), for recovery.
+
+        The index takes in the Stopped records and every mark; the records that are not
+        Stopped are returned instead, for recovery to settle and write back as Stopped,
+        which is when the index takes them in (once each, not once read and again
+        saved). Recovery runs before the supervisor is usable, and a supervisor whose
+        recovery did not finish never is, so nobody looks at the index meanwhile.
 
         Returns:
-            The records, in the order they were last saved.
+            The records that are not Stopped, in the order they were last saved.
         """
         records = await storage_call(self._store.list(), "the store could not be read")
         marks = await storage_call(self._store.high_water(), "the store could not be read")
-        self.index.save_all(records)
-        for key, generation in marks.items():
-            self.index.raise_high_water(key, generation)
-        return records
+        pending: list[SessionRecord] = []
+        settled: list[SessionRecord] = []
+        for record in records:
+            (settled if isinstance(record, StoppedRecord) else pending).append(record)
+        self.index.save_all(settled)
+        self.index.raise_high_waters(marks)
+        return pending
 
     def high_water(self, key: Key) -> int:
         """The highest generation ever opened for ``key``; 0 if none."""

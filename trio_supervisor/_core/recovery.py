@@ -5,13 +5,15 @@ Theory of operation
 A run that crashed leaves records that are not Stopped, and perhaps their children.
 Before the new supervisor is usable:
 
-1. every stored record and high-water mark is read into the index (V1, V5);
+1. every stored record and high-water mark is read (V1, V5): the index takes in the
+   marks and the Stopped records;
 2. each record that is not Stopped is settled: with a child identity, the execution's
    ``recover`` makes sure that child is gone (killing it if it still runs, never
    touching anything else) within ``confirmation_timeout``; without one, there is
    nothing to end (V2). Orphans are confirmed concurrently, a bounded number at once;
 3. every settled record is written back as Stopped with reason Recovery, ``previous``
-   its active snapshot (V3), in one batch where the store can.
+   its active snapshot (V3), in one batch where the store can, and the index takes it
+   in once the store acknowledged it.
 
 An orphan that cannot be confirmed gone stops the start-up with
 ``TerminationUnconfirmedError``: a supervisor that started anyway could open its key
@@ -58,12 +60,13 @@ async def recover(records: Records, execution: Execution, *, confirmation: float
         StateStorageError: The store could not be read or written.
         TerminationUnconfirmedError: An orphan could not be confirmed gone.
     """
-    pending = [record for record in await records.read() if not isinstance(record, StoppedRecord)]
-    terminations: dict[str, Termination] = {}
+    pending = await records.read()
+    # By position in pending; None while (or if) an orphan is not confirmed gone.
+    terminations: list[Termination | None] = []
     failures: list[Exception] = []
     limiter = trio.CapacityLimiter(CONCURRENCY)
 
-    async def confirm(record: SessionRecord, child: ChildIdentity) -> None:
+    async def confirm(position: int, record: SessionRecord, child: ChildIdentity) -> None:
         async with limiter:
             with bounded(confirmation) as scope:
                 try:
@@ -73,7 +76,7 @@ async def recover(records: Records, execution: Execution, *, confirmation: float
                 except Exception as error:
                     failures.append(error)
                 else:
-                    terminations[record.handle.token] = termination
+                    terminations[position] = termination
                     if termination.kind == "killed":
                         key = record.handle.key
                         logger.warning(
@@ -91,17 +94,18 @@ async def recover(records: Records, execution: Execution, *, confirmation: float
                 )
 
     async with trio.open_nursery() as nursery:
-        for record in pending:
+        for position, record in enumerate(pending):
             child = _child_of(record)
             if child is None:
-                terminations[record.handle.token] = NO_CHILD
+                terminations.append(NO_CHILD)
             else:
-                nursery.start_soon(confirm, record, child)
+                terminations.append(None)
+                nursery.start_soon(confirm, position, record, child)
 
     stopped = [
-        recovered(record, terminations[record.handle.token])
-        for record in pending
-        if record.handle.token in terminations
+        recovered(record, termination)
+        for record, termination in zip(pending, terminations, strict=True)
+        if termination is not None
     ]
     if stopped:
         await records.save_all(stopped)

@@ -130,9 +130,11 @@ def deliver(jobs: Sequence[Job | None]) -> None:
 
 def _wake_all(jobs: list[Job]) -> None:
     # In the run: a caller abandons its job in the run too, so it cannot do so between
-    # this look and the wake-up.
+    # this look and the wake-up; and the thread no longer moves a job it answered. So
+    # the look takes no lock (Job.answered's): the thread may hold that one while it
+    # waits for the GIL, and the wake-ups would wait for the thread.
     for job in jobs:
-        if job.answered():
+        if job.state is not State.WITHDRAWN:
             trio.lowlevel.reschedule(job.task)
 
 

@@ -42,18 +42,24 @@ def record_of(where: str, token: str, identity: str, instance: str, body: str) -
 
 
 def _checked(where: str, token: str, identity: str, instance: str, body: str) -> SessionRecord:
-    row = f"{where}: the record of {identity}/{instance} (token {token[:8]}...)"
     try:
         record = decode(body)
     except RecordFormatError as error:
+        row = _row(where, token, identity, instance)
         raise RecordFormatError(f"{row} is unreadable: {error.detail}") from error
     handle = record.handle
-    if handle.token != token or handle.key.identity != identity or handle.key.instance != instance:
+    key = handle.key
+    if handle.token != token or key.identity != identity or key.instance != instance:
         raise RecordFormatError(
-            f"{row} holds the record of another session "
-            f"({handle.key.identity}/{handle.key.instance}, token {handle.token[:8]}...)"
+            f"{_row(where, token, identity, instance)} holds the record of another session "
+            f"({key.identity}/{key.instance}, token {handle.token[:8]}...)"
         )
     return record
+
+
+def _row(where: str, token: str, identity: str, instance: str) -> str:
+    """A row as an error names it (worded only for a row that is wrong)."""
+    return f"{where}: the record of {identity}/{instance} (token {token[:8]}...)"
 
 
 def key_of(where: str, identity: str, instance: str) -> Key:

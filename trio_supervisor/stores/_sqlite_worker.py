@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 Callers (``SqliteStore``, in the Trio run) put :class:`Job` s on a queue and park; the
 worker thread takes everything queued, writes the saves of that batch as one statement
-(group commit), answers the reads, and wakes each caller through its run's token. A job
+(group commit; a batch of more than _ROWS changes, as recovery writes, in one transaction
+of several), answers the reads, and wakes each caller through its run's token. A job
 still queued can be withdrawn by a cancelled caller; once taken, it is answered. The
 worker keeps a :class:`Mirror` of what the table holds (save order, stop order, marks),
 so that a write needs no reads first; after a failed write it reads it again.
@@ -14,15 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
 import queue
 import sqlite3
 import stat
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Iterator
+from typing import Final, TypeVar
 
 from ..errors import StateStorageError
-from ..model import StoppedRecord
+from ..model import Key, SessionRecord, StoppedRecord
 from ..retention import Retention, StopOrder
 from ._jobs import Job, deliver, next_batch
 from ._rows import key_of, record_of
@@ -57,11 +59,12 @@ CREATE TABLE IF NOT EXISTS high_water (
 ) WITHOUT ROWID;
 """
 
-# A batch is one statement: rows inserted into this view, each a change that the trigger
-# applies (a record to write, with the high-water mark it raises if any; a record to
-# delete; a mark alone, when the batch evicted the record that raised it). One
-# statement is one call into SQLite, which runs without the GIL: the worker needs the
-# GIL back once per batch, not once per row, and the event loop keeps it meanwhile.
+# A batch (of up to _ROWS changes: nearly every batch but recovery's) is one statement:
+# rows inserted into this view, each a change that the trigger applies (a record to
+# write, with the high-water mark it raises if any; a record to delete; a mark alone,
+# when the batch evicted the record that raised it). One statement is one call into
+# SQLite, which runs without the GIL: the worker needs the GIL back once per batch, not
+# once per row, and the event loop keeps it meanwhile.
 # Both live in the connection's temporary schema; the file never holds them.
 _CHANGES = (
     """
@@ -84,8 +87,29 @@ CREATE TEMP TRIGGER apply_change INSTEAD OF INSERT ON changes BEGIN
 END
 """,
 )
+# A batch too large for one statement applies the trigger's changes by these
+# (Worker._write_large), each with up to _ROWS rows of VALUES.
+_UPSERT_RECORDS = """
+INSERT INTO records (token, identity, instance, saved, stopped, body) VALUES {}
+    ON CONFLICT (token) DO UPDATE SET
+        saved = excluded.saved, stopped = excluded.stopped, body = excluded.body
+"""
+_RAISE_MARKS = """
+INSERT INTO high_water (identity, instance, generation) VALUES {}
+    ON CONFLICT (identity, instance) DO UPDATE SET
+        generation = max(generation, excluded.generation)
+"""
+# The most rows of a statement (fewer if the connection's variable limit is lower): a
+# batch of at most this many changes is one statement through the view, a larger one
+# several plain ones. A statement's text is SQLite's to parse anew unless sqlite3 has it
+# prepared (it keeps the last 128, by their text), and parsing a statement of 10,000
+# rows cost recovery about half as much as running it; so statements stay this short.
+_ROWS: Final = 256
 # A row of the view: token, identity, instance, saved, stopped, body, generation.
 _Change = tuple[str | None, str | None, str | None, int | None, int | None, str | None, int | None]
+_T = TypeVar("_T")
+# A row read by list(): token, identity, instance, body, and save order.
+_saved: Final = operator.itemgetter(4)
 
 
 class Mirror:
@@ -121,13 +145,6 @@ class Mirror:
                 mirror.high[(identity, instance)] = generation
         return mirror
 
-    def raise_high_water(self, key: tuple[str, str], generation: int) -> bool:
-        """Whether ``generation`` is above the key's mark (which it then becomes)."""
-        if generation <= self.high.get(key, 0):
-            return False
-        self.high[key] = generation
-        return True
-
 
 class Worker:
     """The thread that owns the connection.
@@ -161,7 +178,8 @@ class Worker:
         self._connection: sqlite3.Connection | None = None
         self._open_error: StateStorageError | None = None
         self._mirror: Mirror | None = None
-        self._rows_per_statement = 1  # the connection's variable limit over 7 columns
+        self._rows_per_statement = 1  # see _ROWS; set when the connection opens
+        self._keys: dict[tuple[str, str], Key] = {}  # the keys of the records list() read
 
     def run(self) -> None:
         jobs = self._jobs
@@ -170,6 +188,9 @@ class Worker:
         while closing is None:
             taken, closing = next_batch(jobs)  # group commit
             self._serve(taken)
+            # Answered: the jobs (their records and texts: all of recovery's) go now,
+            # not once the next job comes.
+            del taken
         if self._connection is not None:
             closing.error = self._attempt("close", self._connection.close)
         deliver([closing])
@@ -245,7 +266,9 @@ class Worker:
             raise
         self._connection = connection
         self._mirror = mirror
-        self._rows_per_statement = connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // 7
+        self._rows_per_statement = min(
+            _ROWS, connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // 7
+        )
 
     def _write(self, jobs: list[Job]) -> None:
         connection = self._connection
@@ -254,8 +277,12 @@ class Worker:
         if mirror is None:
             mirror = self._mirror = Mirror.read(connection)
         retention = self.retention
+        stops = mirror.stops
+        high = mirror.high
+        saved = mirror.saved
         # The whole batch is worked out here, against the mirror, into rows of the
-        # ``changes`` view; SQLite then gets them as one statement.
+        # ``changes`` view; SQLite then gets them as one statement (or, beyond _ROWS of
+        # them, as _write_large's several).
         upserts: dict[str, _Change] = {}
         deletes: dict[str, _Change] = {}
         marks: list[_Change] = []  # raised marks whose records the batch then evicted
@@ -264,47 +291,43 @@ class Worker:
                 handle = record.handle
                 token = handle.token
                 key = (handle.key.identity, handle.key.instance)
-                mirror.saved += 1
-                stop_order = None
-                if isinstance(record, StoppedRecord):
-                    stop_order = mirror.stops.stop(token, key)
-                else:
-                    mirror.stops.forget(token)  # a caller un-stopped a record; so did the index
-                deletes.pop(token, None)
+                saved += 1
                 # A raised high-water mark travels in its record's row (the trigger
                 # applies both), and stays there if the token is saved again.
-                earlier = upserts.get(token)
-                mark = (
-                    handle.generation if mirror.raise_high_water(key, handle.generation) else None
-                )
-                if mark is None and earlier is not None:
-                    mark = earlier[6]
-                upserts[token] = (token, *key, mirror.saved, stop_order, body, mark)
-                if stop_order is None:
+                generation = handle.generation
+                if generation > high.get(key, 0):
+                    high[key] = generation
+                    mark: int | None = generation
+                else:
+                    earlier = upserts.get(token)
+                    mark = None if earlier is None else earlier[6]
+                if deletes:
+                    deletes.pop(token, None)
+                if not isinstance(record, StoppedRecord):
+                    stops.forget(token)  # a caller un-stopped a record; so did the index
+                    upserts[token] = (token, *key, saved, None, body, mark)
                     continue
-                for evicted in mirror.stops.evict(key, retention):
-                    dropped = upserts.pop(evicted, None)
+                stop_order, evicted = stops.stop_evicting(token, key, retention)
+                upserts[token] = (token, *key, saved, stop_order, body, mark)
+                for gone in evicted:
+                    dropped = upserts.pop(gone, None)
                     if dropped is not None and dropped[6] is not None:
                         marks.append((None, dropped[1], dropped[2], None, None, None, dropped[6]))
-                    deletes[evicted] = (evicted, None, None, None, None, None, None)
+                    deletes[gone] = (gone, None, None, None, None, None, None)
+        mirror.saved = saved
         changes = [*deletes.values(), *upserts.values(), *marks]
-        # Most batches fit one statement, which is then its own transaction.
-        per_statement = self._rows_per_statement
-        chunks = [
-            changes[start : start + per_statement]
-            for start in range(0, len(changes), per_statement)
-        ]
+        if not changes:
+            return
         try:
-            if len(chunks) > 1:
-                connection.execute("BEGIN IMMEDIATE")
-            for chunk in chunks:
+            if len(changes) <= self._rows_per_statement:
+                # Nearly every batch: one statement, which is then its own transaction.
                 connection.execute(
                     "INSERT INTO changes VALUES "
-                    + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(chunk)),
-                    [value for change in chunk for value in change],
+                    + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(changes)),
+                    [value for change in changes for value in change],
                 )
-            if connection.in_transaction:
-                connection.execute("COMMIT")
+            else:
+                self._write_large(connection, deletes, upserts, marks)
         except sqlite3.Error:
             # The mirror ran ahead of a transaction that did not happen: it is read
             # again before the next write.
@@ -314,8 +337,44 @@ class Worker:
                 with contextlib.suppress(sqlite3.Error):
                     connection.execute("ROLLBACK")
             raise
-        if chunks:
-            self.commits += 1
+        self.commits += 1
+
+    def _write_large(
+        self,
+        connection: sqlite3.Connection,
+        deletes: dict[str, _Change],
+        upserts: dict[str, _Change],
+        marks: list[_Change],
+    ) -> None:
+        """Write a batch too large for one statement (recovery's, say) in one transaction.
+
+        It takes several statements anyway, so each applies one kind of change to its
+        table directly (row by row through the trigger costs SQLite about a third
+        more), in chunks of a few sizes only: sqlite3 keeps the statements it prepared,
+        by their text, and parsing a statement costs SQLite about half as much as
+        running it.
+        """
+        per_statement = self._rows_per_statement
+        connection.execute("BEGIN IMMEDIATE")
+        for tokens in _chunks(list(deletes), per_statement):
+            connection.execute(
+                f"DELETE FROM records WHERE token IN ({', '.join(['?'] * len(tokens))})", tokens
+            )
+        rows = list(upserts.values())
+        for written in _chunks(rows, per_statement):
+            connection.execute(
+                _UPSERT_RECORDS.format(", ".join(["(?, ?, ?, ?, ?, ?)"] * len(written))),
+                [value for row in written for value in row[:6]],
+            )
+        raised = [
+            (change[1], change[2], change[6]) for change in (*rows, *marks) if change[6] is not None
+        ]
+        for high in _chunks(raised, per_statement):
+            connection.execute(
+                _RAISE_MARKS.format(", ".join(["(?, ?, ?)"] * len(high))),
+                [value for mark in high for value in mark],
+            )
+        connection.execute("COMMIT")
 
     def _read(self, job: Job) -> None:
         connection = self._connection
@@ -325,17 +384,45 @@ class Worker:
             # fetchall first: a cursor left open by a decoding error would keep the
             # connection (and its exclusive lock) alive past close().
             rows = connection.execute(
-                "SELECT token, identity, instance, body FROM records ORDER BY saved"
+                "SELECT token, identity, instance, body, saved FROM records"
             ).fetchall()
-            job.result = [record_of(path, *row) for row in rows]
+            try:
+                # In save order. Sorted here: SQLite's sort (no index serves it, see
+                # _SCHEMA) costs about as much as reading the rows.
+                rows.sort(key=_saved)
+            except TypeError:  # a save order no int: a row edited by hand
+                rows = connection.execute(
+                    "SELECT token, identity, instance, body, saved FROM records ORDER BY saved"
+                ).fetchall()
+            records: list[SessionRecord] = []
+            # The high-water marks are read next (recovery reads both): their keys are
+            # mostly these records' own, checked already.
+            keys = self._keys = {}
+            for token, identity, instance, body, _ in rows:
+                record = record_of(path, token, identity, instance, body)
+                records.append(record)
+                keys[(identity, instance)] = record.handle.key
+            job.result = records
         elif job.kind == "high_water":
             marks = connection.execute(
                 "SELECT identity, instance, generation FROM high_water"
             ).fetchall()
+            keys, self._keys = self._keys, {}
             job.result = {
-                key_of(path, identity, instance): generation
+                keys.get((identity, instance)) or key_of(path, identity, instance): generation
                 for identity, instance, generation in marks
             }
+
+
+def _chunks(items: list[_T], size: int) -> Iterator[list[_T]]:
+    """``items`` in chunks of ``size``, then the rest in chunks of halves of it: a few
+    sizes only, whose statements sqlite3 keeps prepared."""
+    start = 0
+    while start < len(items):
+        while size > len(items) - start:
+            size //= 2
+        yield items[start : start + size]
+        start += size
 
 
 def _make_private(path: str) -> None:

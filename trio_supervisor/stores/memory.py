@@ -30,8 +30,7 @@ class MemoryStore:
         """A new store holding what this one holds now, as a crash would leave it."""
         twin = MemoryStore(retention=self.retention)
         twin._index.save_all(self._index)
-        for key, generation in self._index.high_waters().items():
-            twin._index.raise_high_water(key, generation)
+        twin._index.raise_high_waters(self._index.high_waters())
         return twin
 
     async def __aenter__(self) -> Self:
