@@ -267,6 +267,7 @@ class Worker:
             if closing is None and self.settings.commit_window > 0:
                 closing = self._gather(taken)
             self._serve(taken)
+            taken = []  # answered: nothing of them is held while the next batch waits
         if self._open_error is None:
             failure = self._attempt("mark this runner's row expired", self._close)
             if failure is not None:
