@@ -24,6 +24,8 @@ The rules are in docs/design.md, "Semantics"; the ids in comments cite them.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
@@ -337,7 +339,7 @@ class Supervisor:
         await self._running.supersede(key)
         self._check_usable()
         record = OpenRecord(
-            handle=Handle(key=key, token=str(uuid.uuid4()), generation=high + 1),
+            handle=Handle(key=key, token=_TOKENS.next(), generation=high + 1),
             request_id=request_id,
             lease=seconds,
             limits=negotiated,
@@ -555,3 +557,37 @@ def _unexpected(key: Key, expected_generation: int | None, high: int) -> StaleSe
         f"{key.identity}/{key.instance}: expected {expected}, but its high-water "
         f"generation is {high}; pass expected_generation={high or None} to open the next one"
     )
+
+
+class _Tokens:
+    """Session tokens: random UUIDs (version 4) as ``uuid.uuid4()`` makes them, from the
+    operating system's random bytes fetched for 256 at a time. ``uuid4()`` asks for
+    each token's 16 bytes alone, and the call gives up the GIL, which a store's worker
+    thread then holds until its statement is done: 15% of a SQLite store's cycle was that
+    wait (docs/benchmarks.md, issue 51). A process forked since the last fetch fetches
+    anew, so no two processes hand out the same token, and supervisors in runs of other
+    threads take theirs under a lock."""
+
+    __slots__ = ("_at", "_bytes", "_lock", "_pid")
+
+    BATCH = 256
+
+    def __init__(self) -> None:
+        self._bytes = b""
+        self._at = 0
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def next(self) -> str:
+        with self._lock:
+            if self._at >= len(self._bytes) or self._pid != os.getpid():
+                self._bytes = os.urandom(16 * self.BATCH)
+                self._at = 0
+                self._pid = os.getpid()
+            at = self._at
+            self._at = at + 16
+            chosen = self._bytes[at : at + 16]
+        return str(uuid.UUID(bytes=chosen, version=4))
+
+
+_TOKENS = _Tokens()
