@@ -135,6 +135,11 @@ def judge(results: dict[str, Result], block: dict[str, Any]) -> tuple[list[list[
                 "DROP" if drop else "ok",
             ]
         )
+    # Rows of the subset that have no reference yet (added since the last --record):
+    # shown, not judged, until the references are measured again.
+    for name, result in results.items():
+        if name not in block["rows"]:
+            rows.append([name, f"{result.ratio:.3f}", "-", "", "", "no reference"])
     return rows, flagged
 
 

@@ -23,15 +23,27 @@ so nothing an implementation could trim is left. ``terminate.cooperative.watched
 (informational) is the older floor, whose child is one process with a thread blocked on
 a read (as a child-side watchdog would wait on a control pipe);
 ``terminate.cooperative.raw`` keeps the raw SIGTERM + wait baseline.
+
+``child.cycle.multiprocessing`` is ``child.cycle`` against its peer, the tool a Python
+user would otherwise pick: the standard library's ``multiprocessing`` with the forkserver
+start method, its fork server warmed as ours is, starting and joining a process with a
+no-op target (:data:`PEER`), the same number of cycles in the same rounds.
+
+``child.cycle.runner_cpu`` and ``terminate.runner_cpu`` are the runner's own Python: the
+event loop's time in task steps (``runner_cpu.LoopTime``) in a warm cycle, and in a
+dispose started cold as ``terminate.cooperative``'s is, against the budgets of issue 51
+(:data:`CYCLE_BUDGET`, :data:`DISPOSE_BUDGET`).
 """
 
 from __future__ import annotations
 
 import compileall
 import contextlib
+import cProfile
 import functools
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,12 +52,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Literal
 
+import attrs
 import trio
 import trio.testing
 
 from trio_supervisor import Key, Limits, Load, MemoryStore, SubprocessExecution, open_supervisor
 
 from .measure import Result, compare
+from .runner_cpu import LoopTime
 
 PLUGINS = Path(__file__).parent / "plugins"
 PLUGIN = (PLUGINS / "minimal.py").read_text()
@@ -93,21 +107,29 @@ async def _ready_child(code: str = MINIMAL) -> trio.Process:
     return process
 
 
-async def _raw_cycle() -> tuple[float, float]:
-    """One raw cycle; returns (the whole cycle, SIGTERM to reaped) in seconds."""
+# A raw cycle's times in seconds: the whole cycle, SIGTERM to reaped, and the event
+# loop's own time in the stop (0 unless the run is instrumented: runner_cpu.LoopTime).
+Timed = tuple[float, float, float]
+
+
+async def _raw_cycle(loop: LoopTime | None = None) -> Timed:
+    """One raw cycle (see :data:`Timed`)."""
     started = time.perf_counter()
     process = await _ready_child()
     assert process.stdout is not None
+    began = loop.busy if loop is not None else 0.0
     stopping = time.perf_counter()
     process.send_signal(signal.SIGTERM)
     await process.wait()
     await process.stdout.aclose()
     ended = time.perf_counter()
-    return ended - started, ended - stopping
+    spent = loop.busy - began if loop is not None else 0.0
+    return ended - started, ended - stopping, spent
 
 
-async def _floor_cycle(code: str = WATCHED) -> tuple[float, float]:
-    """One cycle stopped the way section 5 shapes a dispose (see the module docs)."""
+async def _floor_cycle(code: str = WATCHED, loop: LoopTime | None = None) -> Timed:
+    """One cycle stopped the way section 5 shapes a dispose (see the module docs and
+    :data:`Timed`)."""
     started = time.perf_counter()
     process = await _ready_child(code)
     assert process.stdout is not None
@@ -143,21 +165,41 @@ async def _floor_cycle(code: str = WATCHED) -> tuple[float, float]:
     async with trio.open_nursery() as nursery:
         await nursery.start(run_session)
         await trio.testing.wait_all_tasks_blocked()  # the watcher waits for the exit
+        began = loop.busy if loop is not None else 0.0
         stopping = time.perf_counter()
         session_scope.cancel()  # the stop request
         await stopped.wait()
         ended = time.perf_counter()
-    return ended - started, ended - stopping
+        spent = loop.busy - began if loop is not None else 0.0
+    return ended - started, ended - stopping, spent
 
 
 def raw(
-    cycles: int, which: int, cycle: Callable[[], Awaitable[tuple[float, float]]] = _raw_cycle
+    cycles: int,
+    which: int,
+    cycle: Callable[[LoopTime | None], Awaitable[Timed]] = _raw_cycle,
+    *,
+    instrumented: bool = False,
 ) -> float:
+    """The median of ``cycles`` raw cycles' ``which`` time (see :data:`Timed`); the
+    loop's own time (2) needs ``instrumented``."""
+    loop = LoopTime() if instrumented else None
+
     async def main() -> float:
-        times = [(await cycle())[which] for _ in range(cycles)]
+        times = [(await cycle(loop))[which] for _ in range(cycles)]
         return sorted(times)[len(times) // 2]
 
-    return trio.run(main)
+    return trio.run(main, instruments=[] if loop is None else [loop])
+
+
+def _contained(loop: LoopTime | None) -> Awaitable[Timed]:
+    """The floor's cycle, its child shaped as containment needs (terminate.cooperative)."""
+    return _floor_cycle(CONTAINED, loop)
+
+
+def _watched(loop: LoopTime | None) -> Awaitable[Timed]:
+    """The older floor's cycle, one child with a watchdog thread."""
+    return _floor_cycle(WATCHED, loop)
 
 
 # The cycles of a fresh execution left out of its median: its first load finds no
@@ -177,19 +219,45 @@ CEILINGS = Limits(memory_bytes=1024**3, processes=4096)
 PRELOAD = ("typing",)
 
 
-def ours(
+@attrs.frozen(kw_only=True)
+class Cycle:
+    """One measured cycle: wall times, and the event loop's own time in its steps
+    (zero unless a :class:`~benchmarks.runner_cpu.LoopTime` was given)."""
+
+    whole: float  # open, load and dispose
+    stop: float  # the dispose
+    loop_open: float = 0.0
+    loop_load: float = 0.0
+    loop_stop: float = 0.0
+    steps: int = 0  # task steps of the whole cycle
+    cpu: float = 0.0  # their CPU time, if the LoopTime sums it
+    cpu_stop: float = 0.0  # the dispose's steps' CPU time, likewise
+
+    @property
+    def loop(self) -> float:
+        """The loop's time in the whole cycle."""
+        return self.loop_open + self.loop_load + self.loop_stop
+
+
+def cycles_of(
     cycles: int,
-    which: int,
     *,
     standby: bool = False,
     fork_server: bool = False,
     preload: tuple[str, ...] = (),
     isolation: Literal["auto", "none"] = "auto",
     limits: Limits | None = None,
-) -> float:
-    async def main(directory: str) -> float:
+    loop: LoopTime | None = None,
+    profiler: cProfile.Profile | None = None,
+) -> list[Cycle]:
+    """``cycles`` open+load+dispose cycles of a fresh execution, after its ``WARM_UP``
+    first; with ``loop``, the run is instrumented, and with ``profiler``, the measured
+    cycles are profiled."""
+
+    async def main(directory: str) -> list[Cycle]:
         key = Key(identity="bench", instance="child")
-        times = []
+        found = []
+        mark = loop.mark if loop is not None else lambda: (0.0, 0, 0.0)
         async with (
             SubprocessExecution(
                 directory,
@@ -204,20 +272,206 @@ def ours(
             ) as supervisor,
         ):
             for cycle in range(WARM_UP + cycles):
+                if cycle == WARM_UP and profiler is not None:
+                    profiler.enable()
+                began, steps, cpu = mark()
                 started = time.perf_counter()
                 record = await supervisor.open(
                     key, f"cycle-{cycle}", expected_generation=cycle or None
                 )
+                opened, _, _ = mark()
                 await supervisor.load(record.handle, Load(specifier="minimal:main"))
+                loaded, _, cpu_loaded = mark()
                 stopping = time.perf_counter()
                 await supervisor.dispose(record.handle)
                 ended = time.perf_counter()
+                disposed, after, cpu_after = mark()
                 if cycle >= WARM_UP:
-                    times.append((ended - started, ended - stopping)[which])
-        return sorted(times)[len(times) // 2]
+                    found.append(
+                        Cycle(
+                            whole=ended - started,
+                            stop=ended - stopping,
+                            loop_open=opened - began,
+                            loop_load=loaded - opened,
+                            loop_stop=disposed - loaded,
+                            steps=after - steps,
+                            cpu=cpu_after - cpu,
+                            cpu_stop=cpu_after - cpu_loaded,
+                        )
+                    )
+            if profiler is not None:
+                profiler.disable()
+        return found
 
     with tempfile.TemporaryDirectory() as directory:
-        return trio.run(main, directory)
+        return trio.run(main, directory, instruments=[] if loop is None else [loop])
+
+
+def ours(
+    cycles: int,
+    which: int,
+    *,
+    standby: bool = False,
+    fork_server: bool = False,
+    preload: tuple[str, ...] = (),
+    isolation: Literal["auto", "none"] = "auto",
+    limits: Limits | None = None,
+) -> float:
+    """The median of ``cycles`` cycles' whole time (``which`` 0) or dispose (1)."""
+    found = cycles_of(
+        cycles,
+        standby=standby,
+        fork_server=fork_server,
+        preload=preload,
+        isolation=isolation,
+        limits=limits,
+    )
+    times = sorted(cycle.stop if which else cycle.whole for cycle in found)
+    return times[len(times) // 2]
+
+
+def measured_cycles(
+    cycles: int,
+    *,
+    cold: bool,
+    loop: LoopTime,
+    profiler: cProfile.Profile | None = None,
+) -> list[Cycle]:
+    """Cycles with the runner service's defaults on, as ``child.cycle`` runs them (or,
+    ``cold``, as ``terminate.cooperative`` does), the loop's time in each measured."""
+    return cycles_of(
+        cycles,
+        fork_server=not cold,
+        standby=not cold,
+        preload=() if cold else PRELOAD,
+        limits=CEILINGS,
+        loop=loop,
+        profiler=profiler,
+    )
+
+
+def _loop_times(cycles: int, *, cold: bool) -> list[Cycle]:
+    return measured_cycles(cycles, cold=cold, loop=LoopTime(cpu=True))
+
+
+# child.cycle.multiprocessing's peer, the tool a Python user would otherwise pick: the
+# standard library's multiprocessing with the forkserver start method, a process with a
+# no-op target started and joined. It runs in an interpreter of its own (``-I -c``: its
+# main module is no file, so a child re-runs nothing of it; one that names a module
+# would have each child import that module again), its target in a module of its own
+# that the fork server imports ahead (as ours preloads typing), its fork server started
+# and warmed by WARM_UP cycles left out, as ours are; it prints the median of the rest.
+PEER = """
+import multiprocessing, sys, time
+cycles, directory = int(sys.argv[1]), sys.argv[2]
+sys.path.insert(0, directory)
+import peer_target
+context = multiprocessing.get_context("forkserver")
+context.set_forkserver_preload(["peer_target"])
+times = []
+for cycle in range(int(sys.argv[3]) + cycles):
+    started = time.perf_counter()
+    process = context.Process(target=peer_target.noop)
+    process.start()
+    process.join()
+    ended = time.perf_counter()
+    assert process.exitcode == 0, process.exitcode
+    process.close()
+    times.append(ended - started)
+print(sorted(times[-cycles:])[cycles // 2])
+"""
+PEER_TARGET = 'def noop() -> None:\n    """Nothing: the cycle is the process."""\n'
+
+
+def multiprocessing_cycle(cycles: int) -> float:
+    """The median of ``cycles`` start+join cycles of ``multiprocessing`` (:data:`PEER`)."""
+    # Its temporary directory (and multiprocessing's, through TMPDIR) in /tmp: the fork
+    # server listens on a unix socket there, whose path must be short (108 bytes).
+    with tempfile.TemporaryDirectory(dir="/tmp") as directory:
+        (Path(directory) / "peer_target.py").write_text(PEER_TARGET)
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", PEER, str(cycles), directory, str(WARM_UP)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+            env={**os.environ, "TMPDIR": directory},
+        )
+    return float(done.stdout)
+
+
+# The issue's budgets for the runner's own Python (issue 51, item 6): half of the 2.5 ms
+# of a warm cycle and about half of the 0.88 ms of a dispose measured before (see
+# docs/benchmarks.md, "Background work in idle time").
+CYCLE_BUDGET = 1.25e-3
+DISPOSE_BUDGET = 0.45e-3
+
+
+def runner_cpu(cycles: int, rounds: int) -> list[Result]:
+    """``child.cycle.runner_cpu`` and ``terminate.runner_cpu``: the loop's own time in a
+    warm cycle and in a dispose (started cold, as ``terminate.cooperative``), each
+    round's median over its cycles, against the budgets; the floor's loop time in its
+    dispose, measured in the same rounds, is in ``extra``."""
+    warm: list[list[Cycle]] = []
+    cold: list[list[Cycle]] = []
+    floor: list[float] = []
+    for round_ in range(rounds):
+        # Neither always first: the three alternate as compare's rounds do.
+        measures = [
+            lambda: warm.append(_loop_times(cycles, cold=False)),
+            lambda: cold.append(_loop_times(cycles, cold=True)),
+            lambda: floor.append(raw(cycles, 2, _contained, instrumented=True)),
+        ]
+        for offset in range(len(measures)):
+            measures[(round_ + offset) % len(measures)]()
+
+    def medians(found: list[list[Cycle]], part: Callable[[Cycle], float]) -> list[float]:
+        return [statistics.median(part(cycle) for cycle in round_) for round_ in found]
+
+    def ms(values: list[float]) -> float:
+        return round(statistics.median(values) * 1000, 4)
+
+    return [
+        Result(
+            name="child.cycle.runner_cpu",
+            unit="s/cycle",
+            better="lower",
+            target=1.0,
+            ours=medians(warm, lambda cycle: cycle.loop),
+            baseline=[CYCLE_BUDGET] * rounds,
+            baseline_name=f"budget: {CYCLE_BUDGET * 1000:g} ms of the loop's own time a cycle",
+            note="the event loop's time in task steps (a trio Instrument) during a warm "
+            "child.cycle (defaults on), the standby's refill included: the runner's own "
+            "Python, against half of the 2.5 ms it was (issue 51); cpu_ms is the steps' CPU "
+            "time (not the time a process they woke held the core)",
+            extra={
+                "open_ms": ms(medians(warm, lambda cycle: cycle.loop_open)),
+                "load_ms": ms(medians(warm, lambda cycle: cycle.loop_load)),
+                "dispose_ms": ms(medians(warm, lambda cycle: cycle.loop_stop)),
+                "cpu_ms": ms(medians(warm, lambda cycle: cycle.cpu)),
+                "steps": statistics.median(
+                    statistics.median(cycle.steps for cycle in round_) for round_ in warm
+                ),
+            },
+        ),
+        Result(
+            name="terminate.runner_cpu",
+            unit="s",
+            better="lower",
+            target=1.0,
+            ours=medians(cold, lambda cycle: cycle.loop_stop),
+            baseline=[DISPOSE_BUDGET] * rounds,
+            baseline_name=f"budget: {DISPOSE_BUDGET * 1000:g} ms of the loop's own time a dispose",
+            note="the event loop's time in task steps during terminate.cooperative's dispose "
+            "(defaults on, started cold): the runner's own Python in a stop, against its "
+            "budget (issue 51); floor_ms is the contained floor's, measured alike",
+            extra={
+                "floor_ms": ms(floor),
+                "cpu_ms": ms(medians(cold, lambda cycle: cycle.cpu_stop)),
+                "warm_dispose_ms": ms(medians(warm, lambda cycle: cycle.loop_stop)),
+            },
+        ),
+    ]
 
 
 def run(quick: bool, rounds: int) -> list[Result]:
@@ -247,6 +501,17 @@ def run(quick: bool, rounds: int) -> list[Result]:
             "isolated; the default ceilings, a cgroup per child) with the plugin's one "
             "import preloaded (typing) vs a cold spawn of the same code, ready line, "
             "SIGTERM, reaped",
+        ),
+        cycle(
+            "child.cycle.multiprocessing",
+            ours=lambda: warm(cycles, 0, limits=CEILINGS),
+            baseline=lambda: multiprocessing_cycle(cycles),
+            baseline_name="multiprocessing, forkserver: start and join of a no-op target",
+            target=0.2,
+            note="child.cycle (defaults on: isolated, ceilings, every transition saved) vs "
+            "Python's own multiprocessing with the forkserver start method, warmed, its "
+            "target preloaded, starting and joining a process with a no-op target (no "
+            "isolation, no cgroup, nothing recorded, no signal: the target returns)",
         ),
         cycle(
             "child.cycle.ceilings",
@@ -305,7 +570,7 @@ def run(quick: bool, rounds: int) -> list[Result]:
         stop(
             "terminate.cooperative",
             ours=lambda: ours(cycles, 1, limits=CEILINGS),
-            baseline=lambda: raw(cycles, 1, lambda: _floor_cycle(CONTAINED)),
+            baseline=lambda: raw(cycles, 1, _contained),
             baseline_name="floor: section 5's stop in raw Trio, a contained child",
             target=1.25,
             note="dispose of a running child (defaults on, started cold) that exits on "
@@ -316,7 +581,7 @@ def run(quick: bool, rounds: int) -> list[Result]:
         stop(
             "terminate.cooperative.watched",
             ours=lambda: ours(cycles, 1, limits=CEILINGS),
-            baseline=lambda: raw(cycles, 1, _floor_cycle),
+            baseline=lambda: raw(cycles, 1, _watched),
             baseline_name="floor: section 5's stop in raw Trio, one child with a watchdog thread",
             target=1.25,
             informational=True,
@@ -332,4 +597,5 @@ def run(quick: bool, rounds: int) -> list[Result]:
             informational=True,
             note="the oldest baseline: no session, no watchdog, nothing saved",
         ),
+        *runner_cpu(cycles, rounds),
     ]

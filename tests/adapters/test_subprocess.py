@@ -433,7 +433,7 @@ async def test_the_dead_man_switch_ends_a_child_whose_unit_is_dropped(tmp_path: 
         await unit.start()
         await until_logged(execution, handle, "beat 1")
         # The control socket closes, as it would if the supervisor died.
-        await unit._control.aclose()
+        unit._socket.close()
         with trio.fail_after(BOUND):
             status = await unit.wait()
         assert status == ExitStatus(signal=signal.SIGKILL)

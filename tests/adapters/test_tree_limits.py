@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -35,6 +36,7 @@ from trio_supervisor import (
     Supervisor,
     open_supervisor,
 )
+from trio_supervisor.executions import _cgroups
 from trio_supervisor.executions._cgroups import ROOT, TreeCgroup, detect
 from trio_supervisor.executions._protocol import Command
 from trio_supervisor.executions._standby import Interpreter, frame
@@ -103,6 +105,27 @@ def cgroup_file(execution: SubprocessExecution, record: LoadedRecord, controller
     return execution.cgroups.limits[controller] / record.child.cgroup
 
 
+async def given_back(execution: SubprocessExecution, path: str) -> None:
+    """Wait until a gone child's cgroup is kept for the next child, empty (or given to the
+    next standby already), or removed: once it is confirmed empty, after the exit is
+    reported (in a worker thread)."""
+    directories = [root / path for root in execution.cgroups.roots()]
+
+    def back() -> bool:
+        ready = execution._standby.ready  # white-box: what the next load takes
+        if ready is not None and ready.cgroup is not None and ready.cgroup.path == path:
+            return True
+        if path in execution._pool.paths():  # white-box: what the next child may take
+            return not any(
+                (directory / "cgroup.procs").read_text()
+                for directory in directories
+                if directory.exists()
+            )
+        return not any(directory.exists() for directory in directories)
+
+    await until(back, f"{path} kept or removed")
+
+
 async def test_a_fork_bomb_never_holds_more_processes_than_its_limit(
     sup: Supervisor, execution: SubprocessExecution
 ) -> None:
@@ -117,9 +140,8 @@ async def test_a_fork_bomb_never_holds_more_processes_than_its_limit(
         termination = await sup.dispose(record.handle)
     # Its processes die of the interrupt, or are killed as it ends: none is left.
     assert termination.exit.signal == signal.SIGTERM, termination.describe()
-    # Removed once confirmed empty, after the exit is reported (in a worker thread).
-    unified = ROOT / "unified" / str(record.child.cgroup)
-    await until(lambda: not pids.exists() and not unified.exists(), "its cgroup removed")
+    assert record.child.cgroup is not None
+    await given_back(execution, record.child.cgroup)
 
 
 async def test_four_children_of_100_mib_under_256_mib_are_never_all_alive(
@@ -133,8 +155,8 @@ async def test_four_children_of_100_mib_under_256_mib_are_never_all_alive(
     assert stopped.termination.exit.code == 0
     assert stopped.termination.exit.oom_limit == 256 * MiB
     assert stopped.termination.describe() == "exited (code 0; out of memory, limit 256 MiB)"
-    memory = cgroup_file(execution, record, "memory")
-    await until(lambda: not memory.exists(), "its cgroup removed")
+    assert record.child.cgroup is not None
+    await given_back(execution, record.child.cgroup)
 
 
 async def test_a_spinner_under_cpu_percent_50_gets_about_half_a_core(
@@ -243,8 +265,15 @@ async def test_a_load_that_cannot_start_leaves_no_cgroup_behind(
         handle = await opened(sup, limits=limits, request_id=named)
         with trio.fail_after(BOUND), pytest.raises(PackageError, match=named):
             await sup.load(handle, Load(specifier=specifier))
-    # Removed once confirmed empty (in a worker thread, as the load fails).
-    await until(lambda: not list(execution.cgroups.leftovers()), "no cgroup left")
+
+    # Kept for the next child, or removed, once confirmed empty (in a worker thread, as
+    # the load fails): none holds anything.
+    def empty() -> bool:
+        return not any(
+            (path / "cgroup.procs").read_text() for path in execution.cgroups.leftovers()
+        )
+
+    await until(empty, "no cgroup holds anything")
 
 
 async def prepared_standby(execution: SubprocessExecution) -> tuple[Interpreter, TreeCgroup]:
@@ -298,7 +327,7 @@ async def test_a_standby_waits_in_its_cgroup_and_the_load_that_takes_it_writes_i
         assert len((memory / "cgroup.procs").read_text().split()) == 2
         with trio.fail_after(BOUND):
             await sup.dispose(record.handle)
-        await until(lambda: not pids.exists() and not memory.exists(), "its cgroup removed")
+        await given_back(execution, cgroup.path)
 
 
 async def test_a_prepared_cgroup_goes_with_its_standby(tmp_path: Path) -> None:
@@ -364,13 +393,17 @@ async def test_a_spawn_message_names_only_cgroups_that_are_made(
     send = ProcessUnit._send
     missing: list[str] = []
 
-    async def sent(unit: ProcessUnit, message: Command) -> None:
-        if message["command"] == "spawn":
-            # Looked at as it goes (a few stats), not after: that is the moment T reads.
-            procs = message.get("cgroups", [])
-            missing.extend(path for path in procs if not os.path.exists(path))  # noqa: ASYNC240
-        await send(unit, message)
+    async def sent(unit: ProcessUnit, *messages: Command, **options: Any) -> None:
+        for message in messages:
+            if message["command"] == "spawn":
+                # Looked at as it goes (a few stats), not after: that is the moment T reads.
+                procs = message.get("cgroups", [])
+                missing.extend(path for path in procs if not os.path.exists(path))  # noqa: ASYNC240
+        await send(unit, *messages, **options)
 
+    # Cgroups made for the standby: one the pool kept is made already, so the race
+    # cannot arise with it.
+    monkeypatch.setattr(_cgroups, "POOL", 0)
     monkeypatch.setattr(Interpreter, "join_ahead", join_ahead)
     monkeypatch.setattr(TreeCgroup, "configure", preempted)
     monkeypatch.setattr(ProcessUnit, "_send", sent)

@@ -97,6 +97,39 @@ def test_a_session_moves_open_loading_loaded_stopping_stopped() -> None:
     assert lifecycle.stopped == StoppedRecord.of(loaded, Disposed(), DONE)
 
 
+def test_the_record_saved_for_a_fact_is_the_active_record_once_taken_in() -> None:
+    # Not built again for the stop's records (P2, P5): the very record the store holds.
+    lifecycle = in_phase(Phase.LOADING, child=False)
+    with_child = lifecycle.child_record(CHILD, now=0.0)
+    lifecycle.register(CHILD)
+    assert lifecycle.active() is with_child
+    loaded = lifecycle.loaded_record(CODE, now=0.0)
+    lifecycle.loaded(CODE)
+    assert lifecycle.active() is loaded
+    lifecycle.request_stop(Disposed())
+    assert lifecycle.stopping_record().previous is loaded
+
+
+def test_a_fact_other_than_the_record_asked_for_is_taken_in_as_it_is() -> None:
+    other_child = ChildIdentity(adapter="fake", ref="2")
+    lifecycle = in_phase(Phase.LOADING, child=False)
+    lifecycle.child_record(CHILD, now=0.0)
+    lifecycle.register(other_child)
+    assert lifecycle.active().child == other_child  # type: ignore[union-attr]
+    other_code = CodeIdentity(specifier="plugin:main", version="2")
+    lifecycle.loaded_record(CODE, now=0.0)
+    lifecycle.loaded(other_code)
+    assert lifecycle.active() == LoadedRecord(
+        handle=HANDLE,
+        request_id="r",
+        lease=5.0,
+        limits=Limits(),
+        load=LOAD,
+        code=other_code,
+        child=other_child,
+    )
+
+
 def test_the_first_stop_request_fixes_the_reason() -> None:
     lifecycle = in_phase(Phase.LOADED)
     assert lifecycle.request_stop(Exited(), ExitStatus(code=3)) is True

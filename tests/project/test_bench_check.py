@@ -69,3 +69,15 @@ def test_a_row_not_measured_is_said_so_and_not_a_drop() -> None:
     rows, flagged = judge({}, block)
     assert flagged == []
     assert rows[1][-1] == "not measured"
+
+
+def test_a_row_without_a_reference_is_shown_and_not_judged() -> None:
+    block: dict[str, Any] = {
+        "rows": {"row": {"ratio": 1.0, "band": 0.1, "better": "higher", "runs": [1.0]}}
+    }
+    rows, flagged = judge(
+        {"row": result("row", 1.0, "higher"), "new": result("new", 9.0, "lower")}, block
+    )
+    assert flagged == []
+    assert rows[-1][0] == "new"
+    assert rows[-1][-1] == "no reference"

@@ -34,7 +34,7 @@ driver); they are passed in as ``now``, never read here.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final
 
 from ..errors import (
@@ -125,6 +125,7 @@ class Lifecycle:
 
     __slots__ = (
         "_active",
+        "_next_active",
         "_open",
         "child",
         "code",
@@ -148,6 +149,9 @@ class Lifecycle:
         self.stopped: StoppedRecord | None = None
         # The active record once built: a stop writes it into two records (P2, P5).
         self._active: ActiveRecord | None = None
+        # The record of the fact on its way (child_record, loaded_record): once the fact
+        # is taken in, it is the active record, not built again.
+        self._next_active: LoadingRecord | LoadedRecord | None = None
 
     # -- reading ------------------------------------------------------------------------
 
@@ -257,13 +261,15 @@ class Lifecycle:
             raise ExecutionError("the execution adapter registered more than one child")
         record = self.active()
         assert isinstance(record, LoadingRecord)
-        return LoadingRecord(**carried(record), load=record.load, child=child)
+        built = LoadingRecord(**carried(record), load=record.load, child=child)
+        self._next_active = built
+        return built
 
     def register(self, child: ChildIdentity) -> None:
         """Take in that the Loading record naming ``child`` is durable."""
         self.phase = self._next(Event.REGISTER)
         self.child = child
-        self._active = None
+        self._active = self._taken_in(lambda record: record.child is child)
 
     def loaded_record(self, code: CodeIdentity, now: float) -> LoadedRecord:
         """The Loaded record, to be written once the child started (L4).
@@ -276,7 +282,9 @@ class Lifecycle:
         self._next(Event.LOADED)
         if self.child is None or self.load is None:
             raise ExecutionError("the execution adapter started without registering its child")
-        return LoadedRecord(**carried(self._open), load=self.load, code=code, child=self.child)
+        built = LoadedRecord(**carried(self._open), load=self.load, code=code, child=self.child)
+        self._next_active = built
+        return built
 
     def refused(self) -> None:
         """Take in that the store refused the load's first Loading record (a tenant's
@@ -294,7 +302,17 @@ class Lifecycle:
         """Take in that the Loaded record is durable."""
         self.phase = self._next(Event.LOADED)
         self.code = code
-        self._active = None
+        self._active = self._taken_in(
+            lambda record: isinstance(record, LoadedRecord) and record.code is code
+        )
+
+    def _taken_in(
+        self, describes: Callable[[LoadingRecord | LoadedRecord], bool]
+    ) -> ActiveRecord | None:
+        """The record built for the fact just taken in, if it is the one that
+        ``describes`` it (else None: :meth:`active` builds it)."""
+        built, self._next_active = self._next_active, None
+        return built if built is not None and describes(built) else None
 
     def stopping_record(self) -> StoppingRecord:
         """The Stopping record of the stop in progress (P2)."""

@@ -57,6 +57,35 @@ A prepared cgroup that no load takes is removed with its process: a standby disc
 killed runner's prepared cgroups held ends with it (a standby sees its socket close),
 and the next start on the same state directory removes them empty.
 
+Reuse (:class:`Pool`). A cgroup is made and removed at a price beyond the ``mkdir`` and
+``rmdir`` themselves: the kernel sets up a v1 memory cgroup's accounting as it is made,
+and tears it down in its own workers after the ``rmdir``, on the same two cores as the
+loads. So a child's cgroup, once its stop confirmed it empty, is kept for the next
+child that needs the same hierarchies (up to ``POOL`` of them), where nothing of the
+child it held is left to mislead: in a worker thread, once the loop is idle, it is
+confirmed empty in every hierarchy with no task left counting toward ``pids.max``, the
+memory still charged to it (the page cache of the files its child wrote) is reclaimed
+where it is more than ``RESIDUE``, and it is given up where it stays more; every limit
+it may hold is then written back to the kernel's default (none, ``oom_kill_disable``
+off), the counters that can be reset are, and the one the OOM kill is told by, which
+cannot, is read as its baseline (:meth:`TreeCgroup.reset`). The next child takes it as
+one that is made already: the standby joins it while it waits (with no ``mkdir`` of its
+own), a cold start's interpreter is moved into it as Python boots, and the load writes
+its own limits as into a new one. Its control files stay open with it (``_Files``), as
+opening one costs twenty to forty times what a write through it does: the load's limits,
+the OOM count read as its child ends and the next reset are a write or a read each. The
+kernel's wait for a move stays: a process must still be moved.
+What the pool holds is removed as the execution ends; what a killed runner's pool held
+is empty, and goes as the next start's or another runner's reclaim finds it.
+
+A record names the cgroup its child used, which a later child may use again. A cgroup
+this execution holds (kept, or given to another since) was emptied of every child
+that used it before, so a recovery by this same execution (a runner that heals
+itself) of a record naming it leaves it alone (:meth:`Pool.held_from`). One that a dead
+incarnation held, kept or in use, is recovered as any of its cgroups: the empty ones
+go as the execution starts, and what is still in one is that incarnation's, ended by
+the recovery of whichever record names it first (and counted in its termination).
+
 Whose they are. The parents are machine-wide, and a runner killed with ``kill -9``
 may leave one behind, with empty cgroups in it, for good where no runner starts on its
 state directory again. So each execution claims its parent's name (``_claims``:
@@ -84,7 +113,10 @@ Rules that never bend:
   kill is found on the next pass).
 * An OOM kill is told apart from any other SIGKILL by the cgroup's own counter
   (``oom_kill`` in v1 ``memory.oom_control`` or v2 ``memory.events``): a kill by us or
-  by anyone else does not raise it.
+  by anyone else does not raise it. In a cgroup used before, only what the counter
+  rose by since its baseline counts: what an earlier child met is never the next one's.
+* A cgroup is kept for another child only once it is empty (as it is removed), and it
+  is given out with no limit of the child before it.
 * Nothing outside ``trio_supervisor/`` is ever touched: a recorded path that leads
   elsewhere is refused.
 * Another runner's parent is touched only once its claim says its runner is gone.
@@ -99,6 +131,7 @@ import logging
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -112,7 +145,7 @@ from ..model import Limits
 from ._claims import ClaimError, Claims
 from ._groups import start_time
 
-__all__ = ["PARENT", "ROOT", "Hierarchies", "TreeCgroup", "detect"]
+__all__ = ["PARENT", "POOL", "ROOT", "Hierarchies", "Pool", "TreeCgroup", "detect"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +160,11 @@ POLL: Final = 0.005
 REMOVE_TRIES: Final = 200
 # An execution's parent: a digest of its state directory (execution_name).
 EXECUTION: Final = re.compile(r"[0-9a-f]{16}")
+# How many emptied cgroups an execution keeps for its next children (Pool), and the memory
+# still charged to one (the page cache of what its child wrote: 0.1-0.5 MiB after a
+# minimal child here) above which it is reclaimed first, and given up if that fails.
+POOL: Final = 4
+RESIDUE: Final = 4 * 1024 * 1024
 
 
 def _removed(directory: Path) -> bool:
@@ -162,6 +200,49 @@ def _write(path: Path, value: str) -> None:
         os.write(fd, value.encode())
     finally:
         os.close(fd)
+
+
+class _Files:
+    """The control files of one cgroup, each kept open once opened: the pool's (a cgroup
+    kept, and the child it is given to next). Opening a control file is most of what a
+    write or a read of it costs (a walk of its path, the kernel's open of a cgroup file:
+    20-40 us here, against 1 us for the write); a file kept open is read again from its
+    start. Not ``cgroup.procs``: an open one lists the cgroup's processes only once.
+
+    Used by the event loop as a child starts and ends, by a worker thread as the cgroup
+    is kept, and closed by the one that removes it, or by the pool's end: each use holds
+    a lock, so that no descriptor is closed while it is used (and then, perhaps, the
+    number of another file's).
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[Path, int], int] = {}
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def _fd(self, path: Path, flags: int) -> int:
+        if self.closed:
+            raise FileNotFoundError(errno.ENOENT, "its cgroup is removed", str(path))
+        fd = self._open.get((path, flags))
+        if fd is None:
+            fd = self._open[path, flags] = os.open(path, flags | os.O_CLOEXEC)
+        return fd
+
+    def read(self, path: Path) -> str:
+        with self._lock:
+            return os.pread(self._fd(path, os.O_RDONLY), 65536, 0).decode()
+
+    def write(self, path: Path, value: str) -> None:
+        with self._lock:
+            os.write(self._fd(path, os.O_WRONLY), value.encode())
+
+    def close(self) -> None:
+        """Close them all (again: nothing more)."""
+        with self._lock:
+            self.closed = True
+            open_files, self._open = self._open, {}
+            for fd in open_files.values():
+                os.close(fd)
 
 
 @attrs.frozen(kw_only=True)
@@ -246,6 +327,8 @@ class Hierarchies:
             text += ", killed by cgroup.kill"
         else:
             text += ", killed process by process"
+        if POOL:
+            text += f", up to {POOL} emptied ones kept for the next children"
         if self.reason:
             text += f"; {self.reason}"
         return text
@@ -586,6 +669,13 @@ class TreeCgroup:
         self.member: int | None = None
         # The process :meth:`prepare` moved in ahead of the load.
         self.prepared_for: int | None = None
+        # Used before, and taken from the pool (see Pool.take): made already, with the
+        # OOM kills counted until then as the baseline of oom_kills.
+        self.reused = False
+        self.oom_baseline = 0
+        # Its control files kept open, while the pool has it (see _Files); None: each is
+        # opened as it is written or read.
+        self.files: _Files | None = None
         # directories() and procs, for the controllers they were made for.
         self._paths: tuple[frozenset[str] | None, list[Path], list[str]] | None = None
 
@@ -662,12 +752,14 @@ class TreeCgroup:
         self._configure()
 
     def prepare(self, pid: int) -> None:
-        """Make it with no limits, and move ``pid`` in (see :meth:`Hierarchies.prepared`).
+        """Make it with no limits (unless it is :attr:`reused`), and move ``pid`` in (see
+        :meth:`Hierarchies.prepared`).
 
         Raises:
             OSError: It cannot be made, or ``pid`` moved; nothing is left then.
         """
-        self._make()
+        if not self.made:
+            self._make()
         try:
             self._move(pid)
         except BaseException:
@@ -710,10 +802,26 @@ class TreeCgroup:
 
     def unmake(self) -> None:
         """Remove it again, made and holding nothing (best effort)."""
+        self._close_files()
         for directory in reversed(self.directories()):
             with contextlib.suppress(OSError):
                 directory.rmdir()
         self.made = False
+
+    def _put(self, path: Path, value: str) -> None:
+        """Write a control file of it (not ``cgroup.procs``), through :attr:`files` if kept."""
+        if self.files is None:
+            _write(path, value)
+        else:
+            self.files.write(path, value)
+
+    def _get(self, path: Path) -> str:
+        """Read a control file of it (not ``cgroup.procs``), through :attr:`files` if kept."""
+        return _read(path) if self.files is None else self.files.read(path)
+
+    def _close_files(self) -> None:
+        if self.files is not None:
+            self.files.close()
 
     def _move(self, pid: int) -> None:
         for procs in self.procs:
@@ -727,7 +835,11 @@ class TreeCgroup:
         """Its directories, for the process that makes it and joins it (a standby, as
         it waits: see ``_bootstrap``'s "join"). From now on it counts as made, with no
         limit written: :meth:`create` writes them, and makes first what the process has
-        not made (yet, or at all: it may read "join" only after the load took it)."""
+        not made (yet, or at all: it may read "join" only after the load took it). One
+        :attr:`reused` is made already: none for the process to make (nothing removes
+        one the pool has, but the execution)."""
+        if self.reused:
+            return []
         self.made = True
         self._by_member = True
         return [str(directory) for directory in self.directories()]
@@ -759,7 +871,7 @@ class TreeCgroup:
                 writes += [("cpu_percent", cpu / "cpu.cfs_quota_us", str(quota))]
         for name, path, text in writes:
             try:
-                _write(path, text)
+                self._put(path, text)
             except OSError as error:
                 # EBUSY: a v1 memory limit below what the cgroup holds already (T, in it
                 # since it was prepared), which the kernel could not reclaim.
@@ -817,13 +929,18 @@ class TreeCgroup:
         return len(seen)
 
     def oom_kills(self) -> int:
-        """How many of its processes the kernel killed for going over its memory limit."""
+        """How many of its processes the kernel killed for going over its memory limit,
+        since it was given to this child (see :meth:`reset`)."""
+        return max(self._oom_counter() - self.oom_baseline, 0)
+
+    def _oom_counter(self) -> int:
+        """The kernel's count of OOM kills in it, since it was made (0 where none is kept)."""
         memory = self._in("memory")
         if memory is None:
             return 0
         name = "memory.events" if self.hierarchies.v2 else "memory.oom_control"
         try:
-            text = _read(memory / name)
+            text = self._get(memory / name)
         except OSError:
             return 0
         for line in text.splitlines():
@@ -832,8 +949,104 @@ class TreeCgroup:
                 return int(value)
         return 0
 
+    def reset(self) -> bool:
+        """(In a worker thread.) Make it fit for another child, as a new one would be:
+        whether it is (see the module's docs, and :class:`Pool`).
+
+        Once its child is gone: it must hold nothing in any hierarchy and count no task
+        toward ``pids.max`` (a zombie not yet released would count toward the next
+        child's); the memory charged to it is reclaimed where it is more than
+        ``RESIDUE``, and it is unfit where it stays more (what is left counts toward the
+        next child's limit: it is reclaimable page cache only when it is small). Then
+        every limit it may hold is written back to none, the counters that can be are
+        reset, and the OOM kills counted so far become the baseline of :meth:`oom_kills`.
+        """
+        if self.controllers is None:
+            return False  # a recorded one: whichever hierarchies it was in
+        try:
+            # pids.current counts every task, zombies included: where there is one, the
+            # cgroup.procs of the other hierarchies are read, else every one.
+            pids = self._in("pids")
+            if pids is not None and int(self._get(pids / "pids.current")) != 0:
+                return False
+            skip = None if pids is None else os.path.join(pids, "cgroup.procs")
+            if any(_read(procs).strip() for procs in self.procs if procs != skip):
+                return False
+            memory = self._in("memory")
+            if memory is not None and not self._reclaimed(memory):
+                return False
+            for path, text in self._defaults():
+                self._put(path, text)
+            for path in self._counters():
+                with contextlib.suppress(FileNotFoundError):  # not on every kernel
+                    self._put(path, "0")
+        except (OSError, ValueError):
+            return False  # gone meanwhile, or refused: it is removed instead
+        self.oom_baseline = self._oom_counter()
+        return True
+
+    def _reclaimed(self, memory: Path) -> bool:
+        """Whether at most ``RESIDUE`` is charged to it, reclaiming it first where more is
+        (v1 ``memory.force_empty``, v2 ``memory.reclaim`` where the kernel has it)."""
+        usage = memory / ("memory.current" if self.hierarchies.v2 else "memory.usage_in_bytes")
+        charged = int(self._get(usage))
+        if charged <= RESIDUE:
+            return True
+        if self.hierarchies.v2:
+            reclaim, amount = memory / "memory.reclaim", str(charged)
+        else:
+            reclaim, amount = memory / "memory.force_empty", "0"
+        # EAGAIN (v2): not all of it could be; ENOENT: this kernel has no such file.
+        with contextlib.suppress(OSError):
+            _write(reclaim, amount)  # rarely: not kept open
+        return int(self._get(usage)) <= RESIDUE
+
+    def _defaults(self) -> list[tuple[Path, str]]:
+        """What its limits read in a new cgroup, in an order the kernel takes (v1: the
+        memory plus swap limit may never be below the memory limit)."""
+        memory, pids, cpu = (self._in(name) for name in ("memory", "pids", "cpu"))
+        writes: list[tuple[Path, str]] = []
+        if memory is not None:
+            if self.hierarchies.v2:
+                writes += [(memory / "memory.max", "max"), (memory / "memory.swap.max", "max")]
+            else:
+                if self.hierarchies.memsw:
+                    writes += [(memory / "memory.memsw.limit_in_bytes", "-1")]
+                writes += [(memory / "memory.limit_in_bytes", "-1")]
+                writes += [(memory / "memory.oom_control", "0")]  # the OOM killer on
+        if pids is not None:
+            writes += [(pids / "pids.max", "max")]
+        if cpu is not None:
+            if self.hierarchies.v2:
+                writes += [(cpu / "cpu.max", f"max {CFS_PERIOD_US}")]
+            else:
+                writes += [(cpu / "cpu.cfs_quota_us", "-1")]
+                writes += [(cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))]
+        return writes
+
+    def _counters(self) -> list[Path]:
+        """The counters of its use that a write of 0 resets: v1's peaks and failures of
+        memory, and its CPU time. The others count its whole life: ``pids.peak`` and
+        ``pids.events``, cgroup2's ``memory.peak`` (reset only for the file descriptor
+        that writes it) and ``memory.events`` (whose ``oom_kill`` has a baseline)."""
+        if self.hierarchies.v2:
+            return []
+        found: list[Path] = []
+        memory, cpuacct = self._in("memory"), self._in("cpuacct")
+        if memory is not None:
+            kinds = ["memory", "memory.memsw"] if self.hierarchies.memsw else ["memory"]
+            found += [
+                memory / f"{kind}.{name}"
+                for kind in kinds
+                for name in ("max_usage_in_bytes", "failcnt")
+            ]
+        if cpuacct is not None:
+            found += [cpuacct / "cpuacct.usage"]
+        return found
+
     async def remove(self) -> None:
         """Remove it in every hierarchy; it must be empty (see :meth:`emptied`)."""
+        self._close_files()
         for directory in self.directories():
             for _ in range(REMOVE_TRIES):
                 if _removed(directory):
@@ -846,9 +1059,165 @@ class TreeCgroup:
         it was empty: a removal waits for the kernel's cgroup lock, which a process
         moving into another cgroup holds for an RCU grace period (milliseconds), so it
         is not the event loop's to wait for."""
+        self._close_files()
         for directory in self.directories():
             for _ in range(REMOVE_TRIES):
                 if _removed(directory):
                     break
                 time.sleep(POLL)
         self.removed = True
+
+
+@attrs.frozen
+class _Kept:
+    """A cgroup the pool keeps: where it is, its OOM kills' baseline, its files."""
+
+    path: str
+    oom_baseline: int
+    files: _Files
+
+
+@attrs.define
+class _Lent:
+    """A cgroup the pool gave out: its files, and the ref of the child it holds (None
+    until one does: a standby waits in it, or a cold start's interpreter boots)."""
+
+    files: _Files
+    child: str | None = None
+
+
+class Pool:
+    """The emptied cgroups an execution keeps for its next children, by the hierarchies
+    they are in (see the module's docs), each with its control files kept open.
+
+    Thread-safe: a cold start takes one in the worker thread that moves its interpreter
+    in, while a gone child's is kept in another.
+
+    Args:
+        hierarchies: What :func:`detect` found.
+        size: How many it keeps at most: ``POOL`` by default, none where no cgroup is
+            used.
+    """
+
+    def __init__(self, hierarchies: Hierarchies, size: int | None = None) -> None:
+        self.hierarchies = hierarchies
+        self.size = (POOL if size is None else size) if hierarchies.used else 0
+        self._lock = threading.Lock()
+        self._kept: dict[frozenset[str], list[_Kept]] = {}
+        # Each cgroup given out, by path, until it comes back (see held_from).
+        self._lent: dict[str, _Lent] = {}
+        self._closed = False
+        self.taken = 0  # how many times one of its cgroups was given out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._count()
+
+    def _count(self) -> int:
+        return sum(len(kept) for kept in self._kept.values())
+
+    def paths(self) -> list[str]:
+        """The cgroups it keeps now."""
+        with self._lock:
+            return [kept.path for entries in self._kept.values() for kept in entries]
+
+    def take(self, controllers: frozenset[str]) -> TreeCgroup | None:
+        """A cgroup it keeps, in exactly the hierarchies ``controllers`` need (and the
+        kill's), made, with no limit written; None where it keeps none."""
+        with self._lock:
+            kept = self._kept.get(controllers)
+            if not kept:
+                return None
+            found = kept.pop()
+            self._lent[found.path] = _Lent(found.files)
+            self.taken += 1
+        cgroup = TreeCgroup(self.hierarchies, found.path, Limits(), controllers)
+        cgroup.made = True
+        cgroup.reused = True
+        cgroup.oom_baseline = found.oom_baseline
+        cgroup.files = found.files
+        return cgroup
+
+    def put_back(self, cgroup: TreeCgroup) -> None:
+        """Keep again ``cgroup``, just taken, which nothing joined (unless the pool is
+        closed or full meanwhile: it is left then to the execution's end)."""
+        assert cgroup.controllers is not None  # taken from the pool
+        assert cgroup.files is not None
+        with self._lock:
+            self._lent.pop(cgroup.path, None)
+            if not self._closed and self._count() < self.size:
+                kept = _Kept(cgroup.path, cgroup.oom_baseline, cgroup.files)
+                self._kept.setdefault(cgroup.controllers, []).append(kept)
+                return
+        cgroup.files.close()
+
+    def given(self, cgroup: TreeCgroup, child: str) -> None:
+        """``cgroup``, if it was taken from the pool, holds the child whose identity's ref
+        is ``child`` now."""
+        with self._lock:
+            lent = self._lent.get(cgroup.path)
+            if lent is not None:
+                lent.child = child
+
+    def held_from(self, path: str, child: str) -> bool:
+        """Whether the cgroup ``path`` is one this pool keeps, or gave to another than the
+        child whose identity's ref is ``child``. Then that child is not in it: it was
+        confirmed empty of every child before it was kept, so a record that names it for
+        ``child`` (of an incarnation that ended with the pool's execution still running)
+        is settled without touching it."""
+        with self._lock:
+            if any(kept.path == path for entries in self._kept.values() for kept in entries):
+                return True
+            lent = self._lent.get(path)
+            return lent is not None and lent.child != child
+
+    def keep(self, cgroup: TreeCgroup) -> bool:
+        """(In a worker thread.) Keep ``cgroup``, which its child's stop confirmed empty,
+        for another child (fit again by :meth:`TreeCgroup.reset`); or remove it where it
+        is unfit, or the pool is full or closed. Whether it was kept.
+
+        Raises:
+            OSError: It cannot be removed.
+        """
+        with self._lock:
+            self._lent.pop(cgroup.path, None)
+            room = not self._closed and self._count() < self.size
+        if room:
+            if cgroup.files is None:
+                cgroup.files = _Files()  # opened as the reset uses them, kept from now on
+            if cgroup.reset():
+                assert cgroup.controllers is not None  # reset refuses a recorded one
+                with self._lock:
+                    if not self._closed and self._count() < self.size:
+                        kept = _Kept(cgroup.path, cgroup.oom_baseline, cgroup.files)
+                        self._kept.setdefault(cgroup.controllers, []).append(kept)
+                        return True
+        cgroup.remove_blocking()  # and its files closed
+        return False
+
+    def close(self) -> None:
+        """Keep nothing more: each cgroup given back from now on is removed."""
+        with self._lock:
+            self._closed = True
+
+    def drain(self) -> None:
+        """(In a worker thread.) :meth:`close` it, and remove every cgroup it keeps (one
+        that cannot be is logged, and left to the next start's removal of leftovers);
+        the files of those it gave out are closed (what held them has ended)."""
+        with self._lock:
+            self._closed = True
+            kept = []
+            for controllers, entries in self._kept.items():
+                for entry in entries:
+                    cgroup = TreeCgroup(self.hierarchies, entry.path, Limits(), controllers)
+                    cgroup.files = entry.files
+                    kept.append(cgroup)
+            self._kept.clear()
+            lent, self._lent = self._lent, {}
+        for given in lent.values():
+            given.files.close()
+        for cgroup in kept:
+            try:
+                cgroup.remove_blocking()
+            except OSError as error:
+                logger.warning("cannot remove the cgroup %s: %s", cgroup.path, error)

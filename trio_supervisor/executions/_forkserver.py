@@ -49,6 +49,7 @@ import logging
 import marshal
 import os
 import re
+import select
 import socket
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -123,7 +124,8 @@ class ForkServer:
         self._environment = dict(environment)
         self._preload = tuple(preload)
         self._process: trio.Process | None = None
-        self._socket: trio.socket.SocketType | None = None
+        # Its socket (non-blocking); None while it is not running.
+        self._socket: socket.socket | None = None
         self._lock = trio.Lock()
         self._restarting = False
         self._last_start = -float("inf")
@@ -162,11 +164,12 @@ class ForkServer:
             raise ExecutionError(f"cannot start the fork server: {error}") from error
         finally:
             theirs.close()
-        channel = trio.socket.from_stdlib_socket(ours)
+        channel = ours
+        channel.setblocking(False)
         try:
             reply: Any = None
             with bounded(START_TIMEOUT), outside_the_run():
-                reply = _decode(await channel.recv(65536))
+                reply = _decode(await _receive(channel))
             if not isinstance(reply, dict) or reply.get("event") != "ready":
                 why = reply.get("message") if isinstance(reply, dict) else "it did not answer"
                 raise ExecutionError(f"the fork server did not start: {why}")
@@ -203,20 +206,24 @@ class ForkServer:
             os.close(marked)
 
     async def _request(self, request: bytes, fds: list[int]) -> int:
-        async with self._lock:
+        lock = self._lock
+        if lock.locked():
+            await lock.acquire()
+        else:
+            # Free: taking it is no schedule point, the wait for the reply is one.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            lock.acquire_nowait()
+        try:
             channel = self._socket
             if channel is None:
-                await trio.lowlevel.checkpoint()
+                await trio.lowlevel.cancel_shielded_checkpoint()
                 raise Broken("the fork server is not running")
-            reply: Any = None
-            # Shielded: a reply left unread would answer the next request.
-            with trio.CancelScope(shield=True), bounded(REQUEST_TIMEOUT), outside_the_run():
-                try:
-                    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-                    await channel.sendmsg([request], ancillary)
-                    reply = _decode(await channel.recv(65536))
-                except OSError as error:
-                    reply = {"event": "failed", "message": str(error)}
+            # In a worker thread: the server's fork runs as the request goes out, and on
+            # a busy machine it takes the core of whoever woke it. The thread, not the
+            # event loop, waits that out. Shielded (a reply left unread would answer the
+            # next request) and bounded in the thread (REQUEST_TIMEOUT, real time).
+            with trio.CancelScope(shield=True), outside_the_run():
+                reply = await trio.to_thread.run_sync(_exchange, channel, request, fds)
             if isinstance(reply, dict) and isinstance(reply.get("pid"), int):
                 self.forks += 1
                 return int(reply["pid"])
@@ -224,6 +231,8 @@ class ForkServer:
             if not (isinstance(reply, dict) and reply.get("event") == "failed" and self._alive()):
                 await self._stop()  # gone, or out of step with us
             raise Broken(f"the fork server could not fork: {why}")
+        finally:
+            lock.release()
 
     def _alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
@@ -251,6 +260,7 @@ class ForkServer:
         channel, self._socket = self._socket, None
         process, self._process = self._process, None
         if channel is not None:
+            trio.lowlevel.notify_closing(channel)
             channel.close()
         if process is not None:
             if not self._closed:
@@ -265,6 +275,39 @@ class ForkServer:
         with trio.CancelScope(shield=True):
             async with self._lock:
                 await self._stop()
+
+
+def _exchange(channel: socket.socket, request: bytes, fds: list[int]) -> Any:
+    """(In a worker thread.) Send a request with ``fds`` and wait for the reply: the
+    reply, decoded; None if none came within ``REQUEST_TIMEOUT``; a "failed" event if
+    the socket failed."""
+    try:
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        channel.sendmsg([request], ancillary)  # one packet, one request under way
+        answer = select.poll()
+        answer.register(channel, select.POLLIN)
+        if not answer.poll(REQUEST_TIMEOUT * 1000):
+            return None
+        return _decode(channel.recv(65536, socket.MSG_DONTWAIT))
+    except OSError as error:
+        return {"event": "failed", "message": str(error)}
+
+
+async def _receive(channel: socket.socket) -> bytes:
+    """The next packet the server sent (empty: it is gone), with one schedule point."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    waited = False
+    while True:
+        try:
+            data = channel.recv(65536, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(channel)
+            waited = True
+        else:
+            break
+    if not waited:  # else the wait was the schedule point
+        await trio.lowlevel.cancel_shielded_checkpoint()
+    return data
 
 
 def _decode(data: bytes) -> Any:

@@ -199,8 +199,15 @@ def reap(pid: int) -> ExitStatus:
     return ExitStatus(code=None, signal=signal.SIGKILL)
 
 
-def exit_status(returncode: int) -> ExitStatus:
-    """A ``Popen``-style returncode (negative: killed by that signal) as an ExitStatus."""
+def exit_status(
+    returncode: int, *, descendants_killed: int = 0, oom_limit: int | None = None
+) -> ExitStatus:
+    """A ``Popen``-style returncode (negative: killed by that signal) as an ExitStatus,
+    with what else is known of the exit."""
     if returncode < 0:
-        return ExitStatus(code=None, signal=-returncode)
-    return ExitStatus(code=returncode)
+        code, signum = None, -returncode
+    else:
+        code, signum = returncode, None
+    return ExitStatus(
+        code=code, signal=signum, descendants_killed=descendants_killed, oom_limit=oom_limit
+    )

@@ -6,8 +6,8 @@ instance), opened by the runner before the child runs anything. The supervisor t
 the execution what it no longer retains (``abc.Retaining``):
 
 * a record retention evicts: its log is removed, off the event loop, in batches, by a
-  task of the execution's (:meth:`Logs.remove_evicted`); what is still queued as the
-  execution ends is removed then;
+  task of the execution's (:meth:`Logs.remove_evicted`), within ``LINGER`` seconds; what
+  is still queued as the execution ends is removed then;
 * once recovery is over, the records it retains: every other log goes
   (:meth:`Logs.keep_only`), those of records evicted while no supervisor ran, or kept by
   a store that held nothing across the restart (a ``MemoryStore``).
@@ -41,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 LOGS: Final = "logs"
 _LOG: Final = re.compile(r"[0-9a-f]{16}-[0-9]+\.log")
+# How long an evicted record's log may wait for others to be removed with it, and how
+# many go at once without waiting longer: under a stream of stops (every stop of a key
+# evicts its generation before), one trip to a worker thread for a batch, not one a stop.
+LINGER: Final = 1.0
+BATCH: Final = 64
 
 
 class Logs:
@@ -53,6 +58,10 @@ class Logs:
     def __init__(self, state_directory: Path) -> None:
         self.directory = state_directory / LOGS
         self._doomed, self._queue = trio.open_memory_channel[Path](math.inf)
+        # How many are queued; set once there is one, and once there are BATCH.
+        self._queued = 0
+        self._some = trio.Event()
+        self._enough = trio.Event()
 
     def path(self, handle: Handle) -> Path:
         """The log file of a session's child."""
@@ -74,29 +83,43 @@ class Logs:
         removal (:meth:`remove_evicted`). Returns at once."""
         for handle in handles:
             self._doomed.send_nowait(self.path(handle))
+        self._queued += len(handles)
+        if self._queued:
+            self._some.set()
+        if self._queued >= BATCH:
+            self._enough.set()
 
     async def remove_evicted(self) -> None:
-        """Remove the queued logs as they come, in batches, in a worker thread; until
+        """Remove the queued logs in batches, in a worker thread, once the loop is idle:
+        a batch once ``BATCH`` are queued or ``LINGER`` seconds after its first was; until
         cancelled (what is queued then is for :meth:`flush`)."""
-        async for path in self._queue:
+        while True:
+            await self._some.wait()
+            with trio.move_on_after(LINGER):
+                await self._enough.wait()
             # Shielded: a batch taken is removed (unlinks: a bounded wait), once the
             # loop is idle. What is still queued when this is cancelled is flush()'s.
             with trio.CancelScope(shield=True):
                 await when_idle()
-                batch = [path]
-                with contextlib.suppress(trio.WouldBlock):
-                    while True:
-                        batch.append(self._queue.receive_nowait())
-                with outside_the_run():
-                    await trio.to_thread.run_sync(_remove, batch)
+                batch = self._take()
+                if batch:
+                    with outside_the_run():
+                        await trio.to_thread.run_sync(_remove, batch)
 
     def flush(self) -> None:
         """Remove what is queued now, blocking: as the execution ends."""
+        _remove(self._take())
+
+    def _take(self) -> list[Path]:
+        """Everything queued, taken off the queue."""
         batch = []
         with contextlib.suppress(trio.WouldBlock):
             while True:
                 batch.append(self._queue.receive_nowait())
-        _remove(batch)
+        self._queued = 0
+        self._some = trio.Event()
+        self._enough = trio.Event()
+        return batch
 
     def keep_only(self, handles: Collection[Handle]) -> int:
         """Remove every log but those of ``handles``; return how many went. Blocking:

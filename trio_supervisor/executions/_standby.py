@@ -385,6 +385,11 @@ class ForkedProcess:
     def returncode(self) -> int | None:
         return self._returncode
 
+    @property
+    def has_maker(self) -> bool:
+        """Whether the process that made T is still to be reaped (:meth:`reap_maker`)."""
+        return self._maker is not None
+
     def poll(self) -> int | None:
         """Its returncode (Popen-style, negative for a signal) if it has exited."""
         if self._maker is not None:
@@ -445,6 +450,16 @@ class Standby:
         self.ready: Interpreter | None = None
         self._filling = False
         self._closing = False
+        # Where run() waits until the interpreter it started is taken.
+        self._taken = trio.lowlevel.ParkingLot()
+
+    async def run(self) -> None:
+        """Keep one interpreter started ahead: one now, and the next each time a load
+        takes it (:meth:`take`), until cancelled. One task for the execution's whole
+        run, not one a load."""
+        while True:
+            await self.fill()
+            await self._taken.park()
 
     async def fill(self) -> None:
         """Start the next standby interpreter, unless one is there or on its way."""
@@ -460,7 +475,7 @@ class Standby:
         finally:
             self._filling = False
         try:
-            if isinstance(interpreter.process, ForkedProcess):
+            if isinstance(interpreter.process, ForkedProcess) and interpreter.process.has_maker:
                 # Its maker exits at once: reaped before the standby is offered, so that
                 # whoever takes it finds T re-parented to us and no maker left. (Offered
                 # first, a reader of the process table could see the maker as the
@@ -473,12 +488,13 @@ class Standby:
             self.ready = interpreter
 
     def take(self, nursery: trio.Nursery) -> Interpreter | None:
-        """The interpreter started ahead, if there is a live one; the next one starts."""
+        """The interpreter started ahead, if there is a live one; the next one starts
+        (:meth:`run`)."""
         standby = self.ready
         if standby is None:
             return None
         self.ready = None
-        nursery.start_soon(self.fill, name="standby interpreter")
+        self._taken.unpark_all()
         if standby.process.poll() is not None:
             # It died while it waited (reaped by poll): its socket and cgroup go.
             nursery.start_soon(standby.discard, name="dead standby interpreter")

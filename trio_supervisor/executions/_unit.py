@@ -50,7 +50,6 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import attrs
 import trio
 
 from ..errors import ExecutionError, PackageError
@@ -58,7 +57,7 @@ from ..model import ChildIdentity, CodeIdentity, ExitStatus, Load, signal_name
 from ..realtime import bounded, outside_the_run
 from ._cgroups import TreeCgroup
 from ._groups import exit_status, group_gone, signal_group
-from ._protocol import Command, EofReply, Reply, SpawnCommand
+from ._protocol import Command, EofReply, Reply, SpawnCommand, StartCommand
 from ._standby import ChildProcess, ForkedProcess, frame, take_message
 from ._trees import Tree, left_behind, process_table, strays
 
@@ -150,8 +149,12 @@ class ProcessUnit:
         self._pgid = identity.pgid or process.pid
         self.code = CodeIdentity(specifier=load.specifier)
         self._specifier = load.specifier
-        self._socket = control  # the same socket: replies are read from it (recvmsg)
-        self._control = trio.SocketStream(trio.socket.from_stdlib_socket(control))
+        # When the lease ends (on the run's clock), as renewed before "start": it goes to
+        # T with "start" (see renew).
+        self._lease_until: float | None = None
+        # Read (recvmsg) and written without waiting; waited on through Trio.
+        self._socket = control
+        control.setblocking(False)
         self._buffer = b""
         # The writing end of P's "go" pipe, sent with "resolved": "start" lets P go
         # through it at once, as well as through T.
@@ -179,11 +182,17 @@ class ProcessUnit:
     def identity(self) -> ChildIdentity:
         return self._identity
 
-    async def _send(self, message: Command) -> None:
-        data = frame(message)
+    async def _send(self, *messages: Command, answered: bool = False) -> None:
+        """Send ``messages`` to T, in one write.
+
+        ``answered``: the caller reads T's answer next, and that read is the schedule
+        point (it waits for the answer, or checkpoints when it is there already), so a
+        send that goes at once adds none (see :meth:`_ask`).
+        """
+        data = b"".join(frame(message) for message in messages)
         if self._send_lock.locked():  # a send is waiting for room: queue behind it
             async with self._send_lock:
-                await self._control.send_all(data)
+                await self._send_rest(data)
             return
         # A message is small, and T reads while it waits: it goes at once, whole, with
         # one schedule point (not the lock's and the stream's).
@@ -195,13 +204,35 @@ class ProcessUnit:
         except OSError as error:  # closed by us, or T is gone
             raise trio.BrokenResourceError(f"the child's socket: {error}") from error
         if sent == len(data):
-            await trio.lowlevel.cancel_shielded_checkpoint()
+            if not answered:
+                await trio.lowlevel.cancel_shielded_checkpoint()
             return
         self._send_lock.acquire_nowait()  # free still: no schedule point since the check
         try:
-            await self._control.send_all(data[sent:])
+            await self._send_rest(data[sent:])
         finally:
             self._send_lock.release()
+
+    async def _send_rest(self, data: bytes) -> None:
+        """Send ``data`` as the socket has room for it (a message T has not read yet)."""
+        while data:
+            if self._socket.fileno() < 0:
+                raise trio.ClosedResourceError("the child's socket is closed")
+            await trio.lowlevel.wait_writable(self._socket)
+            try:
+                sent = self._socket.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            except OSError as error:  # closed by us, or T is gone
+                raise trio.BrokenResourceError(f"the child's socket: {error}") from error
+            data = data[sent:]
+
+    async def _ask(self, *messages: Command) -> Reply:
+        """Send ``messages`` and read T's answer, with one schedule point: the read's."""
+        await self._send(*messages, answered=True)
+        if self._buffer:  # something read before: the answer may need no read below
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return await self._receive()
 
     async def _receive(self) -> Reply:
         while (taken := take_message(self._buffer)) is None:
@@ -281,7 +312,7 @@ class ProcessUnit:
                         f"cannot make the cgroup of the child for {self._specifier!r}: {error}"
                     ) from error
             try:
-                await self._send(spec)
+                await self._send(spec, answered=True)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 reply: Reply = _EOF
             else:
@@ -293,6 +324,7 @@ class ProcessUnit:
                         raise ExecutionError(
                             f"cannot limit the cgroup of the child for {self._specifier!r}: {error}"
                         ) from error
+                # The read is the schedule point (the spawn message went at once).
                 reply = await self._receive()
             if reply["event"] == "resolved":
                 code = reply["code"]
@@ -336,14 +368,20 @@ class ProcessUnit:
             with contextlib.suppress(OSError):  # P is gone: T reports how it ended
                 os.write(self._go, b"g")
             self._let_go()
+        start: StartCommand = {"command": "start"}
+        until, self._lease_until = self._lease_until, None
         with outside_the_run():  # the child's time is not the run's (realtime.py)
             try:
-                await self._send({"command": "start"})
+                if until is None:
+                    reply = await self._ask(start)
+                else:
+                    # The lease renewed before "start", as what is left of it now.
+                    left = max(until - trio.current_time(), 0.0)
+                    reply = await self._ask({"command": "renew", "lease": left}, start)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
                 raise ExecutionError(
                     f"the child for {self._specifier!r} is gone before it started"
                 ) from error
-            reply = await self._receive()
         if reply["event"] != "started":
             raise failure(reply, self._specifier, self.limits)
 
@@ -351,15 +389,25 @@ class ProcessUnit:
         if not math.isfinite(lease):
             await trio.lowlevel.checkpoint()
             return
+        if not self._started:
+            # Nothing of the caller's runs before "start", and T needs no lease to wait
+            # for it (the closed socket is its switch): the lease goes with "start", as
+            # what is left of it then. One message and one wake-up of T fewer a load,
+            # and no schedule point (the loader saves the child's identity next).
+            await trio.lowlevel.checkpoint_if_cancelled()
+            self._lease_until = trio.current_time() + lease
+            return
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await self._send({"command": "renew", "lease": lease})
 
     async def interrupt(self) -> None:
+        # A request that returns at once, with no schedule point: the wait for the exit
+        # that follows it is one.
+        await trio.lowlevel.checkpoint_if_cancelled()
         self._signalled = True
         # T takes it as the end of its lease watchdog too, so the lease cannot cut the
         # graceful stop short.
         signal_group(self._pgid, signal.SIGTERM)
-        await trio.lowlevel.checkpoint()
 
     async def kill(self) -> None:
         self._signalled = True
@@ -385,8 +433,20 @@ class ProcessUnit:
             return await self._wait()
 
     async def _wait(self) -> ExitStatus:
-        async with self._wait_lock:  # one waiter works it out; the others read it
-            if self._status is None:
+        # One waiter works it out; the others read it. Taking the lock free is no
+        # schedule point: the wait for the exit is one.
+        lock = self._wait_lock
+        waited = lock.locked()
+        if waited:
+            await lock.acquire()
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            lock.acquire_nowait()
+        try:
+            if self._status is not None:
+                if not waited:  # else waiting for the lock was the schedule point
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+            else:
                 returncode = await self._process.wait()
                 if self._started and not self._start_answered.is_set():
                     # A plugin that failed to load says so and ends: its answer is
@@ -423,14 +483,16 @@ class ProcessUnit:
                         # removal may wait on the kernel's cgroup lock (see
                         # TreeCgroup.remove_blocking), and the exit is confirmed.
                         self._cgroup = None
-                self._status = attrs.evolve(
-                    exit_status(returncode),
+                self._status = exit_status(
+                    returncode,
                     descendants_killed=self._descendants_killed,
                     oom_limit=oom_limit,
                 )
                 if self._gone is not None:
                     self._gone(cgroup)
             return self._status
+        finally:
+            lock.release()
 
     async def _kill_strays(self) -> None:
         """Kill and reap what a swept T, killed before it could sweep, left to us."""
@@ -485,9 +547,12 @@ class ProcessUnit:
             await self.kill()
             with bounded(KILL_CONFIRMATION), outside_the_run():
                 await self.wait()
-        # Closing the socket is the child's dead-man switch if anything still runs.
+        # Closing the socket is the child's dead-man switch if anything still runs. No
+        # schedule point of its own: the release that follows an exit waited for has
+        # nothing to wait for.
         self._let_go()
-        await self._control.aclose()
+        trio.lowlevel.notify_closing(self._socket)
+        self._socket.close()
         if self._marker is not None:
             os.close(self._marker)
             self._marker = None
@@ -499,7 +564,7 @@ class ProcessUnit:
             # execution's exit, or to its next start on the same state directory.
             with contextlib.suppress(OSError):
                 await cgroup.remove()
-        if isinstance(self._process, ForkedProcess):
+        if isinstance(self._process, ForkedProcess) and self._process.has_maker:
             # Its maker, if nothing waited for T (a recovery ended it): it exited as
             # soon as T existed.
             with bounded(KILL_CONFIRMATION), outside_the_run():

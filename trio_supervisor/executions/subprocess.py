@@ -72,7 +72,8 @@ pays nothing for cgroups (but for a standby prepared once loads asked for them, 
 cgroup then holds its tree with no limit). ``memory_bytes`` is then the tree's
 memory plus swap (no ``RLIMIT_AS``), ``processes`` its ``pids.max`` and
 ``cpu_percent`` its CPU quota; the kill adds ``cgroup.kill``, and ``wait`` returns only
-once the cgroup is empty, then removes it. An OOM kill is reported in the exit status.
+once the cgroup is empty, which is then kept for a later child (reset, a few at most) or
+removed (``_cgroups.Pool``). An OOM kill is reported in the exit status.
 Where none can be written, ``memory_bytes`` is ``RLIMIT_AS`` (address space, not
 resident memory) per process, and a load asking for ``processes`` or ``cpu_percent`` is
 refused.
@@ -102,7 +103,7 @@ from ..realtime import outside_the_run
 from ._bootstrap import LEASE_SLACK
 from ._bringup import Host
 from ._cgroups import ROOT as CGROUP_ROOT
-from ._cgroups import Hierarchies, TreeCgroup
+from ._cgroups import Hierarchies, Pool, TreeCgroup
 from ._containment import Containment, Mechanism
 from ._forkserver import Broken
 from ._groups import boot_id, group_gone, read_stat, reap_group
@@ -250,6 +251,8 @@ class SubprocessExecution:
         # The tree limits of the last load that resolved under them: from then on each
         # standby waits in a cgroup of its own, in the hierarchies they need.
         self._expected: Limits | None = None
+        # The emptied cgroups kept for the next children (none until entered).
+        self._pool = Pool(self._host.cgroups)
         # One process creation at a time: see _start.
         self._creating = trio.CapacityLimiter(1)
         # Interpreters booting at once (started, not yet resolved): see spawn.
@@ -269,9 +272,10 @@ class SubprocessExecution:
         except BaseException as error:
             await self.__aexit__(type(error), error, error.__traceback__)
             raise
+        self._pool = Pool(self.cgroups)
         if self.standby:
             # Once the containment is known: the standby's T is made for it.
-            self._nursery.start_soon(self._standby.fill, name="standby interpreter")
+            self._nursery.start_soon(self._standby.run, name="standby interpreter")
         logger.info(
             "subprocess children are contained by %s",
             self.mechanism.describe(),
@@ -300,6 +304,10 @@ class SubprocessExecution:
         # The output copiers end with their children; any still running are cut off.
         nursery.cancel_scope.cancel()
         try:
+            # The cgroups kept for children to come go first, in a worker thread (a
+            # removal may wait on the kernel); one given back from now on is removed.
+            with trio.CancelScope(shield=True), outside_the_run():
+                await trio.to_thread.run_sync(self._pool.drain)
             return await stack.__aexit__(*exc_info)
         finally:
             # Every background task has ended, a standby being started included.
@@ -547,9 +555,13 @@ class SubprocessExecution:
 
     def _prepared(self, pid: int, limits: Limits) -> TreeCgroup | None:
         """(In a worker thread.) A cgroup made for ``pid`` with it inside (see
-        :meth:`Hierarchies.prepared`), or None where that fails: T then joins one as it
-        resolves, as it would unprepared."""
+        :meth:`Hierarchies.prepared`; one the pool kept where it has one), or None where
+        that fails: T then joins one as it resolves, as it would unprepared."""
         try:
+            kept = self._pool.take(self.cgroups.controllers(limits))
+            if kept is not None:
+                kept.prepare(pid)
+                return kept
             return self.cgroups.prepared(pid, limits)
         except OSError as error:
             logger.debug("no cgroup prepared for the interpreter %d: %s", pid, error)
@@ -609,12 +621,17 @@ class SubprocessExecution:
         started = interpreter.start_time()
         if started is None:
             return  # it is gone: the load that takes it finds so
-        cgroup = self.cgroups.child(f"{pid}-{started}", Limits())
-        cgroup.controllers = self.cgroups.controllers(expected)
+        controllers = self.cgroups.controllers(expected)
+        cgroup = self._pool.take(controllers)
+        if cgroup is None:
+            cgroup = self.cgroups.child(f"{pid}-{started}", Limits())
+            cgroup.controllers = controllers
         try:
             interpreter.join_ahead(cgroup)
         except OSError as error:  # it is gone, and made nothing
             logger.debug("no cgroup prepared for the standby %d: %s", pid, error)
+            if cgroup.reused:
+                self._pool.put_back(cgroup)  # as it was: nothing joined it
 
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
         """Start the bootstrap for ``load``; return once it resolved the code.
@@ -634,8 +651,16 @@ class SubprocessExecution:
         # takes the same total time and the loop keeps serving everyone else.
         # The bootstrap's time is not the run's: a virtual clock waits for it (realtime.py).
         with outside_the_run():
-            async with self._booting:
+            try:
+                # Free: taking it is no schedule point (the spawn's wait for its child
+                # is one).
+                self._booting.acquire_nowait()
+            except trio.WouldBlock:
+                await self._booting.acquire()
+            try:
                 return await self._spawn(nursery, handle, load, limits)
+            finally:
+                self._booting.release()
 
     async def _spawn(
         self, nursery: trio.Nursery, handle: Handle, load: Load, limits: Limits
@@ -717,8 +742,11 @@ class SubprocessExecution:
                 and (cgroup.prepared_for == process.pid or cgroup.holds(process.pid))
             )
         elif self.cgroups.wanted(limits):
-            # Made by the unit as it resolves.
-            cgroup = self.cgroups.child(f"{process.pid}-{started}", limits)
+            # Made by the unit as it resolves, unless one kept is given to it.
+            cgroup = self._pool.take(self.cgroups.controllers(limits))
+            if cgroup is None:
+                cgroup = self.cgroups.child(f"{process.pid}-{started}", limits)
+            cgroup.limits = limits
         if cgroup is not None:
             if joined:
                 spec = {**spec, "joined": cgroup.procs}  # for T to remove it, orphaned
@@ -751,6 +779,8 @@ class SubprocessExecution:
             cgroup=None if cgroup is None else cgroup.path,
             uid=None if grant is None else grant.uid,
         )
+        if cgroup is not None and cgroup.reused:
+            self._pool.given(cgroup, identity.ref)  # see recover
         unit = ProcessUnit(
             process,
             identity,
@@ -780,27 +810,37 @@ class SubprocessExecution:
         return unit
 
     def _release(self, grant: Grant | None, cgroup: TreeCgroup | None) -> None:
-        """A child is gone: its empty cgroup is removed, its private directory goes and
-        its uid is free again, in the background (see :meth:`_let_go`)."""
+        """A child is gone: its empty cgroup is kept for another child or removed, its
+        private directory goes and its uid is free again, in the background (see
+        :meth:`_let_go`)."""
         if self._nursery is None:
             return  # the execution has exited: its next start removes what is left
         if cgroup is not None or grant is not None:
             self._nursery.start_soon(self._let_go, cgroup, grant, name="a gone child's leftovers")
 
     async def _let_go(self, cgroup: TreeCgroup | None, grant: Grant | None) -> None:
-        """Remove what a gone child left once the loop is idle: after its termination is
-        reported, and never between the steps of a request someone waits for. What waits
-        on the kernel runs in a worker thread (see TreeCgroup.remove_blocking). An
-        execution that exits waits for the cgroup's removal (a bounded wait); what a
-        crash leaves, its next start removes."""
-        try:
-            with trio.CancelScope(shield=True):
-                await when_idle()
+        """Take back what a gone child left once the loop is idle: after its termination
+        is reported, and never between the steps of a request someone waits for. What
+        waits on the kernel runs in a worker thread (see TreeCgroup.remove_blocking): the
+        cgroup is reset for the pool, or removed (Pool.keep). An execution that exits
+        waits for that (a bounded wait); what a crash leaves, its next start removes."""
+        with trio.CancelScope(shield=True):  # given back even if cancelled
+            await when_idle()
+            try:
+                if grant is not None:
+                    # First: what the files of its private directory hold of memory is
+                    # charged to the cgroup until they go (Pool.keep looks at that).
+                    await self.isolated.release(grant)
+            finally:
                 if cgroup is not None:
-                    await _remove(cgroup)
-        finally:
-            if grant is not None:
-                await self.isolated.release(grant)  # given back even if cancelled
+                    await self._keep(cgroup)
+
+    async def _keep(self, cgroup: TreeCgroup) -> None:
+        with outside_the_run():  # the kernel's time, not the run's (realtime.py)
+            try:
+                await trio.to_thread.run_sync(self._pool.keep, cgroup)
+            except OSError as error:
+                logger.warning("cannot remove the cgroup %s: %s", cgroup.path, error)
 
     async def recover(self, child: ChildIdentity) -> Termination:
         """Make sure a child left by an earlier run is gone; never touch anyone else.
@@ -812,7 +852,9 @@ class SubprocessExecution:
         descendants can hold its process group or session id.
 
         Where the child had a cgroup, whatever is still in it is killed then, and it is
-        removed.
+        removed; unless this execution emptied it of that child and keeps it, or gave it to
+        another since (a runner that heals itself recovers its own records: see
+        ``_cgroups``, Pool.held_from).
 
         Raises:
             ExecutionError: ``child`` was not made by this execution.
@@ -828,6 +870,13 @@ class SubprocessExecution:
             cgroup = self.cgroups.recorded(child.cgroup)
         except ValueError as error:
             logger.warning("recovery leaves a cgroup alone: %s", error)
+            return termination
+        if self._pool.held_from(child.cgroup, child.ref):
+            logger.info(
+                "recovery leaves the cgroup %s alone: its child's stop emptied it, and it "
+                "is kept for another child, or holds one",
+                child.cgroup,
+            )
             return termination
         # The tree is killed by now: what is still in the cgroup escaped every other hold.
         left = await cgroup.emptied()
@@ -874,14 +923,6 @@ class SubprocessExecution:
         reap_group(pgid)
         await trio.lowlevel.checkpoint()
         return gone
-
-
-async def _remove(cgroup: TreeCgroup) -> None:
-    with outside_the_run():  # the kernel's time, not the run's (realtime.py)
-        try:
-            await trio.to_thread.run_sync(cgroup.remove_blocking)
-        except OSError as error:
-            logger.warning("cannot remove the cgroup %s: %s", cgroup.path, error)
 
 
 def _log_orphans(pid: int, pgid: int, *, leader: bool, descendants: int) -> None:

@@ -241,9 +241,14 @@ class SubprocessHarness:
     def exit(self, handle: Handle, child: ChildIdentity, code: int) -> None:
         name = f"{handle.key.instance}-{handle.generation}"
         if child.uid is not None:  # isolated: it reads its own directory alone
-            (self.subprocess.isolated.home_of(child.uid) / name).write_text(str(code))
+            folder = self.subprocess.isolated.home_of(child.uid)
         else:
-            (self.mailbox / name).write_text(str(code))
+            folder = self.mailbox
+        # Written aside, then renamed: the plugin polls for the name, and a file it
+        # found before its code was written in would read as code 0.
+        aside = folder / f".{name}.writing"
+        aside.write_text(str(code))
+        aside.rename(folder / name)
 
     def ignore(self, child: ChildIdentity, *, interrupt: bool, kill: bool) -> None:
         raise NotImplementedError("use the fake execution to script ignored signals")
