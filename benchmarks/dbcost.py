@@ -62,7 +62,7 @@ from trio_supervisor import (
 )
 from trio_supervisor._defaults import LEASE as LEASE_DEFAULT
 from trio_supervisor._defaults import RUNNER_LEASE
-from trio_supervisor.stores import _postgres_sql
+from trio_supervisor.stores import _postgres_schema, _postgres_sql
 from trio_supervisor.stores._postgres_connection import Settings
 from trio_supervisor.stores._postgres_sql import INBOX, PUBLISH_TIMES, RENEW
 
@@ -74,7 +74,7 @@ from .measure import Table
 # settings, LISTEN, the schema's creation) is "other".
 NAMES: Final = {
     value: name
-    for name, value in vars(_postgres_sql).items()
+    for name, value in {**vars(_postgres_schema), **vars(_postgres_sql)}.items()
     if name.isupper() and isinstance(value, str)
 }
 # What the membership sends by itself, whatever the sessions do.

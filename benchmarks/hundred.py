@@ -123,7 +123,7 @@ from trio_supervisor.model import (
     carried,
 )
 from trio_supervisor.retention import Retention
-from trio_supervisor.stores import _postgres_sql
+from trio_supervisor.stores import _postgres_schema, _postgres_sql
 
 from .measure import Skipped, Table
 
@@ -886,7 +886,7 @@ class Monitor:
 _PLACEHOLDER: Final = re.compile(r"%\(\w+\)s|%s|\$\d+")
 _NAMES: Final = {
     re.sub(r"\s+", " ", _PLACEHOLDER.sub("?", value)).strip(): name
-    for name, value in vars(_postgres_sql).items()
+    for name, value in {**vars(_postgres_schema), **vars(_postgres_sql)}.items()
     if name.isupper() and isinstance(value, str) and len(value) > 20
 }
 

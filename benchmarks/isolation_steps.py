@@ -19,10 +19,11 @@ from pathlib import Path
 
 import trio
 
-from trio_supervisor.executions import _bootstrap, _isolation
-from trio_supervisor.executions._isolation import Network
-from trio_supervisor.executions._protocol import IsolationSpec
-from trio_supervisor.executions._standby import compile_bootstrap
+from trio_supervisor.executions.child import _bootstrap
+from trio_supervisor.executions.child._protocol import IsolationSpec
+from trio_supervisor.executions.limits import _isolation, _view
+from trio_supervisor.executions.limits._isolation import Network
+from trio_supervisor.executions.starting._standby import compile_bootstrap
 
 USERS = range(2_100_000_000, 2_100_000_100)  # not the default range: runners may run
 TIMES = 50
@@ -33,7 +34,7 @@ def median_ms(samples: list[float]) -> str:
 
 
 async def prepared(state: Path, bootstrap: Path) -> _isolation.Isolated:
-    return await _isolation.prepare(
+    return await _view.prepare(
         "users",
         USERS,
         "host",

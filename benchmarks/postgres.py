@@ -54,8 +54,9 @@ from trio_supervisor import (
     codec,
     open_supervisor,
 )
-from trio_supervisor.stores._postgres_sql import LOOKUP, SAVE_BATCH, Kind
-from trio_supervisor.stores._postgres_worker import columns
+from trio_supervisor.stores._postgres_records import columns
+from trio_supervisor.stores._postgres_schema import Kind
+from trio_supervisor.stores._postgres_sql import LOOKUP, SAVE_BATCH
 from trio_supervisor.testing import FakeExecution
 
 from .measure import Result, Skipped, interleaved_async
@@ -187,9 +188,9 @@ class Writer:
     def _columns(self, saves: list[Request]) -> tuple[Any, ...]:
         """write_batch's arguments, built as the store's worker builds them."""
         jobs = [[(record, body) for record, _, body in save.rows] for save in saves]
-        # The store's default retention: one Stopped record per key, 10,000 in all; no
-        # quota claims.
-        return (self.runner, self._epoch, 1, 10_000, *columns(jobs), None)
+        # The store's default retention: one Stopped record per key, 10,000 in all, none
+        # kept longer; no quota claims.
+        return (self.runner, self._epoch, 1, 10_000, 0.0, *columns(jobs), None)
 
 
 def _wake(batch: list[Request]) -> None:

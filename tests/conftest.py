@@ -23,8 +23,8 @@ import pytest_timeout  # type: ignore[import-untyped]
 import trio
 
 from trio_supervisor import MemoryStore, SupervisorAPI
-from trio_supervisor.executions._cgroups import PARENT
-from trio_supervisor.executions._claims import (
+from trio_supervisor.executions.limits._cgroups import PARENT
+from trio_supervisor.executions.limits._claims import (
     CGROUPS,
     UIDS,
     Claim,
@@ -32,7 +32,7 @@ from trio_supervisor.executions._claims import (
     Owner,
     claims_root,
 )
-from trio_supervisor.executions._groups import read_stat
+from trio_supervisor.executions.trees._groups import read_stat
 from trio_supervisor.testing import FakeExecution
 
 from .support import sessions

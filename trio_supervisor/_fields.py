@@ -144,26 +144,20 @@ def _limit(name: str, value: object) -> None:
 limit: Final = Check(_limit, minimum=0)
 
 
-def _cpu_limit(name: str, value: object) -> None:
-    _limit(name, value)
-    if value == 0:
-        raise ValueError(
-            f"{name} must be None (no limit) or >= 1, got 0: a child with no CPU time cannot start"
-        )
+def _starting_limit(why: str) -> Check:
+    """A :data:`limit` that may not be 0 either, since a child with none of it cannot
+    start (``why`` says so in its words)."""
+
+    def refuse(name: str, value: object) -> None:
+        _limit(name, value)
+        if value == 0:
+            raise ValueError(f"{name} must be None (no limit) or >= 1, got 0: {why}")
+
+    return Check(refuse, minimum=1)
 
 
-cpu_limit: Final = Check(_cpu_limit, minimum=1)
-
-
-def _tree_limit(name: str, value: object) -> None:
-    _limit(name, value)
-    if value == 0:
-        raise ValueError(
-            f"{name} must be None (no limit) or >= 1, got 0: a child allowed none cannot start"
-        )
-
-
-tree_limit: Final = Check(_tree_limit, minimum=1)
+cpu_limit: Final = _starting_limit("a child with no CPU time cannot start")
+tree_limit: Final = _starting_limit("a child allowed none cannot start")
 
 
 def as_float(value: object) -> object:

@@ -36,4 +36,6 @@ ROUTES: Final = {
     "readyz": Route("GET", "/readyz"),
     "openapi": Route("GET", "/openapi.json"),
     "dashboard": Route("GET", "/"),
+    "dashboard_codes": Route("POST", "/v1/dashboard/codes"),
+    "dashboard_sign_in": Route("POST", "/v1/dashboard/sign-in"),
 }

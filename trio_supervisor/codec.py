@@ -219,6 +219,15 @@ TAGGED_UNIONS: Final[tuple[tuple[Any, str, Callable[[Any], str]], ...]] = (
 runner's OpenAPI document describes the unions from this table too."""
 
 
+def _unless_default(
+    target: cattrs.Converter, kind: type[_T], *fields: str
+) -> Callable[[_T], dict[str, Any]]:
+    """How ``target`` writes a ``kind``, leaving out each of ``fields`` while it holds its
+    default."""
+    overrides: dict[str, Any] = {field: override(omit_if_default=True) for field in fields}
+    return make_dict_unstructure_fn(kind, target, **overrides)
+
+
 def _configure(target: cattrs.Converter) -> cattrs.Converter:
     """Teach a converter the record format: strict scalars and arrays, Load, the unions."""
     target.register_structure_hook(str, _strict(str))
@@ -233,33 +242,13 @@ def _configure(target: cattrs.Converter) -> cattrs.Converter:
     # Written only when set: the records of a runner alone, without tree limits, read
     # as they always did.
     target.register_unstructure_hook(
-        ExitStatus,
-        make_dict_unstructure_fn(
-            ExitStatus,
-            target,
-            runner_lost=override(omit_if_default=True),
-            oom_limit=override(omit_if_default=True),
-        ),
+        ExitStatus, _unless_default(target, ExitStatus, "runner_lost", "oom_limit")
     )
     target.register_unstructure_hook(
-        Limits,
-        _last_limits(
-            make_dict_unstructure_fn(
-                Limits,
-                target,
-                processes=override(omit_if_default=True),
-                cpu_percent=override(omit_if_default=True),
-            )
-        ),
+        Limits, _last_limits(_unless_default(target, Limits, "processes", "cpu_percent"))
     )
     target.register_unstructure_hook(
-        ChildIdentity,
-        make_dict_unstructure_fn(
-            ChildIdentity,
-            target,
-            cgroup=override(omit_if_default=True),
-            uid=override(omit_if_default=True),
-        ),
+        ChildIdentity, _unless_default(target, ChildIdentity, "cgroup", "uid")
     )
     target.register_structure_hook_factory(lambda kind: kind is Limits, _limits)
     target.register_structure_hook(

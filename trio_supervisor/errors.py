@@ -12,12 +12,17 @@ them; so does the service's :class:`~trio_supervisor.service.admission.Admission
 embedder who admits calls the same way. The access errors and :class:`SessionLostError`
 are the client's own: a runner that refused the caller's token, and a session whose lease
 the client could not keep.
+
+What an error adds to its problem+json answer (docs/service.md section A, "Errors") is
+said once, here: :meth:`SupervisorError.problem_fields` is what the runner writes, and
+:meth:`SupervisorError.from_problem` what the client reads back.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import ClassVar, Self
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Self
 
 __all__ = [
     "BY_CODE",
@@ -66,6 +71,29 @@ class SupervisorError(Exception):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.detail!r})"
 
+    def problem_fields(self) -> dict[str, object]:
+        """What this error adds to the runner's problem+json answer, besides its code
+        and detail: its attributes a host may act on. Its ``retry_after`` is not among
+        them: the answer's ``Retry-After`` header carries it."""
+        return {}
+
+    @classmethod
+    def from_problem(
+        cls, detail: str, problem: Mapping[str, object], retry_after: float | None
+    ) -> Self:
+        """The error a problem answer stands for, read back from its body.
+
+        A client reads what a runner of another version may have written: a field
+        missing, or not of its type, takes the attribute's default rather than failing.
+
+        Args:
+            detail: The problem's detail.
+            problem: The problem's body, where :meth:`problem_fields` put its fields.
+            retry_after: The answer's ``Retry-After`` in seconds (None: none given); an
+                error without a ``retry_after`` ignores it.
+        """
+        return cls(detail)
+
     def again(self) -> Self:
         """Return a fresh copy of this error, chained to it.
 
@@ -79,6 +107,44 @@ class SupervisorError(Exception):
         copy.args = self.args
         copy.__cause__ = self
         return copy
+
+
+def _count(value: object) -> int:
+    """A problem's whole number, or 0 when it gave none (a bool is not one)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _seconds(value: object) -> float:
+    """A problem's number of seconds, or 0.0 when it gave none (a bool is not one)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+class _Retryable(SupervisorError):
+    """An error whose call may be made again later, once ``retry_after`` has passed; the
+    runner answers it with a ``Retry-After`` header, and the client reads that back.
+
+    Attributes:
+        retry_after: Seconds after which the call may be tried again, or None when no
+            wait is known.
+    """
+
+    # The attributes a subclass adds to its problem answer, each with how the client
+    # reads it back: a missing or mistyped field as the attribute's default.
+    _wire: ClassVar[tuple[tuple[str, Callable[[object], object]], ...]] = ()
+
+    def __init__(self, detail: str, retry_after: float | None = None) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
+
+    def problem_fields(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name, _ in self._wire}
+
+    @classmethod
+    def from_problem(
+        cls, detail: str, problem: Mapping[str, object], retry_after: float | None
+    ) -> Self:
+        fields: dict[str, Any] = {name: read(problem.get(name, "")) for name, read in cls._wire}
+        return cls(detail, retry_after, **fields)
 
 
 class StaleSessionError(SupervisorError):
@@ -111,22 +177,18 @@ class StateStorageError(SupervisorError):
     code = "StateStorageError"
 
 
-class StoreUnavailableError(StateStorageError):
+class StoreUnavailableError(StateStorageError, _Retryable):
     """The store did not answer within its wait (``store_wait``: a broken or refused
     connection, a server restarting, a standby that is read-only), and the call
     certainly wrote nothing (503, ``Retry-After``). Unlike the other storage errors it
     does not poison the supervisor (docs/design.md, B1): the same call may be made again
     once the store answers.
-
-    Attributes:
-        retry_after: Seconds after which the call may be tried again.
     """
 
     code = "StoreUnavailable"
 
     def __init__(self, detail: str, retry_after: float | None = 1.0) -> None:
-        super().__init__(detail)
-        self.retry_after = retry_after
+        super().__init__(detail, retry_after)
 
 
 class RunnerFencedError(StateStorageError):
@@ -191,20 +253,18 @@ class ForbiddenError(RunnerAccessError):
 
 
 class OperatorsOnlyError(ForbiddenError):
-    """The call is for the runner's operators, and was made with a host's token (403)."""
+    """The call is for the runner's operators, and was made with a host's token (403).
+
+    On the wire it is a ``Forbidden`` whose body says ``operators_only``: a client tells
+    it from a key refused by its tenant's patterns."""
+
+    def problem_fields(self) -> dict[str, object]:
+        return {"operators_only": True}
 
 
-class _Refused(SupervisorError):
-    """An admission's refusal that may be tried again later.
-
-    Attributes:
-        retry_after: Seconds after which the same call may be admitted, or None when
-            only a change elsewhere (a session stopping) can make room.
-    """
-
-    def __init__(self, detail: str, retry_after: float | None = None) -> None:
-        super().__init__(detail)
-        self.retry_after = retry_after
+class _Refused(_Retryable):
+    """An admission's refusal that may be tried again later: its ``retry_after`` is None
+    when only a change elsewhere (a session stopping) can make room."""
 
 
 class QuotaExceededError(_Refused):
@@ -217,6 +277,7 @@ class QuotaExceededError(_Refused):
     """
 
     code = "QuotaExceeded"
+    _wire = (("quota", str), ("requested", _count), ("used", _count), ("hard", _count))
 
     def __init__(
         self,
@@ -272,20 +333,16 @@ class RunnerDrainingError(_Refused):
     code = "RunnerDraining"
 
 
-class RunnerRestartingError(SupervisorError):
+class RunnerRestartingError(_Retryable):
     """The runner's supervisor was poisoned and the runner makes a new incarnation of it
     by itself (503, ``Retry-After``; docs/design.md, B5): the session calls are refused
     meanwhile, and answered again once it serves. The detail says why it restarts.
-
-    Attributes:
-        retry_after: Seconds after which the call may be tried again.
     """
 
     code = "RunnerRestarting"
 
     def __init__(self, detail: str, retry_after: float | None = 1.0) -> None:
-        super().__init__(detail)
-        self.retry_after = retry_after
+        super().__init__(detail, retry_after)
 
 
 class MisdirectedError(SupervisorError):
@@ -300,7 +357,7 @@ class MisdirectedError(SupervisorError):
     code = "Misdirected"
 
 
-class RunnerLostError(SupervisorError):
+class RunnerLostError(_Retryable):
     """The runner of the fleet that holds the session stopped renewing its row (503
     ``HolderLost``): it is dead or cut off, and its sessions wait for their takeover.
 
@@ -319,6 +376,12 @@ class RunnerLostError(SupervisorError):
     """
 
     code = "HolderLost"
+    _wire = (
+        ("owner", str),
+        ("location", str),
+        ("lease_until", _seconds),
+        ("takeover_at", _seconds),
+    )
 
     def __init__(
         self,
@@ -330,8 +393,7 @@ class RunnerLostError(SupervisorError):
         lease_until: float = 0.0,
         takeover_at: float = 0.0,
     ) -> None:
-        super().__init__(detail)
-        self.retry_after = retry_after
+        super().__init__(detail, retry_after)
         self.owner = owner
         self.location = location
         self.lease_until = lease_until

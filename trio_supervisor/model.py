@@ -6,12 +6,14 @@ built, so an invalid value never exists: an empty identity or one over
 seconds or a negative limit is refused with an error naming the field. (A lease a
 caller *asks* for is also bounded by :data:`MIN_LEASE` and :data:`MAX_LEASE`; a record
 holds whatever lease was granted.) Nothing here does I/O or knows about Trio.
+
+How a child ended (:class:`Termination`, :class:`ExitStatus`, :class:`Fault`) is
+defined in ``_termination.py`` and imported here, its public home.
 """
 
 from __future__ import annotations
 
 import enum
-import signal
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Final, Literal, TypeAlias
@@ -20,6 +22,8 @@ import attrs
 
 from . import _fields as fields
 from ._fields import JSON, MAX_KEY_LENGTH, MAX_LEASE, MIN_LEASE, thaw
+from ._termination import ExitStatus, Fault, Termination, as_cause
+from ._termination import signal_name as signal_name
 
 __all__ = [
     "JSON",
@@ -237,138 +241,7 @@ class ChildIdentity:
     uid: int | None = attrs.field(default=None, validator=fields.optional_integer)
 
 
-# -- termination ----------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class ExitStatus:
-    """How a child ended.
-
-    Attributes:
-        code: Its exit code, when it exited (or returned) with one.
-        signal: The number of the signal that ended it, for a process.
-        cancelled: True for an in-process task that ended by cancellation: no signal
-            exists for a task, so ``signal`` stays None.
-        descendants_killed: How many processes the child left behind had to be killed
-            as it ended (grandchildren that ignored the interrupt, say).
-        runner_lost: The runner that held the child died, and another runner of its
-            fleet stopped the session once the child had surely ended by its lease
-            (docs/service.md section C, "Takeover"); nothing else is known.
-        oom_limit: The memory limit of the child's tree, in bytes, when the kernel
-            killed a process of it for going over that limit; else None.
-
-    ``code`` and ``signal`` both None, and not ``cancelled``: the status is unknown (the
-    child was already gone when recovery looked for it, or its runner was lost).
-    """
-
-    code: int | None = attrs.field(default=None, validator=fields.optional_integer)
-    signal: int | None = attrs.field(
-        default=None, converter=fields.plain_integer, validator=fields.optional_integer
-    )
-    cancelled: bool = attrs.field(default=False, validator=fields.flag)
-    descendants_killed: int = attrs.field(default=0, validator=fields.count)
-    runner_lost: bool = attrs.field(default=False, validator=fields.flag)
-    oom_limit: int | None = attrs.field(default=None, validator=fields.optional(fields.count))
-
-    @property
-    def known(self) -> bool:
-        """Whether anything is known of how the child ended."""
-        return self.cancelled or self.code is not None or self.signal is not None
-
-
-@attrs.frozen(kw_only=True)
-class Fault:
-    """An exception as a value: what is persisted of a problem."""
-
-    type: str = attrs.field(validator=fields.text)
-    message: str = attrs.field(validator=attrs.validators.instance_of(str))
-
-    @classmethod
-    def of(cls, error: BaseException) -> Fault:
-        """Describe an exception by its qualified class name and its message."""
-        kind = type(error)
-        name = (
-            kind.__qualname__
-            if kind.__module__ == "builtins"
-            else f"{kind.__module__}.{kind.__qualname__}"
-        )
-        return cls(type=name, message=str(error))
-
-
-def _faults(value: object) -> tuple[Fault, ...]:
-    if not isinstance(value, tuple | list) or not all(isinstance(item, Fault) for item in value):
-        raise TypeError("a cause must be a sequence of Fault")
-    return tuple(value)
-
-
-@attrs.frozen(kw_only=True)
-class Termination:
-    """How a session's child ended.
-
-    Attributes:
-        kind: ``"exited"`` when it ended by itself or on interrupt, ``"killed"`` when it
-            had to be killed, ``"none"`` when the session's code never ran: it had no
-            load, or its load failed before the code started (whatever the execution
-            had prepared for it was ended all the same).
-        exit: Its exit status (empty for ``"none"``).
-        cause: The problems met while terminating it; empty when all went well.
-    """
-
-    kind: Literal["exited", "killed", "none"] = attrs.field(
-        validator=attrs.validators.in_(("exited", "killed", "none"))
-    )
-    exit: ExitStatus = attrs.field(validator=attrs.validators.instance_of(ExitStatus))
-    cause: tuple[Fault, ...] = attrs.field(default=(), converter=_faults)
-
-    def describe(self) -> str:
-        """One line for people: ``exited (code 0)``, ``killed (SIGKILL)``, ``no child``, ...
-
-        In-process tasks read ``exited (cancelled)`` or ``killed (did not stop in time;
-        cancelled)``; a child recovery found already dead reads ``exited (already gone;
-        exit status unknown)``; descendants that had to be killed, and problems met on
-        the way, are counted at the end.
-        """
-        status = self.exit
-        if self.kind == "none":
-            details = []
-        elif status.cancelled:
-            details = ["did not stop in time; cancelled" if self.kind == "killed" else "cancelled"]
-        elif status.code is not None:
-            details = [f"code {status.code}"]
-        elif status.signal == signal.SIGKILL and status.oom_limit is not None:
-            details = []  # the kernel's OOM killer: said below instead of SIGKILL
-        elif status.signal is not None:
-            details = [signal_name(status.signal)]
-        elif status.runner_lost:
-            details = ["runner lost; exit status unknown"]
-        else:
-            details = ["already gone; exit status unknown"]
-        if status.oom_limit is not None:
-            details.append(f"out of memory, limit {_bytes(status.oom_limit)}")
-        if status.descendants_killed:
-            plural = "s" if status.descendants_killed != 1 else ""
-            details.append(f"{status.descendants_killed} descendant{plural} killed")
-        if self.cause:
-            plural = "s" if len(self.cause) != 1 else ""
-            details.append(f"{len(self.cause)} problem{plural}")
-        if self.kind == "none":
-            return f"no child ({'; '.join(details)})" if details else "no child"
-        return f"{self.kind} ({'; '.join(details)})"
-
-
-def _bytes(number: int) -> str:
-    """``256 MiB``, ``1.5 GiB``, ``1000 bytes``: binary units, as limits are set."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if number >= size:
-            return f"{number / size:g} {unit}"
-    return f"{number} bytes"
-
-
-def signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
+# -- log fields -----------------------------------------------------------------------
 
 
 LOG_FIELDS: Final = (
@@ -432,7 +305,7 @@ class Exited(_Reason):
 class LoadFailed(_Reason):
     """The load failed; ``cause`` says how."""
 
-    cause: tuple[Fault, ...] = attrs.field(default=(), converter=_faults)
+    cause: tuple[Fault, ...] = attrs.field(default=(), converter=as_cause)
 
 
 @attrs.frozen
@@ -597,7 +470,9 @@ class RunnerInfo:
     Attributes:
         runner_id: Its name in the fleet, stable across its restarts.
         epoch: Its incarnation: every start (and every takeover of its records) moves
-            it on, and a write made under an older epoch is refused.
+            it on, and a write made under an older epoch is refused. A takeover moves
+            it to fence the dead runner, not because it started again: then
+            ``taken_over_at`` says so.
         advertise: Where hosts and other runners reach it (an URL), or "" if unknown.
         started_at: When this incarnation registered, seconds since the Unix epoch
             (the database's clock).
@@ -615,6 +490,10 @@ class RunnerInfo:
             lease, the margin after ``lease_until`` before a takeover (0 where unknown).
         draining: Whether it drains: it takes no new sessions, and stops once its own
             have ended or its drain's deadline passed (docs/service.md section B).
+        taken_over_at: When another runner took its records over (it was dead past its
+            takeover margin) and moved its epoch on, seconds since the Unix epoch (the
+            database's clock); None if it was not taken over since it last registered.
+        taken_over_by: The runner that took it over; None likewise.
     """
 
     runner_id: str
@@ -630,6 +509,8 @@ class RunnerInfo:
     allocatable: int | None = None
     stop_bound: float = 0.0
     draining: bool = False
+    taken_over_at: float | None = None
+    taken_over_by: str | None = None
 
 
 @attrs.frozen(kw_only=True)

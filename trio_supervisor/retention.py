@@ -1,9 +1,11 @@
 """Retention (docs/design.md, "Persistence and retention") and the index of retained records.
 
 Every record that is not Stopped is kept. Of Stopped records, the newest
-``stopped_per_key`` of each key are kept, and no more than ``stopped_total`` in all;
-the oldest go first. The generation high-water of every key is kept apart and never
-evicted, so a key whose records were all evicted still continues at n + 1.
+``stopped_per_key`` of each key are kept, and so is any record of the key that stopped
+less than ``stopped_for`` seconds ago; no more than ``stopped_total`` are kept in all,
+young or not. The oldest go first, and only a new stop evicts. The generation
+high-water of every key is kept apart and never evicted, so a key whose records were
+all evicted still continues at n + 1.
 
 :class:`StopOrder` is that policy, once: the tokens of Stopped records in the order they
 stopped, in all and per key, and which of them a new stop evicts. Both keepers of
@@ -15,11 +17,15 @@ keeps one beside its table so that a save needs no reads first.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Mapping
-from typing import Generic, TypeVar
+import itertools
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from typing import Final, Generic, TypeVar
 
 import attrs
 
+from . import _defaults as defaults
+from . import _fields as fields
 from .model import Key, SessionRecord, StoppedRecord
 
 __all__ = ["RecordIndex", "Retention", "StopOrder"]
@@ -34,28 +40,45 @@ def _positive(instance: object, attribute: attrs.Attribute[int], value: object) 
         raise ValueError(f"Retention.{attribute.name} must be >= 1, got {value}")
 
 
+# A duration, finite and not negative (0: no record is kept past the count per key).
+_STOPPED_FOR: Final = fields.Seconds(minimum=0.0, inclusive=True)
+
+
 @attrs.frozen(kw_only=True)
 class Retention:
-    """How many Stopped records are kept.
+    """How many Stopped records are kept, and for how long.
 
     Attributes:
         stopped_per_key: Stopped records kept per key, newest first.
-        stopped_total: Stopped records kept in all.
+        stopped_total: Stopped records kept in all: the cap on storage, which evicts
+            the oldest first even if they are younger than ``stopped_for``.
+        stopped_for: Seconds a Stopped record is kept after it stopped even beyond
+            ``stopped_per_key``, so that a lost runner's records (and what its execution
+            keeps of them, its logs) can still be read in that window. A key's records
+            kept so go at a later stop of the key once they are this old (only a new
+            stop evicts). 0 keeps none past the count per key.
     """
 
-    stopped_per_key: int = attrs.field(default=1, validator=_positive)
-    stopped_total: int = attrs.field(default=10_000, validator=_positive)
+    stopped_per_key: int = attrs.field(default=defaults.STOPPED_PER_KEY, validator=_positive)
+    stopped_total: int = attrs.field(default=defaults.STOPPED_TOTAL, validator=_positive)
+    stopped_for: float = attrs.field(
+        default=defaults.STOPPED_FOR, converter=fields.as_float, validator=_STOPPED_FOR
+    )
 
 
 class StopOrder(Generic[_K]):
     """The tokens of Stopped records in the order they stopped, in all and per key.
 
     Each stop gets a number, 1, 2, 3, ..., which a store can persist to find the order
-    again (:meth:`restore`). Insertion-ordered dictionaries keep the order, so
-    remembering, forgetting and evicting a token are O(1).
+    again (:meth:`restore`), and the time it happened (seconds since the Unix epoch, by
+    the caller's wall clock), which ``stopped_for`` measures from. Insertion-ordered
+    dictionaries keep the order, so remembering, forgetting and evicting a token are
+    O(1). The times are taken to rise in stop order, so a key's records that are old
+    enough to go come before any that are not: a clock set back keeps some a while
+    longer, never fewer.
     """
 
-    __slots__ = ("_by_key", "_keys", "_last", "_numbers")
+    __slots__ = ("_by_key", "_keys", "_last", "_numbers", "_times")
 
     def __init__(self) -> None:
         self._last = 0  # the last stop number given or restored
@@ -64,6 +87,7 @@ class StopOrder(Generic[_K]):
         # for Python's cyclic collector to visit, which costs more than the look-ups.
         self._numbers: dict[str, int] = {}
         self._keys: dict[str, _K] = {}
+        self._times: dict[str, float] = {}  # when each stopped
         self._by_key: dict[_K, dict[str, None]] = {}  # oldest first
 
     def __contains__(self, token: object) -> bool:
@@ -72,67 +96,99 @@ class StopOrder(Generic[_K]):
     def __len__(self) -> int:
         return len(self._numbers)
 
-    def stop(self, token: str, key: _K) -> int:
-        """Remember that ``token``'s record (of ``key``) stopped; return its stop number.
+    def stop(self, token: str, key: _K, at: float = 0.0) -> int:
+        """Remember that ``token``'s record (of ``key``) stopped at ``at``; return its
+        stop number.
 
-        A token that is Stopped already keeps its place and its number.
+        A token that is Stopped already keeps its place, its number and its time.
         """
         known = self._numbers.get(token)
         if known is not None:
             return known
-        self.restore(token, key, self._last + 1)
+        self.restore(token, key, self._last + 1, at)
         return self._last
 
-    def stop_evicting(self, token: str, key: _K, retention: Retention) -> tuple[int, list[str]]:
-        """:meth:`stop`, then :meth:`evict`: what every save of a Stopped record does.
+    def stop_evicting(
+        self, token: str, key: _K, retention: Retention, now: float
+    ) -> tuple[int, list[str]]:
+        """:meth:`stop` at ``now``, then :meth:`evict` if it is a new stop: what every
+        save of a Stopped record does.
 
         Returns:
             The stop number, and the tokens evicted, oldest first.
         """
         known = self._numbers.get(token)
         if known is not None:
-            return known, self.evict(key, retention)
+            return known, []  # only a new stop evicts (a young extra may have aged since)
         # stop() and restore() inline, with one look-up of the key: the busiest path of
         # retention, once for every Stopped record the index or a store takes in.
         number = self._last = self._last + 1
         self._numbers[token] = number
         self._keys[token] = key
+        self._times[token] = now
         of_key = self._by_key.get(key)
         if of_key is None:
             of_key = self._by_key[key] = {}
         of_key[token] = None
         if len(of_key) > retention.stopped_per_key or len(self._numbers) > retention.stopped_total:
-            return number, self.evict(key, retention)
+            return number, self.evict(key, retention, now)
         return number, []
 
-    def restore(self, token: str, key: _K, number: int) -> None:
-        """Take in a stop read back from storage; call it in stop order."""
+    def restore(self, token: str, key: _K, number: int, at: float = 0.0) -> None:
+        """Take in a stop read back from storage (its number and time); call it in stop
+        order."""
         self._last = max(self._last, number)
         self._numbers[token] = number
         self._keys[token] = key
+        self._times[token] = at
         self._by_key.setdefault(key, {})[token] = None
+
+    def copy(self) -> StopOrder[_K]:
+        """A new order holding the same stops, their numbers and times."""
+        twin: StopOrder[_K] = StopOrder()
+        twin._last = self._last
+        twin._numbers = dict(self._numbers)
+        twin._keys = dict(self._keys)
+        twin._times = dict(self._times)
+        twin._by_key = {key: dict(tokens) for key, tokens in self._by_key.items()}
+        return twin
+
+    def stopped_at(self, token: str) -> float:
+        """When ``token``'s record stopped, as it was told."""
+        return self._times[token]
 
     def forget(self, token: str) -> None:
         """Forget ``token``'s stop, if it had one."""
         if self._numbers.pop(token, None) is None:
             return
+        del self._times[token]
         key = self._keys.pop(token)
         of_key = self._by_key[key]
         del of_key[token]
         if not of_key:
             del self._by_key[key]
 
-    def evict(self, key: _K, retention: Retention) -> list[str]:
-        """Forget and return the tokens ``retention`` drops once ``key`` had a stop.
+    def evict(self, key: _K, retention: Retention, now: float = 0.0) -> list[str]:
+        """Forget and return the tokens ``retention`` drops once ``key`` had a stop at
+        ``now``.
 
-        The oldest of ``key`` beyond ``stopped_per_key`` go first, then the oldest of
-        any key beyond ``stopped_total``.
+        The oldest of ``key`` beyond ``stopped_per_key`` go first, those of them that
+        stopped ``stopped_for`` or more before ``now``; then the oldest of any key
+        beyond ``stopped_total``, however young.
         """
         evicted: list[str] = []
         of_key = self._by_key.get(key, {})
-        while len(of_key) > retention.stopped_per_key:
-            evicted.append(next(iter(of_key)))
-            self.forget(evicted[-1])
+        extra = len(of_key) - retention.stopped_per_key
+        if extra > 0:
+            kept_for = retention.stopped_for
+            times = self._times
+            for token in itertools.islice(of_key, extra):
+                # The times rise in stop order: the first young one ends the old ones.
+                if kept_for and now - times[token] < kept_for:
+                    break
+                evicted.append(token)
+            for token in evicted:
+                self.forget(token)
         while len(self._numbers) > retention.stopped_total:
             evicted.append(next(iter(self._numbers)))
             self.forget(evicted[-1])
@@ -140,12 +196,23 @@ class StopOrder(Generic[_K]):
 
 
 class RecordIndex:
-    """Retained records by token, with O(1) lookups and retention applied on save."""
+    """Retained records by token, with O(1) lookups and retention applied on save.
 
-    __slots__ = ("_high_water", "_records", "_requests", "_stops", "retention")
+    Args:
+        retention: The policy applied on every save.
+        clock: The wall clock a stop's time is read from (seconds since the Unix epoch),
+            which ``retention.stopped_for`` measures against; read only when
+            ``stopped_for`` is not 0. A store reads its own clock (PostgreSQL's, the
+            database's), so at the edge of the window the two may decide a record's
+            fate a moment apart; and a restart gives the records it reads back the
+            time they are read, so the index keeps them at least as long as the store.
+    """
 
-    def __init__(self, retention: Retention) -> None:
+    __slots__ = ("_clock", "_high_water", "_records", "_requests", "_stops", "retention")
+
+    def __init__(self, retention: Retention, *, clock: Callable[[], float] = time.time) -> None:
         self.retention = retention
+        self._clock = clock
         # In the order they were last saved, oldest first.
         self._records: dict[str, SessionRecord] = {}
         # By (identity, instance, request_id): strings alone, so that Python's cyclic
@@ -156,6 +223,16 @@ class RecordIndex:
 
     def __len__(self) -> int:
         return len(self._records)
+
+    def copy(self) -> RecordIndex:
+        """A new index holding what this one holds: the records, their stops (numbers
+        and times) and the marks."""
+        twin = RecordIndex(self.retention, clock=self._clock)
+        twin._records = dict(self._records)
+        twin._requests = dict(self._requests)
+        twin._stops = self._stops.copy()
+        twin._high_water = dict(self._high_water)
+        return twin
 
     def __iter__(self) -> Iterator[SessionRecord]:
         """Every retained record, in the order it was last saved."""
@@ -214,7 +291,9 @@ class RecordIndex:
             return []
         if token in stops:
             return []
-        _, gone = stops.stop_evicting(token, key, self.retention)
+        retention = self.retention
+        now = self._clock() if retention.stopped_for else 0.0
+        _, gone = stops.stop_evicting(token, key, retention, now)
         return [self._evict(each) for each in gone]
 
     def save_all(self, records: Iterable[SessionRecord]) -> list[SessionRecord]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trio_supervisor import Key, Load, LoadedRecord, Supervisor
-from trio_supervisor.executions._groups import read_stat
+from trio_supervisor.executions.trees._groups import read_stat
 
 
 def _namespaces_allowed() -> bool:

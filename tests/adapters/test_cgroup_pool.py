@@ -29,7 +29,7 @@ from trio_supervisor import (
     Supervisor,
     open_supervisor,
 )
-from trio_supervisor.executions._cgroups import ROOT
+from trio_supervisor.executions.limits._cgroups import ROOT
 
 from ..support.plugins import LIMITS, PLUGINS
 from ..support.processes import launched, reap_orphans, running

@@ -32,8 +32,8 @@ from trio_supervisor import (
     SubprocessExecution,
     open_supervisor,
 )
-from trio_supervisor.executions import _cgroups
-from trio_supervisor.executions._claims import (
+from trio_supervisor.executions.limits import _cgroups
+from trio_supervisor.executions.limits._claims import (
     CGROUPS,
     UIDS,
     Claim,
@@ -44,7 +44,7 @@ from trio_supervisor.executions._claims import (
     running_uids,
     survey_uids,
 )
-from trio_supervisor.executions._groups import boot_id, read_stat
+from trio_supervisor.executions.trees._groups import boot_id, read_stat
 
 from ..support.plugins import ISOLATION
 from ..support.processes import launched, reap_orphans, uids_of_this_run

@@ -48,10 +48,11 @@ from trio_supervisor import (
     open_supervisor,
 )
 from trio_supervisor.errors import ExecutionError
-from trio_supervisor.executions import _cgroups, _containment
-from trio_supervisor.executions._claims import UIDS, Claim, ClaimError, claims_root
-from trio_supervisor.executions._groups import read_stat
-from trio_supervisor.executions._unit import ProcessUnit
+from trio_supervisor.executions.limits import _cgroups
+from trio_supervisor.executions.limits._claims import UIDS, Claim, ClaimError, claims_root
+from trio_supervisor.executions.starting._unit import ProcessUnit
+from trio_supervisor.executions.trees import _containment
+from trio_supervisor.executions.trees._groups import read_stat
 
 from ..support import ROOT
 from ..support.processes import launched, reap_orphans, running, survivors

@@ -28,8 +28,8 @@ from trio_supervisor import (
     Supervisor,
     open_supervisor,
 )
-from trio_supervisor.executions._groups import read_stat
-from trio_supervisor.executions._standby import Interpreter
+from trio_supervisor.executions.starting._standby import Interpreter
+from trio_supervisor.executions.trees._groups import read_stat
 
 from ..support.plugins import PLUGINS, report_in
 from ..support.sessions import opened

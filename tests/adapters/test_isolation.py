@@ -34,8 +34,8 @@ from trio_supervisor import (
     open_supervisor,
 )
 from trio_supervisor.executions import DEFAULT_CHILD_USERS
-from trio_supervisor.executions._claims import UIDS, Claim, Owner, claims_root
-from trio_supervisor.executions._groups import read_stat
+from trio_supervisor.executions.limits._claims import UIDS, Claim, Owner, claims_root
+from trio_supervisor.executions.trees._groups import read_stat
 
 from ..support.plugins import ISOLATION
 from ..support.processes import IN_SYSTEM_TMP, uids_of_this_run

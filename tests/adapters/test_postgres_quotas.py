@@ -32,7 +32,7 @@ from trio_supervisor import (
 from trio_supervisor.codec import encode
 from trio_supervisor.model import carried
 from trio_supervisor.stores._postgres_patterns import identity_regex
-from trio_supervisor.stores._postgres_sql import MIGRATIONS, SCHEMA_VERSION
+from trio_supervisor.stores._postgres_schema import MIGRATIONS, SCHEMA_VERSION
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -45,12 +46,14 @@ from trio_supervisor import (
     TerminationUnconfirmedError,
     codec,
 )
+from trio_supervisor import _defaults as defaults
 from trio_supervisor.abc import BatchStore, FleetMember, FleetStore, Store
 from trio_supervisor.codec import encode
 from trio_supervisor.model import FleetRecord
 from trio_supervisor.stores._jobs import Job
-from trio_supervisor.stores._postgres_sql import SAVE_BATCH, SCHEMA_VERSION
-from trio_supervisor.stores._postgres_worker import columns
+from trio_supervisor.stores._postgres_records import columns
+from trio_supervisor.stores._postgres_schema import MIGRATIONS, SCHEMA_VERSION
+from trio_supervisor.stores._postgres_sql import SAVE_BATCH
 from trio_supervisor.testing import FakeExecution
 from trio_supervisor.testing.contracts import StoreContract, StoreFactory
 
@@ -209,11 +212,105 @@ async def test_a_schema_of_a_newer_version_is_refused_naming_both(
 ) -> None:
     async with PostgresStore(database, runner_id="a", schema=schema):
         pass
-    run(in_schema(database, schema), "UPDATE schema_version SET version = 7")
-    with pytest.raises(StateStorageError, match=rf"version 7.*version {SCHEMA_VERSION}") as caught:
+    newer = SCHEMA_VERSION + 1
+    run(in_schema(database, schema), f"UPDATE schema_version SET version = {newer}")
+    with pytest.raises(
+        StateStorageError, match=rf"version {newer}.*version {SCHEMA_VERSION}"
+    ) as caught:
         async with PostgresStore(database, runner_id="a", schema=schema):
-            pytest.fail("opened a schema of version 7")
+            pytest.fail(f"opened a schema of version {newer}")
     assert schema in caught.value.detail
+
+
+# The call of write_batch as a runner of version 6 makes it (no stopped_for).
+VERSION_6_CALL = SAVE_BATCH.replace(" %s::double precision,", "")
+
+
+async def test_a_version_6_schema_is_migrated_and_its_runners_keep_saving(
+    database: str, schema: str
+) -> None:
+    """Version 7 adds the stops' times and the takeovers' columns: a Stopped record of
+    version 6 has no time and counts as stopped long ago; write_batch of version 6 stays,
+    as a wrapper that keeps no record past the number per key."""
+    old = stopped(record("k", 1))
+    with connect(database) as connection:
+        connection.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        connection.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        connection.execute("CREATE TABLE schema_version (version integer NOT NULL)")
+        connection.execute("INSERT INTO schema_version VALUES (6)")
+        for version in range(1, 7):
+            for statement in MIGRATIONS[version]:
+                connection.execute(statement)
+        connection.execute(
+            "INSERT INTO records (token, identity, instance, generation, request_id, "
+            "runner_id, epoch, saved, stopped, lease, body, phase) VALUES (%s, 'p', 'k', 1, "
+            "'r1', 'old', 1, 1, 1, 5, %s, 'Stopped')",
+            (old.handle.token, encode(old)),
+        )
+        connection.execute("INSERT INTO high_water VALUES ('p', 'k', 1)")
+        connection.execute("UPDATE stop_counts SET stopped = 1")
+        connection.execute("SELECT setval('save_order', 1), setval('stop_order', 1)")
+    retention = Retention(stopped_per_key=1, stopped_for=3600.0)
+    async with two_runners(database, schema, retention=retention) as (a, b):
+        assert await a.held(old.handle.token) is not None
+        await a.save(stopped(record("k", 2)))
+        # Generation 1 stopped before version 7: long ago, so it goes.
+        assert [held.record.handle.generation for held in await a.fleet_records()] == [2]
+        # A runner of version 6 still saves, and keeps nothing past the count per key.
+        rows = [[(each, encode(each))] for each in (stopped(record("k", 3)),)]
+        assert (
+            run(
+                in_schema(database, schema),
+                VERSION_6_CALL,
+                "b",
+                b.epoch,
+                1,
+                1000,
+                *columns(rows),
+                None,
+            )
+            == []
+        )
+        assert [held.record.handle.generation for held in await a.fleet_records()] == [3]
+    assert run(in_schema(database, schema), "SELECT version FROM schema_version") == [
+        (SCHEMA_VERSION,)
+    ]
+
+
+async def test_a_young_stopped_record_outlives_the_count_per_key_by_the_database_s_clock(
+    database: str, schema: str
+) -> None:
+    retention = Retention(stopped_per_key=1, stopped_total=4, stopped_for=3600.0)
+    async with two_runners(database, schema, retention=retention) as (a, b):
+        for generation in (1, 2, 3):
+            await (a if generation % 2 else b).save(stopped(record("k", generation)))
+
+        def kept() -> list[int]:
+            rows = run(
+                in_schema(database, schema),
+                "SELECT generation FROM records WHERE stopped_at IS NOT NULL ORDER BY stopped",
+            )
+            return [generation for (generation,) in rows]
+
+        assert kept() == [1, 2, 3]  # younger than an hour, all of them
+        # Generation 1 stopped two hours ago, as far as the database can tell.
+        run(
+            in_schema(database, schema),
+            "UPDATE records SET stopped_at = stopped_at - interval '2 hours' WHERE generation = 1",
+        )
+        await b.save(record("k", 4))
+        assert kept() == [1, 2, 3]  # only a new stop evicts
+        await b.save(stopped(record("k", 4)))
+        assert kept() == [2, 3, 4]
+        # The cap in all evicts the oldest, however young.
+        await a.save_many([stopped(record("x", 1)), stopped(record("y", 1))])
+        assert kept() == [3, 4, 1, 1]  # k3, k4, x1, y1
+        ((counted, there),) = run(
+            in_schema(database, schema),
+            "SELECT (SELECT sum(stopped) FROM stop_counts), "
+            "(SELECT count(*) FROM records WHERE stopped IS NOT NULL)",
+        )
+        assert counted == there == 4
 
 
 # -- the store's promises --------------------------------------------------------------
@@ -298,12 +395,19 @@ operations = st.lists(
     batches=st.lists(operations, min_size=1, max_size=3),
     per_key=st.integers(1, 3),
     total=st.integers(1, 4),
+    kept_for=st.sampled_from([0.0, 3600.0]),
 )
 def test_fleet_wide_retention_matches_the_memory_store(
-    database: str, batches: list[list[tuple[str, int, bool]]], per_key: int, total: int
+    database: str,
+    batches: list[list[tuple[str, int, bool]]],
+    per_key: int,
+    total: int,
+    kept_for: float,
 ) -> None:
     # Batches alternate between two runners: retention and the marks are the fleet's.
-    retention = Retention(stopped_per_key=per_key, stopped_total=total)
+    # With stopped_for an hour, every Stopped record is young throughout (the memory
+    # store's clock stands still): only the cap in all evicts.
+    retention = Retention(stopped_per_key=per_key, stopped_total=total, stopped_for=kept_for)
     schema = fresh_schema()
 
     def step(instance: str, generation: int, stop: bool) -> SessionRecord:
@@ -311,7 +415,7 @@ def test_fleet_wide_retention_matches_the_memory_store(
         return stopped(opened) if stop else StoppingRecord.of(opened, Disposed())
 
     async def apply() -> tuple[list[SessionRecord], list[SessionRecord]]:
-        memory = MemoryStore(retention=retention)
+        memory = MemoryStore(retention=retention, clock=lambda: 0.0)
         async with (
             PostgresStore(database, runner_id="a", schema=schema, retention=retention) as a,
             PostgresStore(database, runner_id="b", schema=schema, retention=retention) as b,
@@ -665,6 +769,12 @@ async def test_takeover_waits_for_the_margin_then_stops_the_records_as_runner_lo
         assert info.epoch == a.epoch + 1
         assert not info.alive
         assert info.sessions == 0
+        # The epoch moved on to fence it, not because it started again: the row says so.
+        assert info.taken_over_by == "b"
+        assert info.taken_over_at is not None
+        assert info.started_at < info.taken_over_at <= time.time() + 5
+        (seen_by_b,) = [r for r in await b.runners() if r.runner_id == "b"]
+        assert (seen_by_b.taken_over_at, seen_by_b.taken_over_by) == (None, None)
         # Every write of a's old incarnation is refused now, and nothing of it lands.
         with pytest.raises(StateStorageError, match="taken over"):
             await a.save(record("z", 1))
@@ -674,6 +784,10 @@ async def test_takeover_waits_for_the_margin_then_stops_the_records_as_runner_lo
         assert "z" not in after
         assert after["x"] == taken.record
         assert key("z") not in await b.high_water()
+    # A new incarnation of a registers: it is no longer a runner taken over.
+    async with PostgresStore(database, runner_id="a", schema=schema) as again:
+        (info,) = [r for r in await again.runners() if r.runner_id == "a"]
+        assert (info.epoch, info.taken_over_at, info.taken_over_by) == (again.epoch, None, None)
 
 
 async def test_a_runner_frozen_past_its_takeover_writes_nothing_once_it_resumes(
@@ -867,13 +981,17 @@ async def test_run_member_publishes_its_sessions_times_when_a_listing_asks(
 
 
 async def test_a_listing_does_not_wait_for_runners_that_do_not_listen(
-    database: str, schema: str
+    database: str, schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A runner that is no member (it never listened) is not waited for: it answers no
     request for times, and says so by having published none."""
+    # The wait for runners that do answer, made long enough that a listing that waited
+    # is told from one that did not by a bound no busy machine comes near (the listing
+    # is three round trips: milliseconds).
+    monkeypatch.setattr(defaults, "TIMES_WAIT", 60.0)
     async with two_runners(database, schema) as (a, b):
         await a.save(record("k", 1))
-        with trio.fail_after(0.9):  # under the wait for runners that do answer
+        with trio.fail_after(30):  # half the wait for runners that do answer
             (found,) = await b.fleet_records()
         assert (found.age, found.lease_left) == (None, None)
 
@@ -1024,7 +1142,7 @@ async def test_a_runner_of_version_5_keeps_saving_through_save_batch(
     Opens fill the inbox of the runners whose sessions they supersede."""
     async with two_runners(database, schema) as (a, b):
         await a.save(record("k", 1))
-        old_call = SAVE_BATCH.replace("write_batch", "save_batch")
+        old_call = VERSION_6_CALL.replace("write_batch", "save_batch")
 
         def saved_by_b(*opens: OpenRecord) -> list[tuple[Any, ...]]:
             rows = [[(opened, encode(opened))] for opened in opens]
@@ -1094,5 +1212,9 @@ async def test_a_batch_the_server_ends_a_deadlock_with_is_written_again(
             await trio.to_thread.run_sync(other.close)
         marks = await a.high_water()
         assert (marks[key("d1")], marks[key("d2")]) == (2, 2)
-    (retried,) = [r for r in caplog.records if "written again" in r.getMessage()]
-    assert "deadlock detected" in retried.getMessage()
+    # Once, or twice on a busy machine: the rewritten batch may take d1's lock back
+    # before the other transaction's waiter wakes, and deadlock once more (the worker
+    # writes a batch up to three times).
+    retried = [r.getMessage() for r in caplog.records if "written again" in r.getMessage()]
+    assert 1 <= len(retried) <= 2, retried
+    assert all("deadlock detected" in message for message in retried), retried

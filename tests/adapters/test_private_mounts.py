@@ -33,8 +33,8 @@ from trio_supervisor import (
     Termination,
     open_supervisor,
 )
-from trio_supervisor.executions import _containment
-from trio_supervisor.executions._isolation import PRIVATE
+from trio_supervisor.executions.limits._view import PRIVATE
+from trio_supervisor.executions.trees import _containment
 
 from ..support.plugins import ISOLATION, PLUGINS
 from ..support.processes import IN_SYSTEM_TMP

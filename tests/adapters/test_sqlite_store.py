@@ -7,6 +7,7 @@ import shutil
 import signal
 import sqlite3
 import stat
+import subprocess
 import sys
 import textwrap
 import threading
@@ -39,7 +40,7 @@ from trio_supervisor import (
     codec,
 )
 from trio_supervisor.abc import Store
-from trio_supervisor.stores._sqlite_worker import _ROWS
+from trio_supervisor.stores._sqlite_sql import ROWS, SCHEMA_VERSION
 from trio_supervisor.testing import FakeExecution
 
 from ..support.processes import launched
@@ -241,23 +242,108 @@ operations = st.lists(
     st.tuples(st.sampled_from("abc"), st.integers(min_value=1, max_value=6), st.booleans()),
     max_size=25,
 )
+# Retention's stopped_for: none, a few steps of the clock (records come of age during
+# an example), or past every example.
+KEPT_FOR = st.sampled_from([0.0, 12.0, 1000.0])
+STEP = 5.0  # seconds the clock moves per saved record
+
+
+class Clock:
+    """A wall clock for retention that the test moves itself."""
+
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_young_stopped_record_outlives_the_count_per_key_across_a_restart(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db"
+    retention = Retention(stopped_per_key=1, stopped_total=10, stopped_for=60.0)
+    clock = Clock()
+    async with SqliteStore(path, retention=retention, clock=clock) as store:
+        for generation in (1, 2, 3):
+            await store.save(stopped("a", generation))
+            clock.now += 20.0
+        # Stopped at 0, 20 and 40 s; the newest is kept by the count, the two others
+        # because they are younger than a minute.
+        assert [record.handle.generation for record in await store.list()] == [1, 2, 3]
+    clock.now += 10.0  # 70 s: generation 1 is 70 s old, generation 2 is 50 s old
+    async with SqliteStore(path, retention=retention, clock=clock) as store:
+        # Only a new stop evicts: reopening takes nothing away.
+        assert [record.handle.generation for record in await store.list()] == [1, 2, 3]
+        await store.save(open_record("a", 4))
+        assert len(await store.list()) == 4
+        await store.save(stopped("a", 4))
+        assert [record.handle.generation for record in await store.list()] == [2, 3, 4]
+        # The cap in all evicts the oldest, however young.
+        for instance in "bcdefghi":
+            await store.save(stopped(instance, 1))
+        assert [record.handle.generation for record in await store.list()][:2] == [3, 4]
+
+
+async def test_a_version_1_file_is_migrated_and_its_stops_count_as_long_ago(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.db"
+    old = stopped("a", 1)
+    connection = sqlite3.connect(path)
+    connection.executescript(
+        """
+        CREATE TABLE schema_version (version INTEGER NOT NULL);
+        INSERT INTO schema_version VALUES (1);
+        CREATE TABLE records (
+            token TEXT PRIMARY KEY, identity TEXT NOT NULL, instance TEXT NOT NULL,
+            saved INTEGER NOT NULL, stopped INTEGER, body TEXT NOT NULL
+        );
+        CREATE TABLE high_water (
+            identity TEXT NOT NULL, instance TEXT NOT NULL, generation INTEGER NOT NULL,
+            PRIMARY KEY (identity, instance)
+        ) WITHOUT ROWID;
+        """
+    )
+    connection.execute(
+        "INSERT INTO records VALUES (?, 'p', 'a', 1, 1, ?)",
+        (old.handle.token, codec.encode(old)),
+    )
+    connection.execute("INSERT INTO high_water VALUES ('p', 'a', 1)")
+    connection.commit()
+    connection.close()
+    retention = Retention(stopped_per_key=1, stopped_total=10, stopped_for=3600.0)
+    async with SqliteStore(path, retention=retention) as store:
+        assert list(await store.list()) == [old]
+        await store.save(stopped("a", 2))
+        assert list(await store.list()) == [stopped("a", 2)]
+    connection = sqlite3.connect(path)
+    assert connection.execute("SELECT version FROM schema_version").fetchall() == [(2,)]
+    connection.close()
 
 
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(ops=operations, per_key=st.integers(1, 3), total=st.integers(1, 5))
+@given(
+    ops=operations,
+    per_key=st.integers(1, 3),
+    total=st.integers(1, 5),
+    kept_for=KEPT_FOR,
+)
 def test_retention_matches_the_memory_store(
-    tmp_path: Path, ops: list[tuple[str, int, bool]], per_key: int, total: int
+    tmp_path: Path, ops: list[tuple[str, int, bool]], per_key: int, total: int, kept_for: float
 ) -> None:
-    retention = Retention(stopped_per_key=per_key, stopped_total=total)
+    retention = Retention(stopped_per_key=per_key, stopped_total=total, stopped_for=kept_for)
+    clock = Clock()
 
     async def apply() -> list[tuple[list[SessionRecord], Mapping[Key, int]]]:
-        path = tmp_path / f"r{abs(hash((tuple(ops), per_key, total)))}.db"
+        path = tmp_path / f"r{abs(hash((tuple(ops), per_key, total, kept_for)))}.db"
         path.unlink(missing_ok=True)
-        memory = MemoryStore(retention=retention)
-        async with SqliteStore(path, retention=retention) as sqlite:
+        memory = MemoryStore(retention=retention, clock=clock)
+        async with SqliteStore(path, retention=retention, clock=clock) as sqlite:
             for instance, generation, stop in ops:
+                clock.now += STEP
                 record = operation(instance, generation, stop)
                 await memory.save(record)
                 await sqlite.save(record)
@@ -275,25 +361,33 @@ def test_retention_matches_the_memory_store(
     batches=st.lists(operations, min_size=1, max_size=4),
     per_key=st.integers(1, 3),
     total=st.integers(1, 5),
+    kept_for=KEPT_FOR,
 )
 def test_retention_in_batches_and_across_reopens_matches_the_memory_store(
-    tmp_path: Path, batches: list[list[tuple[str, int, bool]]], per_key: int, total: int
+    tmp_path: Path,
+    batches: list[list[tuple[str, int, bool]]],
+    per_key: int,
+    total: int,
+    kept_for: float,
 ) -> None:
-    # Each batch is one transaction (save_many), and the file is closed and opened again
-    # between batches: what the store knows of the table must survive both.
-    retention = Retention(stopped_per_key=per_key, stopped_total=total)
+    # Each batch is one transaction (save_many) at one instant, and the file is closed
+    # and opened again between batches: what the store knows of the table (its stops'
+    # times too) must survive both.
+    retention = Retention(stopped_per_key=per_key, stopped_total=total, stopped_for=kept_for)
+    clock = Clock()
 
     async def apply() -> list[tuple[list[SessionRecord], Mapping[Key, int]]]:
-        path = tmp_path / f"b{abs(hash((repr(batches), per_key, total)))}.db"
+        path = tmp_path / f"b{abs(hash((repr(batches), per_key, total, kept_for)))}.db"
         path.unlink(missing_ok=True)
-        memory = MemoryStore(retention=retention)
+        memory = MemoryStore(retention=retention, clock=clock)
         for batch in batches:
+            clock.now += STEP * len(batch)
             records = [operation(*step) for step in batch]
             for record in records:
                 await memory.save(record)
-            async with SqliteStore(path, retention=retention) as sqlite:
+            async with SqliteStore(path, retention=retention, clock=clock) as sqlite:
                 await sqlite.save_many(records)
-        async with SqliteStore(path, retention=retention) as sqlite:
+        async with SqliteStore(path, retention=retention, clock=clock) as sqlite:
             return await contents(memory, sqlite)
 
     (in_memory, memory_marks), (in_sqlite, sqlite_marks) = trio.run(apply)
@@ -332,9 +426,9 @@ async def test_a_failed_transaction_changes_nothing_and_later_saves_apply_retent
 
 
 async def test_a_batch_of_several_statements_is_still_one_transaction(tmp_path: Path) -> None:
-    # A batch is written as multi-row statements of at most _ROWS rows; one bigger than
+    # A batch is written as multi-row statements of at most ROWS rows; one bigger than
     # that takes several, which must land together or not at all.
-    batch = [open_record(f"k{number}", 1) for number in range(2 * _ROWS + 10)]
+    batch = [open_record(f"k{number}", 1) for number in range(2 * ROWS + 10)]
     path = tmp_path / "state.db"
     async with SqliteStore(path) as store:
         await store.save(open_record("first", 1))
@@ -359,14 +453,14 @@ async def test_a_batch_of_several_statements_is_still_one_transaction(tmp_path: 
 async def test_a_batch_larger_than_one_statement_keeps_what_the_memory_store_keeps(
     tmp_path: Path, reopen: bool
 ) -> None:
-    # A batch of more than _ROWS changes is written by plain statements, one kind of
+    # A batch of more than ROWS changes is written by plain statements, one kind of
     # change at a time (Worker._write_large), not through the trigger: evictions, marks
     # (one raised by a record the batch then evicts too) and un-stopped records must
     # come out as the memory store has them.
-    retention = Retention(stopped_per_key=1, stopped_total=_ROWS // 2)
-    earlier = [stopped(f"k{number}", 1) for number in range(_ROWS // 4)]
+    retention = Retention(stopped_per_key=1, stopped_total=ROWS // 2)
+    earlier = [stopped(f"k{number}", 1) for number in range(ROWS // 4)]
     batch: list[SessionRecord] = []
-    for number in range(_ROWS):
+    for number in range(ROWS):
         instance = f"k{number}"
         batch += [stopped(instance, 5), stopped(instance, 2), open_record(instance, 7)]
         if number % 3 == 0:
@@ -514,7 +608,7 @@ async def test_a_store_that_failed_to_open_leaves_the_file_to_others(tmp_path: P
             worker.join(timeout=5)
             assert not worker.is_alive()
     # Neither its connection nor its lock outlived it: the file can be repaired.
-    corrupt(path, "UPDATE schema_version SET version = 1")
+    corrupt(path, f"UPDATE schema_version SET version = {SCHEMA_VERSION}")
     async with SqliteStore(path) as store:
         assert list(await store.list()) == []
 
@@ -533,9 +627,114 @@ async def test_a_second_store_on_the_same_file_is_refused(tmp_path: Path) -> Non
     path = tmp_path / "state.db"
     async with SqliteStore(path) as first:
         await first.save(open_record("a", 1))
-        with pytest.raises(StateStorageError, match="locked"):
-            async with SqliteStore(path, timeout=0.05):
+        with pytest.raises(StateStorageError) as refused:
+            async with SqliteStore(path):
                 pass
+        assert refused.value.detail == (
+            f"{path}: cannot open: the file is locked by another store that owns it, in "
+            "this process"
+        )
+        await first.save(open_record("a", 2))  # the first one is undisturbed
+    async with SqliteStore(path) as again:  # and gave the file up as it closed
+        assert [record.handle.generation for record in await again.list()] == [1, 2]
+
+
+def test_a_store_another_process_owns_is_refused_at_once_naming_that_process(
+    tmp_path: Path,
+) -> None:
+    # Another process's store owns the file: the second store says so as it opens,
+    # naming the process, instead of waiting out SQLite's lock timeout (a minute here;
+    # had it waited, its message would say the lock was waited out).
+    path = tmp_path / "state.db"
+    owner = textwrap.dedent(
+        f"""
+        import trio
+        from trio_supervisor import SqliteStore
+
+        async def main():
+            async with SqliteStore({str(path)!r}):
+                print("open", flush=True)
+                await trio.sleep_forever()
+
+        trio.run(main)
+        """
+    )
+    command = [sys.executable, "-c", owner]
+    with launched(command, ready=lambda line: line == "open\n") as holder:
+
+        async def second() -> StateStorageError:
+            with pytest.raises(StateStorageError) as refused:
+                async with SqliteStore(path, timeout=60.0):
+                    pass
+            return refused.value
+
+        detail = trio.run(second).detail
+        assert detail.startswith(
+            f"{path}: cannot open: the file is locked by another store that owns it, in "
+            f"process {holder.process.pid} ("
+        ), detail
+        assert holder.process.poll() is None  # the owner serves on
+    assert holder.process.returncode == -signal.SIGTERM
+
+
+def test_a_lock_no_store_owns_is_waited_for(tmp_path: Path) -> None:
+    # A brief writer that is no store (a tool, a checkpoint) holds SQLite's lock: a
+    # store that opens meanwhile waits for it, up to its timeout, rather than refusing.
+    path = tmp_path / "state.db"
+
+    async def make() -> None:
+        async with SqliteStore(path) as store:
+            await store.save(open_record("a", 1))
+
+    trio.run(make)
+    writer = textwrap.dedent(
+        f"""
+        import sqlite3, sys
+        connection = sqlite3.connect({str(path)!r}, isolation_level=None)
+        connection.execute("BEGIN EXCLUSIVE")
+        print("held", flush=True)
+        sys.stdin.readline()  # held until the test says
+        connection.execute("COMMIT")
+        connection.close()
+        print("released", flush=True)
+        """
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", writer], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as tool:
+        assert tool.stdin is not None
+        assert tool.stdout is not None
+        assert tool.stdout.readline() == "held\n"
+
+        async def impatient() -> str:
+            with pytest.raises(StateStorageError) as refused:
+                async with SqliteStore(path, timeout=0.05):
+                    pass
+            return refused.value.detail
+
+        # Past its timeout a store says the file stayed locked, and by no store.
+        detail = trio.run(impatient)
+        assert "locked by another connection for longer than the store waits" in detail
+
+        async def patient() -> list[SessionRecord]:
+            async with trio.open_nursery() as nursery:
+                # The tool lets go while the store waits (or, on a slow machine, before
+                # the store began to: it opens then all the same).
+                nursery.start_soon(trio.to_thread.run_sync, release, tool)
+                async with SqliteStore(path, timeout=60.0) as store:
+                    return list(await store.list())
+
+        assert trio.run(patient) == [open_record("a", 1)]
+        assert tool.wait(timeout=60) == 0
+
+
+def release(tool: subprocess.Popen[str]) -> None:
+    """Tell the tool of the test above to let its lock go, and wait until it did."""
+    assert tool.stdin is not None
+    assert tool.stdout is not None
+    tool.stdin.write("go\n")
+    tool.stdin.flush()
+    assert tool.stdout.readline() == "released\n"
 
 
 async def test_a_closed_store_refuses_saves(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from trio_supervisor import (
     Supervisor,
     open_supervisor,
 )
-from trio_supervisor.executions._standby import ForkedProcess
+from trio_supervisor.executions.starting._standby import ForkedProcess
 
 from ..support.plugins import PLUGINS, report_in
 from ..support.processes import process_state, running

@@ -35,9 +35,9 @@ from trio_supervisor import (
     Termination,
     open_supervisor,
 )
-from trio_supervisor.executions._bootstrap import LEASE_SLACK
-from trio_supervisor.executions._groups import boot_id, start_time
-from trio_supervisor.executions._unit import ProcessUnit
+from trio_supervisor.executions.child._bootstrap import LEASE_SLACK
+from trio_supervisor.executions.starting._unit import ProcessUnit
+from trio_supervisor.executions.trees._groups import boot_id, start_time
 
 from ..support.plugins import PLUGINS, report_in
 from ..support.processes import running

@@ -36,11 +36,12 @@ from trio_supervisor import (
     Supervisor,
     open_supervisor,
 )
-from trio_supervisor.executions import _cgroups
-from trio_supervisor.executions._cgroups import ROOT, TreeCgroup, detect
-from trio_supervisor.executions._protocol import Command
-from trio_supervisor.executions._standby import Interpreter, frame
-from trio_supervisor.executions._unit import ProcessUnit
+from trio_supervisor.executions.child._protocol import Command
+from trio_supervisor.executions.limits import _pool
+from trio_supervisor.executions.limits._cgroups import ROOT, detect
+from trio_supervisor.executions.limits._tree_cgroup import TreeCgroup
+from trio_supervisor.executions.starting._standby import Interpreter, frame
+from trio_supervisor.executions.starting._unit import ProcessUnit
 
 from ..support.plugins import LIMITS, PLUGINS
 from ..support.processes import descendants, reap_orphans
@@ -403,7 +404,7 @@ async def test_a_spawn_message_names_only_cgroups_that_are_made(
 
     # Cgroups made for the standby: one the pool kept is made already, so the race
     # cannot arise with it.
-    monkeypatch.setattr(_cgroups, "POOL", 0)
+    monkeypatch.setattr(_pool, "POOL", 0)
     monkeypatch.setattr(Interpreter, "join_ahead", join_ahead)
     monkeypatch.setattr(TreeCgroup, "configure", preempted)
     monkeypatch.setattr(ProcessUnit, "_send", sent)

@@ -77,7 +77,7 @@ def test_two_loads_accepted_before_either_fails_both_run_their_loaders() -> None
     # supervisor does it (the loader runs in the session's task, deviation (f)).
     model = _model()
     a, b = _open(model, A, "ra"), _open(model, B, "rb")
-    model.store.fail_once += [refusing(a), refusing(b)]
+    model.store.faults.once += [refusing(a), refusing(b)]
     storage = error("StateStorageError")
     both_stopped = interleave(
         model,

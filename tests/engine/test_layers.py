@@ -22,7 +22,7 @@ PACKAGE = Path(trio_supervisor.__file__).parent
 # What each layer may import of the package (by first component after the package).
 BOTTOM = {
     *("abc", "model", "codec", "errors", "retention", "realtime"),
-    *("_fields", "_defaults", "_routes", "_background", "_lazy", "_extras"),
+    *("_fields", "_termination", "_defaults", "_routes", "_background", "_lazy", "_extras"),
 }
 ADAPTERS = {"stores", "executions"}
 MAY_IMPORT = {
@@ -49,10 +49,11 @@ def layer_of(path: Path) -> str | None:
     return None
 
 
-def package_imports(path: Path) -> set[str]:
-    """The first component of every module of the package that ``path`` imports."""
+def imported_modules(path: Path) -> set[tuple[str, ...]]:
+    """Every module of the package that ``path`` imports, as its parts after the package
+    (for ``from . import name``, the name too)."""
     depth = len(path.relative_to(PACKAGE).parts) - 1  # folders below the package
-    found: set[str] = set()
+    found: set[tuple[str, ...]] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -64,8 +65,13 @@ def package_imports(path: Path) -> set[str]:
                 names = [node.module.split(".")[1:]]
             else:
                 continue
-            found.update(name[0] for name in names if name)
+            found.update(tuple(name) for name in names if name)
     return found
+
+
+def package_imports(path: Path) -> set[str]:
+    """The first component of every module of the package that ``path`` imports."""
+    return {name[0] for name in imported_modules(path)}
 
 
 @pytest.mark.parametrize(
@@ -78,6 +84,96 @@ def test_each_module_imports_only_what_is_below_it(path: Path) -> None:
     assert layer is not None
     wrong = package_imports(path) - MAY_IMPORT[layer]
     assert not wrong, f"{path.relative_to(PACKAGE)} ({layer}) imports {sorted(wrong)}"
+
+
+# -- the executions' rooms --------------------------------------------------------------
+# Inside ``executions/`` (docs/design.md, "Where things are"), bottom up: ``child/`` (the
+# child side: a script run by its path, so it imports nothing of the package, not even
+# the bottom layer); ``trees/`` (process groups and trees, and how one is held);
+# ``limits/`` (cgroups, isolation, claims: what a child may use and reach, and nothing
+# that starts one); ``starting/`` (from options to a resolved child). The face, the
+# modules beside the rooms (``subprocess.py``, ``inprocess.py``, ``_recovery.py``,
+# ``_logs.py``), composes the rooms; no room imports the face.
+EXECUTIONS = PACKAGE / "executions"
+ROOMS: dict[str, set[str]] = {
+    "child": set(),
+    "trees": BOTTOM,
+    "limits": BOTTOM | {"executions/child", "executions/trees"},
+    "starting": BOTTOM | {"executions/child", "executions/trees", "executions/limits"},
+}
+
+
+def room_of(path: Path) -> str:
+    """The room of a module of ``executions/``: its folder's name, or "face"."""
+    parts = path.relative_to(EXECUTIONS).parts
+    return parts[0] if len(parts) > 1 else "face"
+
+
+def executions_imports(path: Path) -> set[str]:
+    """What ``path`` imports of the package: each module of the bottom layer (or of
+    another layer) by its first component, each of ``executions/`` by its room
+    (``executions/limits``), or as ``executions/face`` for a module of the face."""
+    found: set[str] = set()
+    for name in imported_modules(path):
+        if name[0] != "executions":
+            found.add(name[0])
+        elif len(name) > 1 and name[1] in ROOMS:
+            found.add(f"executions/{name[1]}")
+        else:
+            found.add("executions/face")
+    return found
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in EXECUTIONS.rglob("*.py") if room_of(p) != "face"),
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
+def test_each_executions_room_imports_only_the_rooms_below_it(path: Path) -> None:
+    room = room_of(path)
+    wrong = executions_imports(path) - ROOMS[room] - {f"executions/{room}"}
+    assert not wrong, f"{path.relative_to(PACKAGE)} (room {room}) imports {sorted(wrong)}"
+
+
+def test_the_executions_face_composes_every_room() -> None:
+    used = executions_imports(EXECUTIONS / "subprocess.py")
+    assert {f"executions/{room}" for room in ROOMS} <= used
+    assert sorted(
+        path.name
+        for path in EXECUTIONS.iterdir()
+        if path.is_dir() and (path / "__init__.py").exists()
+    ) == sorted(ROOMS)
+
+
+def test_the_bootstrap_imports_only_the_standard_library_as_it_starts() -> None:
+    """``child/_bootstrap.py`` runs as a script in every child: what it imports as it
+    starts (its module level, but the type checker's block) is the standard library's
+    alone, and nothing of the package anywhere (what a plugin needs, such as ``trio``
+    for an async entry point, is imported in the function that needs it)."""
+    tree = ast.parse((EXECUTIONS / "child" / "_bootstrap.py").read_text())
+    imported: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.module is not None
+            assert node.level == 0, f"a relative import at line {node.lineno}"
+            imported.add(node.module.split(".")[0])
+    assert imported, "no import found: the scan is broken"
+    assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+    typing_only = {
+        id(inner)
+        for block in tree.body
+        if isinstance(block, ast.If)
+        and isinstance(block.test, ast.Name)
+        and block.test.id == "TYPE_CHECKING"
+        for inner in ast.walk(block)
+    }
+    for found in ast.walk(tree):
+        if isinstance(found, ast.ImportFrom) and (
+            found.level or (found.module or "").startswith("trio_supervisor")
+        ):
+            assert id(found) in typing_only, f"the package imported at line {found.lineno}"
 
 
 def test_importing_the_core_and_its_protocols_loads_no_adapter() -> None:

@@ -9,6 +9,8 @@ from collections.abc import Collection, Sequence
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trio_supervisor import (
     Disposed,
@@ -93,6 +95,102 @@ def test_a_record_replaces_its_token_and_moves_to_the_end() -> None:
 def test_retention_needs_positive_bounds(field: str) -> None:
     with pytest.raises(ValueError, match=f"Retention.{field} must be >= 1"):
         Retention(**{field: 0})
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "said"),
+    [
+        (-1.0, ValueError, "must be a finite number of seconds >= 0, got -1.0"),
+        (float("inf"), ValueError, "must be a finite number of seconds >= 0, got inf"),
+        (float("nan"), ValueError, "must be a finite number of seconds >= 0, got nan"),
+        ("1h", TypeError, "must be a number of seconds, not str"),
+        (True, TypeError, "must be a number of seconds, not bool"),
+    ],
+)
+def test_retention_keeps_for_a_finite_duration_that_is_not_negative(
+    value: object, error: type[Exception], said: str
+) -> None:
+    with pytest.raises(error, match=f"^Retention.stopped_for {said}$"):
+        Retention(stopped_for=value)
+    assert Retention(stopped_for=90).stopped_for == 90.0
+
+
+class Clock:
+    """A wall clock the test moves itself."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_young_stopped_record_is_kept_past_the_count_until_a_later_stop_of_its_key() -> None:
+    clock = Clock()
+    index = RecordIndex(Retention(stopped_per_key=1, stopped_for=60.0), clock=clock)
+    for generation in (1, 2, 3):
+        assert index.save(record("a", generation, stopped=True)) == []
+        clock.now += 25.0
+    # 75 s: generation 1 is old; generation 2 (50 s) is young; 3 is kept by the count.
+    assert index.save(record("b", 1, stopped=True)) == []  # another key's stop: no eviction
+    assert [gone.handle.generation for gone in index.save(record("a", 4, stopped=True))] == [1]
+    clock.now += 10.0
+    assert [gone.handle.generation for gone in index.save(record("a", 5, stopped=True))] == [2]
+
+
+# One step of the model test: a record saved (instance, generation, stopped?), after the
+# clock moved on by some seconds.
+steps = st.lists(
+    st.tuples(
+        st.sampled_from("abc"),
+        st.integers(1, 6),
+        st.booleans(),
+        st.sampled_from([0.0, 1.0, 5.0, 30.0]),
+    ),
+    max_size=40,
+)
+
+
+@given(
+    steps=steps,
+    per_key=st.integers(1, 3),
+    total=st.integers(1, 6),
+    kept_for=st.sampled_from([0.0, 5.0, 20.0, 10_000.0]),
+)
+def test_the_index_keeps_exactly_what_the_model_of_retention_says(
+    steps: list[tuple[str, int, bool, float]], per_key: int, total: int, kept_for: float
+) -> None:
+    """The model, written plainly: every record not Stopped is kept; a new stop of a key
+    evicts its Stopped records beyond the newest ``per_key`` that stopped ``kept_for`` or
+    more ago (all of them when ``kept_for`` is 0), then the oldest Stopped records of all
+    beyond ``total``, however young; a record saved Stopped again keeps its stop."""
+    clock = Clock()
+    index = RecordIndex(
+        Retention(stopped_per_key=per_key, stopped_total=total, stopped_for=kept_for),
+        clock=clock,
+    )
+    live: set[str] = set()
+    stops: list[tuple[str, str, float]] = []  # token, instance, when: in stop order
+    for instance, generation, stop, moved in steps:
+        clock.now += moved
+        saved = record(instance, generation, stopped=stop)
+        token = saved.handle.token
+        index.save(saved)
+        known = [each for each in stops if each[0] == token]
+        if not stop:
+            live.add(token)
+            stops = [each for each in stops if each[0] != token]
+            continue
+        live.discard(token)
+        if known:
+            continue  # only a new stop evicts
+        stops.append((token, instance, clock.now))
+        of_key = [each for each in stops if each[1] == instance]
+        extras = of_key[: max(len(of_key) - per_key, 0)]
+        gone = {each[0] for each in extras if kept_for == 0 or clock.now - each[2] >= kept_for}
+        stops = [each for each in stops if each[0] not in gone]
+        stops = stops[max(len(stops) - total, 0) :]
+        assert {kept.handle.token for kept in index} == live | {each[0] for each in stops}
 
 
 def test_a_stop_keeps_its_place_and_number_when_the_token_stops_again() -> None:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from trio_supervisor.executions._cgroups import PARENT, detect, execution_name
-from trio_supervisor.executions._cgroups import ROOT as CGROUP_ROOT
-from trio_supervisor.executions._claims import CGROUPS, Claims, claims_root
+from trio_supervisor.executions.limits._cgroups import PARENT, detect, execution_name
+from trio_supervisor.executions.limits._cgroups import ROOT as CGROUP_ROOT
+from trio_supervisor.executions.limits._claims import CGROUPS, Claims, claims_root
 
 from ..support import ROOT
 from ..support.processes import descendants, launched, reap_orphans, running, survivors

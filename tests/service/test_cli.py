@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -27,6 +29,7 @@ import pytest
 import trio
 
 from trio_supervisor import Handle, Key, Load
+from trio_supervisor._defaults import LISTEN
 from trio_supervisor.cli._operate import DEFAULT_URL
 from trio_supervisor.client import connect
 from trio_supervisor.executions._logs import Logs
@@ -35,7 +38,7 @@ from ..support.processes import NotReady
 from ..support.runners import LEASE, Runner, open_sessions, serving
 from ..support.waits import settled, until
 
-DEFAULT_LISTEN: Final = "127.0.0.1:8470"
+DEFAULT_LISTEN: Final = LISTEN  # serve's, which the commands' --url defaults to
 COMMAND_TIMEOUT: Final = 60.0  # seconds one command may take
 
 
@@ -64,15 +67,15 @@ class Operator:
     directory: Path
     url_flags: tuple[str, ...]
 
-    def run(self, *arguments: str, reach: bool = True) -> Result:
-        """``trio-supervisor ARGUMENTS`` in the runner's directory (``--url`` added only
-        when the runner is not on the default port and ``reach`` is set)."""
+    def run(self, *arguments: str, reach: bool = True, cwd: Path | None = None) -> Result:
+        """``trio-supervisor ARGUMENTS`` in the runner's directory, or ``cwd`` (``--url``
+        added only when the runner is not on the default port and ``reach`` is set)."""
         command = [sys.executable, "-m", "trio_supervisor", *arguments]
         if reach:
             command += self.url_flags
         done = subprocess.run(
             command,
-            cwd=self.directory,
+            cwd=self.directory if cwd is None else cwd,
             capture_output=True,
             text=True,
             timeout=COMMAND_TIMEOUT,
@@ -137,9 +140,12 @@ def test_sessions_with_no_flags_prints_a_table_of_every_session(operator: Operat
     result = operator.run("sessions")
     assert result.status == 0, result.err
     everything = operator.listed()
-    assert f"{len(everything)} sessions at {operator.runner.url}" in result.out
+    assert (
+        f"{len(everything)} sessions at {operator.runner.url}, the newest generation of each key"
+        in result.out
+    )
     listed = acme(everything)  # a test of logs keeps a key of its own beside them
-    header = next(line for line in result.out.splitlines() if "key" in line)
+    header = next(line for line in result.out.splitlines() if cells(line)[0] == "key")
     assert cells(header) == [
         "key",
         "generation",
@@ -206,9 +212,16 @@ def test_logs_prints_what_the_child_wrote(operator: Operator) -> None:
     settled(two_beats, 20, every=0.2)
     assert printed[-1].out.startswith("beat 1 of acme/eu-1 #1\nbeat 2 of acme/eu-1 #1\n")
 
-    tail = operator.run("logs", "acme", "eu-1", "1", "--tail", "30")
+    # --tail counts lines, --tail-bytes bytes; not both.
+    tail = operator.run("logs", "acme", "eu-1", "1", "--tail", "2")
+    assert tail.status == 0, tail.err
+    assert re.fullmatch(r"beat (\d+) of acme/eu-1 #1\nbeat \d+ of acme/eu-1 #1\n", tail.out)
+    tail = operator.run("logs", "acme", "eu-1", "1", "--tail-bytes", "30")
     assert tail.status == 0, tail.err
     assert 0 < len(tail.out.encode()) <= 30
+    both = operator.run("logs", "acme", "eu-1", "1", "--tail", "2", "--tail-bytes", "30")
+    assert both.status == 2
+    assert "Error: give --tail (lines) or --tail-bytes (bytes), not both" in both.err
 
 
 def test_logs_prints_every_retained_generation_and_names_an_evicted_one(
@@ -286,6 +299,26 @@ def test_health_says_ready(operator: Operator) -> None:
     assert (result.status, json.loads(result.out)) == (0, {"status": "ready"})
 
 
+def test_health_from_another_directory_needs_no_token(operator: Operator, tmp_path: Path) -> None:
+    # As the README writes it, where no runner-state is: /readyz asks for no token.
+    url = operator.runner.url
+    assert not (tmp_path / "runner-state").exists()
+    result = operator.run("health", "--url", url, cwd=tmp_path, reach=False)
+    assert (result.status, result.out, result.err) == (0, f"{url}: ready\n", "")
+    result = operator.run("health", "--url", url, "--json", cwd=tmp_path, reach=False)
+    assert (result.status, json.loads(result.out)) == (0, {"status": "ready"})
+    # A --token-file given and not there is still a mistake worth hearing of.
+    result = operator.run(
+        "health", "--url", url, "--token-file", "nowhere", cwd=tmp_path, reach=False
+    )
+    assert result.status == 2
+    assert "cannot read the operators' token nowhere" in result.err
+    # The other commands do need the token, and say where they looked.
+    result = operator.run("sessions", "--url", url, cwd=tmp_path, reach=False)
+    assert result.status == 2
+    assert "cannot read the operators' token runner-state/operator-token" in result.err
+
+
 # -- exit statuses ---------------------------------------------------------------------------
 
 
@@ -302,11 +335,15 @@ def test_a_runners_error_exits_1_with_its_detail(operator: Operator) -> None:
     assert result.err == "Error: Forbidden: this call is for the runner's operators\n"
 
 
-def test_a_runner_out_of_reach_exits_1_saying_where(operator: Operator) -> None:
+@pytest.mark.parametrize("token", ["with a token", "without one"])
+def test_a_runner_out_of_reach_exits_1_saying_where(
+    operator: Operator, tmp_path: Path, token: str
+) -> None:
+    where = operator.directory if token == "with a token" else tmp_path
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
         url = f"http://127.0.0.1:{closed.getsockname()[1]}"
-        result = operator.run("health", "--url", url, reach=False)
+        result = operator.run("health", "--url", url, reach=False, cwd=where)
     assert result.status == 1
     assert result.err.startswith(
         f"Error: the runner at {url} is not answering (tried for 2.0 s): ConnectError: "
@@ -331,3 +368,112 @@ def test_a_usage_error_exits_2(operator: Operator) -> None:
     result = operator.run("sessions", "--state", "elsewhere")
     assert result.status == 2
     assert "cannot read the operators' token elsewhere/operator-token" in result.err
+
+
+def test_sessions_lists_each_keys_newest_generation_and_show_every_one_newest_first(
+    operator: Operator,
+) -> None:
+    runner = operator.runner
+    key = Key(identity="history", instance="x")
+
+    async def open_dispose_open() -> None:
+        async with runner.host() as host:
+            first = await host.open(key, "r1", lease=LEASE)
+            await host.dispose(first.handle)
+            await host.open(key, "r2", expected_generation=1, lease=LEASE)
+
+    trio.run(open_dispose_open)
+
+    def listed(*flags: str) -> list[list[str]]:
+        result = operator.run("sessions", "--identity", "history", *flags)
+        assert result.status == 0, result.err
+        return [
+            cells(line)[:3]
+            for line in result.out.splitlines()
+            if cells(line)[0].startswith("history/")
+        ]
+
+    assert listed() == [["history/x", "2", "Open"]]
+    assert listed("--all-generations") == [
+        ["history/x", "1", "Stopped"],
+        ["history/x", "2", "Open"],
+    ]
+    shown = operator.run("show", "history", "x")
+    assert shown.status == 0, shown.err
+    lines = [cells(line)[:3] for line in shown.out.splitlines() if "history/x" in line]
+    assert lines == [["history/x", "2", "Open"], ["history/x", "1", "Stopped"]]
+    shown = operator.run("show", "history", "x", "--json")
+    assert [one["handle"]["generation"] for one in json.loads(shown.out)] == [2, 1]
+
+
+def test_usage_says_what_its_cpu_ceilings_count(operator: Operator) -> None:
+    answer = json.loads(operator.run("usage", "--json").out)
+    [tenant] = answer["tenants"]  # no tenants file: the hosts' token is tenant default
+    used = tenant["usage"]
+    cores = os.cpu_count() or 1
+    assert answer["unlimited_cpu_percent"] == 100 * cores
+    # The fixture's children asked for no CPU limit: each counts as every core.
+    without = used["children_without_cpu_limit"]
+    assert without == used["children"] >= 1
+    assert used["cpu_percent"] == without * 100 * cores
+
+    result = operator.run("usage")
+    assert result.status == 0, result.err
+    header = next(line for line in result.out.splitlines() if cells(line)[0] == "tenant")
+    assert cells(header) == ["tenant", "sessions", "children", "memory ceilings", "CPU ceilings"]
+    row = next(line for line in result.out.splitlines() if cells(line)[0] == "default")
+    core_text = "1 core" if cores == 1 else f"{cores} cores"
+    said = (
+        f"1 child without a limit counts as {core_text}"
+        if without == 1
+        else f"{without} children without a limit count as {core_text} each"
+    )
+    assert cells(row)[4] == f"{used['cpu_percent']}% ({said})"
+
+
+def test_dashboard_prints_a_sign_in_link_that_works_once_and_opens_it_if_asked(
+    operator: Operator, tmp_path: Path
+) -> None:
+    result = operator.run("dashboard")
+    assert result.status == 0, result.err
+    link = result.out.strip()
+    assert link.startswith(f"{operator.runner.url}/?code=")
+    assert operator.runner.operator_token not in link
+    assert "once, within 5 minutes" in result.err
+    code = link.partition("?code=")[2]
+
+    async def sign_in(code: str) -> httpx.Response:
+        async with httpx.AsyncClient(base_url=operator.runner.url) as client:
+            return await client.post("/v1/dashboard/sign-in", json={"code": code})
+
+    first = trio.run(sign_in, code)
+    assert first.status_code == 200, first.text
+    token = first.json()["token"]
+    assert token != operator.runner.operator_token
+    again = trio.run(sign_in, code)
+    assert (again.status_code, again.json()["code"]) == (401, "Unauthorized")
+
+    async def listed_with(token: str) -> int:
+        async with operator.runner.http(token) as client:
+            return (await client.get("/v1/sessions")).status_code
+
+    assert trio.run(listed_with, token) == 200  # the sign-in is an operators' token
+
+    # --open hands the link to the browser the environment names (here, a script that
+    # writes down what it was given).
+    opened = tmp_path / "opened"
+    browser = tmp_path / "browser"
+    browser.write_text(f'#!/bin/sh\nprintf %s "$1" > {opened}\n')
+    browser.chmod(0o755)
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_supervisor", "dashboard", "--open", *operator.url_flags],
+        cwd=operator.directory,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
+        check=False,
+        env={**os.environ, "BROWSER": f"{browser} %s"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert settled(opened.exists, 10), "the browser was not run"
+    assert opened.read_text() == done.stdout.strip()

@@ -175,11 +175,31 @@ def test_add_a_negative_quota_is_a_usage_error(tmp_path: Path) -> None:
     assert not path.exists()
 
 
-def test_add_without_an_identity_is_a_usage_error(tmp_path: Path) -> None:
+def test_add_without_an_identity_is_a_usage_error_saying_why(tmp_path: Path) -> None:
+    # A tenant may use only the identities it is given: with none it could open nothing,
+    # and a runner refuses such a file. The error and the help say so, and name '*'.
+    why = "a tenant reaches only the key identities it is given; with none it could open nothing"
     result = invoke("add", "acme", "--file", str(tmp_path / "tenants.toml"))
     assert result.exit_code == 2
-    assert "--identity" in result.stderr
+    assert result.stdout == ""
+    assert "Error: give at least one --identity PATTERN: " + why in result.stderr
+    assert "--identity '*' gives it every key" in result.stderr
     assert left_in(tmp_path) == []
+    with pytest.raises(ValueError, match="non-empty"):  # as the file's check has it
+        Tenant(name="acme", token_sha256=HASH_A, identities=())
+    helped = invoke("add", "--help")
+    assert helped.exit_code == 0
+    assert why in " ".join(helped.stdout.split())  # however click wraps it
+
+
+def test_add_with_identity_star_may_use_every_key(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    result = invoke("add", "acme", "--identity", "*", "--file", str(path))
+    assert result.exit_code == 0, result.output
+    tenant = read(path).by_name["acme"]
+    assert tenant.identities == ("*",)
+    assert tenant.may_use("globex")
+    assert tenant.may_use("acme-eu")
 
 
 BROKEN: Final = {

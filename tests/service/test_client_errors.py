@@ -91,4 +91,13 @@ async def test_a_refused_token_and_an_operator_call_raise_the_codes_the_runner_s
 
         async with connect(url, token=OPERATOR_TOKEN) as operator:
             assert await operator.sessions() == []
+
+        # Without a token: health answers (it needs none), every other call is refused.
+        async with connect(url, token=None) as anyone:
+            assert (await anyone.health())["status"] == "ready"
+            with pytest.raises(RunnerAccessError):
+                await anyone.high_water(KEY)
+        with pytest.raises(ValueError, match="non-empty str, or None"):
+            async with connect(url, token=""):
+                pass
         assert await remote.high_water(Key(identity="never", instance="opened")) is None

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Final
 
 import attrs
+import httpx
 import pytest
 import trio
 from playwright.sync_api import (
@@ -46,6 +47,7 @@ from trio_supervisor import (
     Key,
     Limits,
     Load,
+    MemoryStore,
     OpenRecord,
     PostgresStore,
     Recovery,
@@ -53,11 +55,15 @@ from trio_supervisor import (
     Termination,
 )
 from trio_supervisor.client import connect
+from trio_supervisor.service.sign_in import REFUSED, SignIns
 from trio_supervisor.service.tenants import token_hash
-from trio_supervisor.stores._postgres_worker import RUNNER_LOST
+from trio_supervisor.stores._postgres_member import RUNNER_LOST
+from trio_supervisor.testing import FakeExecution
 
 from ..support.postgres import database_for
 from ..support.runners import LEASE, Runner, open_sessions, serving
+from ..support.service import HOSTS_TOKEN, OPERATOR_TOKEN, served
+from ..support.sessions import supervise_embedded
 from ..support.waits import settled
 
 CHROMIUM_ARGS: Final = (
@@ -159,10 +165,13 @@ def test_an_operator_signs_in_sees_the_sessions_reads_one_and_disposes_one(
         drained = f"status of 503 () at {runner.url}/readyz"
         with browsing(runner, tolerated=(drained,)) as page:
             page.goto(runner.url + "/")
-            # The sign-in says where the token is: the runner's --state has it.
-            hint = page.get_by_role("region", name="Sign in").locator("code")
-            expect(hint).to_have_text(str(tmp_path / "state" / "operator-token"))
-            sign_in(page, runner)
+            # The sign-in names no file of the runner's machine: the page is anyone's.
+            region = page.get_by_role("region", name="Sign in")
+            expect(region).to_contain_text("trio-supervisor dashboard")
+            expect(region).not_to_contain_text(str(tmp_path))
+            # An operator's sign-in link: its code is traded once, and leaves the address.
+            link = runner.url + trio.run(sign_in_path, runner)
+            page.goto(link)
             sessions = page.get_by_role("row").filter(has_text="acme/")
             expect(sessions).to_have_count(3, timeout=WAIT)
             for number in (1, 2, 3):
@@ -219,6 +228,24 @@ def test_an_operator_signs_in_sees_the_sessions_reads_one_and_disposes_one(
             page.screenshot(path=tmp_path / "dashboard.png", full_page=True)
             assert runner.operator_token not in page.content()
             assert runner.operator_token not in page.url
+            assert page.url == runner.url + "/"  # the code left the address bar
+
+            # A key opened again: its row shows the newest generation; its panel lists
+            # every retained one, and a click on one shows it.
+            trio.run(open_again, runner, Key(identity="acme", instance="eu-2"))
+            expect(disposed.get_by_text("Open", exact=True)).to_be_visible()
+            expect(disposed.get_by_role("cell").nth(1)).to_have_text("2")
+            expect(sessions).to_have_count(4)  # a row a key
+            disposed.click()
+            detail = page.get_by_role("region", name="acme/eu-2 #2")
+            history = page.get_by_role("table", name="Generations").get_by_role("row")
+            expect(history).to_have_count(2)
+            expect(history.nth(0)).to_contain_text("#2Open")
+            expect(history.nth(1)).to_contain_text("#1StoppedDisposedexited (code 0)")
+            history.nth(1).click()
+            detail = page.get_by_role("region", name="acme/eu-2 #1")
+            expect(detail.get_by_label("Log tail")).to_contain_text("stopping after")
+            expect(history.nth(1)).to_have_attribute("aria-current", "true")
 
             # Drained (it holds sessions still: it runs on), the runner says so.
             trio.run(drain, runner)
@@ -227,6 +254,102 @@ def test_an_operator_signs_in_sees_the_sessions_reads_one_and_disposes_one(
             expect(page.get_by_role("status")).to_contain_text("draining")
             expect(page.get_by_text("The runner is poisoned")).to_be_hidden()
     assert (tmp_path / "dashboard.png").stat().st_size > 0
+
+
+async def sign_in_path(runner: Runner) -> str:
+    """A sign-in link's path (``/?code=CODE``), as ``trio-supervisor dashboard`` gets it."""
+    async with runner.operator() as operator:
+        path: str = (await operator.dashboard_code())["path"]
+        return path
+
+
+async def open_again(runner: Runner, key: Key) -> None:
+    """Open the next generation of ``key`` (its last one is generation 1)."""
+    async with runner.host() as host:
+        await host.open(key, f"open-{uuid.uuid4()}", expected_generation=1, lease=LEASE)
+
+
+def test_a_sign_in_link_works_once_and_a_spent_one_says_so_on_the_sign_in(
+    tmp_path: Path,
+) -> None:
+    with serving(tmp_path / "state") as runner:
+        link = runner.url + trio.run(sign_in_path, runner)
+        refused = f"status of 401 () at {runner.url}/v1/dashboard/sign-in"
+        with browsing(runner, tolerated=(refused,)) as page:
+            page.goto(link)
+            expect(page.get_by_role("button", name="Sign out")).to_be_visible()
+            expect(page.get_by_role("heading", name="Sessions")).to_be_visible()
+            # The same link again, in a fresh tab: the code is spent.
+            page.evaluate("sessionStorage.clear()")
+            page.goto(link)
+            expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+            expect(page.get_by_role("alert").filter(has_text="sign-in link")).to_have_text(
+                "This sign-in link does not work: its code is wrong, was used already (each "
+                "works once) or expired; ask an operator for a new link (trio-supervisor "
+                "dashboard), or paste the operators' token."
+            )
+            # A wrong code, the same words; and the token still signs in.
+            page.goto(runner.url + "/?code=not-a-code")
+            expect(page.get_by_role("alert").filter(has_text="sign-in link")).to_be_visible()
+            sign_in(page, runner)
+            expect(page.get_by_role("button", name="Sign out")).to_be_visible()
+
+
+async def test_a_code_is_spent_once_and_expires_by_the_runners_clock(fake: FakeExecution) -> None:
+    now = [1000.0]
+    sign_ins = SignIns(code_for=300.0, session_for=3600.0, clock=lambda: now[0])
+    async with (
+        supervise_embedded(MemoryStore(), fake) as supervisor,
+        served(supervisor, sign_ins=sign_ins) as host,
+    ):
+        url = str(host._client.base_url)
+        async with (
+            httpx.AsyncClient(base_url=url) as anyone,
+            httpx.AsyncClient(base_url=url, headers=bearer(OPERATOR_TOKEN)) as operators,
+            httpx.AsyncClient(base_url=url, headers=bearer(HOSTS_TOKEN)) as hosts,
+        ):
+
+            async def mint() -> str:
+                answer = await operators.post("/v1/dashboard/codes")
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["expires_in"] == 300.0
+                assert answer.json()["path"] == "/?code=" + answer.json()["code"]
+                code: str = answer.json()["code"]
+                return code
+
+            async def trade(code: str) -> httpx.Response:
+                return await anyone.post("/v1/dashboard/sign-in", json={"code": code})
+
+            # Only operators mint codes.
+            assert (await hosts.post("/v1/dashboard/codes")).status_code == 403
+            assert (await anyone.post("/v1/dashboard/codes")).status_code == 401
+            # Once: the second trade of a code is refused, as a wrong code is.
+            code = await mint()
+            first = await trade(code)
+            assert first.status_code == 200, first.text
+            assert first.json()["expires_in"] == 3600.0
+            for refused in (await trade(code), await trade("wrong")):
+                assert (refused.status_code, refused.json()["code"]) == (401, "Unauthorized")
+                assert refused.json()["detail"] == REFUSED
+            # The sign-in is the operators' token, until it expires.
+            signed_in = bearer(first.json()["token"])
+            listed = await anyone.get("/v1/runners", headers=signed_in)
+            assert listed.status_code == 200, listed.text
+            now[0] += 3600.0
+            assert (await anyone.get("/v1/runners", headers=signed_in)).status_code == 401
+            # A code expires: usable just before its end, not at it.
+            early, late = await mint(), await mint()
+            now[0] += 299.9
+            assert (await trade(early)).status_code == 200
+            now[0] += 0.1
+            assert (await trade(late)).status_code == 401
+            # A body that is no code is a 422, not a stack trace.
+            empty = await anyone.post("/v1/dashboard/sign-in", json={"code": ""})
+            assert (empty.status_code, empty.json()["code"]) == (422, "InvalidRequest")
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
 
 
 async def drain(runner: Runner) -> None:
@@ -255,7 +378,11 @@ def test_the_tenants_usage_against_their_quotas_and_the_runners_against_its_capa
             expect(cells.nth(2)).to_have_text("1 / 2")
             expect(cells.nth(3)).to_have_text("1 / 2")
             expect(cells.nth(4)).to_have_text("512 MiB / 2 GiB")  # the tenant's default ceiling
-            expect(cells.nth(5)).to_have_text(re.compile(r"^\d+% / no quota$"))
+            # CPU: a sum of ceilings, and why it reads high (acme asked for no CPU limit).
+            expect(cells.nth(5)).to_have_text(
+                re.compile(r"^\d+% / no quota1 child without a limit counts as \d+ cores?$")
+            )
+            expect(page.get_by_role("columnheader", name="CPU ceilings")).to_be_visible()
             for cell in (cells.nth(2), cells.nth(3)):  # half used: not marked
                 expect(cell).not_to_have_class(re.compile(r"\b(near|full)\b"))
             globex = table.get_by_role("row").filter(has_text="globex").get_by_role("cell")
@@ -379,9 +506,10 @@ def test_a_session_held_by_another_runner_shows_its_times_links_there_and_nothin
         answers: list[Response] = []
         page.on("response", lambda response: answers.append(response))
         page.goto(a.url + "/")
-        # The sign-in names the operators' token file the runner was given.
-        hint = page.get_by_role("region", name="Sign in").locator("code")
-        expect(hint).to_have_text(str(fleet.operator_token_file))
+        # The sign-in names no file, not even the operators' token file it was given.
+        region = page.get_by_role("region", name="Sign in")
+        expect(region).to_be_visible()
+        expect(region).not_to_contain_text(str(fleet.operator_token_file.parent))
         sign_in(page, a, FLEET_OPERATORS)
 
         # b's session, listed on a: its age and lease left, as b published them; no

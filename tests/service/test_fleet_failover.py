@@ -48,7 +48,7 @@ from trio_supervisor import (
     SupervisorError,
 )
 from trio_supervisor.client import RemoteSupervisor, connect
-from trio_supervisor.executions._groups import read_stat
+from trio_supervisor.executions.trees._groups import read_stat
 
 from ..support.clusters import Cluster, own_clusters
 from ..support.members import (

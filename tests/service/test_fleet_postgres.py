@@ -18,12 +18,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
+import psycopg
 import pytest
 import trio
 from click.testing import CliRunner
 
 from trio_supervisor import Key, Load, cli
+from trio_supervisor.cli._common import moment
 from trio_supervisor.client import connect
+from trio_supervisor.model import RunnerInfo
 
 from ..support import ROOT
 from ..support.postgres import with_parts
@@ -152,3 +155,52 @@ def test_a_fleet_store_out_of_reach_exits_1_saying_so(tmp_path: Path, database: 
     assert done.stdout == ""
     assert "Traceback" not in done.stderr, done.stderr
     assert "cannot open the fleet's store at" in done.stderr, done.stderr
+
+
+async def test_runners_says_a_runner_was_taken_over_not_restarted(
+    fleet: tuple[Runner, Runner], database: str
+) -> None:
+    """A takeover moves a dead runner's epoch on to fence it: the listing says when and
+    by whom, on the wire and in ``trio-supervisor runners``, instead of a new epoch that
+    looks like a restart. (The row is as a takeover leaves it: test_postgres_store.py
+    takes a runner over.)"""
+    first, second = fleet
+    taker = next(info.runner_id for info in await _runners(first) if info.advertise == first.url)
+    ghost = f"ghost-{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(database, autocommit=True) as connection:
+        connection.execute(
+            "INSERT INTO trio_supervisor.runners (runner_id, epoch, advertise, started_at, "
+            "lease_until, stop_bound, taken_over_at, taken_over_by) VALUES (%s, 2, '', "
+            "now() - interval '1 hour', now() - interval '50 minutes', 0, "
+            "now() - interval '40 minutes', %s)",
+            (ghost, taker),
+        )
+    try:
+        (info,) = [info for info in await _runners(second) if info.runner_id == ghost]
+        assert (info.epoch, info.alive, info.taken_over_by) == (2, False, taker)
+        assert info.taken_over_at is not None
+        assert info.lease_until < info.taken_over_at < info.lease_until + 601
+
+        def listed(*flags: str) -> str:
+            result = CliRunner().invoke(
+                cli.main, ["runners", "--url", second.url, "--state", str(second.state), *flags]
+            )
+            assert result.exit_code == 0, result.output
+            return str(result.output)
+
+        table = await trio.to_thread.run_sync(listed)
+        (header,) = [line for line in table.splitlines() if "taken over" in line]
+        (row,) = [line for line in table.splitlines() if ghost in line]
+        cells = [cell.strip() for cell in row.strip("│ ").split("│")]
+        assert cells[-1] == f"{moment(info.taken_over_at)} by {taker}", table
+        assert header.split("┃")[-2].strip() == "taken over", table
+        as_json = await trio.to_thread.run_sync(listed, "--json")
+        assert f'"taken_over_by": "{taker}"' in as_json
+    finally:
+        with psycopg.connect(database, autocommit=True) as connection:
+            connection.execute("DELETE FROM trio_supervisor.runners WHERE runner_id = %s", (ghost,))
+
+
+async def _runners(runner: Runner) -> list[RunnerInfo]:
+    async with connect(runner.url, token=runner.operator_token) as operator:
+        return await operator.runners()

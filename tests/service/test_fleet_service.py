@@ -438,7 +438,10 @@ async def test_runners_lists_the_fleet_for_operators_only(database: str, schema:
             "allocatable",
             "stop_bound",
             "draining",
+            "taken_over_at",
+            "taken_over_by",
         }
+        assert (listed["b"]["taken_over_at"], listed["b"]["taken_over_by"]) == (None, None)
         # This runner (a) knows its own capacity alone; b's is b's to say.
         assert listed["b"]["max_children"] is None
         assert (listed["b"]["children"], listed["b"]["memory_allocated"]) == (0, 0)

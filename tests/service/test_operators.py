@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import socket
 import time
@@ -30,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from trio_supervisor import Key, Load, PackageError, StaleSessionError
 from trio_supervisor.client import RemoteSupervisor
 from trio_supervisor.model import Handle
-from trio_supervisor.service.operators import EVENT_BUFFER
+from trio_supervisor.service.routes.operators import EVENT_BUFFER
 
 from ..support.processes import SHUTDOWN
 from ..support.runners import LEASE, Runner, open_sessions, serving
@@ -218,7 +219,7 @@ async def test_events_end_when_the_runner_shuts_down(runner: Runner) -> None:
         runner.process.send_signal(signal.SIGTERM)
         # The stream ends, without an error, once the runner begins to shut down: a
         # reader (a dashboard left open) neither holds the shutdown up nor sees it fail.
-        with trio.fail_after(3):
+        with trio.fail_after(SHUTDOWN):  # a bound against a hang: it ends at once
             await ended.wait()
     # One SIGTERM (a second would skip the grace, and exit 1): wait for the clean exit.
     assert runner.process.wait(SHUTDOWN) == 0
@@ -337,3 +338,115 @@ async def test_json_logs_are_one_object_a_line_with_session_fields_and_no_token(
     for whose, token in tokens.items():
         leaks = [line for line in lines if token in line]
         assert not leaks, f"the {whose} token is logged: {leaks}"
+
+
+# -- a log's tail, and a key's generations -------------------------------------------------
+
+# A child that writes known lines, the last without its newline, then waits to be stopped.
+LINES_PLUGIN: Final = """
+import sys
+import time
+
+
+def main(context):
+    for number in range(1, 6):
+        print(f"line {number}")
+    sys.stdout.write("partial")
+    sys.stdout.flush()
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        return 0
+"""
+WHOLE_LOG: Final = "line 1\nline 2\nline 3\nline 4\nline 5\npartial"
+
+
+async def test_a_logs_tail_counts_lines_and_tail_bytes_counts_bytes(tmp_path: Path) -> None:
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "lines.py").write_text(LINES_PLUGIN)
+    key = Key(identity="lines", instance="a")
+    with serving(tmp_path / "state", plugins=(plugins,)) as runner:
+        async with runner.host() as host, runner.operator() as operator, runner.http() as bare:
+            record = await host.open(key, "r1", lease=LEASE)
+            await host.load(record.handle, Load(specifier="lines:main"))
+
+            async def written() -> bool:
+                return await operator.logs(key, 1) == WHOLE_LOG
+
+            await until(written, "the child's lines in its log")
+            # The last N lines; a last line without its newline is one.
+            assert await operator.logs(key, 1, tail=2) == "line 5\npartial"
+            assert await operator.logs(key, 1, tail=1) == "partial"
+            assert await operator.logs(key, 1, tail=6) == WHOLE_LOG
+            assert await operator.logs(key, 1, tail=1000) == WHOLE_LOG
+            # The last N bytes, for those who want bytes.
+            assert await operator.logs(key, 1, tail_bytes=5) == "rtial"
+            assert await operator.logs(key, 1, tail_bytes=1000) == WHOLE_LOG
+            with pytest.raises(
+                ValueError, match=re.escape("tail (lines) or tail_bytes (bytes), not both")
+            ):
+                await operator.logs(key, 1, tail=1, tail_bytes=1)
+            # Over HTTP: both at once, or a tail of no line, is refused naming them.
+            query = {"identity": "lines", "instance": "a", "generation": "1"}
+            both = await bare.get("/v1/logs", params={**query, "tail": "2", "tail_bytes": "5"})
+            assert (both.status_code, both.json()["code"]) == (422, "InvalidRequest")
+            assert "'tail' (lines) and 'tail_bytes' (bytes)" in both.json()["detail"]
+            none = await bare.get("/v1/logs", params={**query, "tail": "0"})
+            assert none.status_code == 422
+            assert none.json()["detail"] == "the query parameter 'tail' must be >= 1"
+            # The document says what each counts.
+            document = (await bare.get("/openapi.json")).json()
+            described = {
+                param["name"]: param.get("description", "")
+                for param in document["paths"]["/v1/logs"]["get"]["parameters"]
+            }
+            assert "last TAIL lines" in described["tail"]
+            assert "last TAIL_BYTES bytes" in described["tail_bytes"]
+        assert await runner.terminate() == 0
+
+
+async def test_the_listing_shows_each_keys_newest_generation_or_every_retained_one(
+    runner: Runner,
+) -> None:
+    key = Key(identity="again", instance="a")
+    async with runner.host() as host, runner.operator() as operator, runner.http() as bare:
+        first = await host.open(key, "r1", lease=LEASE)
+        await host.dispose(first.handle)
+        await host.open(key, "r2", expected_generation=1, lease=LEASE)
+        await host.open(Key(identity="again", instance="b"), "r3", lease=LEASE)
+
+        def generations(listed: list[dict[str, Any]]) -> list[tuple[str, int, str]]:
+            return [
+                (one["handle"]["key"]["instance"], one["handle"]["generation"], one["phase"])
+                for one in listed
+            ]
+
+        newest = await operator.sessions(identity="again")
+        assert generations(newest) == [("a", 2, "Open"), ("b", 1, "Open")]
+        every = await operator.sessions(identity="again", all_generations=True)
+        assert generations(every) == [("a", 1, "Stopped"), ("a", 2, "Open"), ("b", 1, "Open")]
+        only_a = await operator.sessions(identity="again", instance="a", all_generations=True)
+        assert generations(only_a) == [("a", 1, "Stopped"), ("a", 2, "Open")]
+        # The phase filters what is listed: a key shows as it is now, or not at all.
+        assert await operator.sessions(identity="again", phase="Stopped") == []
+        stopped = await operator.sessions(identity="again", phase="Stopped", all_generations=True)
+        assert generations(stopped) == [("a", 1, "Stopped")]
+        # The query parameter, as the document states it.
+        asked = {"identity": "again", "all_generations": "true"}
+        answer = await bare.get("/v1/sessions", params=asked)
+        assert generations(answer.json()["sessions"]) == generations(every)
+        answer = await bare.get("/v1/sessions", params={**asked, "all_generations": "yes"})
+        assert answer.status_code == 422
+        assert answer.json()["detail"] == (
+            "the query parameter 'all_generations' must be true or false"
+        )
+        # Pages of one record still reach every key's newest generation.
+        one_each = await bare.get("/v1/sessions", params={"identity": "again", "limit": "1"})
+        page = one_each.json()
+        assert generations(page["sessions"]) == [("a", 2, "Open")]
+        rest = await bare.get(
+            "/v1/sessions", params={"identity": "again", "limit": "1", "after": page["next"]}
+        )
+        assert generations(rest.json()["sessions"]) == [("b", 1, "Open")]

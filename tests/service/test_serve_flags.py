@@ -22,11 +22,14 @@ import pytest
 import trio
 from click.testing import CliRunner
 
-from trio_supervisor import Limits, cli
+from trio_supervisor import Key, Limits, Load, StaleSessionError, cli
 from trio_supervisor.cli import _serve as cli_serve
 from trio_supervisor.service import runner
 from trio_supervisor.service.config import RunnerConfig
 from trio_supervisor.service.tenants import Ceilings
+
+from ..support.runners import LEASE, Runner, serving
+from ..support.waits import until
 
 TIMEOUT: Final = 60.0  # seconds one command may take
 FLEET: Final = "postgresql://postgres@127.0.0.1:5432/fleet"  # never reached: serve is replaced
@@ -115,6 +118,10 @@ def samples(tmp: Path) -> dict[str, Sample]:
             0.02,
         ),
         "restart_limit": Sample(("--restart-limit", "3/60"), 'restart-limit = "3/60"', "3/60"),
+        "retain_per_key": Sample(("--retain-per-key", "3"), "retain-per-key = 3", 3),
+        "retain_total": Sample(("--retain-total", "500"), "retain_total = 500", 500),
+        # A duration: units, or seconds (a TOML number is seconds).
+        "retain_for": Sample(("--retain-for", "1h30m"), 'retain-for = "90m"', 5400.0),
         # A table of the file's alone: no flag (docs/service.md D).
         "limits": Sample(
             (),
@@ -284,6 +291,9 @@ def test_the_execution_is_made_with_the_isolation_configured(
         ("child-users = '0-1023'", "child_users (in "),
         ("child_users = 5000", "'--child-users': expected FIRST-LAST, two uids, got 5000"),
         ("isolation = 'root'", "'root' is not one of 'auto', 'users', 'namespace', 'none'"),
+        ("retain-per-key = 0", "retain_per_key (in "),
+        ("retain_for = 'soon'", "'--retain-for': expected a duration such as 90s"),
+        ("retain_for = -1", "retain_for (in "),
     ],
 )
 def test_a_bad_config_file_is_a_usage_error_naming_the_key(
@@ -369,6 +379,17 @@ def test_a_bad_config_file_is_a_usage_error_naming_the_key(
             "86400, as 5/600), got '5 per 600'",
         ),
         (("--store-wait", "-1"), "-1"),
+        (("--retain-per-key", "0"), "Error: --retain-per-key must be >= 1, got 0\n"),
+        (("--retain-total", "-3"), "Error: --retain-total must be >= 1, got -3\n"),
+        (
+            ("--retain-for", "-90"),
+            "Error: --retain-for must be a finite number of seconds >= 0, got -90.0\n",
+        ),
+        (
+            ("--retain-for", "an hour"),
+            "Error: Invalid value for '--retain-for': expected a duration such as 90s, 30m, "
+            "1h or 1h30m, or seconds, got 'an hour'\n",
+        ),
         (("--store-commit-window", "2", "--store", FLEET), "2"),
         (
             ("--store-commit-window", "0.01"),
@@ -425,3 +446,48 @@ def test_a_port_in_use_is_one_line_saying_so_and_exit_status_1(tmp_path: Path) -
         f"Error: cannot listen on {address}: the address is already in use (another "
         "runner?); give --listen another HOST:PORT, or port 0 for a free one"
     ], done.stderr
+
+
+def test_a_runner_keeps_the_stopped_generations_retain_per_key_says_with_their_logs(
+    tmp_path: Path,
+) -> None:
+    """With --retain-per-key 3, the three newest Stopped generations of a key stay
+    readable, records and logs; a fourth stop evicts the first, and its log."""
+    key = Key(identity="acme", instance="kept")
+    flags = ("--retain-per-key", "3", "--no-standby")
+
+    async def four_generations(served: Runner) -> None:
+        async with served.host() as host, served.operator() as operators:
+            for generation in (1, 2, 3, 4):
+                record = await host.open(
+                    key, str(generation), expected_generation=generation - 1 or None, lease=LEASE
+                )
+                await host.load(record.handle, Load(specifier="heartbeat:main"))
+                beat = f"beat 1 of acme/kept #{generation}\n"
+
+                async def said(generation: int = generation, beat: str = beat) -> bool:
+                    return beat in await operators.logs(key, generation)
+
+                await until(said, f"{beat!r} in the log")
+                await host.dispose(record.handle)
+                if generation == 3:
+                    kept = [await operators.logs(key, g) for g in (1, 2, 3)]
+                    assert all(f"beat 1 of acme/kept #{g}\n" in kept[g - 1] for g in (1, 2, 3))
+            async with served.http() as http:
+                query = {"identity": "acme", "instance": "kept", "all_generations": "true"}
+                answer = await http.get("/v1/sessions", params=query)
+            assert answer.status_code == 200, answer.text
+            stopped = sorted(
+                (record["handle"]["generation"], record["phase"])
+                for record in answer.json()["sessions"]
+            )
+            assert stopped == [(2, "Stopped"), (3, "Stopped"), (4, "Stopped")]
+            for generation in (2, 3, 4):
+                assert f"beat 1 of acme/kept #{generation}\n" in await operators.logs(
+                    key, generation
+                )
+            with pytest.raises(StaleSessionError, match="no retained generation 1"):
+                await operators.logs(key, 1)
+
+    with serving(tmp_path / "state", *flags) as served:
+        trio.run(four_generations, served)

@@ -34,7 +34,14 @@ from trio_supervisor import (
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.codec import converter
 from trio_supervisor.service.admission import Admission, Capacity
-from trio_supervisor.service.tenants import Ceilings, Fairness, Quota, Tenant, Tenants, token_hash
+from trio_supervisor.service.tenants import (
+    Ceilings,
+    Fairness,
+    Quota,
+    Tenant,
+    Tenants,
+    token_hash,
+)
 from trio_supervisor.service.tenants_file import Roster
 from trio_supervisor.testing import FakeExecution
 
@@ -433,7 +440,8 @@ async def test_usage_against_quota_in_tenants_metrics_and_runners(fake: FakeExec
         await loaded(host, ACME_KEY)
         await host.open(Key(identity="acme", instance="idle"), "r1")
         async with run.bare(OPERATOR_TOKEN) as operator:
-            listed = (await operator.get("/v1/tenants")).json()["tenants"]
+            answer = (await operator.get("/v1/tenants")).json()
+            listed = answer["tenants"]
             scraped = (await operator.get("/metrics")).text
             [here] = (await operator.get("/v1/runners")).json()["runners"]
         by_name = {one["name"]: one for one in listed}
@@ -442,11 +450,14 @@ async def test_usage_against_quota_in_tenants_metrics_and_runners(fake: FakeExec
             "children": 1,
             "memory_bytes": 64 * MIB,
             "cpu_percent": 100 * (os.cpu_count() or 1),  # no CPU ceiling: every core
+            "children_without_cpu_limit": 1,  # which the answer says, with what it counts as
         }
+        assert answer["unlimited_cpu_percent"] == 100 * (os.cpu_count() or 1)
         assert by_name["acme"]["quota"]["sessions"] == 5
         assert by_name["globex"]["usage"]["sessions"] == 0
         assert 'trio_supervisor_tenant_used{resource="children",tenant="acme"} 1.0' in scraped
         assert 'trio_supervisor_tenant_quota{resource="sessions",tenant="acme"} 5.0' in scraped
+        assert "children_without_cpu_limit" not in scraped  # a gauge per resource a quota bounds
         assert 'trio_supervisor_calls_total{call="load",outcome="ok",tenant="acme"} 1.0' in scraped
         assert (here["children"], here["memory_allocated"]) == (1, 64 * MIB)
         assert (here["max_children"], here["allocatable"]) == (7, 1024 * MIB)

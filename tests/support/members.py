@@ -34,7 +34,13 @@ __all__ = [
     "write_tokens",
 ]
 
-RUNNER_LEASE: Final = 1.0  # each runner's row: renewed every third of it
+# Each runner's row: renewed every third of it, and trusted for four fifths of it from
+# when its last renewal was sent, so a renewal may come 1.4 s late before its runner
+# fences itself. The tests that wait for a row to expire (a runner killed, frozen or cut
+# off) wait a runner lease longer for each: a short one, but not so short that a busy
+# machine fences a runner no test stopped (at 1 s, trusted for 0.8 s, one of the rolling
+# restart's runners fenced itself on a machine at a load of 6 on 2 cores).
+RUNNER_LEASE: Final = 3.0
 SESSION_LEASE: Final = 2.0  # each session's
 GRACE: Final = 0.5
 CONFIRMATION: Final = 1.0

@@ -19,7 +19,7 @@ from typing import Final
 import trio
 
 from trio_supervisor.executions import DEFAULT_CHILD_USERS
-from trio_supervisor.executions._groups import read_stat
+from trio_supervisor.executions.trees._groups import read_stat
 
 from . import ROOT
 from .waits import settled

@@ -46,21 +46,20 @@ wrote nothing (``abc.Store.save``: a cancelled save either completes or writes n
 so a task of the supervisor's takes the stop over, and the cancellation goes on out.
 
 The lifecycle (:class:`~trio_supervisor._core.lifecycle.Lifecycle`) decides which move is
-legal; this module persists, signals, waits and publishes.
+legal; this module persists, signals, waits and publishes. What the supervisor gives a
+session, and the replies it publishes through, are in ``services.py``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from collections.abc import Sequence
 
 import attrs
 import trio
 
-from ..abc import Execution, Unit
+from ..abc import Unit
 from ..errors import (
-    ExecutionError,
     QuotaExceededError,
     StateStorageError,
     StoreUnavailableError,
@@ -68,7 +67,6 @@ from ..errors import (
     TerminationUnconfirmedError,
 )
 from ..model import (
-    ChildIdentity,
     CodeIdentity,
     Exited,
     ExitStatus,
@@ -86,16 +84,22 @@ from ..model import (
     log_fields,
 )
 from ..realtime import bounded
-from .health import Health
 from .lifecycle import Lifecycle, stop_error
+from .services import (
+    Reply,
+    Services,
+    adapter_call,
+    adapter_error,
+    code_of,
+    identity_of,
+    task_name,
+)
 from .termination import NO_CHILD, faults, release, terminate
 
-__all__ = ["Reply", "Services", "Session", "adapter_call", "adapter_error", "task_name"]
+__all__ = ["Session"]
 
 # The public name, not the private module's.
 logger = logging.getLogger("trio_supervisor.session")
-
-_T = TypeVar("_T")
 
 # Seconds a store save may take before a stop gives up on it (it has two: Stopping and
 # Stopped). Stores must answer in bounded time; this only keeps a broken one from
@@ -104,128 +108,6 @@ SAVE_BOUND = 30.0
 # Seconds between two tries of a stop's save while the store is out of reach (B3); the
 # store itself tries again within its own wait before it says so.
 SAVE_RETRY = 0.5
-
-
-class Reply(Generic[_T]):
-    """A result published once and read by any number of waiters.
-
-    The event that wakes waiters is made by the first one to wait: most replies (an
-    idle session's outcome) are never waited for before they are set, or never set.
-    """
-
-    __slots__ = ("_event", "done", "error", "value")
-
-    def __init__(self) -> None:
-        self._event: trio.Event | None = None
-        self.done = False
-        self.value: _T | None = None
-        self.error: SupervisorError | None = None
-
-    def set(self, value: _T) -> None:
-        if not self.done:
-            self.value = value
-            self._wake()
-
-    def fail(self, error: SupervisorError) -> None:
-        if not self.done:
-            self.error = error
-            self._wake()
-
-    def _wake(self) -> None:
-        self.done = True
-        if self._event is not None:
-            self._event.set()
-
-    def result(self) -> _T:
-        """The published value, or a copy of the published error raised; once done."""
-        if self.error is not None:
-            raise self.error.again()
-        assert self.value is not None
-        return self.value
-
-    async def wait(self) -> _T:
-        if self.done:
-            await trio.lowlevel.checkpoint()
-        else:
-            if self._event is None:
-                self._event = trio.Event()
-            await self._event.wait()
-        return self.result()
-
-
-class Persist(Protocol):
-    """Makes a record durable (and poisons on failure); with a quota claim, a fleet's
-    store counts it first (F9) and may refuse it with ``QuotaExceededError``."""
-
-    def __call__(
-        self, record: SessionRecord, quota: QuotaClaim | None = None
-    ) -> Awaitable[None]: ...
-
-
-@attrs.define
-class Services:
-    """What a session needs of the supervisor that owns it.
-
-    Attributes:
-        execution: Spawns the session's child.
-        health: Poisoned by a failure the supervisor cannot vouch for (H1).
-        persist: Makes a record durable (and poisons on failure), counting a quota
-            claim in a fleet (:class:`Persist`).
-        persist_together: Makes several records durable in one transaction where the
-            store can (and poisons on failure).
-        spawn: Starts a task in the supervisor's nursery: ``spawn(function, name)``.
-        grace: Seconds between the interrupt and the kill (P3).
-        confirmation: Seconds to wait for an exit after the kill, and for a release.
-        stopped: Called once the session's Stopped record is durable (P5): from then
-            on its record answers for it.
-        ended: Called once the stop is over, before anyone hears of it (P6).
-    """
-
-    execution: Execution
-    health: Health
-    persist: Persist
-    persist_together: Callable[[Sequence[SessionRecord]], Awaitable[None]]
-    spawn: Callable[[Callable[[], Awaitable[Any]], str], None]
-    grace: float
-    confirmation: float
-    stopped: Callable[[Session], None]
-    ended: Callable[[Session], None]
-    # The graces of the terminations under way; all cut short by skip_grace.
-    graces: set[trio.CancelScope] = attrs.field(factory=set)
-    hurried: bool = False
-
-    def skip_grace(self) -> None:
-        """From now on, terminations go straight from the interrupt to the kill."""
-        self.hurried = True
-        for scope in self.graces:
-            scope.cancel()
-
-
-def adapter_error(error: Exception, what: str) -> SupervisorError:
-    """An adapter's failure as one of the documented errors."""
-    if isinstance(error, SupervisorError):
-        return error
-    wrapped = ExecutionError(f"{what} failed: {error!r}")
-    wrapped.__cause__ = error
-    return wrapped
-
-
-async def adapter_call(call: Awaitable[_T], what: str) -> _T:
-    """Await an adapter call; its failures become documented errors."""
-    try:
-        return await call
-    except Exception as error:
-        raise adapter_error(error, what) from error
-
-
-def task_name(role: str, handle: Handle) -> str:
-    """What a debugger or an instrument shows for a session's task: role, key, generation.
-
-    Made for every session task, so not from the handle's repr (which costs more).
-    """
-    return (
-        f"trio_supervisor {role} {handle.key.identity}/{handle.key.instance} #{handle.generation}"
-    )
 
 
 def _fields(handle: Handle) -> dict[str, object]:
@@ -251,7 +133,7 @@ class Session:
         "unit",
     )
 
-    def __init__(self, record: OpenRecord, deadline: float, services: Services) -> None:
+    def __init__(self, record: OpenRecord, deadline: float, services: Services[Session]) -> None:
         self._services = services
         self.lifecycle = Lifecycle(record, deadline)
         self.opened_at = deadline - record.lease  # when its lease began (O9)
@@ -478,7 +360,7 @@ class Session:
             )
             # The unit belongs to the session from here: it is released when the session ends.
             self.spawned = unit
-            record = lifecycle.child_record(_identity_of(unit), trio.current_time())
+            record = lifecycle.child_record(identity_of(unit), trio.current_time())
             await adapter_call(
                 unit.renew(lifecycle.remaining(trio.current_time())),
                 "forwarding the lease to the child",
@@ -493,7 +375,7 @@ class Session:
             nursery.start_soon(self._watch_exit, unit, name=task_name("exit watcher", handle))
             await adapter_call(unit.start(), "starting the child")
             self.started = True
-            code = _code_of(unit)
+            code = code_of(unit)
             loaded = lifecycle.loaded_record(code, trio.current_time())
             await services.persist(loaded)
             lifecycle.loaded(code)
@@ -682,19 +564,3 @@ class Session:
         )
         failure.__cause__ = unavailable
         raise services.health.poison(failure)
-
-
-def _identity_of(unit: Unit) -> ChildIdentity:
-    identity = unit.identity
-    if not isinstance(identity, ChildIdentity):
-        raise ExecutionError(
-            f"the unit's identity is a {type(identity).__name__}, not a ChildIdentity"
-        )
-    return identity
-
-
-def _code_of(unit: Unit) -> CodeIdentity:
-    code = unit.code
-    if not isinstance(code, CodeIdentity):
-        raise ExecutionError(f"the unit's code is a {type(code).__name__}, not a CodeIdentity")
-    return code

@@ -62,7 +62,8 @@ from ..model import (
 from .events import DEFAULT_BUFFER, Watch
 from .keylocks import KeyLocks
 from .lifecycle import stop_error
-from .session import Services, Session
+from .services import Services
+from .session import Session
 
 if TYPE_CHECKING:
     from .lifetime import Parts
@@ -140,7 +141,8 @@ class Supervisor:
             return elsewhere
 
     async def high_water(self, key: Key) -> int | None:
-        """Return the highest generation ever opened for ``key``, or None (S2)."""
+        """Return the highest generation ever opened for ``key``, or None (S2); in a
+        fleet, as the store knows it, for another runner may have opened the key since."""
         await trio.lowlevel.checkpoint()
         if not isinstance(key, Key):
             raise TypeError(f"key must be a Key, not {type(key).__name__}")

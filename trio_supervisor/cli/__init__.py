@@ -44,6 +44,8 @@ for command in (
     _operate.dispose,
     _operate.health,
     _operate.drain,
+    _operate.usage,
+    _operate.dashboard,
 ):
     main.add_command(command)
 main.add_command(_tenants.tenants)

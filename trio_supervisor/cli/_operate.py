@@ -1,33 +1,35 @@
-"""The operator's commands: a runner's sessions, runners, logs, dispose, drain and health,
-through the client (``client.py``)."""
+"""The operator's commands: a runner's sessions, runners, logs, dispose, drain, health,
+its tenants' usage and a sign-in link to its dashboard, through the client (``client/``)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import sys
+import webbrowser
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
+import attrs
 import click
 import httpx
 import trio
 from rich.console import Console
 from rich.table import Table
 
+from .. import _defaults as defaults
 from .._fields import Seconds
 from ..client import RemoteSupervisor, connect
 from ..codec import converter
 from ..errors import RunnerUnreachableError, SupervisorError
 from ..model import Key, Phase, RunnerInfo, Termination
 from ..service.wire import DEFAULT_DRAIN_DEADLINE, DRAIN_DEADLINE
-from ._common import count, moment, print_table
+from ._common import DEFAULTS, count, moment, print_table
 
 # -- the operator's commands: a runner's sessions, runners, logs, dispose, health ----------
 
-DEFAULT_URL = "http://127.0.0.1:8470"
-CONNECT_FOR: Final = 2.0  # seconds the client commands try a runner that refuses them
+DEFAULT_URL: Final = f"http://{defaults.LISTEN}"  # where serve listens by default
 
 
 def _client_options(command: Any) -> Any:
@@ -43,17 +45,25 @@ def _client_options(command: Any) -> Any:
     return click.option(
         "--state",
         type=click.Path(path_type=Path, file_okay=False),
-        default=Path("runner-state"),
+        default=DEFAULTS.state,
         show_default=True,
         help="The runner's state directory, where its operator token is.",
     )(command)
 
 
-def _operator_token(state: Path, token_file: Path | None) -> str:
-    path = token_file or state / "operator-token"
+def _operator_token(state: Path, token_file: Path | None, *, needed: bool = True) -> str | None:
+    """The operators' token, from ``token_file`` or where a runner on ``state`` keeps it.
+
+    Args:
+        needed: Whether the call needs it; if not, a token missing where the runner would
+            keep it is None (a ``--token-file`` given and not read is still an error).
+    """
+    path = attrs.evolve(DEFAULTS, state=state, operator_token_file=token_file).operator_token_path
     try:
         return path.read_text().strip()
     except OSError as error:
+        if not needed and token_file is None:
+            return None
         raise click.UsageError(
             f"cannot read the operators' token {path}: {error.strerror}; give --token-file "
             "or run this where the runner's state directory is"
@@ -61,14 +71,25 @@ def _operator_token(state: Path, token_file: Path | None) -> str:
 
 
 def _run_client(
-    url: str, state: Path, token_file: Path | None, call: Callable[[RemoteSupervisor], Any]
+    url: str,
+    state: Path,
+    token_file: Path | None,
+    call: Callable[[RemoteSupervisor], Any],
+    *,
+    token_needed: bool = True,
 ) -> Any:
-    """Run ``call`` with a client; a runner's error is printed, with exit status 1."""
-    token = _operator_token(state, token_file)
+    """Run ``call`` with a client; a runner's error is printed, with exit status 1.
+
+    Args:
+        token_needed: Whether the call needs the operators' token; if not, it is sent
+            when it can be read, and the call is made without it when it cannot.
+    """
+    token = _operator_token(state, token_file, needed=token_needed)
 
     async def main() -> Any:
-        # An operator at a terminal wants to hear soon that nothing answers.
-        async with connect(url, token=token, connect_for=CONNECT_FOR) as runner:
+        # An operator at a terminal wants to hear soon that nothing answers: both clients
+        # try a refused connection for OPERATOR_CONNECT_FOR, not a host's 5 s.
+        async with connect(url, token=token, connect_for=defaults.OPERATOR_CONNECT_FOR) as runner:
             return await call(runner)
 
     try:
@@ -150,6 +171,11 @@ def _table(records: list[dict[str, Any]], title: str | None = None) -> Table:
 @_client_options
 @click.option("--phase", type=click.Choice([phase.value for phase in Phase]), help="Only these.")
 @click.option("--identity", help="Only the sessions of this identity.")
+@click.option(
+    "--all-generations",
+    is_flag=True,
+    help="Every retained generation of each key, not only its newest.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def sessions(
     url: str,
@@ -157,19 +183,44 @@ def sessions(
     token_file: Path | None,
     phase: str | None,
     identity: str | None,
+    all_generations: bool,
     as_json: bool,
 ) -> None:
-    """List a runner's sessions: what runs, and why things stopped."""
+    """List a runner's sessions, the newest generation of each key: what runs, and why
+    things stopped."""
     found: list[dict[str, Any]] = _run_client(
-        url, state, token_file, lambda runner: runner.sessions(phase=phase, identity=identity)
+        url,
+        state,
+        token_file,
+        lambda runner: runner.sessions(
+            phase=phase, identity=identity, all_generations=all_generations
+        ),
     )
     if as_json:
         click.echo(json.dumps(found, indent=2))
         return
-    print_table(Console(), _table(found, title=f"{count(len(found), 'session')} at {url}"))
+    which = "" if all_generations else ", the newest generation of each key"
+    print_table(Console(), _table(found, title=f"{count(len(found), 'session')} at {url}{which}"))
 
 
-_RUNNER_COLUMNS = ("runner", "epoch", "advertise", "started", "lease until", "alive", "sessions")
+_RUNNER_COLUMNS = (
+    "runner",
+    "epoch",
+    "advertise",
+    "started",
+    "lease until",
+    "alive",
+    "sessions",
+    "taken over",
+)
+
+
+def _taken_over(info: RunnerInfo) -> str:
+    """When and by whom a dead runner's records were taken over (its epoch moved on to
+    fence it: no new incarnation), or "-"."""
+    if info.taken_over_at is None:
+        return "-"
+    return f"{moment(info.taken_over_at)} by {info.taken_over_by or 'another runner'}"
 
 
 @click.command()
@@ -193,6 +244,64 @@ def runners(url: str, state: Path, token_file: Path | None, as_json: bool) -> No
             moment(info.lease_until),
             ("draining" if info.draining else "yes") if info.alive else "no",
             str(info.sessions),
+            _taken_over(info),
+        )
+    print_table(Console(), table)
+
+
+def _bytes_text(value: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}".replace(".0 ", " ")
+    return f"{value} B"
+
+
+def _against(used: int, quota: int | None, text: Callable[[int], str] = str) -> str:
+    return text(used) if quota is None else f"{text(used)} of {text(quota)}"
+
+
+def _cpu_ceilings(usage: dict[str, Any], quota: int | None, unlimited: int) -> str:
+    """The children's summed CPU ceilings, and why they may read high: a child without
+    one counts as every core."""
+    text = _against(int(usage["cpu_percent"]), quota, lambda percent: f"{percent}%")
+    without = int(usage.get("children_without_cpu_limit", 0))
+    if without:
+        cores = f"{unlimited / 100:g} core{'' if unlimited == 100 else 's'}"
+        if without == 1:
+            text += f" (1 child without a limit counts as {cores})"
+        else:
+            text += f" ({without} children without a limit count as {cores} each)"
+    return text
+
+
+_USAGE_COLUMNS = ("tenant", "sessions", "children", "memory ceilings", "CPU ceilings")
+
+
+@click.command()
+@_client_options
+@click.option("--json", "as_json", is_flag=True, help="Print the runner's answer as JSON.")
+def usage(url: str, state: Path, token_file: Path | None, as_json: bool) -> None:
+    """What each tenant holds, against its quota: its live sessions, its children, and
+    their summed memory and CPU ceilings (not what they use). A child without a CPU
+    ceiling counts as every core of the runner's machine, one without a memory ceiling
+    as the memory the runner gives its children."""
+    answer: dict[str, Any] = _run_client(url, state, token_file, lambda runner: runner.tenants())
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    unlimited = int(answer.get("unlimited_cpu_percent", 100))
+    found = sorted(answer["tenants"], key=lambda tenant: str(tenant["name"]))
+    table = Table(title=f"{count(len(found), 'tenant')} at {url}", header_style="bold")
+    for column in _USAGE_COLUMNS:
+        table.add_column(column, no_wrap=column == "tenant")
+    for tenant in found:
+        used, quota = tenant["usage"], tenant.get("quota") or {}
+        table.add_row(
+            str(tenant["name"]),
+            _against(int(used["sessions"]), quota.get("sessions")),
+            _against(int(used["children"]), quota.get("children")),
+            _against(int(used["memory_bytes"]), quota.get("memory_bytes"), _bytes_text),
+            _cpu_ceilings(used, quota.get("cpu_percent"), unlimited),
         )
     print_table(Console(), table)
 
@@ -231,17 +340,23 @@ def show(
     generation: int | None,
     as_json: bool,
 ) -> None:
-    """Show a session's records (every retained generation, or the one given)."""
+    """Show a key's records: every retained generation, newest first, or the one given."""
     _key(identity, instance)
     found: list[dict[str, Any]] = _run_client(
-        url, state, token_file, lambda runner: runner.sessions(identity=identity)
+        url,
+        state,
+        token_file,
+        lambda runner: runner.sessions(identity=identity, instance=instance, all_generations=True),
     )
-    chosen = [
-        record
-        for record in found
-        if record["handle"]["key"]["instance"] == instance
-        and (generation is None or record["handle"]["generation"] == generation)
-    ]
+    chosen = sorted(
+        (
+            record
+            for record in found
+            if record["handle"]["key"]["instance"] == instance
+            and (generation is None or record["handle"]["generation"] == generation)
+        ),
+        key=lambda record: -int(record["handle"]["generation"]),
+    )
     if not chosen:
         which = f" generation {generation}" if generation is not None else ""
         raise click.ClickException(f"StaleSession: no retained {identity}/{instance}{which}")
@@ -259,7 +374,15 @@ def show(
 @click.argument("identity")
 @click.argument("instance")
 @click.argument("generation", type=click.IntRange(min=1))
-@click.option("--tail", type=click.IntRange(min=1), help="Only the last TAIL bytes.")
+@click.option(
+    "--tail",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Only the last N lines (a last line without a newline counts).",
+)
+@click.option(
+    "--tail-bytes", type=click.IntRange(min=1), metavar="N", help="Only the last N bytes."
+)
 @click.option("--follow", "-f", is_flag=True, help="Keep printing what the child writes.")
 def logs(
     url: str,
@@ -269,13 +392,16 @@ def logs(
     instance: str,
     generation: int,
     tail: int | None,
+    tail_bytes: int | None,
     follow: bool,
 ) -> None:
     """Print what a session's child wrote."""
     key = _key(identity, instance)
+    if tail is not None and tail_bytes is not None:
+        raise click.UsageError("give --tail (lines) or --tail-bytes (bytes), not both")
 
     async def read(runner: RemoteSupervisor) -> None:
-        text = await runner.logs(key, generation, tail=tail)
+        text = await runner.logs(key, generation, tail=tail, tail_bytes=tail_bytes)
         click.echo(text, nl=False)
         if not follow:
             return
@@ -294,7 +420,10 @@ def logs(
 
 
 async def _still_running(runner: RemoteSupervisor, key: Key, generation: int) -> bool:
-    for record in await runner.sessions(identity=key.identity):
+    listed = await runner.sessions(
+        identity=key.identity, instance=key.instance, all_generations=True
+    )
+    for record in listed:
         handle = record["handle"]
         if handle["key"]["instance"] == key.instance and handle["generation"] == generation:
             return bool(record["phase"] != Phase.STOPPED.value)
@@ -332,8 +461,11 @@ def dispose(
 @_client_options
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 def health(url: str, state: Path, token_file: Path | None, as_json: bool) -> None:
-    """Whether the runner takes work; exit status 1 when it does not."""
-    answer: dict[str, Any] = _run_client(url, state, token_file, lambda runner: runner.health())
+    """Whether the runner takes work; exit status 1 when it does not. Needs no token
+    (``/readyz`` asks for none): from any machine, ``--url`` is all it takes."""
+    answer: dict[str, Any] = _run_client(
+        url, state, token_file, lambda runner: runner.health(), token_needed=False
+    )
     if as_json:
         click.echo(json.dumps(answer))
     elif answer.get("status") == "ready":
@@ -342,6 +474,24 @@ def health(url: str, state: Path, token_file: Path | None, as_json: bool) -> Non
         if not as_json:
             click.echo(f"{url}: not ready: {answer.get('detail', answer)}", err=True)
         sys.exit(1)
+
+
+@click.command()
+@_client_options
+@click.option("--open", "open_it", is_flag=True, help="Open the link in a browser here.")
+def dashboard(url: str, state: Path, token_file: Path | None, open_it: bool) -> None:
+    """Print a sign-in link to the runner's dashboard: it works once, within minutes, and
+    holds no token (it signs its browser tab in for some hours). Hand it to an operator,
+    or open it with --open."""
+    answer: dict[str, Any] = _run_client(
+        url, state, token_file, lambda runner: runner.dashboard_code()
+    )
+    link = url.rstrip("/") + str(answer["path"])
+    minutes = float(answer["expires_in"]) / 60
+    click.echo(link)
+    click.echo(f"It signs one browser tab in, once, within {minutes:g} minutes.", err=True)
+    if open_it and not webbrowser.open(link):
+        raise click.ClickException("no browser could be opened here: open the link above")
 
 
 @click.command()

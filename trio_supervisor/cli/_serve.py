@@ -103,6 +103,33 @@ class _Users(click.ParamType[range, Any]):
         return users
 
 
+class _Duration(click.ParamType[float, Any]):
+    """A duration: seconds (``90``, ``0.5``), or numbers each with a unit (``90s``,
+    ``30m``, ``1h``, ``2d``, ``1h30m``), as seconds; a TOML number is seconds. Whether
+    the field takes it (not negative) is the field's own check."""
+
+    name = "DURATION"
+    UNITS: Final = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+    PART: Final = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([smhd])")
+    WHOLE: Final = re.compile(f"(?:{PART.pattern})+")
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)  # seconds: a TOML number, or converted already
+        text = value.strip() if isinstance(value, str) else ""
+        with contextlib.suppress(ValueError):
+            return float(text)  # plain seconds (nan and inf are the field's to refuse)
+        if not self.WHOLE.fullmatch(text):
+            self.fail(
+                f"expected a duration such as 90s, 30m, 1h or 1h30m, or seconds, got {value!r}",
+                param,
+                ctx,
+            )
+        return sum(float(number) * self.UNITS[unit] for number, unit in self.PART.findall(text))
+
+
 _LIMITS: Final = "trio_supervisor.limits"  # where the file's [limits] are kept
 _HINTS: Final = typing.get_type_hints(RunnerConfig)  # each flag's type is its field's
 
@@ -187,6 +214,8 @@ def _option(field: attrs.Attribute[Any]) -> Callable[[Any], Any]:
         )
     elif kind is bool:
         flag = f"{flag}/--no-{flag.removeprefix('--')}"
+    elif field.name == "retain_for":
+        options["type"] = _Duration()
     elif kind in (float, float | None):
         options["type"] = float
     elif kind in (int, int | None):

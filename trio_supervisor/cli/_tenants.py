@@ -17,6 +17,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from .. import _defaults as defaults
 from .._fields import Check
 from ..service.tenants import Quota, Tenant, TenantsError, token_hash
 from ..service.tenants_file import (
@@ -32,8 +33,12 @@ from ._common import DEFAULTS, checked, count, print_table
 
 # -- the tenants file: tenants add, list, revoke (docs/service.md section D) ---------------
 
-_TENANTS_FILE: Final = DEFAULTS.state / "tenants.toml"
+_TENANTS_FILE: Final = DEFAULTS.state / defaults.TENANTS_FILE
 _RELOAD_HINT: Final = "A running runner takes the change on SIGHUP (kill -HUP <its pid>)."
+# Why a tenant needs an identity: its patterns are all it may reach (section D).
+_NO_IDENTITY: Final = (
+    "a tenant reaches only the key identities it is given; with none it could open nothing"
+)
 
 
 def _tenants_file_option(command: Any) -> Any:
@@ -123,15 +128,20 @@ def tenants() -> None:
     "--identity",
     "identities",
     multiple=True,
-    required=True,
     metavar="PATTERN",
-    help="An fnmatch pattern of the key identities the tenant may use (repeatable).",
+    help="An fnmatch pattern of the key identities the tenant may use (repeatable; at "
+    f"least one: {_NO_IDENTITY}; '*' gives it every key).",
 )
 @_quota_options
 @_tenants_file_option
 def add_tenant(name: str, identities: tuple[str, ...], path: Path, **quota: int | None) -> None:
     """Add tenant NAME and print its new token, once: the file keeps only its hash."""
     _refuse_input("name", "NAME", name)
+    if not identities:
+        raise click.UsageError(
+            f"give at least one --identity PATTERN: {_NO_IDENTITY} (--identity '*' "
+            "gives it every key)"
+        )
     _refuse_input("identities", "--identity", identities)
     token = secrets.token_urlsafe(32)
     tenant = Tenant(

@@ -49,7 +49,7 @@ from ..model import (
     Termination,
     log_fields,
 )
-from ._bootstrap import Refused, entry_point, load_failure
+from .child._bootstrap import Refused, entry_point, load_failure
 
 __all__ = ["InProcessExecution", "Plugin", "PluginContext"]
 
@@ -219,8 +219,8 @@ class _TaskUnit:
         context: PluginContext,
     ) -> None:
         self._execution = execution
-        self._identity = identity
-        self._code = code
+        self.identity = identity
+        self.code = code
         self._plugin = plugin
         self._context = context
         self._kill_scope = trio.CancelScope()
@@ -228,14 +228,6 @@ class _TaskUnit:
         self._started = False
         self._exited = trio.Event()
         self._status: ExitStatus | None = None
-
-    @property
-    def identity(self) -> ChildIdentity:
-        return self._identity
-
-    @property
-    def code(self) -> CodeIdentity:
-        return self._code
 
     async def start(self) -> None:
         if self._started or self._exited.is_set():
@@ -246,8 +238,8 @@ class _TaskUnit:
             await trio.lowlevel.checkpoint()
             raise ExecutionError("InProcessExecution is not running")
         self._started = True
-        self._execution._live[self._identity.ref] = self
-        await nursery.start(self._run, name=f"trio_supervisor plugin {self._code.specifier}")
+        self._execution._live[self.identity.ref] = self
+        await nursery.start(self._run, name=f"trio_supervisor plugin {self.code.specifier}")
 
     async def _run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         code: int | None = None
@@ -260,7 +252,7 @@ class _TaskUnit:
             key = self._context.key
             logger.exception(
                 "the in-process plugin %r of %s/%s #%d raised",
-                self._code.specifier,
+                self.code.specifier,
                 key.identity,
                 key.instance,
                 self._context.generation,
@@ -275,7 +267,7 @@ class _TaskUnit:
     def _finish(self, status: ExitStatus) -> None:
         if self._status is None:
             self._status = status
-            self._execution._live.pop(self._identity.ref, None)
+            self._execution._live.pop(self.identity.ref, None)
             self._exited.set()
 
     def cancel_outright(self) -> None:

@@ -41,16 +41,27 @@ Races ``recover`` guards against: the recorded pid was reused by a stranger (its
 time differs, so it is left alone), and the pid exits and is reused between our check
 and our signal (a pidfd pins the process while its start time is checked again).
 
-Where the parts live: this module is the face (construction, spawn, recover, logs);
-``_options`` checks the options it is made with; ``_bringup`` makes the host ready as
-it starts (cgroups, isolation, containment, fork server); ``_protocol`` types the
-messages to and from the bootstrap; ``_containment`` chooses the mechanism;
-``_groups`` reads ``/proc`` and signals, reaps and waits for process groups; ``_trees``
-finds, freezes and kills process trees; ``_unit`` is a child and the control-socket
-protocol; ``_standby`` starts interpreters, and the one kept ahead of the next load;
-``_forkserver`` forks them from a prepared one; ``_output`` copies capped output;
-``_logs`` keeps the logs; ``_claims`` claims what a runner holds of the machine (uids,
-cgroups) in its name, and takes back what runners that are gone held.
+Where the parts live: this module is the face (construction, the run, the logs), and
+composes the rooms beside it, each a folder that imports only the rooms below it:
+
+* ``child/``: the child side, ``_bootstrap.py`` (one standard-library script), and
+  ``_protocol``, the messages between it and the runner, typed once for both;
+* ``trees/``: a child's process tree: ``_groups`` reads ``/proc`` and signals, reaps
+  and waits for process groups, ``_trees`` finds, freezes and kills trees,
+  ``_containment`` chooses how a tree is held (a PID namespace, or the sweep);
+* ``limits/``: what a child may use and reach of the machine: ``_cgroups`` (the
+  machine's hierarchies and this execution's parent in each), ``_tree_cgroup`` (one
+  child's cgroup), ``_pool`` (emptied ones kept), ``_isolation`` (one class per kind)
+  and ``_view`` (which kind, prepared once), ``_claims`` (what a runner holds of the
+  machine, uids and cgroups, in its name, and takes back of runners that are gone);
+* ``starting/``: from options to a resolved child: ``_options`` checks them,
+  ``_bringup`` makes the host ready as the execution starts, ``_standby`` and
+  ``_forkserver`` start interpreters (``_interpreters`` says which), ``_children``
+  spawns a child and takes back what it leaves, ``_unit`` is a child and the control
+  socket's protocol, ``_output`` copies capped output;
+
+and, beside the face, ``_recovery`` (the children of an earlier run, ended) and
+``_logs`` (the children's logs).
 
 Known limits: a child that is not isolated (``isolation="none"``) sees the host's
 ``/proc`` from its namespace, so its ``os.getpid()`` (the namespace's) names another
@@ -63,7 +74,7 @@ descriptors escapes; and a process that stays in uninterruptible sleep is killed
 without being frozen first. In a user namespace (an unprivileged runner) the plugin
 holds capabilities over that namespace only, none over the host.
 
-Hard limits for the whole tree (``_cgroups``): where a cgroup can be written, each child
+Hard limits for the whole tree (``limits/``): where a cgroup can be written, each child
 asking for a tree limit (``memory_bytes``, ``processes``, ``cpu_percent``) has one, which
 T is in before it forks the plugin: made and joined ahead where it can be (the standby
 joins one while it waits, a cold start's interpreter is moved into one as Python boots),
@@ -73,7 +84,7 @@ cgroup then holds its tree with no limit). ``memory_bytes`` is then the tree's
 memory plus swap (no ``RLIMIT_AS``), ``processes`` its ``pids.max`` and
 ``cpu_percent`` its CPU quota; the kill adds ``cgroup.kill``, and ``wait`` returns only
 once the cgroup is empty, which is then kept for a later child (reset, a few at most) or
-removed (``_cgroups.Pool``). An OOM kill is reported in the exit status.
+removed (``limits._pool``). An OOM kill is reported in the exit status.
 Where none can be written, ``memory_bytes`` is ``RLIMIT_AS`` (address space, not
 resident memory) per process, and a load asking for ``processes`` or ``cpu_percent`` is
 refused.
@@ -82,49 +93,38 @@ refused.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
-import re
-import subprocess
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Self
+from typing import Any, ClassVar, Self
 
-import attrs
 import trio
 
-from .._background import open_background_nursery, when_idle
+from .._background import open_background_nursery
 from ..abc import Unit
-from ..errors import ExecutionError, PackageError
-from ..model import ChildIdentity, ExitStatus, Handle, Limits, Load, Termination, thaw
+from ..errors import ExecutionError
+from ..model import ChildIdentity, Handle, Limits, Load, Termination
 from ..realtime import outside_the_run
-from ._bootstrap import LEASE_SLACK
-from ._bringup import Host
-from ._cgroups import ROOT as CGROUP_ROOT
-from ._cgroups import Hierarchies, Pool, TreeCgroup
-from ._containment import Containment, Mechanism
-from ._forkserver import Broken
-from ._groups import boot_id, group_gone, read_stat, reap_group
-from ._isolation import DEFAULT_CHILD_USERS, Grant, Isolated, Isolation, Network
 from ._logs import Logs
-from ._options import Options
-from ._output import copy_output
-from ._protocol import SpawnCommand
-from ._standby import Interpreter, Standby, start_interpreter
-from ._trees import Tree, kill_recorded, process_table
-from ._unit import ProcessUnit, failure
+from ._recovery import recover
+from .child._bootstrap import LEASE_SLACK
+from .limits._cgroups import ROOT as CGROUP_ROOT
+from .limits._cgroups import Hierarchies
+from .limits._isolation import DEFAULT_CHILD_USERS, Isolated, Isolation, Network
+from .limits._pool import Pool
+from .starting._bringup import Host
+from .starting._children import Children
+from .starting._interpreters import Interpreters
+from .starting._options import Options
+from .starting._standby import Standby
+from .trees._containment import Containment, Mechanism
+from .trees._groups import boot_id
 
 __all__ = ["DEFAULT_CHILD_USERS", "SubprocessExecution"]
 
 logger = logging.getLogger(__name__)
-
-ADAPTER = "subprocess"
-# package.module:function, the function's parts public names (see _bootstrap.entry_point).
-ENTRY_POINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z]\w*(\.[A-Za-z]\w*)*$")
-# Interpreters that may boot at once: one per core the runner may use.
-BOOTING = max(len(os.sched_getaffinity(0)), 1)
 
 
 class SubprocessExecution:
@@ -247,16 +247,14 @@ class SubprocessExecution:
         self._logs = Logs(self.state_directory)
         self._nursery: trio.Nursery | None = None
         self._stack: contextlib.AsyncExitStack | None = None
-        self._standby = Standby(self._start_standby)
-        # The tree limits of the last load that resolved under them: from then on each
-        # standby waits in a cgroup of its own, in the hierarchies they need.
-        self._expected: Limits | None = None
-        # The emptied cgroups kept for the next children (none until entered).
+        # The run's parts, made afresh as it is entered: the emptied cgroups kept for
+        # the next children (none until entered), and the standby.
         self._pool = Pool(self._host.cgroups)
-        # One process creation at a time: see _start.
-        self._creating = trio.CapacityLimiter(1)
-        # Interpreters booting at once (started, not yet resolved): see spawn.
-        self._booting = trio.CapacityLimiter(BOOTING)
+        self._interpreters = Interpreters(self.options, self._host, self._pool)
+        self._standby = Standby(self._interpreters.for_standby)
+        self._children = Children(
+            self.options, self._host, self._interpreters, self._standby, self._boot_id
+        )
 
     async def __aenter__(self) -> Self:
         if self._stack is not None:
@@ -266,14 +264,16 @@ class SubprocessExecution:
         self._nursery = await stack.enter_async_context(open_background_nursery())
         self._stack = stack
         self._nursery.start_soon(self._logs.remove_evicted, name="evicted records' logs")
-        self._standby = Standby(self._start_standby)  # afresh: this run may start them
+        # Afresh: this run may start them.
+        self._standby = Standby(self._interpreters.for_standby)
         try:
             await self._host.bring_up(self.options, stack)
         except BaseException as error:
             await self.__aexit__(type(error), error, error.__traceback__)
             raise
         self._pool = Pool(self.cgroups)
-        if self.standby:
+        self._children.enter(self._nursery, self._pool, self._standby)
+        if self.options.standby:
             # Once the containment is known: the standby's T is made for it.
             self._nursery.start_soon(self._standby.run, name="standby interpreter")
         logger.info(
@@ -300,6 +300,7 @@ class SubprocessExecution:
         assert nursery is not None
         self._stack = None
         self._nursery = None
+        self._children.leave()
         self._standby.closing()
         # The output copiers end with their children; any still running are cut off.
         nursery.cancel_scope.cancel()
@@ -316,77 +317,12 @@ class SubprocessExecution:
             # Its cgroup went with it: the parents are empty only now.
             self._host.let_go()
 
-    # -- the options, as given (read-only), and the host as bring-up left it -----------
+    # -- the host as bring-up left it (the options are ``options``, as checked) ---------
 
     @property
     def state_directory(self) -> Path:
         """Where the logs, and the children's private directories, are (absolute)."""
         return self.options.state_directory
-
-    @property
-    def entry_paths(self) -> tuple[str, ...]:
-        """Where entry points are found (resolved)."""
-        return self.options.entry_paths
-
-    @property
-    def commands(self) -> dict[str, tuple[str, ...]]:
-        """The named commands, ``name -> argv``."""
-        return self.options.commands
-
-    @property
-    def environment(self) -> dict[str, str]:
-        """The extra environment of every child."""
-        return self.options.environment
-
-    @property
-    def python(self) -> str:
-        """The interpreter that runs the bootstrap."""
-        return self.options.python
-
-    @property
-    def subreaper(self) -> bool:
-        """Whether this process is a child subreaper while the execution runs."""
-        return self.options.subreaper
-
-    @property
-    def standby(self) -> bool:
-        """Whether one bootstrap interpreter is kept started ahead of the next load."""
-        return self.options.standby
-
-    @property
-    def containment(self) -> Containment:
-        """The containment asked for (:attr:`mechanism` is the one chosen)."""
-        return self.options.containment
-
-    @property
-    def fork_server(self) -> bool:
-        """Whether children are forked by a fork server."""
-        return self.options.fork_server
-
-    @property
-    def preload(self) -> tuple[str, ...]:
-        """What the fork server imports before it forks anyone."""
-        return self.options.preload
-
-    @property
-    def cgroup_root(self) -> Path | None:
-        """Where the cgroup hierarchies are mounted (None: no cgroups)."""
-        return self.options.cgroup_root
-
-    @property
-    def isolation(self) -> Isolation:
-        """The isolation asked for (:attr:`isolated` is the one prepared)."""
-        return self.options.isolation
-
-    @property
-    def isolation_users(self) -> range:
-        """The uids isolated children get."""
-        return self.options.isolation_users
-
-    @property
-    def network(self) -> Network:
-        """The children's network: "host", or "none"."""
-        return self.options.network
 
     @property
     def cgroups(self) -> Hierarchies:
@@ -455,184 +391,6 @@ class SubprocessExecution:
 
     # -- spawn and recover ------------------------------------------------------------
 
-    def _kind(self, load: Load) -> Literal["command", "python"]:
-        """What ``load`` names: a named command, or an entry point on the entry paths.
-
-        Raises:
-            PackageError: Neither, or an entry point where no entry path is configured.
-        """
-        specifier = load.specifier
-        if specifier in self.commands:
-            return "command"
-        if ENTRY_POINT.match(specifier):
-            if not self.entry_paths:
-                raise PackageError(
-                    f"no entry paths are configured, so {specifier!r} cannot be loaded"
-                )
-            return "python"
-        commands = ", ".join(sorted(self.commands)) or "none"
-        hint = (
-            f" (did you mean {specifier}:main, a function main in the module {specifier}?)"
-            if ":" not in specifier and specifier.replace(".", "").replace("_", "").isalnum()
-            else ""
-        )
-        raise PackageError(
-            f"{specifier!r} is neither a configured command (configured: {commands}) "
-            "nor a package.module:function entry point whose function is a public name"
-            f"{hint}"
-        )
-
-    def _spec(self, handle: Handle, load: Load, limits: Limits) -> SpawnCommand:
-        """The spawn message for ``load`` (see ``_bootstrap.py``)."""
-        limits = self.cgroups.rlimits(limits)  # what a cgroup holds is not setrlimit's
-        spec: SpawnCommand = {
-            "command": "spawn",
-            "kind": self._kind(load),
-            "specifier": load.specifier,
-            "limits": {
-                "memory_bytes": limits.memory_bytes,
-                "cpu_seconds": limits.cpu_seconds,
-                "open_files": limits.open_files,
-                "file_size_bytes": limits.file_size_bytes,
-            },
-            "context": {
-                "identity": handle.key.identity,
-                "instance": handle.key.instance,
-                "generation": handle.generation,
-                "config": thaw(load.config),
-            },
-        }
-        if spec["kind"] == "command":
-            spec["argv"] = list(self.commands[load.specifier])
-        else:
-            spec["paths"] = list(self.entry_paths)
-        return spec
-
-    def _environment(self, handle: Handle) -> dict[str, str]:
-        environment = self.options.base_environment()
-        environment["TRIO_SUPERVISOR_IDENTITY"] = handle.key.identity
-        environment["TRIO_SUPERVISOR_INSTANCE"] = handle.key.instance
-        environment["TRIO_SUPERVISOR_GENERATION"] = str(handle.generation)
-        return environment
-
-    async def _start(
-        self, environment: Mapping[str, str], output: int, *, tree: Limits | None = None
-    ) -> Interpreter:
-        """An interpreter, forked by the fork server or started; with ``tree`` (tree
-        limits), one started is moved into a cgroup of its own while it boots."""
-        server = self._host.server
-        if server is not None and self._nursery is not None:
-            if server.running:
-                try:
-                    return await server.fork(environment, output)
-                except Broken as error:
-                    logger.warning("%s; this load starts its own interpreter", error)
-            server.restart_soon(self._nursery)
-        return await self._start_cold(environment, output, tree=tree)
-
-    async def _start_cold(
-        self, environment: Mapping[str, str], output: int, *, tree: Limits | None = None
-    ) -> Interpreter:
-        # Created one at a time (``creating``): trio starts each process in a thread,
-        # and a burst of loads would run that many fork+exec threads at once, which
-        # starve the event loop of the GIL for hundreds of milliseconds. Serialized, a
-        # burst costs the same total time and the loop goes on serving other sessions
-        # between creations.
-        return await start_interpreter(
-            self.python,
-            self._host.bootstrap,
-            environment=environment,
-            output=output,
-            directory=self.state_directory,
-            containment=self.mechanism.spec,
-            strict=self.mechanism.required,
-            creating=self._creating,
-            keep=self._host.keep,
-            # The limits are written as it resolves, not before it boots: one that it
-            # cannot boot under fails the load as the request's fault (PackageError).
-            join=None if tree is None else functools.partial(self._prepared, limits=tree),
-        )
-
-    def _prepared(self, pid: int, limits: Limits) -> TreeCgroup | None:
-        """(In a worker thread.) A cgroup made for ``pid`` with it inside (see
-        :meth:`Hierarchies.prepared`; one the pool kept where it has one), or None where
-        that fails: T then joins one as it resolves, as it would unprepared."""
-        try:
-            kept = self._pool.take(self.cgroups.controllers(limits))
-            if kept is not None:
-                kept.prepare(pid)
-                return kept
-            return self.cgroups.prepared(pid, limits)
-        except OSError as error:
-            logger.debug("no cgroup prepared for the interpreter %d: %s", pid, error)
-            return None
-
-    async def _start_standby(self) -> Interpreter:
-        # Output goes nowhere until the spawn message names the session's log.
-        if self._host.server is None or not self._host.server.running:
-            interpreter = await self._start_cold(
-                self.options.base_environment(), subprocess.DEVNULL
-            )
-        else:
-            nowhere = os.open(os.devnull, os.O_WRONLY)
-            try:
-                interpreter = await self._start(self.options.base_environment(), nowhere)
-            finally:
-                os.close(nowhere)
-        if self.python == sys.executable:  # our bootstrap, as root (see _join_ahead)
-            if self._expected is not None:
-                self._join_ahead(interpreter, self._expected)
-            if self.isolated.ahead:
-                self._isolate_ahead(interpreter)
-        return interpreter
-
-    def _isolate_ahead(self, interpreter: Interpreter) -> None:
-        """Grant the standby's child its uid and private directory now, and have the
-        standby fork its plugin while it waits, in namespaces of its own: the fork, the
-        copy of the view and its mounts (most of what isolating a child costs) are then
-        not the load's (see ``_bootstrap.Ahead``). Where no uid is free now, the load
-        claims one (looking at the claims again), or says why it cannot.
-
-        Never waits: the standby's start keeps what it started even as the execution
-        exits (``Standby.fill``). A standby discarded gives its grant back.
-        """
-        if self._nursery is None:
-            return  # the execution exits, and discards it
-        try:
-            grant = self.isolated.claim_now()
-        except OSError as error:
-            logger.debug("no uid granted ahead to the standby: %s", error)
-            return
-        if grant is None:
-            return
-        try:
-            interpreter.isolate_ahead(grant, self.isolated.spec(grant), self.isolated.release)
-        except OSError as error:  # it is gone: discarded, it gives the grant back
-            logger.debug("no namespaces prepared for the standby: %s", error)
-
-    def _join_ahead(self, interpreter: Interpreter, expected: Limits) -> None:
-        """Have the standby make its cgroup, in the hierarchies the last load's limits
-        needed, and join it while it waits: the mkdirs and the move (which waits for the
-        kernel, see _cgroups) are its own, not the runner's; the load that takes it
-        writes its limits. Where that fails (or the load took it first), the load makes
-        what is missing before its spawn message, and the standby joins as it reads
-        that, as it would unprepared."""
-        pid = interpreter.process.pid
-        started = interpreter.start_time()
-        if started is None:
-            return  # it is gone: the load that takes it finds so
-        controllers = self.cgroups.controllers(expected)
-        cgroup = self._pool.take(controllers)
-        if cgroup is None:
-            cgroup = self.cgroups.child(f"{pid}-{started}", Limits())
-            cgroup.controllers = controllers
-        try:
-            interpreter.join_ahead(cgroup)
-        except OSError as error:  # it is gone, and made nothing
-            logger.debug("no cgroup prepared for the standby %d: %s", pid, error)
-            if cgroup.reused:
-                self._pool.put_back(cgroup)  # as it was: nothing joined it
-
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
         """Start the bootstrap for ``load``; return once it resolved the code.
 
@@ -646,201 +404,7 @@ class SubprocessExecution:
             raise ExecutionError(
                 "SubprocessExecution is not running: enter it with `async with` first"
             )
-        # A burst of loads boots that many interpreters at once, and on a small machine
-        # they take every core from the event loop. Booted a few at a time, the burst
-        # takes the same total time and the loop keeps serving everyone else.
-        # The bootstrap's time is not the run's: a virtual clock waits for it (realtime.py).
-        with outside_the_run():
-            try:
-                # Free: taking it is no schedule point (the spawn's wait for its child
-                # is one).
-                self._booting.acquire_nowait()
-            except trio.WouldBlock:
-                await self._booting.acquire()
-            try:
-                return await self._spawn(nursery, handle, load, limits)
-            finally:
-                self._booting.release()
-
-    async def _spawn(
-        self, nursery: trio.Nursery, handle: Handle, load: Load, limits: Limits
-    ) -> ProcessUnit:
-        self.cgroups.refuse(limits)
-        tree = limits if self.cgroups.wanted(limits) else None
-        spec = self._spec(handle, load, limits)
-        log = self.log_path(handle)
-        # Capped output is copied through a pipe made here, so only an uncapped load
-        # can take the interpreter started ahead.
-        standby = self._standby.take(nursery) if limits.output_bytes is None else None
-        if standby is not None:
-            # Started ahead: it learns where its output goes and its environment now.
-            warm: SpawnCommand = {
-                **spec,
-                "log": str(log),
-                "environment": self._environment(handle),
-            }
-            unit = await self._prepare(nursery, load, standby, warm, None, log, limits)
-            if unit is not None:
-                return unit
-            # It died before it answered: nothing of the caller's ran; start afresh.
-        if limits.output_bytes is None:
-            # No cap: the child writes into its log file itself, and nothing is copied.
-            reader, writer = -1, os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        else:
-            reader, writer = os.pipe()
-        try:
-            interpreter = await self._start(self._environment(handle), writer, tree=tree)
-        except BaseException as error:
-            if reader >= 0:
-                os.close(reader)
-            if isinstance(error, OSError):
-                raise ExecutionError(
-                    f"cannot start the child for {load.specifier!r}: {error}"
-                ) from error
-            raise
-        finally:
-            os.close(writer)
-        copied = reader if reader >= 0 else None
-        unit = await self._prepare(nursery, load, interpreter, spec, copied, log, limits)
-        if unit is None:
-            # It died before it reported: under limits, it could not run under them
-            # (too little memory, say), which is the request's fault.
-            raise failure({"event": "eof"}, load.specifier, _rlimits_text(limits))
-        return unit
-
-    async def _prepare(
-        self,
-        nursery: trio.Nursery,
-        load: Load,
-        interpreter: Interpreter,
-        spec: SpawnCommand,
-        reader: int | None,
-        log: Path,
-        limits: Limits,
-    ) -> ProcessUnit | None:
-        """Send the spawn message; the resolved unit, or None if the child died first.
-
-        ``reader`` is the pipe of capped output (copied into ``log``), or None when
-        the child writes its log itself.
-        """
-        process = interpreter.process
-        started = interpreter.start_time()
-        cgroup = interpreter.cgroup
-        joined = False
-        if cgroup is not None:
-            # Prepared (the standby's, or the one its maker was moved into as it booted):
-            # the unit writes only the limits as it resolves (none for a load that asks
-            # for none: the cgroup then holds the tree without limiting it), and makes
-            # the hierarchies it needs that it lacks. A standby
-            # joined it itself (and joins what was added); a started T is in it unless
-            # its maker forked it before the move.
-            wider = cgroup.cover(limits)
-            cgroup.limits = limits
-            joined = (
-                not wider
-                and cgroup.prepared_for is not None
-                and (cgroup.prepared_for == process.pid or cgroup.holds(process.pid))
-            )
-        elif self.cgroups.wanted(limits):
-            # Made by the unit as it resolves, unless one kept is given to it.
-            cgroup = self._pool.take(self.cgroups.controllers(limits))
-            if cgroup is None:
-                cgroup = self.cgroups.child(f"{process.pid}-{started}", limits)
-            cgroup.limits = limits
-        if cgroup is not None:
-            if joined:
-                spec = {**spec, "joined": cgroup.procs}  # for T to remove it, orphaned
-            elif self.python == sys.executable:
-                # T joins before it forks P (unless it joined these while it waited).
-                spec = {**spec, "cgroups": cgroup.procs}
-            else:
-                # Another interpreter may run as another user (a wrapper that drops
-                # privileges): we move T in ourselves as the unit resolves.
-                cgroup.member = process.pid
-        grant = None
-        if self.isolated.used:
-            # Claimed ahead for a standby, which made its plugin's namespaces for it;
-            # the same spec tells it to use them.
-            grant = interpreter.take_grant()
-            if grant is None:
-                try:
-                    grant = await self.isolated.claim()
-                except BaseException:
-                    await interpreter.discard()
-                    raise
-            spec = {**spec, "isolation": self.isolated.spec(grant)}
-        identity = ChildIdentity(
-            adapter=ADAPTER,
-            ref=f"{process.pid}:{started}",
-            pid=process.pid,
-            pgid=process.pid,
-            start_time=started,
-            boot_id=self._boot_id,
-            cgroup=None if cgroup is None else cgroup.path,
-            uid=None if grant is None else grant.uid,
-        )
-        if cgroup is not None and cgroup.reused:
-            self._pool.given(cgroup, identity.ref)  # see recover
-        unit = ProcessUnit(
-            process,
-            identity,
-            interpreter.control,
-            load,
-            marker=interpreter.marker,
-            containment=self.mechanism.kind,
-            limits=_rlimits_text(limits),
-            cgroup=cgroup,
-            gone=functools.partial(self._release, grant),
-        )
-        if reader is None:
-            unit.output_done.set()
-        else:
-            nursery.start_soon(
-                copy_output,
-                reader,
-                log,
-                limits.output_bytes,
-                unit.output_done,
-                name=f"output of {load.specifier}",
-            )
-        if not await unit.resolve(spec):
-            return None
-        if self.cgroups.wanted(limits):
-            self._expected = limits  # the hierarchies the next standby makes
-        return unit
-
-    def _release(self, grant: Grant | None, cgroup: TreeCgroup | None) -> None:
-        """A child is gone: its empty cgroup is kept for another child or removed, its
-        private directory goes and its uid is free again, in the background (see
-        :meth:`_let_go`)."""
-        if self._nursery is None:
-            return  # the execution has exited: its next start removes what is left
-        if cgroup is not None or grant is not None:
-            self._nursery.start_soon(self._let_go, cgroup, grant, name="a gone child's leftovers")
-
-    async def _let_go(self, cgroup: TreeCgroup | None, grant: Grant | None) -> None:
-        """Take back what a gone child left once the loop is idle: after its termination
-        is reported, and never between the steps of a request someone waits for. What
-        waits on the kernel runs in a worker thread (see TreeCgroup.remove_blocking): the
-        cgroup is reset for the pool, or removed (Pool.keep). An execution that exits
-        waits for that (a bounded wait); what a crash leaves, its next start removes."""
-        with trio.CancelScope(shield=True):  # given back even if cancelled
-            await when_idle()
-            try:
-                if grant is not None:
-                    # First: what the files of its private directory hold of memory is
-                    # charged to the cgroup until they go (Pool.keep looks at that).
-                    await self.isolated.release(grant)
-            finally:
-                if cgroup is not None:
-                    await self._keep(cgroup)
-
-    async def _keep(self, cgroup: TreeCgroup) -> None:
-        with outside_the_run():  # the kernel's time, not the run's (realtime.py)
-            try:
-                await trio.to_thread.run_sync(self._pool.keep, cgroup)
-            except OSError as error:
-                logger.warning("cannot remove the cgroup %s: %s", cgroup.path, error)
+        return await self._children.spawn(nursery, handle, load, limits, self.log_path(handle))
 
     async def recover(self, child: ChildIdentity) -> Termination:
         """Make sure a child left by an earlier run is gone; never touch anyone else.
@@ -854,93 +418,15 @@ class SubprocessExecution:
         Where the child had a cgroup, whatever is still in it is killed then, and it is
         removed; unless this execution emptied it of that child and keeps it, or gave it to
         another since (a runner that heals itself recovers its own records: see
-        ``_cgroups``, Pool.held_from).
+        ``_recovery``, and ``Pool.held_from``).
 
         Raises:
             ExecutionError: ``child`` was not made by this execution.
         """
-        if child.adapter != ADAPTER or child.pid is None or child.pgid is None:
-            raise ExecutionError(f"{child} was not made by the subprocess execution")
-        termination = await self._recover_tree(child, child.pid, child.pgid)
-        if child.uid is not None and child.boot_id == self._boot_id:
-            await self.isolated.recovered(child.uid)
-        if child.cgroup is None or child.boot_id != self._boot_id or not self.cgroups.used:
-            return termination  # after a reboot, no cgroup of that run is left
-        try:
-            cgroup = self.cgroups.recorded(child.cgroup)
-        except ValueError as error:
-            logger.warning("recovery leaves a cgroup alone: %s", error)
-            return termination
-        if self._pool.held_from(child.cgroup, child.ref):
-            logger.info(
-                "recovery leaves the cgroup %s alone: its child's stop emptied it, and it "
-                "is kept for another child, or holds one",
-                child.cgroup,
-            )
-            return termination
-        # The tree is killed by now: what is still in the cgroup escaped every other hold.
-        left = await cgroup.emptied()
-        await cgroup.remove()
-        if not left:
-            return termination
-        status = termination.exit
-        killed = attrs.evolve(status, descendants_killed=status.descendants_killed + left)
-        return Termination(kind="killed", exit=killed)
-
-    async def _recover_tree(self, child: ChildIdentity, pid: int, pgid: int) -> Termination:
-        gone = Termination(kind="exited", exit=ExitStatus(code=None, signal=None))
-        if child.boot_id != self._boot_id:
-            await trio.lowlevel.checkpoint()
-            return gone
-        stat = read_stat(pid)
-        if stat is not None and stat.running:
-            if stat.start_time == child.start_time:
-                status = await kill_recorded(pid, pgid, child.start_time)
-                if status is None:  # it exited, or its pid went to a stranger, meanwhile
-                    return Termination(kind="exited", exit=ExitStatus())
-                _log_orphans(pid, pgid, leader=True, descendants=status.descendants_killed)
-                return Termination(kind="killed", exit=status)
-            # The pid was reused, so nothing holds its number as a group or session id.
-            await trio.lowlevel.checkpoint()
-            return gone
-        left = {
-            member: found
-            for member, found in process_table().items()
-            if found.running and pgid in (found.pgid, found.session)
-        }
-        if left:
-            # The child is dead, its group or session is not: only its descendants can
-            # hold those ids. Frozen and killed with everything below them.
-            tree = Tree()
-            for member, found in left.items():
-                tree.pin(member, found.start_time)
-            tree.freeze(list(left))
-            tree.kill()
-            await tree.gone()
-            await group_gone(pgid)
-            _log_orphans(pid, pgid, leader=False, descendants=len(left))
-            return Termination(kind="killed", exit=ExitStatus(descendants_killed=len(left)))
-        reap_group(pgid)
-        await trio.lowlevel.checkpoint()
-        return gone
-
-
-def _log_orphans(pid: int, pgid: int, *, leader: bool, descendants: int) -> None:
-    """Say what recovery killed of a child an earlier run left; no key is known here."""
-    logger.warning(
-        "recovery found the child %d of an earlier run %s, and killed %d processes of its group %d",
-        pid,
-        "alive" if leader else "gone",
-        descendants + 1 if leader else descendants,
-        pgid,
-        extra={"pid": pid, "pgid": pgid, "descendants_killed": descendants},
-    )
-
-
-def _rlimits_text(limits: Limits) -> str:
-    """The rlimits a child runs under, as ``name=value, ...`` (empty: none)."""
-    return ", ".join(
-        f"{name}={value}"
-        for name, value in attrs.asdict(limits).items()
-        if value is not None and name != "output_bytes"
-    )
+        return await recover(
+            child,
+            boot_id=self._boot_id,
+            cgroups=self.cgroups,
+            isolated=self.isolated,
+            pool=self._pool,
+        )

@@ -46,10 +46,10 @@ from typing import Final
 import attrs
 import trio
 
-from .._core.supervisor import Supervisor
 from ..errors import QuotaExceededError, RunnerFullError, ThrottledError
 from ..model import Key, Limits, Phase, QuotaClaim, SessionRecord
 from .ledger import NOTHING, Ledger, Usage, holds_child
+from .served import ServedSupervisor
 from .tenants import Ceilings, Quota, Tenant, effective_limits
 
 __all__ = ["Admission", "Capacity", "Usage", "holds_child"]
@@ -106,7 +106,7 @@ class Admission:
 
     def __init__(
         self,
-        supervisor: Supervisor,
+        supervisor: ServedSupervisor,
         *,
         ceilings: Ceilings | None = None,
         capacity: Capacity | None = None,
@@ -202,6 +202,12 @@ class Admission:
                 total += self._ledger.take(record)
         return total
 
+    @property
+    def unlimited_cpu_percent(self) -> int:
+        """What a child without a CPU ceiling counts as in ``cpu_percent``: every core
+        of this machine (100 a core)."""
+        return self._weigh(Limits())[1]
+
     def _weigh(self, limits: Limits) -> tuple[int, int]:
         """A child's memory and CPU as counted: its ceilings, or where it has none the
         most it could take (the allocatable memory, every core)."""
@@ -255,8 +261,7 @@ class Admission:
         if record is None or record.phase is not Phase.OPEN:
             yield
             return
-        memory, cpu = self._weigh(record.limits)
-        child = Usage(children=1, memory_bytes=memory, cpu_percent=cpu)
+        child = self._ledger.child(record.limits)
         if tenant is not None and _bounds(tenant.quota):
             used = self.usage(tenant)
             for name in ("children", "memory_bytes", "cpu_percent"):

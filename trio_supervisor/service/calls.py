@@ -30,6 +30,7 @@ from ..errors import (
     PackageError,
     ProblemCode,
     QuotaExceededError,
+    RunnerAccessError,
     RunnerClosingError,
     RunnerDrainingError,
     RunnerFullError,
@@ -52,6 +53,7 @@ from .wire import (
     LoadBody,
     OpenBody,
     Problem,
+    SignInBody,
     status_of,
 )
 
@@ -77,12 +79,14 @@ class Param:
         schema: What it accepts (``type``, ``minimum``, ``maximum``, ``enum``, ...).
         required: Whether a call without it is refused.
         default: Its value when it is absent (or empty).
+        description: What it means, for the document.
     """
 
     name: str
     schema: Mapping[str, Any]
     required: bool = False
-    default: int | None = None
+    default: int | bool | None = None
+    description: str | None = None
 
     def read(self, query: Mapping[str, str]) -> Any:
         """The parameter's value in ``query``, checked against :attr:`schema`.
@@ -97,6 +101,10 @@ class Param:
             return self.default
         if "enum" in self.schema and text not in self.schema["enum"]:
             raise self._refused(f"must be one of {', '.join(self.schema['enum'])}")
+        if self.schema.get("type") == "boolean":
+            if text not in ("true", "false"):
+                raise self._refused("must be true or false")
+            return text == "true"
         if self.schema.get("type") != "integer":
             return text
         try:
@@ -204,6 +212,54 @@ def _key_param(name: str) -> Param:
 
 _PHASES: Final = [phase.value for phase in Phase]
 
+_COUNT: Final = {"type": "integer", "minimum": 0}
+# A tenant as GET /v1/tenants lists it; its usage is described field by field, for what
+# it counts is not what a reader guesses (a sum of ceilings, not a measure of use).
+_TENANT_ENTRY: Final = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "identities": {"type": "array", "items": {"type": "string"}},
+        "quota": {"type": "object", "description": "Its quota by resource (null: no quota)."},
+        "usage": {
+            "type": "object",
+            "description": "What it holds now, by the resources its quota bounds.",
+            "properties": {
+                "sessions": {**_COUNT, "description": "Live (not Stopped) sessions."},
+                "children": {
+                    **_COUNT,
+                    "description": "Children, from their load's first record until Stopped.",
+                },
+                "memory_bytes": {
+                    **_COUNT,
+                    "description": "The children's summed memory ceilings; one without "
+                    "counts as the runner's allocatable memory.",
+                },
+                "cpu_percent": {
+                    **_COUNT,
+                    "description": "The children's summed CPU ceilings (100 is one core), "
+                    "not the CPU they use; one without a ceiling counts as every core "
+                    "(unlimited_cpu_percent).",
+                },
+                "children_without_cpu_limit": {
+                    **_COUNT,
+                    "description": "How many of the children have no CPU ceiling.",
+                },
+            },
+            "required": [
+                "sessions",
+                "children",
+                "memory_bytes",
+                "cpu_percent",
+                "children_without_cpu_limit",
+            ],
+        },
+        "limits": {"type": "object"},
+        "fairness": {"type": "object"},
+    },
+    "required": ["name", "identities", "quota", "usage", "limits", "fairness"],
+}
+
 CALLS: Final[tuple[Call, ...]] = (
     # -- the session calls: one each per supervisor method --------------------------------
     Call(
@@ -285,8 +341,9 @@ CALLS: Final[tuple[Call, ...]] = (
     # -- the operator calls -------------------------------------------------------------
     Call(
         name="sessions",
-        summary="Every retained record of the fleet, with its runner, tokens left out, in "
-        "pages (operators; a tenant sees its own keys).",
+        summary="The fleet's sessions, the newest retained generation of each key (or every "
+        "retained record), with their runners, tokens left out, in pages (operators; a "
+        "tenant sees its own keys).",
         role="operators",
         answer={
             "sessions": {"type": "array", "items": {"$ref": "#/components/schemas/PublicRecord"}},
@@ -294,28 +351,66 @@ CALLS: Final[tuple[Call, ...]] = (
             "runner": {"type": "string", "description": "The id of the runner answering."},
         },
         params=(
-            Param(name="phase", schema={"enum": _PHASES}),
-            Param(name="identity", schema={"type": "string"}),
+            Param(
+                name="phase",
+                schema={"enum": _PHASES},
+                description="Only the records in this phase (of those listed: without "
+                "all_generations, a key whose newest generation is in another phase is not "
+                "listed).",
+            ),
+            Param(
+                name="identity",
+                schema={"type": "string"},
+                description="Only the keys of this identity.",
+            ),
+            Param(
+                name="instance",
+                schema={"type": "string"},
+                description="Only the keys of this instance.",
+            ),
+            Param(
+                name="all_generations",
+                schema={"type": "boolean"},
+                default=False,
+                description="Every retained generation of each key (how many stopped ones "
+                "are retained is the runner's retention), not only its newest.",
+            ),
             Param(
                 name="limit",
                 schema={"type": "integer", "minimum": 1, "maximum": MAX_PAGE},
                 default=PAGE,
+                description="Records per page.",
             ),
-            Param(name="after", schema={"type": "string"}),
+            Param(
+                name="after",
+                schema={"type": "string"},
+                description="The cursor the last page gave as its next.",
+            ),
         ),
         errors=(*_TENANT, *_RUNNER),
         tenants_see_own=True,
     ),
     Call(
         name="logs",
-        summary="The tail of a child's log (operators; a tenant, of its own keys).",
+        summary="A child's log, or its last lines or bytes (operators; a tenant, of its own keys).",
         role="operators",
         media="text/plain",
         params=(
             _key_param("identity"),
             _key_param("instance"),
             Param(name="generation", schema={"type": "integer", "minimum": 1}, required=True),
-            Param(name="tail", schema={"type": "integer", "minimum": 0}, default=0),
+            Param(
+                name="tail",
+                schema={"type": "integer", "minimum": 1},
+                description="Only the log's last TAIL lines (a last line without a newline "
+                "counts). Not with tail_bytes; without either, the whole log.",
+            ),
+            Param(
+                name="tail_bytes",
+                schema={"type": "integer", "minimum": 1},
+                description="Only the log's last TAIL_BYTES bytes (a character they cut reads "
+                "as U+FFFD). Not with tail.",
+            ),
         ),
         errors=(*_TENANT, StaleSessionError, *_RUNNER),
         tenants_see_own=True,
@@ -365,7 +460,14 @@ CALLS: Final[tuple[Call, ...]] = (
         summary="Each tenant's identities, quota, ceilings and fairness, and what it uses "
         "(operators; a tenant sees itself).",
         role="operators",
-        answer={"tenants": {"type": "array", "items": {"type": "object"}}},
+        answer={
+            "tenants": {"type": "array", "items": _TENANT_ENTRY},
+            "unlimited_cpu_percent": {
+                "type": "integer",
+                "description": "What one child without a CPU ceiling counts as in "
+                "usage.cpu_percent: every core of this runner's machine, 100 a core.",
+            },
+        },
         errors=(*_TENANT, *_RUNNER),
         tenants_see_own=True,
     ),
@@ -398,9 +500,39 @@ CALLS: Final[tuple[Call, ...]] = (
     ),
     Call(
         name="dashboard",
-        summary="The dashboard: a page for operators (it asks for their token).",
+        summary="The dashboard: a page for operators. It asks for their token, or, opened "
+        "as a sign-in link (/?code=CODE, POST /v1/dashboard/codes), trades the code once "
+        "for a sign-in (POST /v1/dashboard/sign-in).",
         role=None,
         media="text/html",
+    ),
+    Call(
+        name="dashboard_codes",
+        summary="A one-time code for a dashboard sign-in link, URL/?code=CODE (operators).",
+        role="operators",
+        answer={
+            "code": {"type": "string"},
+            "path": {"type": "string", "description": "The link's path: /?code=CODE."},
+            "expires_in": {
+                "type": "number",
+                "description": "Seconds the code may be used in, once.",
+            },
+        },
+        errors=_RUNNER,
+    ),
+    Call(
+        name="dashboard_sign_in",
+        summary="Trade a sign-in link's code, once, for a sign-in token the runner takes as "
+        "the operators' for a while (the dashboard does this).",
+        role=None,
+        body=SignInBody,
+        answer={
+            "token": {"type": "string", "description": "A bearer token, as the operators'."},
+            "expires_in": {"type": "number", "description": "Seconds the sign-in lasts."},
+        },
+        overrides={
+            RunnerAccessError: (401, "the code is wrong, was used already, or expired"),
+        },
     ),
 )
 

@@ -14,22 +14,18 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Final
 
 import attrs
 
-from .._core.supervisor import Supervisor
+from .. import _defaults as defaults
 from ..errors import PackageError
 from ..executions.subprocess import SubprocessExecution
 from ..model import Limits
 from .admission import Admission, Capacity
+from .served import ServedSupervisor
 from .tenants import Ceilings
 
 __all__ = [
-    "CHILDREN_PER_CORE",
-    "DEFAULT_MEMORY",
-    "DEFAULT_PROCESSES",
-    "DEFAULT_RESERVE",
     "Found",
     "capacity_of",
     "machine_memory",
@@ -38,12 +34,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-GIB: Final = 1 << 30
-DEFAULT_RESERVE: Final = GIB  # bytes of the machine kept from the children
-CHILDREN_PER_CORE: Final = 64
-DEFAULT_PROCESSES: Final = 4096  # every child's process ceiling, by default and at most
-DEFAULT_MEMORY: Final = GIB  # every child's memory ceiling when nobody asks for one
 
 
 def machine_memory() -> tuple[int, str]:
@@ -79,8 +69,11 @@ def out_of_the_box(allocatable: int) -> Ceilings:
     D): a memory ceiling of 1 GiB by default and the allocatable memory at most, and
     4096 processes."""
     return Ceilings(
-        default=Limits(memory_bytes=min(DEFAULT_MEMORY, allocatable), processes=DEFAULT_PROCESSES),
-        max=Limits(memory_bytes=allocatable, processes=DEFAULT_PROCESSES),
+        default=Limits(
+            memory_bytes=min(defaults.CHILD_MEMORY, allocatable),
+            processes=defaults.CHILD_PROCESSES,
+        ),
+        max=Limits(memory_bytes=allocatable, processes=defaults.CHILD_PROCESSES),
     )
 
 
@@ -95,8 +88,8 @@ class Found:
 
 
 def capacity_of(max_children: int | None, reserve_memory: int) -> Found:
-    """The runner's capacity: ``max_children`` (None: ``CHILDREN_PER_CORE`` per core), and
-    the memory :func:`machine_memory` finds less ``reserve_memory``.
+    """The runner's capacity: ``max_children`` (None: ``_defaults.CHILDREN_PER_CORE``
+    per core), and the memory :func:`machine_memory` finds less ``reserve_memory``.
 
     Raises:
         ValueError: The reserve leaves the children no memory.
@@ -108,14 +101,14 @@ def capacity_of(max_children: int | None, reserve_memory: int) -> Found:
             f"--reserve-memory {reserve_memory:,} leaves the children no memory: "
             f"{source} is {memory:,} bytes"
         )
-    most = max_children or CHILDREN_PER_CORE * (os.cpu_count() or 1)
+    most = max_children or defaults.CHILDREN_PER_CORE * (os.cpu_count() or 1)
     return Found(
         Capacity(max_children=most, allocatable=allocatable), memory, source, reserve_memory
     )
 
 
 def runner_admission(
-    supervisor: Supervisor,
+    supervisor: ServedSupervisor,
     execution: SubprocessExecution,
     found: Found,
     limits: Ceilings | None,

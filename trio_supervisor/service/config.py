@@ -21,14 +21,14 @@ import attrs
 
 from .. import _defaults as defaults
 from .. import _fields as fields
-from .capacity import CHILDREN_PER_CORE, DEFAULT_RESERVE
+from ..retention import Retention
 from .tenants import Ceilings
 from .wire import DRAIN_DEADLINE
 
 __all__ = ["DEFAULT_LISTEN", "FLAG", "ConfigError", "RunnerConfig", "parse_listen"]
 
 
-DEFAULT_LISTEN: Final = "127.0.0.1:8470"
+DEFAULT_LISTEN: Final = defaults.LISTEN
 
 
 class ConfigError(ValueError):
@@ -65,6 +65,19 @@ DEFAULT_RUNNER_LEASE: Final = defaults.RUNNER_LEASE
 RUNNER_LEASE: Final = fields.Seconds(minimum=1.0, inclusive=True, maximum=3600.0)
 STORE_WAIT: Final = fields.Seconds(minimum=0.0, inclusive=True, maximum=3600.0)
 COMMIT_WINDOW: Final = fields.Seconds(minimum=0.0, inclusive=True, maximum=1.0)
+# How long a Stopped record is kept past --retain-per-key: any duration, 0 for none.
+RETAIN_FOR: Final = fields.Seconds(minimum=0.0, inclusive=True)
+
+
+def _refuse_retained(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        fields.count.check(name, value)  # refused in a count's words
+    elif value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+# Stopped records kept, per key or in all: one at least (retention.Retention's bounds).
+RETAINED: Final = fields.Check(_refuse_retained, minimum=1)
 DEFAULT_RESTART_LIMIT: Final = f"{defaults.RESTART_LIMIT[0]}/{defaults.RESTART_LIMIT[1]:g}"
 
 
@@ -165,12 +178,15 @@ class RunnerConfig:
             ``default``.
         limits: The runner's ceilings (``[limits]`` in TOML), over the ones every child
             gets out of the box (:func:`out_of_the_box`).
-        max_children: Children at once; None: ``CHILDREN_PER_CORE`` per core.
+        max_children: Children at once; None: ``_defaults.CHILDREN_PER_CORE`` per core.
         reserve_memory: Bytes of the machine's memory the children's memory ceilings
             may not take.
         store_wait: Seconds a store call out of reach is tried again (docs/design.md, B1).
         store_commit_window: Seconds a save to a fleet's database may wait for others to
             share its commit (``PostgresStore(commit_window=...)``).
+        retain_per_key, retain_total, retain_for: The store's retention
+            (:class:`~trio_supervisor.retention.Retention`'s ``stopped_per_key``,
+            ``stopped_total`` and ``stopped_for``, in seconds).
         restart_limit: ``N/SECONDS``: how often the runner makes a new incarnation of a
             poisoned supervisor before it exits for its service manager (B5).
         drain_on_sigterm: Seconds: SIGTERM drains the runner with this deadline
@@ -178,7 +194,7 @@ class RunnerConfig:
     """
 
     state: Path = attrs.field(
-        default=Path("runner-state"),
+        default=Path(defaults.STATE),
         converter=Path,
         metadata=_flag(
             "The state directory: store, children's logs, tokens (made 0700).",
@@ -334,12 +350,12 @@ class RunnerConfig:
         default=None,
         validator=fields.optional(fields.at_least(1)),
         metadata=_flag(
-            f"Children at once, at most [default: {CHILDREN_PER_CORE} per core].",
+            f"Children at once, at most [default: {defaults.CHILDREN_PER_CORE} per core].",
             metavar="N",
         ),
     )
     reserve_memory: int = attrs.field(
-        default=DEFAULT_RESERVE,
+        default=defaults.RESERVE_MEMORY,
         validator=fields.count,
         metadata=_flag(
             "Bytes of the machine's memory kept from the children: their memory ceilings "
@@ -377,6 +393,35 @@ class RunnerConfig:
             metavar="SECONDS",
         ),
     )
+    retain_per_key: int = attrs.field(
+        default=defaults.STOPPED_PER_KEY,
+        validator=RETAINED,
+        metadata=_flag(
+            "Stopped records of a key the store keeps, newest first (1 at least); older "
+            "ones go, with their children's logs, unless --retain-for keeps them.",
+            metavar="N",
+        ),
+    )
+    retain_total: int = attrs.field(
+        default=defaults.STOPPED_TOTAL,
+        validator=RETAINED,
+        metadata=_flag(
+            "Stopped records the store keeps in all (a fleet's database: the fleet's), the "
+            "cap on storage: past it the oldest go, however young.",
+            metavar="N",
+        ),
+    )
+    retain_for: float = attrs.field(
+        default=defaults.STOPPED_FOR,
+        converter=fields.as_float,
+        validator=RETAIN_FOR,
+        metadata=_flag(
+            "How long a Stopped record and its log are kept after it stopped, even past "
+            "--retain-per-key, so that a lost runner's records can still be read: 90s, "
+            "30m, 1h, 2d, or seconds (0: none).",
+            metavar="DURATION",
+        ),
+    )
     restart_limit: str = attrs.field(
         default=DEFAULT_RESTART_LIMIT,
         validator=_restart_limit,
@@ -396,6 +441,15 @@ class RunnerConfig:
             metavar="SECONDS",
         ),
     )
+
+    @property
+    def retention(self) -> Retention:
+        """The store's retention, from ``retain_per_key``, ``retain_total``, ``retain_for``."""
+        return Retention(
+            stopped_per_key=self.retain_per_key,
+            stopped_total=self.retain_total,
+            stopped_for=self.retain_for,
+        )
 
     @property
     def hosts_token_path(self) -> Path:

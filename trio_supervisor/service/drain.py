@@ -30,10 +30,10 @@ from typing import Final
 
 import trio
 
-from .._core.supervisor import Supervisor
 from ..abc import FleetStore
 from ..errors import RunnerDrainingError
 from ..model import SessionRecord
+from .served import ServedSupervisor
 
 __all__ = ["RETRY_DRAINING", "Drain"]
 
@@ -50,7 +50,7 @@ class Drain:
             while the runner does not drain.
     """
 
-    def __init__(self, supervisor: Supervisor, store: FleetStore | None = None) -> None:
+    def __init__(self, supervisor: ServedSupervisor, store: FleetStore | None = None) -> None:
         self._supervisor = supervisor
         self._store = store
         self._deadline = math.inf  # on Trio's clock

@@ -28,7 +28,6 @@ import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from pathlib import Path
 from typing import Any, Final
 
 import trio
@@ -46,11 +45,13 @@ from ..errors import (
     SupervisorError,
     TerminationUnconfirmedError,
 )
-from .app import OPERATORS, bearer_caller
+from .callers import OPERATORS, bearer_caller
 from .calls import CALLS
 from .metrics import Metrics
 from .openapi import document
-from .operators import dashboard_page, dashboard_response, metrics_response
+from .routes.dashboard import dashboard_page, dashboard_response
+from .routes.health import metrics_response
+from .sign_in import SignIns
 from .tenants_file import Roster
 from .wire import problem_body
 
@@ -233,14 +234,16 @@ def restarting_app(
     operator_token: str,
     tenants: Roster,
     metrics: Metrics,
-    token_file: Path | None = None,
+    sign_ins: SignIns | None = None,
 ) -> Starlette:
     """What answers while no incarnation serves (see the module docs).
 
     Every call of the table is served under its path: a call that needs a token still
     answers 401 without a valid one, so that the restart tells nothing to a stranger.
+    ``sign_ins``: the dashboard's sign-ins by code, whose pages keep their sign-in across
+    the restart.
     """
-    page = dashboard_page(token_file)
+    page = dashboard_page()
     operators = operator_token.encode()
     openapi = document()
 
@@ -262,7 +265,7 @@ def restarting_app(
             if name == "dashboard":
                 return dashboard_response(page)
             if role is not None:
-                caller = bearer_caller(request, operators, tenants)
+                caller = bearer_caller(request, operators, tenants, sign_ins)
                 if caller is None:
                     return JSONResponse(
                         problem_body(401, RunnerAccessError.code, "a valid bearer token is needed"),

@@ -30,12 +30,24 @@ _ORDER: Final = {phase: rank for rank, phase in enumerate(Phase)}
 
 @attrs.frozen(kw_only=True)
 class Usage:
-    """What one tenant (or the runner) holds: the counts a quota bounds."""
+    """What one tenant (or the runner) holds: the counts a quota bounds, and how many of
+    its children have no CPU ceiling (each counts as every core in ``cpu_percent``).
+
+    Attributes:
+        sessions: Live (not Stopped) sessions.
+        children: Children, from their load's first record until they are Stopped.
+        memory_bytes: The children's summed memory ceilings (one without: the
+            allocatable memory).
+        cpu_percent: The children's summed CPU ceilings, 100 a core (one without: every
+            core of the runner's machine), not the CPU they use.
+        children_without_cpu_limit: Of those children, the ones without a CPU ceiling.
+    """
 
     sessions: int = 0
     children: int = 0
     memory_bytes: int = 0
     cpu_percent: int = 0
+    children_without_cpu_limit: int = 0
 
     def __add__(self, other: Usage) -> Usage:
         return Usage(
@@ -43,6 +55,9 @@ class Usage:
             children=self.children + other.children,
             memory_bytes=self.memory_bytes + other.memory_bytes,
             cpu_percent=self.cpu_percent + other.cpu_percent,
+            children_without_cpu_limit=(
+                self.children_without_cpu_limit + other.children_without_cpu_limit
+            ),
         )
 
     def __sub__(self, other: Usage) -> Usage:
@@ -51,6 +66,9 @@ class Usage:
             children=self.children - other.children,
             memory_bytes=self.memory_bytes - other.memory_bytes,
             cpu_percent=self.cpu_percent - other.cpu_percent,
+            children_without_cpu_limit=(
+                self.children_without_cpu_limit - other.children_without_cpu_limit
+            ),
         )
 
 
@@ -99,8 +117,17 @@ class Ledger:
             return NOTHING
         if not holds_child(record):
             return Usage(sessions=1)
-        memory, cpu = self._weigh(record.limits)
-        return Usage(sessions=1, children=1, memory_bytes=memory, cpu_percent=cpu)
+        return Usage(sessions=1) + self.child(record.limits)
+
+    def child(self, limits: Limits) -> Usage:
+        """What a child with ``limits`` takes, as counted."""
+        memory, cpu = self._weigh(limits)
+        return Usage(
+            children=1,
+            memory_bytes=memory,
+            cpu_percent=cpu,
+            children_without_cpu_limit=int(limits.cpu_percent is None),
+        )
 
     def note(self, record: SessionRecord) -> None:
         """Count ``record``, the last durable one of its session."""

@@ -30,7 +30,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .._core.events import Overflow
-from .._core.supervisor import Supervisor
 from ..abc import BatchStore, FleetMember, FleetStore, Store
 from ..model import (
     FleetRecord,
@@ -46,6 +45,7 @@ from ..model import (
     StoppingRecord,
 )
 from ..retention import Retention
+from .served import ServedSupervisor
 
 __all__ = ["Metrics", "TimedFleetStore", "TimedStore", "timed"]
 
@@ -55,7 +55,7 @@ PREFIX: Final = "trio_supervisor"
 class _Snapshot(Collector):
     """The gauges read from the supervisor when Prometheus scrapes."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: ServedSupervisor) -> None:
         self._supervisor = supervisor
 
     def collect(self) -> Iterator[Metric]:
@@ -208,7 +208,7 @@ class Metrics:
         """Count one answered call."""
         self.calls.labels(call=call, outcome=outcome, tenant=tenant).inc()
 
-    async def follow(self, supervisor: Supervisor) -> None:
+    async def follow(self, supervisor: ServedSupervisor) -> None:
         """Read the gauges from ``supervisor``, and count its terminations from its
         events until it shuts down (run it as a task beside the supervisor)."""
         snapshot = _Snapshot(supervisor)
@@ -218,7 +218,7 @@ class Metrics:
         finally:
             self.registry.unregister(snapshot)
 
-    async def _count(self, supervisor: Supervisor) -> None:
+    async def _count(self, supervisor: ServedSupervisor) -> None:
         stopping: dict[str, float] = {}
         async with supervisor.watch() as events:
             async for event in events:

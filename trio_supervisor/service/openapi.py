@@ -207,6 +207,7 @@ def _operation(call: Call, schemas: _Schemas) -> dict[str, Any]:
                 "in": "query",
                 "required": param.required,
                 "schema": dict(param.schema),
+                **({"description": param.description} if param.description else {}),
             }
             for param in call.params
         ]

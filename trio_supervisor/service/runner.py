@@ -68,6 +68,7 @@ from .drain import Drain
 from .fleet import Fleet
 from .healing import GAVE_UP, Front, Healer, asgi, restarting_app
 from .metrics import Metrics, timed
+from .sign_in import SignIns
 from .tenants import Tenants, TenantsError, token_hash
 from .tenants_file import Roster
 
@@ -108,6 +109,7 @@ def _fleet_store(config: RunnerConfig, advertise: str, memory: Any = None) -> _R
         runner_id=config.runner_id,
         advertise=advertise,
         runner_lease=config.runner_lease,
+        retention=config.retention,
         store_wait=config.store_wait,
         commit_window=config.store_commit_window,
         memory=memory,
@@ -132,19 +134,19 @@ async def _open_store(config: RunnerConfig, advertise: str, memory: Any = None) 
                 f"{detail}"
             ) from error
         return fleet
-    store = SqliteStore(config.state / "runner.db")
+    store = SqliteStore(config.state / "runner.db", retention=config.retention)
     try:
         await store.open()
     except StateStorageError as error:
         await store.aclose()
-        # SQLite says "database is locked" when another connection holds the file
-        # (ours keep it with locking_mode=EXCLUSIVE): most likely a runner serving there.
+        # Another store owns the file (the store's message names its process: most
+        # likely a runner serving there), or a connection held it past the store's wait.
+        # The store's own words are kept: they name who holds it.
         if "locked" not in error.detail:
             raise
         raise StartupError(
-            f"the store {store.path} is locked by another process (a runner serving on "
-            f"{config.state}?): stop it, or give this runner a state directory of its own "
-            "with --state DIR"
+            f"the store {error.detail}: stop it, or give this runner a state directory of "
+            "its own with --state DIR"
         ) from error
     return store
 
@@ -417,13 +419,14 @@ async def run_runner(
         raise
     metrics = Metrics()
     healer = Healer(config.restarts, metrics)
+    sign_ins = SignIns()  # the dashboard's sign-ins by code outlive an incarnation
     front = Front(
         restarting_app(
             healer,
             operator_token=operator_token,
             tenants=roster,
             metrics=metrics,
-            token_file=config.operator_token_path.absolute(),
+            sign_ins=sign_ins,
         )
     )
     lost_before = 0  # writes failovers lost, found by the stores of earlier incarnations
@@ -477,7 +480,7 @@ async def run_runner(
                     metrics=metrics,
                     fleet=fleet,
                     drain=drain,
-                    operator_token_file=config.operator_token_path.absolute(),
+                    sign_ins=sign_ins,
                 )
                 # Counts until the supervisor shuts down (its events end then).
                 serving.start_soon(metrics.follow, supervisor)

@@ -21,6 +21,7 @@ from typing import Any, Final, TypeVar
 import attrs
 import cattrs
 
+from .. import _defaults as defaults
 from .. import _fields as fields
 from ..codec import converter, describe_error
 from ..errors import (
@@ -58,6 +59,7 @@ __all__ = [
     "LoadBody",
     "OpenBody",
     "Problem",
+    "SignInBody",
     "public_record",
     "read_body",
     "status_for",
@@ -69,7 +71,7 @@ _T = TypeVar("_T")
 MAX_BODY: Final = 1 << 20  # bytes: a larger body is a 413
 # A drain's deadline: 0 stops at once; by default an hour, as Nomad's node drain.
 DRAIN_DEADLINE: Final = fields.Seconds(inclusive=True, maximum=30 * 86400.0)
-DEFAULT_DRAIN_DEADLINE: Final = 3600.0
+DEFAULT_DRAIN_DEADLINE: Final = defaults.DRAIN_DEADLINE
 
 
 # -- request bodies -----------------------------------------------------------------------
@@ -119,6 +121,13 @@ class DrainBody:
     """``POST /v1/admin/drain``: how long the runner's sessions may run on at most."""
 
     deadline: float = attrs.field(default=DEFAULT_DRAIN_DEADLINE, validator=DRAIN_DEADLINE)
+
+
+@attrs.frozen(kw_only=True)
+class SignInBody:
+    """``POST /v1/dashboard/sign-in``: the code of a sign-in link (``sign_in.py``)."""
+
+    code: str = attrs.field(validator=fields.key_text)  # 1 to 128 characters, as a key's
 
 
 @attrs.frozen(kw_only=True)

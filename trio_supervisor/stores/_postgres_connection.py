@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
+from .. import _defaults as defaults
 from .._extras import needs_extra
 from ..retention import Retention
 from ._postgres_sql import listen, session_settings
@@ -32,12 +33,6 @@ with needs_extra("postgres", "trio_supervisor.stores.postgres", "psycopg"):
 __all__ = ["Listener", "Settings", "Watchdog", "describe"]
 
 logger = logging.getLogger("trio_supervisor.stores.postgres")
-
-# TCP keepalive on every connection: an idle socket is probed after KEEPALIVE_IDLE s, then
-# every KEEPALIVE_INTERVAL s, and given up after KEEPALIVE_COUNT unanswered probes.
-KEEPALIVE_IDLE: Final = 5
-KEEPALIVE_INTERVAL: Final = 2
-KEEPALIVE_COUNT: Final = 3
 
 
 def describe(dsn: str) -> tuple[str, str | None]:
@@ -79,7 +74,7 @@ class Settings:
         connect_timeout: float,
         statement_timeout: float,
         store_wait: float,
-        commit_window: float = 0.0,
+        commit_window: float = defaults.COMMIT_WINDOW,
     ) -> None:
         self.dsn = dsn
         self.store_wait = store_wait
@@ -100,10 +95,12 @@ class Settings:
             autocommit=autocommit,
             # libpq takes whole seconds, and treats 1 as 2.
             connect_timeout=max(2, math.ceil(self.connect_timeout)),
+            # TCP keepalive: an idle socket is probed, then probed again, and given up
+            # after a few unanswered probes.
             keepalives=1,
-            keepalives_idle=KEEPALIVE_IDLE,
-            keepalives_interval=KEEPALIVE_INTERVAL,
-            keepalives_count=KEEPALIVE_COUNT,
+            keepalives_idle=defaults.KEEPALIVE_IDLE,
+            keepalives_interval=defaults.KEEPALIVE_INTERVAL,
+            keepalives_count=defaults.KEEPALIVE_COUNT,
             # Unacknowledged data for this long fails the socket, keepalives or not.
             tcp_user_timeout=max(1000, round(self.statement_timeout * 1000)),
             application_name=f"trio_supervisor {self.runner_id}"[:63],
@@ -199,8 +196,8 @@ class Listener:
     payload on to the run.
     """
 
-    POLL: Final = 0.25  # seconds between looks at the stop flag
-    RETRY: Final = 0.5  # seconds between attempts to connect again
+    POLL: Final = defaults.LISTENER_POLL  # seconds between looks at the stop flag
+    RETRY: Final = defaults.LISTENER_RETRY  # seconds between attempts to connect again
 
     def __init__(
         self, settings: Settings, hand: Callable[[str], None], listening: Callable[[], None]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Self
 
 import trio
@@ -21,16 +22,19 @@ class MemoryStore:
 
     Args:
         retention: Which Stopped records to keep.
+        clock: The wall clock a stop's time is read from, for ``retention.stopped_for``
+            (seconds since the Unix epoch); tests give one they move themselves.
     """
 
-    def __init__(self, *, retention: Retention | None = None) -> None:
-        self._index = RecordIndex(retention or Retention())
+    def __init__(
+        self, *, retention: Retention | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
+        self._index = RecordIndex(retention or Retention(), clock=clock)
 
     def copy(self) -> MemoryStore:
         """A new store holding what this one holds now, as a crash would leave it."""
         twin = MemoryStore(retention=self.retention)
-        twin._index.save_all(self._index)
-        twin._index.raise_high_waters(self._index.high_waters())
+        twin._index = self._index.copy()
         return twin
 
     async def __aenter__(self) -> Self:

@@ -40,12 +40,13 @@ Theory of operation
 * Every failure reaches the caller as a :class:`StateStorageError` naming the database
   (never its password) and what failed; a row no record can be read from is a
   :class:`RecordFormatError` naming the row.
+
+This room is the store's face; its part in the fleet (the waits for older generations,
+takeovers, :meth:`PostgresStore.run_member`) is :class:`~._postgres_fleet.Upkeep`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import math
 import queue
@@ -58,49 +59,29 @@ import trio
 
 from .. import _defaults as defaults
 from .. import realtime
-from .._defaults import takeover_margin
-from ..abc import FleetMember
 from ..codec import encode
 from ..errors import (
     RunnerFencedError,
-    StateStorageError,
     StoreUnavailableError,
-    TerminationUnconfirmedError,
 )
-from ..model import FleetRecord, Handle, Key, OpenRecord, QuotaClaim, RunnerInfo, SessionRecord
-from ..realtime import outside_the_run
+from ..model import FleetRecord, Key, OpenRecord, QuotaClaim, RunnerInfo, SessionRecord
 from ..retention import Retention
-from ._jobs import Desk, Job, Opening
-from ._postgres_connection import Listener, Settings
-from ._postgres_worker import Memory, Older, Worker
+from ._jobs import Desk, Job
+from ._postgres_connection import Settings
+from ._postgres_fleet import Upkeep
+from ._postgres_link import Memory
+from ._postgres_records import Older
+from ._postgres_worker import Worker
 
 __all__ = ["PostgresStore"]
 
 logger = logging.getLogger("trio_supervisor.stores.postgres")
 
-# Seconds between two looks at the older generations an open waits for (a notification
-# of their stop wakes it sooner).
-POLL: Final = 0.2
-# The longest a runner takes to hear of a supersede it missed the notification of: its
-# periodic check of live keys runs at least this often.
-MOST_CHECK: Final = 1.0
 # The jobs that write for this runner: refused at once once it is fenced.
 _WRITES: Final = frozenset({"save", "takeover", "draining"})
-# The longest commit_window: a save held longer would be slower than the database.
-MOST_COMMIT_WINDOW: Final = 1.0
-# How many Opens' older generations, as their saves found them, are kept for the waits
-# that follow (an Open saved by a caller that does not wait is forgotten in time).
-OLDER_KEPT: Final = 1024
-# How long a listing of the fleet's records waits for the runners to publish their
-# sessions' times (a runner that does not answer in time shows what it last published).
-TIMES_WAIT: Final = 1.0
-TIMES_POLL: Final = 0.02
-# How many failed takeovers an open waiting for a dead runner's older generation tries
-# again (each is bounded by the store's lock timeout) before it fails.
-TAKEOVER_TRIES: Final = 3
 
 
-class PostgresStore(Opening):
+class PostgresStore(Upkeep):
     """Records in a PostgreSQL database, shared by the runners of a fleet.
 
     Use it as ``async with PostgresStore(dsn) as store:`` or call :meth:`open` and
@@ -144,11 +125,11 @@ class PostgresStore(Opening):
         advertise: str = "",
         runner_lease: float = defaults.RUNNER_LEASE,
         retention: Retention | None = None,
-        connect_timeout: float = 5.0,
-        statement_timeout: float = 10.0,
+        connect_timeout: float = defaults.STORE_CONNECT_TIMEOUT,
+        statement_timeout: float = defaults.STORE_STATEMENT_TIMEOUT,
         store_wait: float = defaults.STORE_WAIT,
-        commit_window: float = 0.0,
-        schema: str = "trio_supervisor",
+        commit_window: float = defaults.COMMIT_WINDOW,
+        schema: str = defaults.FLEET_SCHEMA,
         memory: Memory | None = None,
     ) -> None:
         for name, value in (
@@ -168,11 +149,11 @@ class PostgresStore(Opening):
         if (
             isinstance(commit_window, bool)
             or not isinstance(commit_window, int | float)
-            or not 0 <= commit_window <= MOST_COMMIT_WINDOW
+            or not 0 <= commit_window <= defaults.MOST_COMMIT_WINDOW
         ):
             raise ValueError(
                 "PostgresStore commit_window must be a number of seconds from 0 to "
-                f"{MOST_COMMIT_WINDOW:g}, got {commit_window!r}"
+                f"{defaults.MOST_COMMIT_WINDOW:g}, got {commit_window!r}"
             )
         runner = socket.gethostname() if runner_id is None else runner_id
         if not isinstance(runner, str) or not runner:
@@ -195,7 +176,7 @@ class PostgresStore(Opening):
         self._fenced: RunnerFencedError | None = None  # once run_member found it fenced
         self._desk = Desk(f"trio_supervisor postgres {self.dsn}", self.dsn, self._start)
         # How often run_member checks the live keys' high-water (tests make it rare).
-        self._check_period = min(runner_lease / 3, MOST_CHECK)
+        self._check_period = min(runner_lease / 3, defaults.FLEET_CHECK)
         self._heard: trio.Event | None = None  # set when a stop is notified
         self._listening: trio.Event | None = None  # set once run_member LISTENs
         self._times_asked: trio.Event | None = None  # set when a listing asks for times
@@ -319,7 +300,7 @@ class PostgresStore(Opening):
                     [row for row in older if row.generation < handle.generation],
                     heard,
                 )
-                if len(self._older_seen) > OLDER_KEPT:
+                if len(self._older_seen) > defaults.OLDER_KEPT:
                     del self._older_seen[next(iter(self._older_seen))]
 
     async def list(self) -> Sequence[SessionRecord]:
@@ -370,7 +351,7 @@ class PostgresStore(Opening):
                     "of the fleet did not check yet for writes it lost; no generation "
                     "is handed out until each did, or its row expired"
                 )
-            await trio.sleep(POLL)
+            await trio.sleep(defaults.OLDER_POLL)
 
     async def runners(self) -> Sequence[RunnerInfo]:
         """Every runner of the fleet, by id."""
@@ -385,9 +366,9 @@ class PostgresStore(Opening):
         not shows what it published last).
         """
         asked: float = await self._ask("ask_times")
-        with realtime.bounded(TIMES_WAIT):
+        with realtime.bounded(defaults.TIMES_WAIT):
             while await self._ask("times_due", asked):
-                await realtime.sleep(TIMES_POLL)
+                await realtime.sleep(defaults.TIMES_POLL)
         found: list[FleetRecord] = await self._ask("fleet_records")
         return found
 
@@ -410,16 +391,6 @@ class PostgresStore(Opening):
         """
         await self._submit(Job("draining"))
 
-    async def take_over_dead(self) -> int:
-        """Take over every dead runner whose margin passed; how many records that stopped.
-
-        :meth:`run_member` does this periodically; it is public for tools and tests.
-        """
-        taken = 0
-        for runner, epoch in await self._ask("dead"):
-            taken += len(await self._submit(Job("takeover", args=(runner, epoch))))
-        return taken
-
     async def aclose(self) -> None:
         """Finish the writes already queued, mark this runner's row expired, and close.
 
@@ -429,259 +400,6 @@ class PostgresStore(Opening):
         failure = await self._desk.close()
         if failure is not None:
             raise failure
-
-    # -- the fleet ---------------------------------------------------------------------
-
-    async def wait_older_stopped(self, handle: Handle) -> None:
-        """Return once no record of ``handle.key`` below its generation is unstopped on
-        another runner (O5 across the fleet).
-
-        A runner dead past its takeover margin is taken over on the way; a live one gets
-        its ``stop_bound`` plus two check periods, counted from when no runner holding an
-        older generation than its own is dead (its older generation may be an open that
-        waits for that takeover).
-
-        Raises:
-            TerminationUnconfirmedError: A live runner did not stop its older generation
-                in time.
-        """
-        key, generation = handle.key, handle.generation
-        deadlines: dict[str, float] = {}  # each live holder's, from when it was first seen
-        failed_takeovers = 0
-        while True:
-            # The event of the next notified stop is taken before the look, so a stop
-            # notified while the look runs wakes this wait at once.
-            if self._heard is None:
-                self._heard = trio.Event()
-            heard = self._heard
-            seen = self._older_seen.pop(handle.token, None)
-            if seen is not None and not seen[1].is_set():
-                # Nothing stopped since the save looked: its look is as good as a new one.
-                older, heard = seen
-            else:
-                older = await self._ask("older", key, generation)
-            if not older:
-                return
-            now = time.monotonic()
-            dead: dict[str, int] = {}
-            # The lowest generation held by a runner whose row expired: a live runner's
-            # later generation may itself be an open waiting for that takeover (F6), so
-            # its stop bound starts once the takeover is done, never before.
-            lost = min((row[2] for row in older if row[5] > 0), default=None)
-            for runner, epoch, held, lease, stop_bound, expired_for in older:
-                if expired_for > takeover_margin(lease, stop_bound):
-                    dead[runner] = epoch
-                elif expired_for > 0 or (lost is not None and held > lost):
-                    deadlines.pop(runner, None)  # a takeover's margin bounds the wait
-                else:
-                    bound = stop_bound + 2 * MOST_CHECK
-                    if now > deadlines.setdefault(runner, now + bound):
-                        raise TerminationUnconfirmedError(
-                            f"runner {runner} did not stop generation {held} of "
-                            f"{key.identity}/{key.instance} within {bound:g} s of generation "
-                            f"{generation} being opened"
-                        )
-            taken = 0
-            for runner, epoch in dead.items():
-                try:
-                    taken += len(await self._submit(Job("takeover", args=(runner, epoch))))
-                except StateStorageError as error:
-                    # Its row may still be locked by its frozen incarnation, until the
-                    # server ends that idle transaction: tried again at the next look.
-                    failed_takeovers += 1
-                    if failed_takeovers > TAKEOVER_TRIES:
-                        raise
-                    logger.warning("%s; trying again", error)
-            if taken:
-                continue  # look again at once: those records are Stopped now
-            with realtime.bounded(POLL):
-                await heard.wait()
-
-    async def run_member(self, member: FleetMember) -> None:
-        """Keep this runner in the fleet until cancelled (see the module docs).
-
-        Raises:
-            StateStorageError: This runner's row was not renewed within its local trust
-                (``runner_lease`` minus a fifth, from when the last renewal was sent), or
-                another runner took its records over.
-        """
-        await self.open()
-        failure: StateStorageError | None = None
-        async with trio.open_nursery() as nursery:
-            listening = self._listening = trio.Event()
-            nursery.start_soon(self._hear, member, listening)
-            nursery.start_soon(self._check, member)
-            nursery.start_soon(self._publish_times, member, listening)
-            try:
-                await self._keep(member)
-            except StateStorageError as error:
-                failure = error
-                if isinstance(error, RunnerFencedError):
-                    # No write of this incarnation may land any more (F4): its stops
-                    # need not wait for the store to say so, each for its store_wait.
-                    self._fenced = error
-            nursery.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
-
-    async def _keep(self, member: FleetMember) -> None:
-        """Renew this runner's row every third of its lease; raise once it is not trusted.
-
-        A renewal that fails is tried again until the row's local trust ends (B2): a
-        blip of the database, or a restart of its server, costs no more than that.
-        """
-        lease = self._settings.runner_lease
-        trust = lease - lease / 5
-        trusted_until: float | None = None
-        while True:
-            sent = time.monotonic()
-            # The first renewal gets a whole trust of its own: whether the row was taken
-            # over meanwhile, its epoch says.
-            until = sent + trust if trusted_until is None else trusted_until
-            alive = await self._renew_within(member, until, trust)
-            if not alive:
-                raise RunnerFencedError(
-                    f"{self.dsn}: runner {self.member} lost its row: its epoch {self.epoch} "
-                    "was taken over by another runner of the fleet"
-                )
-            trusted_until = sent + trust
-            # The run's clock: under a virtual one, renewals come more often, never late.
-            await trio.sleep(max(0.0, sent + lease / 3 - time.monotonic()))
-
-    async def _renew_within(self, member: FleetMember, until: float, trust: float) -> bool:
-        """Renew the row, trying again until ``until`` (monotonic); whether it still
-        held this epoch. Trust counts from when the first try was sent, so a later try
-        that succeeds only shortens it.
-
-        Raises:
-            StateStorageError: No try succeeded before ``until``: the runner is fenced.
-        """
-        failed: StateStorageError | None = None
-        while (left := until - time.monotonic()) > 0:
-            with realtime.bounded(left) as scope:
-                try:
-                    # One short row: the sessions' times are published when asked.
-                    alive: bool = await self._submit(
-                        Job("renew", args=(member.stop_bound,), wait=left),
-                        abandonable=True,
-                    )
-                except StateStorageError as error:
-                    if failed is None:
-                        logger.warning(
-                            "%s; trying again for %.1f s, until this runner's row is no "
-                            "longer trusted",
-                            error,
-                            left,
-                        )
-                    failed = error
-                    # The worker tried again already while the store was out of reach;
-                    # any other failure is given a moment before the next try.
-                    await trio.sleep(min(MOST_CHECK, max(0.0, until - time.monotonic())))
-                    continue
-            if scope.cancelled_caught:
-                break
-            if failed is not None:
-                logger.info("%s: runner %s renewed its row again", self.dsn, self.member)
-            return alive
-        fenced = RunnerFencedError(
-            f"{self.dsn}: runner {self.member} could not renew its row within {trust:g} s "
-            "of the last renewal sent; it may be taken over, so it stops serving"
-            + (f" (last failure: {failed.detail})" if failed is not None else "")
-        )
-        raise fenced from failed
-
-    async def _check(self, member: FleetMember) -> None:
-        """The guarantee beneath the notifications, and the takeover of dead runners:
-        this runner's inbox of supersedes (one index probe, whatever the number of its
-        sessions), at least every third of its shortest lease (F5) and every check
-        period."""
-        takeover_every = self._settings.runner_lease / 3
-        next_takeover = 0.0
-        failing = False
-        while True:
-            try:
-                if member.live():
-                    inbox: dict[Key, int] = await self._ask("inbox")
-                    for key, high in inbox.items():
-                        member.superseded(key, high)
-                if time.monotonic() >= next_takeover:
-                    next_takeover = time.monotonic() + takeover_every
-                    await self.take_over_dead()
-                failing = False
-            except StateStorageError as error:
-                # The renewals decide whether this runner is still a member; a check
-                # that failed is tried again (and said once while the store is away).
-                if not failing:
-                    logger.warning("%s", error)
-                failing = True
-            shortest = member.shortest_lease()
-            period = self._check_period if shortest is None else shortest / 3
-            await trio.sleep(min(self._check_period, period))
-
-    async def _publish_times(self, member: FleetMember, listening: trio.Event) -> None:
-        """Publish the member's sessions' times each time a listing asks (requests that
-        come while one is published are answered by the next), and once it listens,
-        which says it answers such requests."""
-        await listening.wait()
-        while True:
-            asked = self._times_asked = trio.Event()
-            try:
-                await self._ask("publish_times", dict(member.times()))
-            except StateStorageError as error:
-                logger.warning("%s", error)
-            await asked.wait()
-
-    async def _hear(self, member: FleetMember, listening: trio.Event) -> None:
-        """Listen for notifications, on a thread, and act on them in the run."""
-        token = trio.lowlevel.current_trio_token()
-        send, receive = trio.open_memory_channel[str](math.inf)
-
-        def offer(payload: str) -> None:  # in the run
-            # run_member may have ended meanwhile.
-            with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
-                send.send_nowait(payload)
-
-        def hand(payload: str) -> None:  # on the listener's thread
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(offer, payload)
-
-        def ready() -> None:  # on the listener's thread
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(listening.set)
-
-        listener = Listener(self._settings, hand, ready)
-        listener.thread.start()
-        try:
-            async with receive:
-                async for payload in receive:
-                    self._heard_of(member, payload)
-        finally:
-            listener.stopping.set()
-            send.close()
-            # The thread sees the flag within its poll; nothing of run_member outlives
-            # it by more (a hung connection is left to its daemon thread).
-            with outside_the_run(), realtime.bounded(4 * Listener.POLL, shield=True):
-                await trio.to_thread.run_sync(listener.thread.join, abandon_on_cancel=True)
-
-    def _heard_of(self, member: FleetMember, payload: str) -> None:
-        try:
-            note = json.loads(payload)
-            kind = note["kind"]
-            if kind == "times":  # a listing asks every runner: no key
-                if self._times_asked is not None:
-                    self._times_asked.set()
-                return
-            key = Key(identity=note["identity"], instance=note["instance"])
-            generation = int(note["generation"])
-        except (ValueError, KeyError, TypeError) as error:
-            logger.warning("%s: a notification no runner sent: %r (%s)", self.dsn, payload, error)
-            return
-        if kind == "superseded" and note.get("runner") == self.member:
-            member.superseded(key, generation)
-
-        elif kind == "stopped" and self._heard is not None:
-            self._heard.set()
-            self._heard = trio.Event()
 
     # -- talking to the worker ---------------------------------------------------------
 

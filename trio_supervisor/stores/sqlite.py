@@ -2,9 +2,11 @@
 
 * One file, in WAL mode with ``synchronous=FULL``: when a save returns, its record
   survives a crash of the process or of the machine.
-* ``locking_mode=EXCLUSIVE``: one store (so one supervisor) owns the file. A second
-  process opening it gets a clear error instead of two supervisors fencing one key
-  each their own way.
+* One store (so one supervisor) owns the file: it holds an ownership lock on it, and
+  SQLite's ``locking_mode=EXCLUSIVE``. A second store opening it gets a clear error at
+  once, naming the process that holds it, instead of two supervisors fencing one key
+  each their own way (``_sqlite_file.py``). A lock no store holds (a checkpoint, a
+  tool's brief transaction) is waited for, up to ``timeout``.
 * The file and its companions are readable and writable by their owner alone (mode
   0600): a new file is made so, and an existing one (with any write-ahead log or
   journal an earlier run left) is made so when the store opens. SQLite gives the
@@ -30,9 +32,11 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .. import _defaults as defaults
 from ..codec import encode
 from ..model import Key, SessionRecord
 from ..retention import Retention
@@ -52,7 +56,12 @@ class SqliteStore(Opening):
         path: The database file; its directory must exist. Made with mode 0600 if it
             does not exist, and given that mode when the store opens if it has another.
         retention: Which Stopped records to keep.
-        timeout: Seconds SQLite waits for a lock before failing a write.
+        timeout: Seconds SQLite waits for a lock that no store owns (another
+            connection's brief transaction, a checkpoint) before failing; a file another
+            store owns is refused at once.
+        clock: The wall clock a stop's time is read from, for ``retention.stopped_for``
+            (seconds since the Unix epoch); each Stopped row keeps its time, so the
+            window holds across restarts. Tests give one they move themselves.
 
     Attributes:
         path: The database file, as a string.
@@ -67,11 +76,13 @@ class SqliteStore(Opening):
         path: str | os.PathLike[str],
         *,
         retention: Retention | None = None,
-        timeout: float = 10.0,
+        timeout: float = defaults.SQLITE_LOCK_WAIT,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.path = os.fspath(path)
         self._retention = retention or Retention()
         self._timeout = timeout
+        self._clock = clock
         self._worker: Worker | None = None
         self._desk = Desk(f"trio_supervisor sqlite {self.path}", self.path, self._start)
 
@@ -91,8 +102,9 @@ class SqliteStore(Opening):
         """Open the file now rather than on first use, so a bad file fails here.
 
         Raises:
-            StateStorageError: The file cannot be opened, is locked by another store,
-                or has a schema version this library does not know.
+            StateStorageError: The file cannot be opened, is owned by another store
+                (the message names its process where the system says), stays locked
+                past ``timeout``, or has a schema version this library does not know.
         """
         await self._submit(Job("open"))
 
@@ -135,7 +147,11 @@ class SqliteStore(Opening):
 
     def _start(self, jobs: queue.SimpleQueue[Job]) -> Callable[[], None]:
         self._worker = Worker(
-            self.path, retention=self._retention, timeout=self._timeout, jobs=jobs
+            self.path,
+            retention=self._retention,
+            timeout=self._timeout,
+            jobs=jobs,
+            clock=self._clock,
         )
         return self._worker.run
 

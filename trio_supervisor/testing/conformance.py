@@ -18,8 +18,9 @@ and holds every result against the reference model of docs/design.md
   failure messages, which name the promise that broke and the call or record.
 
 Each example starts (``start``, an initialize rule) by drawing a small retention (1 or 2
-Stopped records per key, 2 to 5 in all) and asking ``store_factory(None, retention)`` for
-a store, so that eviction per key and in all happens in ordinary examples.
+Stopped records per key, 2 to 5 in all, and a ``stopped_for`` of 0 or a day) and asking
+``store_factory(None, retention)`` for a store, so that eviction per key and in all
+happens in ordinary examples.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ __all__ = ["KEYS", "PROFILE", "ConformanceMachine", "StoreFactory", "conformance
 KEYS = tuple(Key(identity="conformance", instance=name) for name in "abc")
 LEASES = (1.0, 2.5, 4.0, None)
 STEPS = (0.5, 1.0, 2.0, 4.0, 8.0)
+# A stopped_for no example outlasts by the stores' wall clock: every Stopped record is
+# young throughout, so a key keeps all of its own, up to the cap in all.
+KEPT_FOR = 86_400.0
 
 # Examples a machine, and steps an example. "short" is this project's suite's pass over
 # adapters beyond the first: the same rules, each machine's own paths a while longer.
@@ -103,11 +107,15 @@ class ConformanceMachine(RuleBasedStateMachine):
         self._requests = itertools.count(1)
         self._started = False
 
-    @initialize(per_key=st.integers(1, 2), total=st.integers(2, 5))
-    def start(self, per_key: int, total: int) -> None:
+    @initialize(
+        per_key=st.integers(1, 2),
+        total=st.integers(2, 5),
+        kept_for=st.sampled_from([0.0, KEPT_FOR]),
+    )
+    def start(self, per_key: int, total: int, kept_for: float) -> None:
         """A fresh store with a small retention, so that eviction, per key and in all,
         happens in ordinary examples; and a supervisor on it."""
-        retention = Retention(stopped_per_key=per_key, stopped_total=total)
+        retention = Retention(stopped_per_key=per_key, stopped_total=total, stopped_for=kept_for)
         harness = self.harness
 
         def exit_status(ending: Ending, code: int) -> ExitStatus:
@@ -124,6 +132,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             confirmation=CONFIRMATION,
             stopped_per_key=per_key,
             stopped_total=total,
+            stopped_for=kept_for,
             missing=harness.missing,
             broken=harness.broken,
             exit_status=exit_status,
@@ -374,7 +383,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             return
         candidates: list[SessionId | Key] = [*self._known(), *KEYS]
         refuse = refusing(candidates[which % len(candidates)])
-        self.model.store.fail_once.append(refuse)
+        self.model.store.faults.once.append(refuse)
         self.world.faults.once.append(refuse)
 
     @precondition(lambda self: len(self.handles) >= 4)
@@ -383,7 +392,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         """The disk is gone (1 in 5, once a few sessions exist); restarts heal it."""
         if dice:
             return
-        self.model.store.broken = True
+        self.model.store.faults.broken = True
         self.world.faults.broken = True
 
     # -- rules: restarts ------------------------------------------------------------------
@@ -506,12 +515,13 @@ def conformance_machine(
         store_factory: ``store_factory(previous, retention)``, the shape the contract
             kit's ``StoreContract`` uses. Called with None and the example's retention
             for a fresh store at the start of an example (the machine draws a small
-            retention, 1 or 2 Stopped records per key and 2 to 5 in all, so that
-            eviction happens often), and with the previous store (already closed, if
-            it has ``aclose``) and the same retention when the machine restarts the
-            supervisor: return the same storage again (a ``MemoryStore`` returns
-            itself; a file store reopens its file). The store must apply ``retention``
-            and report it as its ``retention``.
+            retention, 1 or 2 Stopped records per key and 2 to 5 in all, and a
+            ``stopped_for`` of 0 or a day, so that eviction happens often), and with
+            the previous store (already closed, if it has ``aclose``) and the same
+            retention when the machine restarts the supervisor: return the same
+            storage again (a ``MemoryStore`` returns itself; a file store reopens its
+            file). The store must apply ``retention`` and report it as its
+            ``retention``.
         harness_factory: Makes the execution adapter's harness, one per example; the
             scriptable fake by default.
         restartable: Whether the machine restarts (cleanly, and by crashing).

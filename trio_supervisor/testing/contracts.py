@@ -160,6 +160,31 @@ class StoreContract:
             )
         await _close(store)
 
+    async def test_retention_keeps_young_stopped_records_past_the_count_per_key(
+        self, store_factory: StoreFactory
+    ) -> None:
+        # An hour: by the store's own clock (wall or database), the test takes far less.
+        retention = Retention(stopped_per_key=1, stopped_total=4, stopped_for=3600.0)
+        store = store_factory(None, retention)
+        with trio.fail_after(BOUND):
+            for generation in range(1, 4):
+                await store.save(_record("a", generation, stopped=True))
+            store = await self._reopen(store_factory, store, retention)
+            await store.save(_record("a", 4, stopped=True))
+            kept = [record.handle.generation for record in await store.list()]
+            assert kept == [1, 2, 3, 4], (
+                "retention with stopped_for=3600 keeps a key's Stopped records younger "
+                f"than an hour past stopped_per_key=1: expected generations [1, 2, 3, 4], "
+                f"got {kept}"
+            )
+            await store.save(_record("b", 1, stopped=True))
+            kept = [record.handle.generation for record in await store.list()]
+            assert kept == [2, 3, 4, 1], (
+                "stopped_total=4 evicts the oldest Stopped record even while it is young: "
+                f"expected generations [2, 3, 4, 1] (the last of key b), got {kept}"
+            )
+        await _close(store)
+
     async def test_the_high_water_outlives_eviction_and_reopen(
         self, store_factory: StoreFactory
     ) -> None:

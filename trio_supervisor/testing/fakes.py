@@ -89,8 +89,8 @@ class FakeUnit:
         self.load = load
         self.limits = limits
         self.behaviour = behaviour
-        self._identity = ChildIdentity(adapter=ADAPTER, ref=ref)
-        self._code = CodeIdentity(specifier=load.specifier, origin=f"fake:{load.specifier}")
+        self.identity = ChildIdentity(adapter=ADAPTER, ref=ref)
+        self.code = CodeIdentity(specifier=load.specifier, origin=f"fake:{load.specifier}")
         self.started = False
         self.closed = 0
         self.leases: list[float] = []
@@ -99,14 +99,6 @@ class FakeUnit:
         self._exit_at = math.inf
         self._pending: ExitStatus | None = None
         self._poke = trio.Event()
-
-    @property
-    def identity(self) -> ChildIdentity:
-        return self._identity
-
-    @property
-    def code(self) -> CodeIdentity:
-        return self._code
 
     @property
     def exited(self) -> bool:
@@ -130,7 +122,7 @@ class FakeUnit:
     def _finish(self, status: ExitStatus) -> None:
         if self.status is None:
             self.status = status
-            self.execution._live.pop(self._identity.ref, None)
+            self.execution._live.pop(self.identity.ref, None)
             self._wake()
 
     def _wake(self) -> None:

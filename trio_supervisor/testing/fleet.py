@@ -339,7 +339,11 @@ class FleetMachine(RuleBasedStateMachine):
         for record, name in won:
             self._opened(record, name)
 
-    def _session(self, pick: int) -> tuple[Handle, Supervisor] | None:
+    def _on_a_session(
+        self, pick: int, call: Callable[[Handle, Supervisor], Awaitable[None]]
+    ) -> None:
+        """Make ``call`` on a session that ``pick`` chooses, through the runner that opened
+        it, if that runner is usable. What the supervisor refuses is an outcome too."""
         usable = {runner.name: runner for runner in self._usable()}
         candidates = [
             (handle, usable[name].supervisor)
@@ -347,50 +351,38 @@ class FleetMachine(RuleBasedStateMachine):
             if name in usable
         ]
         if not candidates:
-            return None
+            return
         handle, supervisor = candidates[pick % len(candidates)]
         assert supervisor is not None
-        return handle, supervisor
+
+        async def made() -> None:
+            with contextlib.suppress(SupervisorError):
+                await call(handle, supervisor)
+
+        self.world.call(made)
 
     @rule(pick=st.integers(0, 20))
     def renew(self, pick: int) -> None:
-        chosen = self._session(pick)
-        if chosen is not None:
-            handle, supervisor = chosen
+        async def renew(handle: Handle, supervisor: Supervisor) -> None:
+            await supervisor.renew(handle)
 
-            async def call() -> None:
-                with contextlib.suppress(SupervisorError):
-                    await supervisor.renew(handle)
-
-            self.world.call(call)
+        self._on_a_session(pick, renew)
 
     @rule(pick=st.integers(0, 20))
     def load(self, pick: int) -> None:
-        chosen = self._session(pick)
-        if chosen is not None:
-            handle, supervisor = chosen
+        async def load(handle: Handle, supervisor: Supervisor) -> None:
+            await supervisor.load(handle, Load(specifier="fleet:child"))
+            self.acknowledged[handle.token] = max(self.acknowledged[handle.token], RANKS["Loaded"])
 
-            async def call() -> None:
-                with contextlib.suppress(SupervisorError):
-                    await supervisor.load(handle, Load(specifier="fleet:child"))
-                    self.acknowledged[handle.token] = max(
-                        self.acknowledged[handle.token], RANKS["Loaded"]
-                    )
-
-            self.world.call(call)
+        self._on_a_session(pick, load)
 
     @rule(pick=st.integers(0, 20))
     def dispose(self, pick: int) -> None:
-        chosen = self._session(pick)
-        if chosen is not None:
-            handle, supervisor = chosen
+        async def dispose(handle: Handle, supervisor: Supervisor) -> None:
+            await supervisor.dispose(handle)
+            self.acknowledged[handle.token] = RANKS["Stopped"]
 
-            async def call() -> None:
-                with contextlib.suppress(SupervisorError):
-                    await supervisor.dispose(handle)
-                    self.acknowledged[handle.token] = RANKS["Stopped"]
-
-            self.world.call(call)
+        self._on_a_session(pick, dispose)
 
     # -- faults -----------------------------------------------------------------------
 

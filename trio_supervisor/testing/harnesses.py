@@ -21,9 +21,9 @@ import trio
 
 from ..abc import Execution
 from ..errors import ExecutionError, PackageError
-from ..executions._groups import group_exists, read_stat
 from ..executions.inprocess import InProcessExecution, PluginContext
 from ..executions.subprocess import SubprocessExecution
+from ..executions.trees._groups import group_exists, read_stat
 from ..model import ChildIdentity, ExitStatus, Handle
 from .fakes import FakeExecution
 from .reference import Ending

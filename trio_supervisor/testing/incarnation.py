@@ -45,7 +45,7 @@ from ..model import (
     Termination,
 )
 from ..retention import Retention
-from .reference import SessionId
+from .reference_store import Faults, SessionId
 
 __all__ = ["ClockGuard", "Entry", "Incarnation", "Log"]
 
@@ -157,23 +157,6 @@ class Incarnation:
         self.cut_off = True
         for scope in self._waits:
             scope.cancel()
-
-
-@attrs.define
-class Faults:
-    """Save failures the machine asked for; they apply to whichever incarnation runs."""
-
-    broken: bool = False
-    once: list[Callable[[SessionId, str], bool]] = attrs.Factory(list)
-
-    def refuses(self, session: SessionId, phase: str) -> bool:
-        if self.broken:
-            return True
-        for index, rule in enumerate(self.once):
-            if rule(session, phase):
-                del self.once[index]
-                return True
-        return False
 
 
 class _Store:

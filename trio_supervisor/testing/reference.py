@@ -20,7 +20,8 @@ for the :class:`~trio_supervisor.model.ExitStatus` of each way a child ends (``E
 
 Sessions are named by ``(key, generation)``; tokens are random and the model never needs
 them. What the model holds of each session and child is in :mod:`.reference_state`, what it
-holds of the store in :mod:`.reference_store`.
+holds of the store in :mod:`.reference_store`. Here are the calls, the shutdown and
+recovery; the stops and the clock beneath them are :mod:`.reference_stops`'s.
 
 Where the run may order events at one virtual instant either way (stops whose deadlines
 coincide, a shutdown stopping everything at once, concurrent operations), the model
@@ -31,9 +32,7 @@ the supervisor reports first (:meth:`Model.learn_poisoning`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Generator, Iterable
-from typing import Literal
 
 from ..model import ExitStatus, Key, Termination
 from .reference_state import (
@@ -48,6 +47,7 @@ from .reference_state import (
     error,
     ok,
 )
+from .reference_stops import Stops
 from .reference_store import Durable, ModelStore, SessionId
 
 __all__ = [
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 
-class Model:
+class Model(Stops):
     """The reference model of one supervisor's life, across restarts.
 
     Args:
@@ -72,6 +72,7 @@ class Model:
         confirmation: Seconds between kill and giving up (and recovery's timeout).
         stopped_per_key: The store's retention of Stopped records per key.
         stopped_total: The store's retention of Stopped records in all.
+        stopped_for: The store's ``stopped_for``: 0, or longer than the example runs.
         missing: The specifier whose spawn fails with PackageError.
         broken: The specifier whose start fails with ExecutionError, if any.
         exit_status: The status the execution's children report when they end in a
@@ -87,6 +88,7 @@ class Model:
         confirmation: float,
         stopped_per_key: int,
         stopped_total: int,
+        stopped_for: float = 0.0,
         missing: str,
         broken: str | None,
         exit_status: Callable[[Ending, int], ExitStatus],
@@ -98,7 +100,7 @@ class Model:
         self.broken = broken
         self.exit_status = exit_status
         self.now = 0.0
-        self.store = ModelStore(stopped_per_key, stopped_total)
+        self.store = ModelStore(stopped_per_key, stopped_total, stopped_for)
         # The running supervisor.
         self.sessions: dict[SessionId, Session] = {}  # the session objects it holds
         self.children: dict[SessionId, Child] = {}  # every child ever spawned
@@ -109,37 +111,6 @@ class Model:
         self._poisoned_at: int | None = None
         self.closing = False
         self.pending: list[Pending] = []
-
-    # -- the store ------------------------------------------------------------------
-
-    def _save(self, ident: SessionId, record: Durable) -> bool:
-        """Save one record; False (and poisoned) when the store refuses it."""
-        if self.store.refuses(ident, record.phase):
-            self.poison(STORAGE)
-            return False
-        for evicted in self.store.save(ident, record):
-            self.sessions.pop(evicted, None)  # O10: its session object is retired
-        return True
-
-    def poison(self, name: str) -> None:
-        store = self.store
-        if self.poisoned is None:
-            self.poisoned, self.poisoned_with = name, {name}
-            self._poisoned_at = store.instant if store.joined else None
-        elif store.joined and store.instant == self._poisoned_at:
-            self.poisoned_with.add(name)
-
-    def learn_poisoning(self, name: str | None, *, settled: bool = False) -> None:
-        """Take the supervisor's word on which poisoning of one instant came first.
-
-        Args:
-            name: The class name of the supervisor's poisoning error, or None.
-            settled: The step is over: from now on only that name is expected.
-        """
-        if name in self.poisoned_with:
-            self.poisoned = name
-        if settled:
-            self.poisoned_with = {self.poisoned} if self.poisoned else set()
 
     # -- checks shared by the operations --------------------------------------------
 
@@ -154,7 +125,11 @@ class Model:
         return error("LeaseExpiredError" if reason == "Expired" else "SessionStoppedError")
 
     def _session(self, ident: SessionId) -> Session | Outcome:
-        """R2/R3 for a handle: the live session object, or the error."""
+        """A call on a handle: the live session object, or the error (the supervisor's
+        health, then R2/R3, then the session's stop or its lease)."""
+        refused = self._usable()
+        if refused:
+            return refused
         record = self.store.records.get(ident)
         if record is None:
             return error("StaleSessionError")
@@ -163,52 +138,13 @@ class Model:
             if record.reason is not None:
                 return self._stop_error(record.reason)
             return error("SessionStoppedError")
-        return session
-
-    def _live(self, session: Session) -> Outcome | None:
         if session.reason is not None:
             return self._stop_error(session.reason)
         if self.now >= session.deadline:
             return error("LeaseExpiredError")
-        return None
+        return session
 
     # -- operations ---------------------------------------------------------------------
-
-    def start(self, name: str, steps: Generator[Session, None, Outcome] | Outcome) -> Pending:
-        """Run an operation until it is over or waits.
-
-        Args:
-            name: For messages.
-            steps: What an operation method returned: an outcome, or a generator that
-                yields each session it waits for and returns its outcome.
-        """
-        if isinstance(steps, tuple):
-            return Pending(name, iter(()), outcome=steps)  # type: ignore[arg-type]
-        operation = Pending(name, steps)
-        self._resume(operation)
-        if operation.outcome is None:
-            self.pending.append(operation)
-        return operation
-
-    def _resume(self, operation: Pending) -> None:
-        try:
-            waiting = next(operation.steps)
-        except StopIteration as done:
-            operation.outcome = done.value
-            operation.waiting = None
-            return
-        operation.waiting = waiting
-
-    def _wake(self) -> None:
-        progress = True
-        while progress:
-            progress = False
-            for operation in list(self.pending):
-                if operation.waiting is not None and operation.waiting.stage == "over":
-                    self._resume(operation)
-                    progress = True
-                    if operation.outcome is not None:
-                        self.pending.remove(operation)
 
     def open(
         self, key: Key, request_id: str, expected: int | None, lease: float | None
@@ -256,15 +192,9 @@ class Model:
         return ok((generation, "Open"))
 
     def renew(self, ident: SessionId) -> Outcome:
-        refused = self._usable()
-        if refused:
-            return refused
         found = self._session(ident)
         if not isinstance(found, Session):
             return found
-        refused = self._live(found)
-        if refused:
-            return refused
         found.deadline = self.now + found.lease
         return ok(found.lease)
 
@@ -278,16 +208,9 @@ class Model:
     def load_begin(self, ident: SessionId, specifier: str) -> Outcome | None:
         """The load call's checks (L1, L2): the outcome if decided, else None and the
         load is the session's; its loader runs later (deviation (f))."""
-        refused = self._usable()
-        if refused:
-            return refused
-        found = self._session(ident)
-        if not isinstance(found, Session):
-            return found
-        session = found
-        refused = self._live(session)
-        if refused:
-            return refused
+        session = self._session(ident)
+        if not isinstance(session, Session):
+            return session
         if session.specifier is not None:  # L2
             if session.specifier != specifier:
                 return error("SessionConflictError")
@@ -349,194 +272,6 @@ class Model:
             return error("StaleSessionError")
         return ok((ident[1], record.phase))
 
-    # -- what happens to children ------------------------------------------------------
-
-    def child_exits(self, ident: SessionId, code: int) -> None:
-        """A registered, running child exits by itself."""
-        child = self.children[ident]
-        if not child.alive:
-            return
-        self._end(child, "exit", code)
-        session = self.sessions.get(ident)
-        if session is None or session.stage == "over":
-            return
-        if session.reason is None:
-            self._request_stop(session, "Exited")  # X1: no signal, the child's own status
-        elif session.stage == "interrupting":
-            self._finish(session, "exited")
-        elif session.stage == "killing":
-            self._finish(session, "killed")
-        self._wake()
-
-    def running_children(self) -> list[SessionId]:
-        """The sessions whose child is registered, started and still runs."""
-        return [
-            ident
-            for ident, session in self.sessions.items()
-            if session.registered
-            and session.child is not None
-            and session.child.started
-            and session.child.alive
-        ]
-
-    def ignore(self, ident: SessionId, *, interrupt: bool, kill: bool) -> None:
-        child = self.children[ident]
-        child.ignore_interrupt = child.ignore_interrupt or interrupt
-        child.ignore_kill = child.ignore_kill or kill
-
-    def _end(self, child: Child, ending: Ending, code: int = 0) -> None:
-        """The child ends, and reports what the execution's children report for ``ending``."""
-        child.alive = False
-        child.exit = self.exit_status(ending, code)
-
-    # -- the stop, exactly once -----------------------------------------------------------
-
-    def _request_stop(self, session: Session, reason: str) -> None:
-        if session.reason is not None:  # P1
-            return
-        session.reason = reason
-        stopping = Durable(
-            "Stopping",
-            False,
-            session.request_id,
-            previous=session.active_phase,
-            previous_child=session.registered,
-            reason=reason,
-        )
-        if session.child is None:
-            # Nothing was ever spawned: Stopping and Stopped are one save, one
-            # transaction (docs/design.md, deviations: P2 with no child).
-            self._finish_childless(session, stopping)
-            return
-        if not self._save(session.ident, stopping):  # P2
-            session.fenced = True
-        child = session.child if session.registered else None
-        if child is None or not child.alive:  # P3: no child, or it exited by itself
-            self._finish(session, "exited")
-            return
-        child.interrupts += 1
-        if not child.ignore_interrupt:
-            self._end(child, "interrupt")
-            self._finish(session, "exited")
-            return
-        session.stage, session.stage_until = "interrupting", self.now + self.grace
-
-    def _kill(self, session: Session) -> None:
-        child = session.child
-        assert child is not None
-        child.kills += 1
-        if child.alive and not child.ignore_kill:
-            self._end(child, "kill")
-        if not child.alive:
-            self._finish(session, "killed")
-            return
-        session.stage, session.stage_until = "killing", self.now + self.confirmation
-
-    def _release(self, session: Session) -> None:
-        child = session.child
-        if child is not None:  # P4
-            child.closes += 1
-            if not child.started:
-                child.alive = False
-
-    def _finish(self, session: Session, kind: Literal["exited", "killed"]) -> None:
-        child = session.child if session.registered else None
-        if child is None or not child.started:
-            termination = NO_CHILD  # the session's code never ran
-        else:
-            assert child.exit is not None, "the model ends a stop before its child ended"
-            termination = Termination(kind=kind, exit=child.exit)
-        self._release(session)
-        session.stage, session.stage_until = "over", math.inf
-        assert session.reason is not None
-        stopped = Durable(
-            "Stopped",
-            False,
-            session.request_id,
-            previous=session.active_phase,
-            previous_child=session.registered,
-            reason=session.reason,
-            termination=termination,
-        )
-        if self._save(session.ident, stopped):  # P5
-            session.stopped = True
-            self.sessions.pop(session.ident, None)
-            session.outcome = error(STORAGE) if session.fenced else ok(termination)
-        else:
-            session.outcome = error(STORAGE)
-
-    def _finish_childless(self, session: Session, stopping: Durable) -> None:
-        """Stopping and Stopped of a session that never had a child, saved together."""
-        assert session.reason is not None
-        termination = NO_CHILD
-        stopped = Durable(
-            "Stopped",
-            False,
-            session.request_id,
-            previous=session.active_phase,
-            previous_child=False,
-            reason=session.reason,
-            termination=termination,
-        )
-        session.stage, session.stage_until = "over", math.inf
-        if self.store.refuses(session.ident, stopping.phase):  # the one save, refused
-            self.poison(STORAGE)
-            session.outcome = error(STORAGE)
-            return
-        self._save(session.ident, stopping)
-        self._save(session.ident, stopped)
-        session.stopped = True
-        self.sessions.pop(session.ident, None)
-        session.outcome = ok(termination)
-
-    def _unconfirmed(self, session: Session) -> None:
-        self._release(session)
-        session.stage, session.stage_until = "over", math.inf
-        self.poison(UNCONFIRMED)
-        session.outcome = error(UNCONFIRMED)
-
-    # -- time -------------------------------------------------------------------------
-
-    def next_event(self) -> float:
-        times = [math.inf]
-        for session in self.sessions.values():
-            if session.reason is None:
-                times.append(session.deadline)
-            elif session.stage in ("interrupting", "killing"):
-                times.append(session.stage_until)
-        return min(times)
-
-    def advance(self, target: float) -> None:
-        """Move the clock to ``target``, firing every deadline on the way in order."""
-        while True:
-            when = self.next_event()
-            if when > target:
-                break
-            self.now = when
-            with self.store.together():  # what happens at one instant, in any order
-                for session in list(self.sessions.values()):
-                    if session.reason is None and session.deadline <= when:
-                        self._request_stop(session, "Expired")  # T1
-                    elif session.stage == "interrupting" and session.stage_until <= when:
-                        self._kill(session)
-                    elif session.stage == "killing" and session.stage_until <= when:
-                        self._unconfirmed(session)
-                self._wake()
-        self.now = target
-
-    def settle_time(self) -> float:
-        """When every stop now in progress will be over (for shutdown and restarts)."""
-        when = self.now
-        for session in self.sessions.values():
-            if session.stage == "interrupting":
-                child = session.child
-                assert child is not None
-                extra = self.confirmation if child.ignore_kill else 0.0
-                when = max(when, session.stage_until + extra)
-            elif session.stage == "killing":
-                when = max(when, session.stage_until)
-        return when
-
     # -- shutdown, crash, recovery ----------------------------------------------------------
 
     def shutdown(self) -> tuple[float, bool]:
@@ -565,7 +300,7 @@ class Model:
         self.poisoned = None
         self.poisoned_with = set()
         self.closing = False
-        self.store.fail_once.clear()
+        self.store.faults.once.clear()
 
     def recover(self) -> Outcome:
         """Enter a new supervisor on the store (V1-V5).
@@ -573,7 +308,7 @@ class Model:
         Returns:
             ok, or the error ``open_supervisor`` raises.
         """
-        self.store.broken = False
+        self.store.faults.broken = False
         groups = self.store.pending_recovery()
         pending = [ident for group in groups for ident in group]
         failed = False

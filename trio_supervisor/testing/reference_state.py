@@ -20,7 +20,7 @@ from collections.abc import Generator
 from typing import Literal, TypeAlias
 
 from ..model import ExitStatus, Key, Termination
-from .reference_store import SessionId
+from .reference_store import Durable, SessionId
 
 __all__ = [
     "NO_CHILD",
@@ -100,6 +100,19 @@ class Session:
         if self.loaded:
             return "Loaded"
         return "Loading" if self.specifier is not None else "Open"
+
+    def ending(self, phase: str, termination: Termination | None = None) -> Durable:
+        """The record of this session's stop: its Stopping (``termination`` None), or
+        its Stopped, after the phase it was active in."""
+        return Durable(
+            phase,
+            False,
+            self.request_id,
+            previous=self.active_phase,
+            previous_child=self.registered,
+            reason=self.reason,
+            termination=termination,
+        )
 
 
 @dataclasses.dataclass

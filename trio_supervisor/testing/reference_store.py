@@ -6,7 +6,10 @@ Written from docs/design.md, "Persistence and retention", not from ``retention.p
   save order (recovery walks the records in that order);
 * every record that is not Stopped is kept. Each Stopped record joins the stop order
   when it first arrives; then the oldest Stopped records of its key go until
-  ``stopped_per_key`` are left, and the oldest in all until ``stopped_total`` are left;
+  ``stopped_per_key`` are left, and the oldest in all until ``stopped_total`` are left.
+  With ``stopped_for`` (not 0) the key's go only once that old: the machine draws it
+  far longer than an example runs by the stores' wall clock, so none does, and a key
+  keeps all of its Stopped records, up to the cap in all;
 * each key's high-water generation is kept apart and never evicted;
 * a save can be refused: once for the session (or key) a rule picks, or every save
   from now on (a broken disk). The machine asks for those faults; the model poisons
@@ -38,7 +41,7 @@ from typing import TypeAlias
 
 from ..model import Key, Termination
 
-__all__ = ["Durable", "ModelStore", "SessionId", "refusing"]
+__all__ = ["Durable", "Faults", "ModelStore", "SessionId", "refusing"]
 
 SessionId: TypeAlias = tuple[Key, int]
 # When a record was saved: the instant's number, then the save's own number.
@@ -51,6 +54,30 @@ def refusing(target: SessionId | Key) -> Callable[[SessionId, str], bool]:
         key = target
         return lambda ident, phase: ident[0] == key and phase == "Open"
     return lambda ident, phase: ident == target
+
+
+@dataclasses.dataclass
+class Faults:
+    """The save failures the machine asked for. The model's store and the stores of the
+    supervisor's runs (:mod:`.incarnation`) each hold one, told the same.
+
+    Attributes:
+        broken: Every save fails from now on.
+        once: Faults (see :func:`refusing`) that each fail one save, then are used up.
+    """
+
+    broken: bool = False
+    once: list[Callable[[SessionId, str], bool]] = dataclasses.field(default_factory=list)
+
+    def refuses(self, ident: SessionId, phase: str) -> bool:
+        """Whether the next save of ``ident`` in ``phase`` fails (and uses up its fault)."""
+        if self.broken:
+            return True
+        for index, rule in enumerate(self.once):
+            if rule(ident, phase):
+                del self.once[index]
+                return True
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +100,13 @@ class ModelStore:
     Args:
         stopped_per_key: The retention of Stopped records per key.
         stopped_total: The retention of Stopped records in all.
+        stopped_for: The retention's ``stopped_for``: 0, or longer than the example
+            runs, so that every Stopped record is young throughout.
     """
 
     stopped_per_key: int
     stopped_total: int
+    stopped_for: float = 0.0
     records: dict[SessionId, Durable] = dataclasses.field(default_factory=dict)
     high: dict[Key, int] = dataclasses.field(default_factory=dict)
     saved: dict[SessionId, Stamp] = dataclasses.field(default_factory=dict)
@@ -88,18 +118,7 @@ class ModelStore:
     saves: int = 0
     instant: int = 0
     joined: int = 0  # depth of together()
-    broken: bool = False
-    fail_once: list[Callable[[SessionId, str], bool]] = dataclasses.field(default_factory=list)
-
-    def refuses(self, ident: SessionId, phase: str) -> bool:
-        """Whether the next save of ``ident`` in ``phase`` fails (and uses up its fault)."""
-        if self.broken:
-            return True
-        for index, rule in enumerate(self.fail_once):
-            if rule(ident, phase):
-                del self.fail_once[index]
-                return True
-        return False
+    faults: Faults = dataclasses.field(default_factory=Faults)
 
     @contextlib.contextmanager
     def together(self) -> Iterator[None]:
@@ -137,7 +156,7 @@ class ModelStore:
         self.stopped[ident] = None
         evicted = []
         of_key = [stopped for stopped in self.stopped if stopped[0] == key]
-        while len(of_key) > self.stopped_per_key:
+        while not self.stopped_for and len(of_key) > self.stopped_per_key:
             evicted.append(self._evict(of_key.pop(0), certain=True))
         while len(self.stopped) > self.stopped_total:
             evicted.append(self._evict(next(iter(self.stopped)), certain=False))
@@ -178,11 +197,12 @@ class ModelStore:
             return
         pool = {ident: self.saved[ident] for ident in ours}
         pool.update((ident, saved) for ident, (_, saved) in evicted.items())
-        # Per key only the newest stopped_per_key can be kept, whatever the order.
+        # Per key only the newest stopped_per_key can be kept, whatever the order (all
+        # of them, while they are young).
         eligible: set[SessionId] = set()
         for key in {ident[0] for ident in pool}:
             of_key = sorted((i for i in pool if i[0] == key), key=pool.__getitem__)
-            eligible.update(of_key[-self.stopped_per_key :])
+            eligible.update(of_key if self.stopped_for else of_key[-self.stopped_per_key :])
         if not theirs <= eligible or len(theirs) != len(ours):
             return
         gone = eligible - theirs

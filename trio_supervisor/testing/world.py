@@ -50,8 +50,9 @@ from ..model import (
 from ..retention import Retention
 from ..stores.memory import MemoryStore
 from .harnesses import Harness
-from .incarnation import ClockGuard, Faults, Incarnation, Log
+from .incarnation import ClockGuard, Incarnation, Log
 from .reference import Outcome, SessionId, ok
+from .reference_store import Faults
 
 __all__ = [
     "CALLS",

@@ -36,8 +36,8 @@ from typing import Literal
 import attrs
 import trio
 
-from ..errors import ExecutionError
-from ..realtime import bounded, outside_the_run
+from ...errors import ExecutionError
+from ...realtime import bounded, outside_the_run
 
 __all__ = ["CONTAINMENTS", "Containment", "Mechanism", "choose"]
 

@@ -17,10 +17,17 @@ from pathlib import Path
 
 import attrs
 
-from ._cgroups import ROOT as CGROUP_ROOT
-from ._containment import CONTAINMENTS, Containment
+from ..limits._cgroups import ROOT as CGROUP_ROOT
+from ..limits._isolation import (
+    DEFAULT_CHILD_USERS,
+    ISOLATIONS,
+    NETWORKS,
+    UID_MAX,
+    Isolation,
+    Network,
+)
+from ..trees._containment import CONTAINMENTS, Containment
 from ._forkserver import check_preload
-from ._isolation import DEFAULT_CHILD_USERS, ISOLATIONS, NETWORKS, UID_MAX, Isolation, Network
 
 __all__ = ["ALLOWED_ENVIRONMENT", "Options"]
 

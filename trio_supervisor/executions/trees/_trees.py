@@ -40,7 +40,7 @@ from collections.abc import Collection, Iterable
 import attrs
 import trio
 
-from ..model import ExitStatus
+from ...model import ExitStatus
 from ._groups import ProcessStat, group_gone, read_stat, reap, signal_group, start_time
 
 __all__ = [

@@ -47,7 +47,6 @@ from __future__ import annotations
 import array
 import logging
 import marshal
-import os
 import re
 import select
 import socket
@@ -58,10 +57,10 @@ from typing import Any
 
 import trio
 
-from ..errors import ExecutionError
-from ..realtime import bounded, outside_the_run
-from ._protocol import ForkRequest
-from ._standby import ForkedProcess, Interpreter
+from ...errors import ExecutionError
+from ...realtime import bounded, outside_the_run
+from ..child._protocol import ForkRequest
+from ._standby import ForkedProcess, Interpreter, interpreter_ends
 
 __all__ = ["Broken", "ForkServer", "check_preload"]
 
@@ -189,21 +188,12 @@ class ForkServer:
         Raises:
             Broken: The server cannot serve it; start the interpreter another way.
         """
-        ours, theirs = socket.socketpair()
-        marker, marked = os.pipe()
         request: ForkRequest = {"environment": dict(environment)}
-        try:
+        with interpreter_ends() as (ours, theirs, marker, marked):
             pid = await self._request(
                 marshal.dumps(dict(request)), [theirs.fileno(), marked, output]
             )
             return Interpreter(ForkedProcess(pid), ours, marker)
-        except BaseException:
-            ours.close()
-            os.close(marker)
-            raise
-        finally:
-            theirs.close()
-            os.close(marked)
 
     async def _request(self, request: bytes, fds: list[int]) -> int:
         lock = self._lock

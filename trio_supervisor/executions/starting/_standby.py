@@ -35,20 +35,21 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 import trio
 
-from .._background import when_idle
-from ..errors import ExecutionError
-from ..realtime import bounded, outside_the_run
-from ._cgroups import TreeCgroup
-from ._groups import start_time
-from ._isolation import Grant
-from ._protocol import Command, IsolateCommand, IsolationSpec, JoinCommand
+from ..._background import when_idle
+from ...errors import ExecutionError
+from ...realtime import bounded, outside_the_run
+from ..child import _bootstrap
+from ..child._protocol import Command, IsolateCommand, IsolationSpec, JoinCommand
+from ..limits._isolation import Grant
+from ..limits._tree_cgroup import TreeCgroup
+from ..trees._groups import start_time
 
 __all__ = [
     "BOOTSTRAP",
@@ -62,7 +63,8 @@ __all__ = [
     "take_message",
 ]
 
-BOOTSTRAP = Path(__file__).with_name("_bootstrap.py")
+# The child side: run by its path as a script, never imported in the child.
+BOOTSTRAP = Path(_bootstrap.__file__)
 # How long a discarded interpreter, killed, may take to be reaped; how long a started
 # one may take to say which process is T (Python's start-up, on a loaded machine).
 DISCARD_CONFIRMATION = 5.0
@@ -210,6 +212,28 @@ async def _remove(cgroup: TreeCgroup | None) -> None:
             await cgroup.remove()
 
 
+@contextlib.contextmanager
+def interpreter_ends() -> Iterator[tuple[socket.socket, socket.socket, int, int]]:
+    """The ends a new interpreter is started with: its socket pair and marker pipe.
+
+    Yields our end of the socket pair, theirs, then the marker pipe's reading end (ours,
+    see :class:`Interpreter`) and its writing end (theirs). Their ends are closed once
+    the block has handed them over, whatever happened; ours only if it failed, since an
+    interpreter started keeps them.
+    """
+    ours, theirs = socket.socketpair()
+    marker, marked = os.pipe()
+    try:
+        yield ours, theirs, marker, marked
+    except BaseException:
+        ours.close()
+        os.close(marker)
+        raise
+    finally:
+        theirs.close()
+        os.close(marked)
+
+
 async def start_interpreter(
     python: str,
     bootstrap: Path,
@@ -245,9 +269,7 @@ async def start_interpreter(
         ExecutionError: It exited, or did not say which process is T within
             ``BOOT_TIMEOUT``.
     """
-    ours, theirs = socket.socketpair()
-    marker, marked = os.pipe()
-    try:
+    with interpreter_ends() as (ours, theirs, marker, marked):
         async with creating:
             process = await trio.lowlevel.open_process(
                 [
@@ -266,13 +288,6 @@ async def start_interpreter(
                 env=dict(environment),
                 cwd=directory,
             )
-    except BaseException:
-        ours.close()
-        os.close(marker)
-        raise
-    finally:
-        theirs.close()
-        os.close(marked)
     joined: list[TreeCgroup | None] = [None]
 
     async def joining() -> None:

@@ -32,13 +32,14 @@ from pathlib import Path
 import attrs
 import trio
 
-from ..errors import ExecutionError
-from ._cgroups import Hierarchies, detect
-from ._claims import CGROUPS, Claims, claims_root
-from ._containment import Mechanism, choose
+from ...errors import ExecutionError
+from ..limits._cgroups import Hierarchies, detect
+from ..limits._claims import CGROUPS, Claims, claims_root
+from ..limits._isolation import Isolated, NoIsolation
+from ..limits._view import prepare
+from ..trees._containment import Mechanism, choose
+from ..trees._groups import become_subreaper
 from ._forkserver import ForkServer
-from ._groups import become_subreaper
-from ._isolation import Isolated, NoIsolation, prepare
 from ._options import Options
 from ._standby import BOOTSTRAP, compile_bootstrap
 

@@ -52,14 +52,14 @@ from typing import Any
 
 import trio
 
-from ..errors import ExecutionError, PackageError
-from ..model import ChildIdentity, CodeIdentity, ExitStatus, Load, signal_name
-from ..realtime import bounded, outside_the_run
-from ._cgroups import TreeCgroup
-from ._groups import exit_status, group_gone, signal_group
-from ._protocol import Command, EofReply, Reply, SpawnCommand, StartCommand
+from ...errors import ExecutionError, PackageError
+from ...model import ChildIdentity, CodeIdentity, ExitStatus, Load, signal_name
+from ...realtime import bounded, outside_the_run
+from ..child._protocol import Command, EofReply, Reply, SpawnCommand, StartCommand
+from ..limits._tree_cgroup import TreeCgroup
+from ..trees._groups import exit_status, group_gone, signal_group
+from ..trees._trees import Tree, left_behind, process_table, strays
 from ._standby import ChildProcess, ForkedProcess, frame, take_message
-from ._trees import Tree, left_behind, process_table, strays
 
 __all__ = ["ProcessUnit", "failure"]
 

@@ -53,8 +53,8 @@ from typing import Final
 
 import attrs
 
-from ..errors import ExecutionError
-from ._groups import boot_id, read_stat
+from ...errors import ExecutionError
+from ..trees._groups import boot_id, read_stat
 
 __all__ = [
     "CGROUPS",

@@ -39,9 +39,9 @@ from pathlib import Path
 
 import attrs
 
-from .. import realtime
-from ..errors import ExecutionError
-from ..model import ExitStatus
+from ... import realtime
+from ...errors import ExecutionError
+from ...model import ExitStatus
 
 __all__ = [
     "ProcessStat",
