@@ -257,7 +257,7 @@ def no_leaked_temporary_files() -> Iterator[None]:
 def _cgroups_of(directories: tuple[str, ...]) -> list[str]:
     """Every cgroup, in any hierarchy, of the executions whose state directory lies below
     one of ``directories`` (their parents, and their children's cgroups). Each parent is
-    told by its claim (executions/_claims.py), which names its state directory: other
+    told by its claim (executions/limits/_claims.py), which names its state directory: other
     runs of the suite on this machine, and other runners, make cgroups meanwhile."""
     claims = claims_root() / CGROUPS
     found: list[str] = []
@@ -291,7 +291,7 @@ def no_leaked_cgroups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_claims() -> Iterator[None]:
     """Fail the run if an execution of the test process left a claim of the machine's
-    behind (executions/_claims.py): it lets go of every uid and cgroup it claimed as it
+    behind (executions/limits/_claims.py): it lets go of every uid and cgroup it claimed as it
     ends. (What a runner killed on purpose left, any runner takes back as it starts:
     tests/adapters/test_claims.py.)"""
     yield

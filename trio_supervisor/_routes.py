@@ -1,6 +1,6 @@
 """Where each call of the runner is served, by the call's name: the one table the
 service's calls (``service/calls.py``: their statuses, bodies and roles) and the client
-(``client.py``) both read, so that neither spells a path of its own.
+(``client/``) both read, so that neither spells a path of its own.
 """
 
 from __future__ import annotations

@@ -114,12 +114,13 @@ class Limits:
     cpu_percent: int | None = attrs.field(default=None, validator=fields.tree_limit)
 
 
-def _lower(ceiling: int | None, request: int | None) -> int | None:
-    if ceiling is None:
-        return request
-    if request is None:
-        return ceiling
-    return min(ceiling, request)
+def lowest(one: int | None, other: int | None) -> int | None:
+    """The lower of two limits, None counting as no limit (so the other wins)."""
+    if one is None:
+        return other
+    if other is None:
+        return one
+    return min(one, other)
 
 
 def negotiate(supervisor: Limits, requested: Limits) -> Limits:
@@ -133,13 +134,13 @@ def negotiate(supervisor: Limits, requested: Limits) -> Limits:
         Limits no looser than ``supervisor`` in any field.
     """
     return Limits(
-        memory_bytes=_lower(supervisor.memory_bytes, requested.memory_bytes),
-        cpu_seconds=_lower(supervisor.cpu_seconds, requested.cpu_seconds),
-        open_files=_lower(supervisor.open_files, requested.open_files),
-        file_size_bytes=_lower(supervisor.file_size_bytes, requested.file_size_bytes),
-        output_bytes=_lower(supervisor.output_bytes, requested.output_bytes),
-        processes=_lower(supervisor.processes, requested.processes),
-        cpu_percent=_lower(supervisor.cpu_percent, requested.cpu_percent),
+        memory_bytes=lowest(supervisor.memory_bytes, requested.memory_bytes),
+        cpu_seconds=lowest(supervisor.cpu_seconds, requested.cpu_seconds),
+        open_files=lowest(supervisor.open_files, requested.open_files),
+        file_size_bytes=lowest(supervisor.file_size_bytes, requested.file_size_bytes),
+        output_bytes=lowest(supervisor.output_bytes, requested.output_bytes),
+        processes=lowest(supervisor.processes, requested.processes),
+        cpu_percent=lowest(supervisor.cpu_percent, requested.cpu_percent),
     )
 
 
@@ -249,7 +250,7 @@ LOG_FIELDS: Final = (
     "identity",
     "instance",
     "generation",
-    # A child's tree killed at recovery (executions/subprocess.py).
+    # A child's tree killed at recovery (executions/_recovery.py).
     "pid",
     "pgid",
     "descendants_killed",

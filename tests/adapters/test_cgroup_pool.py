@@ -1,4 +1,4 @@
-"""Emptied cgroups kept for the next children (``executions/_cgroups.py``, ``Pool``).
+"""Emptied cgroups kept for the next children (``executions/limits/_pool.py``).
 
 Real processes, real cgroups and the real clock. A gone child's cgroup is kept in a
 worker thread once the loop is idle, so a test waits for the pool to hold it (polled,

@@ -1,5 +1,5 @@
 """Nothing left behind: a claim names its owner, and any runner reclaims a dead owner's
-(``executions/_claims.py``).
+(``executions/limits/_claims.py``).
 
 Real processes: an owner is a process that runs, is a zombie, or is gone, and the
 runners killed here are real ones (``plugins_isolation/holder.py``), killed with SIGKILL

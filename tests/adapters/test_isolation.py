@@ -1,4 +1,4 @@
-"""A child reaches nothing of the runner's (``executions/_isolation.py``).
+"""A child reaches nothing of the runner's (``executions/limits/_isolation.py``).
 
 Real processes, a real SqliteStore and real token files in the state directory, as
 ``serve`` keeps them; each test that loads runs with children started and again forked

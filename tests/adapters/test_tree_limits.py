@@ -1,4 +1,4 @@
-"""Hard limits for a child's whole tree: its cgroup (``executions/_cgroups.py``).
+"""Hard limits for a child's whole tree: its cgroup (``executions/limits/_tree_cgroup.py``).
 
 Real processes and the real clock; each test runs with children started and again
 forked by the fork server. Every wait is bounded and answered by the plugin saying

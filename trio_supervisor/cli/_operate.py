@@ -4,6 +4,7 @@ its tenants' usage and a sign-in link to its dashboard, through the client (``cl
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 import webbrowser
@@ -32,76 +33,110 @@ from ._common import DEFAULTS, count, moment, print_table
 DEFAULT_URL: Final = f"http://{defaults.LISTEN}"  # where serve listens by default
 
 
-def _client_options(command: Any) -> Any:
-    """``--url``, ``--token-file``, ``--state``: on the runner's machine, none is needed."""
-    command = click.option(
+@attrs.frozen
+class RunnerAt:
+    """The runner an operator's command calls: its URL, and where its token is.
+
+    Attributes:
+        url: The runner's URL.
+        state: Its state directory, where it keeps the operators' token.
+        token_file: The operators' token given elsewhere (``--token-file``), if it is.
+    """
+
+    url: str
+    state: Path
+    token_file: Path | None
+
+    def token(self, *, needed: bool = True) -> str | None:
+        """The operators' token, from ``token_file`` or where a runner on ``state``
+        keeps it.
+
+        Args:
+            needed: Whether the call needs it; if not, a token missing where the runner
+                would keep it is None (a ``--token-file`` given and not read is still an
+                error).
+        """
+        path = attrs.evolve(
+            DEFAULTS, state=self.state, operator_token_file=self.token_file
+        ).operator_token_path
+        try:
+            return path.read_text().strip()
+        except OSError as error:
+            if not needed and self.token_file is None:
+                return None
+            raise click.UsageError(
+                f"cannot read the operators' token {path}: {error.strerror}; give "
+                "--token-file or run this where the runner's state directory is"
+            ) from error
+
+    def call(self, call: Callable[[RemoteSupervisor], Any], *, token_needed: bool = True) -> Any:
+        """Run ``call`` with a client; a runner's error is printed, with exit status 1.
+
+        Args:
+            call: What to ask of the runner.
+            token_needed: Whether the call needs the operators' token; if not, it is sent
+                when it can be read, and the call is made without it when it cannot.
+        """
+        token = self.token(needed=token_needed)
+
+        async def main() -> Any:
+            # An operator at a terminal wants to hear soon that nothing answers: the
+            # client tries a refused connection for OPERATOR_CONNECT_FOR, not a host's 5 s.
+            async with connect(
+                self.url, token=token, connect_for=defaults.OPERATOR_CONNECT_FOR
+            ) as runner:
+                return await call(runner)
+
+        try:
+            return trio.run(main)
+        except RunnerUnreachableError as error:
+            raise click.ClickException(error.detail) from error
+        except SupervisorError as error:
+            raise click.ClickException(f"{error.code}: {error.detail}") from error
+        except ValueError as error:
+            raise click.ClickException(str(error)) from error
+        except httpx.HTTPError as error:
+            raise click.ClickException(f"cannot reach the runner at {self.url}: {error}") from error
+
+
+def _client_options(command: Callable[..., None]) -> Callable[..., None]:
+    """``--url``, ``--token-file``, ``--state``, given to the command as one ``at``
+    (:class:`RunnerAt`): on the runner's machine, none is needed."""
+
+    @functools.wraps(command)
+    def with_runner(
+        *args: Any, url: str, state: Path, token_file: Path | None, **kwargs: Any
+    ) -> None:
+        command(*args, at=RunnerAt(url=url, state=state, token_file=token_file), **kwargs)
+
+    with_runner = click.option(
         "--url", default=DEFAULT_URL, show_default=True, help="The runner's URL."
-    )(command)
-    command = click.option(
+    )(with_runner)
+    with_runner = click.option(
         "--token-file",
         type=click.Path(path_type=Path, dir_okay=False),
         help="The operators' token [default: STATE/operator-token].",
-    )(command)
+    )(with_runner)
     return click.option(
         "--state",
         type=click.Path(path_type=Path, file_okay=False),
         default=DEFAULTS.state,
         show_default=True,
         help="The runner's state directory, where its operator token is.",
-    )(command)
+    )(with_runner)
 
 
-def _operator_token(state: Path, token_file: Path | None, *, needed: bool = True) -> str | None:
-    """The operators' token, from ``token_file`` or where a runner on ``state`` keeps it.
+def _generation_of_key(command: Callable[..., None]) -> Callable[..., None]:
+    """The arguments ``IDENTITY INSTANCE GENERATION`` of a command on one session, given
+    to it as ``key`` (checked) and ``generation``."""
 
-    Args:
-        needed: Whether the call needs it; if not, a token missing where the runner would
-            keep it is None (a ``--token-file`` given and not read is still an error).
-    """
-    path = attrs.evolve(DEFAULTS, state=state, operator_token_file=token_file).operator_token_path
-    try:
-        return path.read_text().strip()
-    except OSError as error:
-        if not needed and token_file is None:
-            return None
-        raise click.UsageError(
-            f"cannot read the operators' token {path}: {error.strerror}; give --token-file "
-            "or run this where the runner's state directory is"
-        ) from error
+    @functools.wraps(command)
+    def with_session(*args: Any, identity: str, instance: str, **kwargs: Any) -> None:
+        command(*args, key=_key(identity, instance), **kwargs)
 
-
-def _run_client(
-    url: str,
-    state: Path,
-    token_file: Path | None,
-    call: Callable[[RemoteSupervisor], Any],
-    *,
-    token_needed: bool = True,
-) -> Any:
-    """Run ``call`` with a client; a runner's error is printed, with exit status 1.
-
-    Args:
-        token_needed: Whether the call needs the operators' token; if not, it is sent
-            when it can be read, and the call is made without it when it cannot.
-    """
-    token = _operator_token(state, token_file, needed=token_needed)
-
-    async def main() -> Any:
-        # An operator at a terminal wants to hear soon that nothing answers: both clients
-        # try a refused connection for OPERATOR_CONNECT_FOR, not a host's 5 s.
-        async with connect(url, token=token, connect_for=defaults.OPERATOR_CONNECT_FOR) as runner:
-            return await call(runner)
-
-    try:
-        return trio.run(main)
-    except RunnerUnreachableError as error:
-        raise click.ClickException(error.detail) from error
-    except SupervisorError as error:
-        raise click.ClickException(f"{error.code}: {error.detail}") from error
-    except ValueError as error:
-        raise click.ClickException(str(error)) from error
-    except httpx.HTTPError as error:
-        raise click.ClickException(f"cannot reach the runner at {url}: {error}") from error
+    with_session = click.argument("generation", type=click.IntRange(min=1))(with_session)
+    with_session = click.argument("instance")(with_session)
+    return click.argument("identity")(with_session)
 
 
 def _termination(record: dict[str, Any]) -> str:
@@ -178,9 +213,7 @@ def _table(records: list[dict[str, Any]], title: str | None = None) -> Table:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def sessions(
-    url: str,
-    state: Path,
-    token_file: Path | None,
+    at: RunnerAt,
     phase: str | None,
     identity: str | None,
     all_generations: bool,
@@ -188,10 +221,7 @@ def sessions(
 ) -> None:
     """List a runner's sessions, the newest generation of each key: what runs, and why
     things stopped."""
-    found: list[dict[str, Any]] = _run_client(
-        url,
-        state,
-        token_file,
+    found: list[dict[str, Any]] = at.call(
         lambda runner: runner.sessions(
             phase=phase, identity=identity, all_generations=all_generations
         ),
@@ -200,7 +230,9 @@ def sessions(
         click.echo(json.dumps(found, indent=2))
         return
     which = "" if all_generations else ", the newest generation of each key"
-    print_table(Console(), _table(found, title=f"{count(len(found), 'session')} at {url}{which}"))
+    print_table(
+        Console(), _table(found, title=f"{count(len(found), 'session')} at {at.url}{which}")
+    )
 
 
 _RUNNER_COLUMNS = (
@@ -226,13 +258,13 @@ def _taken_over(info: RunnerInfo) -> str:
 @click.command()
 @_client_options
 @click.option("--json", "as_json", is_flag=True, help="Print the runners as JSON.")
-def runners(url: str, state: Path, token_file: Path | None, as_json: bool) -> None:
+def runners(at: RunnerAt, as_json: bool) -> None:
     """List the fleet's runners (this runner alone when it has no fleet)."""
-    found: list[RunnerInfo] = _run_client(url, state, token_file, lambda runner: runner.runners())
+    found: list[RunnerInfo] = at.call(lambda runner: runner.runners())
     if as_json:
         click.echo(json.dumps([converter.unstructure(info) for info in found], indent=2))
         return
-    table = Table(title=f"{count(len(found), 'runner')} seen from {url}", header_style="bold")
+    table = Table(title=f"{count(len(found), 'runner')} seen from {at.url}", header_style="bold")
     for column in _RUNNER_COLUMNS:
         table.add_column(column, no_wrap=column in ("runner", "advertise"))
     for info in found:
@@ -280,18 +312,18 @@ _USAGE_COLUMNS = ("tenant", "sessions", "children", "memory ceilings", "CPU ceil
 @click.command()
 @_client_options
 @click.option("--json", "as_json", is_flag=True, help="Print the runner's answer as JSON.")
-def usage(url: str, state: Path, token_file: Path | None, as_json: bool) -> None:
+def usage(at: RunnerAt, as_json: bool) -> None:
     """What each tenant holds, against its quota: its live sessions, its children, and
     their summed memory and CPU ceilings (not what they use). A child without a CPU
     ceiling counts as every core of the runner's machine, one without a memory ceiling
     as the memory the runner gives its children."""
-    answer: dict[str, Any] = _run_client(url, state, token_file, lambda runner: runner.tenants())
+    answer: dict[str, Any] = at.call(lambda runner: runner.tenants())
     if as_json:
         click.echo(json.dumps(answer, indent=2))
         return
     unlimited = int(answer.get("unlimited_cpu_percent", 100))
     found = sorted(answer["tenants"], key=lambda tenant: str(tenant["name"]))
-    table = Table(title=f"{count(len(found), 'tenant')} at {url}", header_style="bold")
+    table = Table(title=f"{count(len(found), 'tenant')} at {at.url}", header_style="bold")
     for column in _USAGE_COLUMNS:
         table.add_column(column, no_wrap=column == "tenant")
     for tenant in found:
@@ -332,9 +364,7 @@ def _key(identity: str, instance: str) -> Key:
 @click.argument("generation", type=click.IntRange(min=1), required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
 def show(
-    url: str,
-    state: Path,
-    token_file: Path | None,
+    at: RunnerAt,
     identity: str,
     instance: str,
     generation: int | None,
@@ -342,10 +372,7 @@ def show(
 ) -> None:
     """Show a key's records: every retained generation, newest first, or the one given."""
     _key(identity, instance)
-    found: list[dict[str, Any]] = _run_client(
-        url,
-        state,
-        token_file,
+    found: list[dict[str, Any]] = at.call(
         lambda runner: runner.sessions(identity=identity, instance=instance, all_generations=True),
     )
     chosen = sorted(
@@ -371,9 +398,7 @@ def show(
 
 @click.command()
 @_client_options
-@click.argument("identity")
-@click.argument("instance")
-@click.argument("generation", type=click.IntRange(min=1))
+@_generation_of_key
 @click.option(
     "--tail",
     type=click.IntRange(min=1),
@@ -385,18 +410,14 @@ def show(
 )
 @click.option("--follow", "-f", is_flag=True, help="Keep printing what the child writes.")
 def logs(
-    url: str,
-    state: Path,
-    token_file: Path | None,
-    identity: str,
-    instance: str,
+    at: RunnerAt,
+    key: Key,
     generation: int,
     tail: int | None,
     tail_bytes: int | None,
     follow: bool,
 ) -> None:
     """Print what a session's child wrote."""
-    key = _key(identity, instance)
     if tail is not None and tail_bytes is not None:
         raise click.UsageError("give --tail (lines) or --tail-bytes (bytes), not both")
 
@@ -416,7 +437,7 @@ def logs(
                 return
 
     with contextlib.suppress(KeyboardInterrupt):
-        _run_client(url, state, token_file, read)
+        at.call(read)
 
 
 async def _still_running(runner: RemoteSupervisor, key: Key, generation: int) -> bool:
@@ -432,61 +453,49 @@ async def _still_running(runner: RemoteSupervisor, key: Key, generation: int) ->
 
 @click.command()
 @_client_options
-@click.argument("identity")
-@click.argument("instance")
-@click.argument("generation", type=click.IntRange(min=1))
+@_generation_of_key
 @click.option("--json", "as_json", is_flag=True, help="Print the termination as JSON.")
 def dispose(
-    url: str,
-    state: Path,
-    token_file: Path | None,
-    identity: str,
-    instance: str,
+    at: RunnerAt,
+    key: Key,
     generation: int,
     as_json: bool,
 ) -> None:
     """Dispose a session by key and generation (no session token needed)."""
-    key = _key(identity, instance)
-    with Console(stderr=True).status(f"disposing {identity}/{instance} #{generation}"):
-        termination: Termination = _run_client(
-            url, state, token_file, lambda runner: runner.admin_dispose(key, generation)
-        )
+    with Console(stderr=True).status(f"disposing {key.identity}/{key.instance} #{generation}"):
+        termination: Termination = at.call(lambda runner: runner.admin_dispose(key, generation))
     if as_json:
         click.echo(json.dumps(converter.unstructure(termination)))
     else:
-        click.echo(f"{identity}/{instance} #{generation}: {termination.describe()}")
+        click.echo(f"{key.identity}/{key.instance} #{generation}: {termination.describe()}")
 
 
 @click.command()
 @_client_options
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
-def health(url: str, state: Path, token_file: Path | None, as_json: bool) -> None:
+def health(at: RunnerAt, as_json: bool) -> None:
     """Whether the runner takes work; exit status 1 when it does not. Needs no token
     (``/readyz`` asks for none): from any machine, ``--url`` is all it takes."""
-    answer: dict[str, Any] = _run_client(
-        url, state, token_file, lambda runner: runner.health(), token_needed=False
-    )
+    answer: dict[str, Any] = at.call(lambda runner: runner.health(), token_needed=False)
     if as_json:
         click.echo(json.dumps(answer))
     elif answer.get("status") == "ready":
-        click.echo(f"{url}: ready")
+        click.echo(f"{at.url}: ready")
     if answer.get("status") != "ready":
         if not as_json:
-            click.echo(f"{url}: not ready: {answer.get('detail', answer)}", err=True)
+            click.echo(f"{at.url}: not ready: {answer.get('detail', answer)}", err=True)
         sys.exit(1)
 
 
 @click.command()
 @_client_options
 @click.option("--open", "open_it", is_flag=True, help="Open the link in a browser here.")
-def dashboard(url: str, state: Path, token_file: Path | None, open_it: bool) -> None:
+def dashboard(at: RunnerAt, open_it: bool) -> None:
     """Print a sign-in link to the runner's dashboard: it works once, within minutes, and
     holds no token (it signs its browser tab in for some hours). Hand it to an operator,
     or open it with --open."""
-    answer: dict[str, Any] = _run_client(
-        url, state, token_file, lambda runner: runner.dashboard_code()
-    )
-    link = url.rstrip("/") + str(answer["path"])
+    answer: dict[str, Any] = at.call(lambda runner: runner.dashboard_code())
+    link = at.url.rstrip("/") + str(answer["path"])
     minutes = float(answer["expires_in"]) / 60
     click.echo(link)
     click.echo(f"It signs one browser tab in, once, within {minutes:g} minutes.", err=True)
@@ -506,19 +515,17 @@ def dashboard(url: str, state: Path, token_file: Path | None, open_it: bool) -> 
     help="Stop the sessions still running after this many seconds.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
-def drain(url: str, state: Path, token_file: Path | None, deadline: float, as_json: bool) -> None:
+def drain(at: RunnerAt, deadline: float, as_json: bool) -> None:
     """Drain the runner: it takes no new sessions or children (and /readyz says so), its
     sessions run on until their hosts dispose them or their leases run out, and at the
     deadline the rest are stopped; then it exits 0. Its fleet's other runners take the
     new work: drain one runner at a time."""
-    answer: dict[str, Any] = _run_client(
-        url, state, token_file, lambda runner: runner.drain(deadline)
-    )
+    answer: dict[str, Any] = at.call(lambda runner: runner.drain(deadline))
     if as_json:
         click.echo(json.dumps(answer))
         return
     left = int(answer["sessions"])
     click.echo(
-        f"{url}: draining; {left} session{'' if left == 1 else 's'} left, stopped by "
+        f"{at.url}: draining; {left} session{'' if left == 1 else 's'} left, stopped by "
         f"{moment(float(answer['until']))} at the latest"
     )

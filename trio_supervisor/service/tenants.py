@@ -39,7 +39,7 @@ from typing import Final
 import attrs
 
 from .. import _fields as fields
-from ..model import Limits
+from ..model import Limits, lowest
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -68,14 +68,6 @@ class TenantsError(ValueError):
 def token_hash(token: str) -> str:
     """The hex SHA-256 of ``token``: what a tenants file holds instead of the token."""
     return hashlib.sha256(token.encode()).hexdigest()
-
-
-def _lowest(one: int | None, other: int | None) -> int | None:
-    if one is None:
-        return other
-    if other is None:
-        return one
-    return min(one, other)
 
 
 @attrs.frozen(kw_only=True)
@@ -133,8 +125,8 @@ def effective_limits(requested: Limits | None, tenant: Ceilings, runner: Ceiling
         asked = None if requested is None else getattr(requested, name)
         if asked is None:
             asked = _lowest_set(getattr(tenant.default, name), getattr(runner.default, name))
-        ceiling = _lowest(getattr(tenant.max, name), getattr(runner.max, name))
-        values[name] = _lowest(asked, ceiling)
+        ceiling = lowest(getattr(tenant.max, name), getattr(runner.max, name))
+        values[name] = lowest(asked, ceiling)
     return Limits(**values)
 
 

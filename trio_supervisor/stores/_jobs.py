@@ -86,17 +86,17 @@ class Job:
 
     def take(self) -> bool:
         """The thread's claim on the job: False if its caller withdrew it first."""
-        with _claims:
-            if self.state is State.QUEUED:
-                self.state = State.TAKEN
-                return True
-            return False
+        return self._claim(State.TAKEN)
 
     def withdraw(self) -> bool:
         """The caller's claim: False if the thread took the job first."""
+        return self._claim(State.WITHDRAWN)
+
+    def _claim(self, state: State) -> bool:
+        """Move the job out of QUEUED into ``state``: False if the other side did first."""
         with _claims:
             if self.state is State.QUEUED:
-                self.state = State.WITHDRAWN
+                self.state = state
                 return True
             return False
 
