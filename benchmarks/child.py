@@ -30,7 +30,7 @@ start method, its fork server warmed as ours is, starting and joining a process 
 no-op target (:data:`PEER`), the same number of cycles in the same rounds.
 
 ``child.cycle.runner_cpu`` and ``terminate.runner_cpu`` are the runner's own Python: the
-event loop's time in task steps (``runner_cpu.LoopTime``) in a warm cycle, and in a
+event loop's time in task steps (``measure.LoopTime``) in a warm cycle, and in a
 dispose started cold as ``terminate.cooperative``'s is, against the budgets of issue 51
 (:data:`CYCLE_BUDGET`, :data:`DISPOSE_BUDGET`).
 """
@@ -58,8 +58,7 @@ import trio.testing
 
 from trio_supervisor import Key, Limits, Load, MemoryStore, SubprocessExecution, open_supervisor
 
-from .measure import Result, compare
-from .runner_cpu import LoopTime
+from .measure import LoopTime, Result, compare
 
 PLUGINS = Path(__file__).parent / "plugins"
 PLUGIN = (PLUGINS / "minimal.py").read_text()
@@ -108,7 +107,7 @@ async def _ready_child(code: str = MINIMAL) -> trio.Process:
 
 
 # A raw cycle's times in seconds: the whole cycle, SIGTERM to reaped, and the event
-# loop's own time in the stop (0 unless the run is instrumented: runner_cpu.LoopTime).
+# loop's own time in the stop (0 unless the run is instrumented: measure.LoopTime).
 Timed = tuple[float, float, float]
 
 
@@ -222,7 +221,7 @@ PRELOAD = ("typing",)
 @attrs.frozen(kw_only=True)
 class Cycle:
     """One measured cycle: wall times, and the event loop's own time in its steps
-    (zero unless a :class:`~benchmarks.runner_cpu.LoopTime` was given)."""
+    (zero unless a :class:`~benchmarks.measure.LoopTime` was given)."""
 
     whole: float  # open, load and dispose
     stop: float  # the dispose

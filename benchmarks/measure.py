@@ -15,10 +15,12 @@ import os
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import attrs
+import trio
 
 Better = Literal["higher", "lower"]
 
@@ -205,3 +207,48 @@ def grid(rows: Sequence[Sequence[str]]) -> list[str]:
 def _spread(values: list[float]) -> str:
     """The median and the range of some measurements."""
     return f"{statistics.median(values):,.4g} [{min(values):,.4g}-{max(values):,.4g}]"
+
+
+class LoopTime(trio.abc.Instrument):
+    """The sum of the run's task steps, in seconds; and by task, if asked.
+
+    Args:
+        by_task: Also keep each task's steps and time, by the qualified name of its
+            coroutine (``Session._run``, ``Standby.run``), and the steps' CPU time.
+        cpu: Also sum the steps' CPU time (the thread's: without the time the thread
+            was preempted in a step, by a process the step woke, say). That costs two
+            system calls more a step.
+    """
+
+    def __init__(self, *, by_task: bool = False, cpu: bool = False) -> None:
+        self.busy = 0.0
+        self.steps = 0
+        self.cpu = 0.0
+        # Each task's time, CPU time and steps, by its coroutine's qualified name.
+        self.tasks: dict[str, list[float]] | None = {} if by_task else None
+        self._cpu = cpu or by_task
+        self._began = 0.0
+        self._began_cpu = 0.0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self._cpu:
+            self._began_cpu = time.thread_time()
+        self._began = time.perf_counter()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        spent = time.perf_counter() - self._began
+        self.busy += spent
+        self.steps += 1
+        cpu = time.thread_time() - self._began_cpu if self._cpu else 0.0
+        self.cpu += cpu
+        if self.tasks is not None:
+            code = getattr(task.coro, "cr_code", None)
+            name = code.co_qualname if code is not None else task.name
+            found = self.tasks.setdefault(name, [0.0, 0.0, 0.0])
+            found[0] += spent
+            found[1] += cpu
+            found[2] += 1
+
+    def mark(self) -> tuple[float, int, float]:
+        """The time, the steps and the CPU time so far, to subtract from a later mark."""
+        return self.busy, self.steps, self.cpu

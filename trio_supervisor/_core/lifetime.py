@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Entering checks the arguments, makes the parts of the engine (:class:`Parts`), the
+Entering checks the arguments, makes the parts of the engine (:class:`~.parts.Parts`), the
 :class:`~trio_supervisor.Supervisor` that keeps the rules over them and the
 :class:`Lifetime` that runs their tasks, and recovers what an earlier run left
 (``recovery.py``, V1-V5) before the caller gets the supervisor. The supervisor's
@@ -18,23 +18,18 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import attrs
 import trio
 
 from .. import _defaults as defaults
 from .._background import open_background_nursery
 from .._fields import GRACE, LEASE, TIMEOUT
-from ..abc import Execution, FleetStore, Retaining, Store, switch_slack
+from ..abc import Execution, FleetStore, Store
 from ..errors import TerminationUnconfirmedError
 from ..model import Limits
 from ..realtime import bounded
 from ..retention import Retention
-from .fleet import Alone, Fleet, Member
-from .health import Health
-from .leases import Leases
-from .records import Records
+from .parts import Parts
 from .recovery import recover
-from .running import Running
 from .session import SAVE_BOUND
 from .supervisor import Supervisor
 
@@ -144,71 +139,6 @@ async def open_supervisor(
 
 
 _PROBLEMS = "the supervisor shut down with problems (Z3)"
-
-
-@attrs.frozen
-class Parts:
-    """What the supervisor and its lifetime share; made once, by :func:`open_supervisor`.
-
-    Attributes:
-        execution: Spawns and recovers children.
-        retaining: The execution, where it keeps something per session (its logs) and
-            is told what retention evicts; else None.
-        health: Poisoned by a failure the supervisor cannot vouch for (H1).
-        records: What the store holds, indexed.
-        running: The sessions, by token and (unfinished) by key.
-        leases: The lease timer.
-        fleet: Alone, or a member of the fleet that shares the store (``fleet.py``).
-        grace: Seconds between the interrupt and the kill (P3).
-        confirmation: Seconds to wait for an exit after the kill, and for each orphan.
-    """
-
-    execution: Execution
-    retaining: Retaining | None
-    health: Health
-    records: Records
-    running: Running
-    leases: Leases
-    fleet: Fleet
-    grace: float
-    confirmation: float
-
-    @classmethod
-    def make(
-        cls,
-        store: Store,
-        execution: Execution,
-        retention: Retention,
-        *,
-        grace: float,
-        confirmation: float,
-    ) -> Parts:
-        health = Health()
-        records = Records(store, retention, health)
-        running = Running()
-        fleet: Fleet = (
-            Member(
-                store,
-                records,
-                health,
-                # F7's margin past a lease: a child's own dead-man switch ends it then.
-                stop_bound=grace + confirmation + switch_slack(execution),
-                running=running,
-            )
-            if isinstance(store, FleetStore)
-            else Alone(records)
-        )
-        return cls(
-            execution=execution,
-            retaining=execution if isinstance(execution, Retaining) else None,
-            health=health,
-            records=records,
-            running=running,
-            leases=Leases(),
-            fleet=fleet,
-            grace=grace,
-            confirmation=confirmation,
-        )
 
 
 class Lifetime:

@@ -28,7 +28,6 @@ import os
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
 
 import trio
 
@@ -62,11 +61,9 @@ from ..model import (
 from .events import DEFAULT_BUFFER, Watch
 from .keylocks import KeyLocks
 from .lifecycle import stop_error
+from .parts import Parts
 from .services import Services
 from .session import Session
-
-if TYPE_CHECKING:
-    from .lifetime import Parts
 
 __all__ = ["Supervisor"]
 
