@@ -17,13 +17,17 @@ from typing import Any, Final, TypeAlias
 
 import attrs
 
+#: A JSON value: what a :class:`~trio_supervisor.Load`'s ``config`` may hold.
 JSON: TypeAlias = bool | int | float | str | Sequence["JSON"] | Mapping[str, "JSON"] | None
 
-MAX_KEY_LENGTH: Final = 128  # characters of a key's identity, and of its instance
-MIN_LEASE: Final = 0.1  # seconds: below this, renewing would be most of what a host does
-# Seconds (about 31 years). A child's lease watchdog waits in select(), which cannot
-# wait past ~9.2e9 seconds: with a longer lease its thread died and its load never
-# returned (found by fuzzing the service).
+#: The most characters of a key's identity, and of its instance.
+MAX_KEY_LENGTH: Final = 128
+#: The shortest lease a caller may ask for, in seconds: below this, renewing would be
+#: most of what a host does.
+MIN_LEASE: Final = 0.1
+#: The longest lease a caller may ask for, in seconds (about 31 years). A child's lease
+#: watchdog waits in select(), which cannot wait past ~9.2e9 seconds: with a longer
+#: lease its thread died and its load never returned (found by fuzzing the service).
 MAX_LEASE: Final = 1e9
 
 
@@ -261,7 +265,14 @@ def freeze_json(value: object, where: str = "config") -> Any:
 
 def thaw(value: object) -> Any:
     """The plain JSON form of a frozen JSON value: read-only mappings become dicts,
-    tuples (and lists) become lists. The inverse of what ``Load`` does to its config."""
+    tuples (and lists) become lists. The inverse of what ``Load`` does to its config.
+
+    Args:
+        value: A JSON value, frozen or not (a ``Load.config``, say).
+
+    Returns:
+        The same value made of dicts and lists, which ``json.dumps`` takes.
+    """
     if isinstance(value, Mapping):
         return {name: thaw(item) for name, item in value.items()}
     if isinstance(value, tuple | list):

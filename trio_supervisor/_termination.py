@@ -1,18 +1,33 @@
-"""How a session's child ended, as records and the wire hold it: its
-:class:`Termination`, the child's :class:`ExitStatus`, and each problem met on the way
+"""How and why a session ended, as records and the wire hold it: why it stopped (its
+stop reason, :data:`StopReason`: one of seven), how its child ended (its
+:class:`Termination`, the child's :class:`ExitStatus`), and each problem met on the way
 as a :class:`Fault`. Values only, re-exported by :mod:`trio_supervisor.model`, the
 public home of their names (the act of terminating is ``_core/termination.py``)."""
 
 from __future__ import annotations
 
 import signal
-from typing import Literal
+from typing import Literal, TypeAlias
 
 import attrs
 
 from . import _fields as fields
 
-__all__ = ["ExitStatus", "Fault", "Termination", "as_cause", "signal_name"]
+__all__ = [
+    "Disposed",
+    "ExitStatus",
+    "Exited",
+    "Expired",
+    "Fault",
+    "LoadFailed",
+    "Recovery",
+    "Shutdown",
+    "StopReason",
+    "Superseded",
+    "Termination",
+    "as_cause",
+    "signal_name",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -53,14 +68,26 @@ class ExitStatus:
 
 @attrs.frozen(kw_only=True)
 class Fault:
-    """An exception as a value: what is persisted of a problem."""
+    """An exception as a value: what is persisted of a problem.
+
+    Attributes:
+        type: The exception's qualified class name (``trio_supervisor.errors.ExecutionError``).
+        message: Its message (``str(error)``).
+    """
 
     type: str = attrs.field(validator=fields.text)
     message: str = attrs.field(validator=attrs.validators.instance_of(str))
 
     @classmethod
     def of(cls, error: BaseException) -> Fault:
-        """Describe an exception by its qualified class name and its message."""
+        """Describe an exception by its qualified class name and its message.
+
+        Args:
+            error: Any exception.
+
+        Returns:
+            The fault that stands for it in a record.
+        """
         kind = type(error)
         name = (
             kind.__qualname__
@@ -146,3 +173,63 @@ def signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+# -- why a session stopped ---------------------------------------------------------------------
+
+
+class _Reason:
+    __slots__ = ()
+
+    @property
+    def kind(self) -> str:
+        """The reason's class name, which is also its tag in storage and on the wire."""
+        return type(self).__name__
+
+
+@attrs.frozen
+class Expired(_Reason):
+    """The lease ran out (T1)."""
+
+
+@attrs.frozen
+class Disposed(_Reason):
+    """The host disposed the session (D5)."""
+
+
+@attrs.frozen
+class Exited(_Reason):
+    """The child exited by itself (X1)."""
+
+
+@attrs.frozen(kw_only=True)
+class LoadFailed(_Reason):
+    """The load failed; ``cause`` says how (L5).
+
+    Attributes:
+        cause: The load's errors, as values.
+    """
+
+    cause: tuple[Fault, ...] = attrs.field(default=(), converter=as_cause)
+
+
+@attrs.frozen
+class Superseded(_Reason):
+    """A newer generation of the key was opened (O5, F5)."""
+
+
+@attrs.frozen
+class Shutdown(_Reason):
+    """The supervisor shut down (Z2)."""
+
+
+@attrs.frozen
+class Recovery(_Reason):
+    """The supervisor found the session on start-up, left over from an earlier run (V3).
+
+    A runner of a fleet also stops with it the sessions of a dead runner it takes over (F7).
+    """
+
+
+#: Why a session stopped: one of the seven reasons, each tagged by its ``kind`` (P1).
+StopReason: TypeAlias = Expired | Disposed | Exited | LoadFailed | Superseded | Shutdown | Recovery

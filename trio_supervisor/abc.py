@@ -59,7 +59,13 @@ class Store(Protocol):
         ...
 
     async def save(self, record: SessionRecord) -> None:
-        """Make ``record`` durable, replacing its token's earlier record.
+        """Make ``record`` durable, replacing its token's earlier record (O8, P2, P5).
+
+        Applies the retention policy in the same write (O10). Cancel-atomic (O11).
+
+        Args:
+            record: The record to save; it replaces the record saved last under its
+                handle's token.
 
         Raises:
             StateStorageError: The record could not be made durable.
@@ -67,7 +73,10 @@ class Store(Protocol):
         ...
 
     async def list(self) -> Sequence[SessionRecord]:
-        """Every retained record, in the order they were last saved.
+        """Every retained record, in the order they were last saved (read by recovery, V1).
+
+        Returns:
+            The last record of each retained token, oldest save first.
 
         Raises:
             StateStorageError: The store cannot be read, or holds a record that is
@@ -76,7 +85,14 @@ class Store(Protocol):
         ...
 
     async def high_water(self) -> Mapping[Key, int]:
-        """Every key's highest generation ever saved."""
+        """Every key's highest generation ever saved, evicted keys included (V5).
+
+        Returns:
+            The high-water generation of every key ever opened.
+
+        Raises:
+            StateStorageError: The store cannot be read.
+        """
         ...
 
 
@@ -85,7 +101,18 @@ class BatchStore(Store, Protocol):
     """A store that can make several records durable at once (used by recovery)."""
 
     async def save_many(self, records: Sequence[SessionRecord]) -> None:
-        """Make every record durable, as one atomic write where the store can."""
+        """Make every record durable, as one atomic write where the store can.
+
+        Recovery writes its Stopped records this way (V3), and a childless stop its
+        Stopping and Stopped records (docs/design.md, deviation (k)).
+
+        Args:
+            records: The records to save, in order; a later record of a token
+                replaces an earlier one.
+
+        Raises:
+            StateStorageError: The records could not be made durable.
+        """
         ...
 
 
@@ -102,13 +129,21 @@ class FleetMember(Protocol):
         ...
 
     def live(self) -> Mapping[Key, int]:
-        """The lowest generation of every key with an unfinished session here."""
+        """The lowest generation of every key with an unfinished session here (F5, F7).
+
+        Returns:
+            By key, the lowest generation of its sessions that have not stopped.
+        """
         ...
 
     def times(self) -> Mapping[str, tuple[float, float]]:
         """How long each session running here has existed and how long its lease has
         left, in seconds, by its token: what the fleet's other runners show operators
-        (the store publishes them with each renewal of this member's row)."""
+        (the store publishes them when a listing of the fleet's records asks, F2).
+
+        Returns:
+            By token, the session's age and its lease left, in seconds.
+        """
         ...
 
     def shortest_lease(self) -> float | None:
@@ -120,7 +155,12 @@ class FleetMember(Protocol):
     def superseded(self, key: Key, high_water: int) -> None:
         """Stop, with reason Superseded, every session here of ``key`` below ``high_water``.
 
-        Called from the supervisor's run (never from another thread); returns at once.
+        Called from the supervisor's run (never from another thread); returns at once
+        (F5).
+
+        Args:
+            key: The key another member opened a newer generation of.
+            high_water: That newer generation; every session of ``key`` below it stops.
         """
         ...
 
@@ -158,7 +198,11 @@ class FleetStore(BatchStore, Protocol):
         the last slot). An Open record takes a session, unless a live older generation
         of its key counts already; a session's first Loading record takes a child and
         its ``memory_bytes`` and ``cpu_percent`` limits. Records count for the tenant
-        when their identity matches one of its patterns.
+        when their identity matches one of its patterns (F9).
+
+        Args:
+            record: The record to save, as for :meth:`Store.save`.
+            quota: The tenant's claim: its identity patterns and quotas.
 
         Raises:
             QuotaExceededError: The record would pass a quota; nothing was written (no
@@ -169,7 +213,21 @@ class FleetStore(BatchStore, Protocol):
 
     async def lookup(self, key: Key, request_id: str | None) -> tuple[int, SessionRecord | None]:
         """The key's high-water in the store now, and its retained record opened with
-        ``request_id`` (whichever member holds it), if any."""
+        ``request_id`` (whichever member holds it), if any (F3; O3 across the fleet).
+
+        Args:
+            key: The key to look up.
+            request_id: The request id of an open to find again; None finds none.
+
+        Returns:
+            The key's high-water generation (0 if never opened) and the record
+            opened with ``request_id``, or None.
+
+        Raises:
+            StoreUnavailableError: The store stayed out of reach for its
+                ``store_wait`` (B1), or a failover is not yet settled (B6).
+            StateStorageError: The store could not be read.
+        """
         ...
 
     async def wait_older_stopped(self, handle: Handle) -> None:
@@ -177,7 +235,11 @@ class FleetStore(BatchStore, Protocol):
         another member (O5 across the fleet).
 
         A record whose member is dead past its takeover margin is taken over on the
-        way. Bounded while that member lives by its ``stop_bound`` plus a check period.
+        way. Bounded while that member lives by its ``stop_bound`` plus a check period
+        (F6, F7).
+
+        Args:
+            handle: The new session, whose older generations must be stopped.
 
         Raises:
             TerminationUnconfirmedError: A live member did not stop its older
@@ -191,28 +253,57 @@ class FleetStore(BatchStore, Protocol):
         Renews its row, hears of opens that supersede its sessions (a notification as
         the wake-up, a periodic check as the guarantee, at least every third of
         ``member.shortest_lease()``) and tells ``member.superseded``, and takes over the
-        records of dead members.
+        records of dead members (F1, F2, F5, F7).
+
+        Args:
+            member: The supervisor this store serves, asked for its sessions.
 
         Raises:
-            StateStorageError: The member lost its row (it could not renew it in time,
+            RunnerFencedError: The member lost its row (it could not renew it in time,
                 or another member took its records over); the supervisor is poisoned.
         """
         ...
 
     async def runners(self) -> Sequence[RunnerInfo]:
-        """Every runner of the fleet, by id."""
+        """Every runner of the fleet, by id (for operators).
+
+        Returns:
+            Each runner's id, advertised URL, epoch and state.
+        """
         ...
 
     async def fleet_records(self) -> Sequence[FleetRecord]:
-        """Every retained record of the fleet, in save order, each with its runner."""
+        """Every retained record of the fleet, in save order, each with its runner.
+
+        Asks the members for their sessions' ages and leases first (F2).
+
+        Returns:
+            Each record with its runner, age and lease left.
+        """
         ...
 
     async def held(self, token: str) -> FleetRecord | None:
-        """The retained record of ``token``, whichever member holds it."""
+        """The retained record of ``token``, whichever member holds it (F8).
+
+        Args:
+            token: A handle's token.
+
+        Returns:
+            The record with its runner, or None when none is retained.
+        """
         ...
 
     async def owner(self, token: str) -> RunnerInfo | None:
-        """The runner that holds the session of ``token``, if a record of it is retained."""
+        """The runner that holds the session of ``token``, if a record of it is retained.
+
+        A runner asked about a session it does not hold answers with this one (F8).
+
+        Args:
+            token: A handle's token.
+
+        Returns:
+            The holding runner, or None when no record of ``token`` is retained.
+        """
         ...
 
     async def drain(self) -> None:
@@ -241,27 +332,45 @@ class Unit(Protocol):
         ...
 
     async def start(self) -> None:
-        """Start the code; return once it began."""
+        """Start the code; return once it began (L4).
+
+        Raises:
+            PackageError: The code could not be started.
+            ExecutionError: The child could not be started.
+        """
         ...
 
     async def renew(self, lease: float) -> None:
-        """Tell the child its lease now ends ``lease`` seconds from now."""
+        """Tell the child its lease now ends ``lease`` seconds from now (R5).
+
+        Args:
+            lease: Seconds from now.
+
+        Raises:
+            ExecutionError: The lease could not be passed on.
+        """
         ...
 
     async def interrupt(self) -> None:
-        """Ask the child to stop (SIGTERM, or a cancellation it may handle)."""
+        """Ask the child to stop (SIGTERM, or a cancellation it may handle); a request (P3)."""
         ...
 
     async def kill(self) -> None:
-        """Stop the child outright (SIGKILL, or an outright cancellation)."""
+        """Stop the child outright (SIGKILL, or an outright cancellation); a request (P3)."""
         ...
 
     async def wait(self) -> ExitStatus:
-        """Wait for the child to exit and return how; any number of tasks may wait."""
+        """Wait for the child to exit and return how; any number of tasks may wait.
+
+        Only this confirms an exit (P3, X1).
+
+        Returns:
+            How the child exited.
+        """
         ...
 
     async def aclose(self) -> None:
-        """Release the unit's resources; called once, when its session ends."""
+        """Release the unit's resources; called once, when its session ends (P4)."""
         ...
 
 
@@ -272,6 +381,17 @@ class Execution(Protocol):
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
         """Make the unit that will run ``load`` for the session ``handle``, not yet started.
 
+        The unit belongs to the session from then on (L4).
+
+        Args:
+            handle: The session the unit is for.
+            load: The code to run.
+            limits: The session's negotiated ceilings, to enforce where the
+                execution can.
+
+        Returns:
+            The unit, not yet started.
+
         Raises:
             PackageError: The load's code cannot be resolved.
             ExecutionError: The unit could not be made.
@@ -281,7 +401,13 @@ class Execution(Protocol):
     async def recover(self, child: ChildIdentity) -> Termination:
         """Make sure a child left over from an earlier run is gone, and say how it ended.
 
-        Never signals anything that is not the recorded child.
+        Never signals anything that is not the recorded child (V2).
+
+        Args:
+            child: The identity a Loading or Loaded record holds.
+
+        Returns:
+            How the child ended, or that it was already gone.
 
         Raises:
             ExecutionError: The child's end could not be confirmed.
@@ -294,7 +420,17 @@ def switch_slack(execution: Execution) -> float:
     is gone: its ``switch_slack`` attribute, which an execution whose children outlive
     their runner (processes with a dead-man switch) sets; 0 for one whose children end
     with it (tasks). A fleet waits this much more before it takes a dead runner's
-    sessions over (docs/design.md, F7)."""
+    sessions over (docs/design.md, F7).
+
+    Args:
+        execution: Any execution.
+
+    Returns:
+        Its ``switch_slack`` in seconds, or 0.0 when it has none.
+
+    Raises:
+        TypeError: Its ``switch_slack`` is not a number of seconds >= 0.
+    """
     slack = getattr(execution, "switch_slack", 0.0)
     if isinstance(slack, bool) or not isinstance(slack, int | float) or not slack >= 0:
         raise TypeError(f"an execution's switch_slack must be seconds >= 0, not {slack!r}")
@@ -313,7 +449,10 @@ class Retaining(Protocol):
         """Retention evicted these sessions' records: let go of what is kept of them.
 
         Called in the supervisor's run once the store acknowledged the save that evicted
-        them; returns at once (the work may end later) and raises nothing.
+        them; returns at once (the work may end later) and raises nothing (O10).
+
+        Args:
+            handles: The handles of the evicted records.
         """
         ...
 
@@ -321,6 +460,9 @@ class Retaining(Protocol):
         """Recovery is over, and these are the handles of every retained record: let go
         of what is kept of any other session (evicted while no supervisor ran, or kept
         by a store that held nothing across the restart, as a ``MemoryStore``).
+
+        Args:
+            handles: The handle of every retained record.
 
         Raises:
             ExecutionError: What is kept could not be looked at; the supervisor logs it
@@ -354,6 +496,18 @@ class SupervisorAPI(Protocol):
 
         A retry with the same ``request_id`` returns the record of the first open.
 
+        Args:
+            key: What the session is for.
+            request_id: The caller's id of this request; a retry with the same id
+                returns the same record (O3).
+            expected_generation: The key's high-water generation the caller saw;
+                None means 0, a key never opened (O4).
+            lease: Seconds; the supervisor's default when None.
+            limits: Ceilings to ask for; they can only lower the supervisor's.
+
+        Returns:
+            The new session's Open record, or the retained record of ``request_id``.
+
         Raises:
             StaleSessionError: ``expected_generation`` is not the key's high-water.
             RunnerClosingError: The supervisor is shutting down.
@@ -363,6 +517,12 @@ class SupervisorAPI(Protocol):
 
     async def renew(self, handle: Handle) -> float:
         """Extend the session's lease from now and return its length in seconds (R1-R6).
+
+        Args:
+            handle: The session's handle.
+
+        Returns:
+            The lease, in seconds.
 
         Raises:
             StaleSessionError: The handle names no retained session.
@@ -374,7 +534,16 @@ class SupervisorAPI(Protocol):
     async def load(self, handle: Handle, load: Load) -> CodeIdentity:
         """Load code into the session's child and return what was loaded (L1-L6).
 
+        Args:
+            handle: The session's handle.
+            load: What to load.
+
+        Returns:
+            What was loaded.
+
         Raises:
+            StaleSessionError, LeaseExpiredError, SessionStoppedError: As for
+                :meth:`renew`; also when the session stops during the load.
             SessionConflictError: The session loads another specifier.
             PackageError: The specifier cannot be resolved or started.
             ExecutionError: The child could not be made or started.
@@ -386,6 +555,12 @@ class SupervisorAPI(Protocol):
 
         Disposing a stopped session returns its recorded termination again.
 
+        Args:
+            handle: The session's handle.
+
+        Returns:
+            How the session's child ended.
+
         Raises:
             StaleSessionError: The handle names no retained session.
             TerminationUnconfirmedError: The child was killed and not seen to exit.
@@ -395,11 +570,24 @@ class SupervisorAPI(Protocol):
     async def status(self, handle: Handle) -> SessionRecord:
         """Return the session's last durable record (S1).
 
+        Args:
+            handle: The session's handle.
+
+        Returns:
+            The last record made durable.
+
         Raises:
             StaleSessionError: The handle names no retained session.
         """
         ...
 
     async def high_water(self, key: Key) -> int | None:
-        """Return the highest generation ever opened for ``key``, or None (S2)."""
+        """Return the highest generation ever opened for ``key``, or None (S2).
+
+        Args:
+            key: Any key.
+
+        Returns:
+            Its high-water generation, or None for a key never opened.
+        """
         ...

@@ -12,7 +12,7 @@ generation stored as ``"3"`` is an error, not 3.
 :func:`encode` and :func:`decode` both go through :data:`converter`, so a hook
 registered on it (for :class:`~trio_supervisor.model.Limits`, say) takes effect in
 storage too. Writing is cattrs' generated unstructure functions and orjson; reading is
-orjson, or ``json`` where orjson could read the text otherwise (see :func:`_parse`), and
+orjson, or ``json`` where orjson could read the text otherwise (see ``_parse``), and
 the converter.
 """
 
@@ -52,8 +52,11 @@ __all__ = [
     "unstructure",
 ]
 
+#: The version every record is written with (``"version": 1``); the reader refuses others.
 VERSION: Final = 1
 
+#: The one converter of records, for storage and the wire: a hook registered on it
+#: applies to both.
 converter: Final = cattrs.Converter(forbid_extra_keys=True)
 
 _T = TypeVar("_T")
@@ -273,6 +276,13 @@ def describe_error(error: BaseException, kind: type | None) -> str:
 
     Our validators and hooks word their errors for a reader; cattrs words the rest (a
     missing field, an extra one).
+
+    Args:
+        error: One error cattrs met while structuring.
+        kind: The type it was structuring, if known.
+
+    Returns:
+        A sentence for the error's message.
     """
     if isinstance(error, ValueError | TypeError) and str(error):
         return str(error)
@@ -280,7 +290,14 @@ def describe_error(error: BaseException, kind: type | None) -> str:
 
 
 def unstructure(record: SessionRecord) -> dict[str, Any]:
-    """Return the versioned JSON-ready form of a record."""
+    """Return the versioned JSON-ready form of a record.
+
+    Args:
+        record: Any record.
+
+    Returns:
+        Its fields as plain JSON values, tagged, with ``"version"``.
+    """
     data: dict[str, Any] = converter.get_unstructure_hook(SessionRecord)(record)
     data["version"] = VERSION
     return data
@@ -288,6 +305,12 @@ def unstructure(record: SessionRecord) -> dict[str, Any]:
 
 def structure(data: object) -> SessionRecord:
     """Build a record from its versioned JSON form.
+
+    Args:
+        data: What JSON text parsed to.
+
+    Returns:
+        The record.
 
     Raises:
         RecordFormatError: The data is not a version 1 record; the message names the
@@ -319,7 +342,14 @@ _encoder: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check
 
 
 def encode(record: SessionRecord) -> str:
-    """Return a record as compact versioned JSON text."""
+    """Return a record as compact versioned JSON text.
+
+    Args:
+        record: Any record.
+
+    Returns:
+        The JSON text that :func:`decode` reads back as the same record.
+    """
     data = unstructure(record)
     try:
         # No record holds a float that is not finite, which orjson would write as null.
@@ -332,6 +362,12 @@ def encode(record: SessionRecord) -> str:
 
 def decode(text: str | bytes) -> SessionRecord:
     """Read a record from versioned JSON text.
+
+    Args:
+        text: JSON text, as ``str`` or UTF-8 ``bytes``.
+
+    Returns:
+        The record.
 
     Raises:
         RecordFormatError: The text is not JSON, or not a version 1 record.

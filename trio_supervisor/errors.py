@@ -8,7 +8,7 @@ The runner's admission (docs/service.md section D) refuses with three more: a ke
 the caller's identities (:class:`ForbiddenError`), a tenant over its quota or its rate
 (:class:`QuotaExceededError`, :class:`ThrottledError`) and a runner without room for
 another child (:class:`RunnerFullError`). The client raises them as the runner answered
-them; so does the service's :class:`~trio_supervisor.service.admission.Admission` for an
+them; so does the service's ``Admission`` (``trio_supervisor.service.admission``) for an
 embedder who admits calls the same way. The access errors and :class:`SessionLostError`
 are the client's own: a runner that refused the caller's token, and a session whose lease
 the client could not keep.
@@ -58,8 +58,14 @@ __all__ = [
 class SupervisorError(Exception):
     """Base class of every error the supervisor raises on purpose.
 
-    Attributes:
+    A plain ``SupervisorError`` wraps a crash of one of the supervisor's own tasks (H1).
+
+    Args:
         detail: A sentence for humans saying what went wrong.
+
+    Attributes:
+        detail: The same sentence.
+        code: The class's wire code (a class attribute), the name a host sees.
     """
 
     code: ClassVar[str] = "SupervisorError"
@@ -74,7 +80,11 @@ class SupervisorError(Exception):
     def problem_fields(self) -> dict[str, object]:
         """What this error adds to the runner's problem+json answer, besides its code
         and detail: its attributes a host may act on. Its ``retry_after`` is not among
-        them: the answer's ``Retry-After`` header carries it."""
+        them: the answer's ``Retry-After`` header carries it.
+
+        Returns:
+            The fields by name; none for most errors.
+        """
         return {}
 
     @classmethod
@@ -91,6 +101,9 @@ class SupervisorError(Exception):
             problem: The problem's body, where :meth:`problem_fields` put its fields.
             retry_after: The answer's ``Retry-After`` in seconds (None: none given); an
                 error without a ``retry_after`` ignores it.
+
+        Returns:
+            The error, as the runner raised it.
         """
         return cls(detail)
 
@@ -98,9 +111,12 @@ class SupervisorError(Exception):
         """Return a fresh copy of this error, chained to it.
 
         One outcome (a stop, a load, the poisoning of the supervisor) is often reported
-        to several callers. Raising one exception object from several tasks would splice
-        their tracebacks together; each caller gets its own copy instead, whose
+        to several callers (P6). Raising one exception object from several tasks would
+        splice their tracebacks together; each caller gets its own copy instead, whose
         ``__cause__`` is the original with the original traceback.
+
+        Returns:
+            A new error of the same class and attributes.
         """
         copy = Exception.__new__(type(self))
         copy.__dict__.update(self.__dict__)
@@ -137,42 +153,72 @@ class _Retryable(SupervisorError):
         self.retry_after = retry_after
 
     def problem_fields(self) -> dict[str, object]:
+        """The attributes this error adds to its problem answer, by name."""
         return {name: getattr(self, name) for name, _ in self._wire}
 
     @classmethod
     def from_problem(
         cls, detail: str, problem: Mapping[str, object], retry_after: float | None
     ) -> Self:
+        """The error a problem answer stands for, with its ``retry_after``.
+
+        Args:
+            detail: The problem's detail.
+            problem: The problem's body; a field missing or of another type reads as
+                the attribute's default.
+            retry_after: The answer's ``Retry-After`` in seconds, or None.
+
+        Returns:
+            The error, as the runner raised it.
+        """
         fields: dict[str, Any] = {name: read(problem.get(name, "")) for name, read in cls._wire}
         return cls(detail, retry_after, **fields)
 
 
 class StaleSessionError(SupervisorError):
-    """The handle names no retained session: unknown token, or wrong key or generation."""
+    """The handle names no retained session: unknown token, or wrong key or generation.
+
+    Raised by renew, load, dispose and status (R2, D2, S1); and by an open whose
+    ``expected_generation`` is not the key's high-water (O4), or that lost the fleet's
+    compare-and-set (F3).
+    """
 
     code = "StaleSession"
 
 
 class LeaseExpiredError(SupervisorError):
-    """The session's lease ran out."""
+    """The session's lease ran out.
+
+    Rules R3, R4 and T1.
+    """
 
     code = "LeaseExpired"
 
 
 class SessionStoppedError(SupervisorError):
-    """The session is stopping or stopped for a reason other than its lease."""
+    """The session is stopping or stopped for a reason other than its lease.
+
+    Also raised for a session retired by recovery or eviction (R2, R3, D4, V4).
+    """
 
     code = "SessionStopped"
 
 
 class SessionConflictError(SupervisorError):
-    """The session was already asked to load a different specifier."""
+    """The session was already asked to load a different specifier.
+
+    Rule L2.
+    """
 
     code = "SessionConflict"
 
 
 class StateStorageError(SupervisorError):
-    """The store failed to make a record durable, or returned records it cannot vouch for."""
+    """The store failed to make a record durable, or returned records it cannot vouch for.
+
+    A failed save poisons the supervisor (O8, H1); a store that cannot be read stops it
+    from starting (V1).
+    """
 
     code = "StateStorageError"
 
@@ -183,6 +229,13 @@ class StoreUnavailableError(StateStorageError, _Retryable):
     certainly wrote nothing (503, ``Retry-After``). Unlike the other storage errors it
     does not poison the supervisor (docs/design.md, B1): the same call may be made again
     once the store answers.
+
+    Args:
+        detail: What the store met.
+        retry_after: Seconds after which the call may be made again.
+
+    Attributes:
+        retry_after: The same seconds, or None.
     """
 
     code = "StoreUnavailable"
@@ -201,25 +254,43 @@ class RunnerFencedError(StateStorageError):
 
 
 class RecordFormatError(StateStorageError):
-    """A stored record is malformed, or written in a version this library cannot read."""
+    """A stored record is malformed, or written in a version this library cannot read.
+
+    The detail names the field's path (``$.previous.handle.generation``); docs/design.md,
+    "Persistence and retention".
+    """
 
     code = "StateStorageError"
 
 
 class ExecutionError(SupervisorError):
-    """The execution adapter failed to spawn, start, signal or watch a unit."""
+    """The execution adapter failed to spawn, start, signal or watch a unit.
+
+    Rules L4 and L5.
+    """
 
     code = "ExecutionError"
 
 
 class PackageError(SupervisorError):
-    """The code named by a load cannot be resolved, imported or started."""
+    """The code named by a load cannot be resolved, imported or started.
+
+    Rule L5.
+    """
 
     code = "PackageError"
 
 
 class TerminationUnconfirmedError(SupervisorError):
     """A child was asked to stop and then killed, and its exit was still not observed.
+
+    Raised by a stop (P3), by recovery (V2), and by an open whose older generation on
+    another runner did not stop in time (F6). A stop's unconfirmed termination poisons
+    the supervisor (H1).
+
+    Args:
+        detail: What was not confirmed.
+        causes: The exceptions met on the way.
 
     Attributes:
         causes: The exceptions met on the way (while interrupting, killing, waiting
@@ -234,7 +305,10 @@ class TerminationUnconfirmedError(SupervisorError):
 
 
 class RunnerClosingError(SupervisorError):
-    """The supervisor is shutting down and accepts no new work."""
+    """The supervisor is shutting down and accepts no new work.
+
+    Rules O1, R1, L1 and Z1.
+    """
 
     code = "RunnerClosing"
 
@@ -259,6 +333,7 @@ class OperatorsOnlyError(ForbiddenError):
     it from a key refused by its tenant's patterns."""
 
     def problem_fields(self) -> dict[str, object]:
+        """The body's mark that tells this refusal from a key's: ``operators_only``."""
         return {"operators_only": True}
 
 
@@ -269,6 +344,14 @@ class _Refused(_Retryable):
 
 class QuotaExceededError(_Refused):
     """The call would take its tenant past a quota (429); nothing changed.
+
+    Raised by a runner's admission and by a fleet's store (F9); it does not poison.
+
+    Args:
+        detail: The refusal, in Kubernetes' words (see :meth:`of`).
+        retry_after: Seconds after which the call may be tried again, or None when
+            only a session stopping can make room.
+        quota, requested, used, hard: As the attributes.
 
     Attributes:
         quota: Which quota: "sessions", "children", "memory_bytes" or "cpu_percent".
@@ -298,7 +381,19 @@ class QuotaExceededError(_Refused):
     @classmethod
     def of(cls, tenant: str, quota: str, requested: int, used: int, hard: int) -> Self:
         """The refusal of ``tenant``'s call, in Kubernetes' words, whoever counted it (a
-        runner alone, or the fleet's store)."""
+        runner alone, or the fleet's store).
+
+        Args:
+            tenant: The tenant refused.
+            quota: Which quota it would pass.
+            requested: What the call asked for, in the quota's unit.
+            used: What the tenant holds.
+            hard: Its quota.
+
+        Returns:
+            The error, its detail as ``tenant 'acme' exceeded quota: sessions,
+            requested 1, used 100, limited 100``.
+        """
         return cls(
             f"tenant {tenant!r} exceeded quota: {quota}, requested {requested}, used "
             f"{used}, limited {hard}",
@@ -337,6 +432,13 @@ class RunnerRestartingError(_Retryable):
     """The runner's supervisor was poisoned and the runner makes a new incarnation of it
     by itself (503, ``Retry-After``; docs/design.md, B5): the session calls are refused
     meanwhile, and answered again once it serves. The detail says why it restarts.
+
+    Args:
+        detail: Why the runner restarts.
+        retry_after: Seconds after which the call may be made again.
+
+    Attributes:
+        retry_after: The same seconds, or None.
     """
 
     code = "RunnerRestarting"
@@ -467,7 +569,13 @@ BY_CODE: dict[str, type[SupervisorError]] = {
 class ProblemCode(enum.StrEnum):
     """The wire's codes that are no error class's: what the service refuses before a call
     reaches the supervisor (docs/service.md section A, "Errors"). The app answers them,
-    the OpenAPI document lists them and the client reads them, all from here."""
+    the OpenAPI document lists them and the client reads them, all from here.
+
+    Members: ``MALFORMED`` (400: not JSON, nested too deeply, a bad length),
+    ``INVALID`` (422: a body or query parameter that is not valid), ``TOO_LARGE``
+    (413), ``NOT_FOUND`` (404), ``METHOD_NOT_ALLOWED`` (405), ``INTERNAL`` (500: the
+    runner failed, not the call).
+    """
 
     MALFORMED = "MalformedRequest"  # 400: not JSON, nested too deeply, a bad length
     INVALID = "InvalidRequest"  # 422: a body or query parameter that is not valid

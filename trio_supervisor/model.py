@@ -7,8 +7,9 @@ seconds or a negative limit is refused with an error naming the field. (A lease 
 caller *asks* for is also bounded by :data:`MIN_LEASE` and :data:`MAX_LEASE`; a record
 holds whatever lease was granted.) Nothing here does I/O or knows about Trio.
 
-How a child ended (:class:`Termination`, :class:`ExitStatus`, :class:`Fault`) is
-defined in ``_termination.py`` and imported here, its public home.
+Why a session stopped (the seven stop reasons, :data:`StopReason`) and how its child
+ended (:class:`Termination`, :class:`ExitStatus`, :class:`Fault`) are defined in
+``_termination.py`` and imported here, their public home.
 """
 
 from __future__ import annotations
@@ -22,7 +23,19 @@ import attrs
 
 from . import _fields as fields
 from ._fields import JSON, MAX_KEY_LENGTH, MAX_LEASE, MIN_LEASE, thaw
-from ._termination import ExitStatus, Fault, Termination, as_cause
+from ._termination import (
+    Disposed,
+    Exited,
+    ExitStatus,
+    Expired,
+    Fault,
+    LoadFailed,
+    Recovery,
+    Shutdown,
+    StopReason,
+    Superseded,
+    Termination,
+)
 from ._termination import signal_name as signal_name
 
 __all__ = [
@@ -72,7 +85,15 @@ __all__ = [
 class Key:
     """What a session is for: an identity (say, a plugin) and an instance of it.
 
-    Each is a non-empty string of at most :data:`MAX_KEY_LENGTH` (128) characters.
+    Each is a non-empty string of at most ``MAX_KEY_LENGTH`` (128) characters.
+    A key's sessions are numbered by generation, which fences out the older ones (O4).
+
+    Attributes:
+        identity: What runs (a plugin's name, say); a tenant's quota matches it.
+        instance: Which one of it.
+
+    Raises:
+        TypeError, ValueError: A field is not a string, is empty or too long.
     """
 
     identity: str = attrs.field(validator=fields.key_text)
@@ -98,7 +119,24 @@ class Handle:
 class Limits:
     """Resource ceilings for a child; None means no limit.
 
-    A request can lower a ceiling, never raise it: see :func:`negotiate`.
+    A request can lower a ceiling, never raise it: see :func:`negotiate`. The subprocess
+    execution enforces them (docs/design.md, "limits"); the in-process one cannot.
+
+    Attributes:
+        memory_bytes: Memory of the child's tree (a cgroup's memory plus swap; where
+            no cgroup can be written, ``RLIMIT_AS``), >= 0.
+        cpu_seconds: CPU time of the child (``RLIMIT_CPU``), >= 1: a child given no
+            CPU time at all is killed before it can start.
+        open_files: Open file descriptors (``RLIMIT_NOFILE``), >= 0.
+        file_size_bytes: The size of any file the child writes (``RLIMIT_FSIZE``), >= 0.
+        output_bytes: Bytes of the child's output kept in its log (the head), >= 0.
+        processes: Processes and threads of the child's tree at once (a cgroup's
+            ``pids.max``), >= 1.
+        cpu_percent: CPU the child's tree may use, 100 being one core (a cgroup's
+            CPU quota, as systemd's ``CPUQuota=``), >= 1.
+
+    Raises:
+        TypeError, ValueError: A field is not an int or None, or below its minimum.
     """
 
     memory_bytes: int | None = attrs.field(default=None, validator=fields.limit)
@@ -125,6 +163,8 @@ def lowest(one: int | None, other: int | None) -> int | None:
 
 def negotiate(supervisor: Limits, requested: Limits) -> Limits:
     """Return the field-wise minimum of two limits, None counting as infinite.
+
+    A host may tighten a ceiling but never loosen it (docs/design.md, "limits"; O7).
 
     Args:
         supervisor: The ceilings the runner's owner configured.
@@ -172,6 +212,9 @@ class QuotaClaim:
             towards ``memory_bytes`` (0 by default: what it may take is unknown).
         unlimited_cpu_percent: What a child without a ``cpu_percent`` limit counts
             towards ``cpu_percent`` (0 by default).
+
+    Raises:
+        TypeError, ValueError: A field is of the wrong type or negative.
     """
 
     tenant: str = attrs.field(validator=fields.text)
@@ -189,6 +232,15 @@ class Load:
     """Which code to run in a session, and the configuration handed to it.
 
     ``config`` is copied into an immutable JSON value (read-only mappings, tuples).
+
+    Attributes:
+        specifier: The code, as the execution resolves it (``pkg.module:function``
+            for the built-in executions).
+        config: The plugin's configuration, a JSON object.
+
+    Raises:
+        TypeError, ValueError: The specifier is empty, or the config is not a JSON
+            object.
     """
 
     specifier: str = attrs.field(validator=fields.text)
@@ -275,57 +327,6 @@ def log_fields(key: Key, generation: int) -> dict[str, object]:
     return {"identity": key.identity, "instance": key.instance, "generation": generation}
 
 
-# -- stop reasons ---------------------------------------------------------------------
-
-
-class _Reason:
-    __slots__ = ()
-
-    @property
-    def kind(self) -> str:
-        """The reason's class name, which is also its tag in storage and on the wire."""
-        return type(self).__name__
-
-
-@attrs.frozen
-class Expired(_Reason):
-    """The lease ran out."""
-
-
-@attrs.frozen
-class Disposed(_Reason):
-    """The host disposed the session."""
-
-
-@attrs.frozen
-class Exited(_Reason):
-    """The child exited by itself."""
-
-
-@attrs.frozen(kw_only=True)
-class LoadFailed(_Reason):
-    """The load failed; ``cause`` says how."""
-
-    cause: tuple[Fault, ...] = attrs.field(default=(), converter=as_cause)
-
-
-@attrs.frozen
-class Superseded(_Reason):
-    """A newer generation of the key was opened."""
-
-
-@attrs.frozen
-class Shutdown(_Reason):
-    """The supervisor shut down."""
-
-
-@attrs.frozen
-class Recovery(_Reason):
-    """The supervisor found the session on start-up, left over from an earlier run."""
-
-
-StopReason: TypeAlias = Expired | Disposed | Exited | LoadFailed | Superseded | Shutdown | Recovery
-
 # -- records --------------------------------------------------------------------------
 
 
@@ -349,14 +350,28 @@ class _Record:
 
 @attrs.frozen(kw_only=True)
 class OpenRecord(_Record):
-    """A session that exists and runs nothing yet."""
+    """A session that exists and runs nothing yet (O7).
+
+    Attributes:
+        handle: The session's handle.
+        request_id: The id of the open that made it (O3).
+        lease: Its lease, in seconds.
+        limits: Its negotiated ceilings.
+    """
 
     phase: ClassVar[Literal[Phase.OPEN]] = Phase.OPEN
 
 
 @attrs.frozen(kw_only=True)
 class LoadingRecord(_Record):
-    """A session loading code; ``child`` is set once the child exists (write-ahead)."""
+    """A session loading code; ``child`` is set once the child exists (write-ahead, L3, L4).
+
+    Attributes:
+        handle, request_id, lease, limits: As in :class:`OpenRecord`.
+        load: What it loads.
+        child: The child's identity, saved before the child starts; None before
+            the child exists.
+    """
 
     load: Load = attrs.field(validator=attrs.validators.instance_of(Load))
     child: ChildIdentity | None = attrs.field(
@@ -369,7 +384,14 @@ class LoadingRecord(_Record):
 
 @attrs.frozen(kw_only=True)
 class LoadedRecord(_Record):
-    """A session whose child runs the loaded code."""
+    """A session whose child runs the loaded code (L4).
+
+    Attributes:
+        handle, request_id, lease, limits: As in :class:`OpenRecord`.
+        load: What it loaded.
+        code: What was really loaded.
+        child: The child's identity.
+    """
 
     load: Load = attrs.field(validator=attrs.validators.instance_of(Load))
     code: CodeIdentity = attrs.field(validator=attrs.validators.instance_of(CodeIdentity))
@@ -392,6 +414,7 @@ def carried(record: _Record) -> dict[str, Any]:
     }
 
 
+#: A record of a session that has not begun to stop: Open, Loading or Loaded.
 ActiveRecord: TypeAlias = OpenRecord | LoadingRecord | LoadedRecord
 _ACTIVE = (OpenRecord, LoadingRecord, LoadedRecord)
 _REASONS = (Expired, Disposed, Exited, LoadFailed, Superseded, Shutdown, Recovery)
@@ -409,7 +432,13 @@ def _previous(instance: _Record, attribute: attrs.Attribute[Any], value: object)
 
 @attrs.frozen(kw_only=True)
 class StoppingRecord(_Record):
-    """A session being terminated; ``previous`` is the record it was in."""
+    """A session being terminated; ``previous`` is the record it was in (P2).
+
+    Attributes:
+        handle, request_id, lease, limits: As in :class:`OpenRecord`.
+        previous: The active record the session stopped from.
+        reason: Why it stops: the first stop request's reason (P1).
+    """
 
     previous: ActiveRecord = attrs.field(validator=_previous)
     reason: StopReason = attrs.field(validator=attrs.validators.instance_of(_REASONS))
@@ -418,13 +447,28 @@ class StoppingRecord(_Record):
 
     @classmethod
     def of(cls, previous: ActiveRecord, reason: StopReason) -> StoppingRecord:
-        """The Stopping record of the session whose active record is ``previous``."""
+        """The Stopping record of the session whose active record is ``previous``.
+
+        Args:
+            previous: The session's active record.
+            reason: Why it stops.
+
+        Returns:
+            The record, carrying ``previous``'s handle, request id, lease and limits.
+        """
         return cls(**carried(previous), previous=previous, reason=reason)
 
 
 @attrs.frozen(kw_only=True)
 class StoppedRecord(_Record):
-    """A session that ended; ``termination`` says how its child ended."""
+    """A session that ended; ``termination`` says how its child ended (P5).
+
+    Attributes:
+        handle, request_id, lease, limits: As in :class:`OpenRecord`.
+        previous: The active record the session stopped from.
+        reason: Why it stopped.
+        termination: How its child ended.
+    """
 
     previous: ActiveRecord = attrs.field(validator=_previous)
     reason: StopReason = attrs.field(validator=attrs.validators.instance_of(_REASONS))
@@ -436,10 +480,20 @@ class StoppedRecord(_Record):
     def of(
         cls, previous: ActiveRecord, reason: StopReason, termination: Termination
     ) -> StoppedRecord:
-        """The Stopped record of the session whose active record is ``previous``."""
+        """The Stopped record of the session whose active record is ``previous``.
+
+        Args:
+            previous: The session's active record.
+            reason: Why it stopped.
+            termination: How its child ended.
+
+        Returns:
+            The record, carrying ``previous``'s handle, request id, lease and limits.
+        """
         return cls(**carried(previous), previous=previous, reason=reason, termination=termination)
 
 
+#: Any record of a session, in any of the five phases.
 SessionRecord: TypeAlias = (
     OpenRecord | LoadingRecord | LoadedRecord | StoppingRecord | StoppedRecord
 )
@@ -454,6 +508,13 @@ def recovered(record: SessionRecord, termination: Termination) -> StoppedRecord:
     Args:
         record: A record that is not Stopped.
         termination: How its child ended, as far as is known.
+
+    Returns:
+        The Stopped record; its ``previous`` is ``record``, or for a Stopping record
+        that record's own ``previous``.
+
+    Raises:
+        ValueError: ``record`` is Stopped already.
     """
     if isinstance(record, StoppedRecord):
         raise ValueError("a Stopped record needs no recovery")

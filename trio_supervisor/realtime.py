@@ -229,6 +229,9 @@ async def sleep(seconds: float) -> None:
     sleep in a block marked :func:`outside_the_run` would never end (the clock stands
     still there), and elsewhere it would end at once, turning a poll into a spin: the
     pause is spent in a thread instead, and the clock stands still meanwhile.
+
+    Args:
+        seconds: How long to pause, in seconds of real time.
     """
     if not _virtual():
         await trio.sleep(seconds)

@@ -46,7 +46,10 @@ _STOPPED_FOR: Final = fields.Seconds(minimum=0.0, inclusive=True)
 
 @attrs.frozen(kw_only=True)
 class Retention:
-    """How many Stopped records are kept, and for how long.
+    """How many Stopped records are kept, and for how long (O10).
+
+    Every record that is not Stopped is kept; the store and the supervisor's index apply
+    the same policy (docs/design.md, "Persistence and retention").
 
     Attributes:
         stopped_per_key: Stopped records kept per key, newest first.
@@ -57,6 +60,9 @@ class Retention:
             keeps of them, its logs) can still be read in that window. A key's records
             kept so go at a later stop of the key once they are this old (only a new
             stop evicts). 0 keeps none past the count per key.
+
+    Raises:
+        ValueError: A count is below 1, or ``stopped_for`` is negative or not finite.
     """
 
     stopped_per_key: int = attrs.field(default=defaults.STOPPED_PER_KEY, validator=_positive)
@@ -101,6 +107,14 @@ class StopOrder(Generic[_K]):
         stop number.
 
         A token that is Stopped already keeps its place, its number and its time.
+
+        Args:
+            token: The record's token.
+            key: The record's key.
+            at: When it stopped, seconds since the Unix epoch.
+
+        Returns:
+            The stop's number.
         """
         known = self._numbers.get(token)
         if known is not None:
@@ -113,6 +127,12 @@ class StopOrder(Generic[_K]):
     ) -> tuple[int, list[str]]:
         """:meth:`stop` at ``now``, then :meth:`evict` if it is a new stop: what every
         save of a Stopped record does.
+
+        Args:
+            token: The record's token.
+            key: The record's key.
+            retention: The policy to apply.
+            now: When it stopped, seconds since the Unix epoch.
 
         Returns:
             The stop number, and the tokens evicted, oldest first.
@@ -136,7 +156,14 @@ class StopOrder(Generic[_K]):
 
     def restore(self, token: str, key: _K, number: int, at: float = 0.0) -> None:
         """Take in a stop read back from storage (its number and time); call it in stop
-        order."""
+        order.
+
+        Args:
+            token: The record's token.
+            key: The record's key.
+            number: Its stop number, as :meth:`stop` gave it.
+            at: When it stopped, seconds since the Unix epoch.
+        """
         self._last = max(self._last, number)
         self._numbers[token] = number
         self._keys[token] = key
@@ -154,11 +181,25 @@ class StopOrder(Generic[_K]):
         return twin
 
     def stopped_at(self, token: str) -> float:
-        """When ``token``'s record stopped, as it was told."""
+        """When ``token``'s record stopped, as it was told.
+
+        Args:
+            token: A token this order holds.
+
+        Returns:
+            Seconds since the Unix epoch.
+
+        Raises:
+            KeyError: The order holds no stop of ``token``.
+        """
         return self._times[token]
 
     def forget(self, token: str) -> None:
-        """Forget ``token``'s stop, if it had one."""
+        """Forget ``token``'s stop, if it had one.
+
+        Args:
+            token: Any token.
+        """
         if self._numbers.pop(token, None) is None:
             return
         del self._times[token]
@@ -175,6 +216,14 @@ class StopOrder(Generic[_K]):
         The oldest of ``key`` beyond ``stopped_per_key`` go first, those of them that
         stopped ``stopped_for`` or more before ``now``; then the oldest of any key
         beyond ``stopped_total``, however young.
+
+        Args:
+            key: The key that had a stop.
+            retention: The policy to apply.
+            now: When the stop happened, seconds since the Unix epoch.
+
+        Returns:
+            The tokens evicted, oldest first.
         """
         evicted: list[str] = []
         of_key = self._by_key.get(key, {})
@@ -239,16 +288,38 @@ class RecordIndex:
         return iter(list(self._records.values()))
 
     def get(self, token: str) -> SessionRecord | None:
-        """The retained record of a token, if any."""
+        """The retained record of a token, if any.
+
+        Args:
+            token: A handle's token.
+
+        Returns:
+            The record, or None.
+        """
         return self._records.get(token)
 
     def find_request(self, key: Key, request_id: str) -> SessionRecord | None:
-        """The retained record of ``key`` opened with ``request_id``, if any (O3)."""
+        """The retained record of ``key`` opened with ``request_id``, if any (O3).
+
+        Args:
+            key: The key.
+            request_id: The open's request id.
+
+        Returns:
+            The record, or None.
+        """
         token = self._requests.get((key.identity, key.instance, request_id))
         return None if token is None else self._records[token]
 
     def high_water(self, key: Key) -> int:
-        """The highest generation ever saved for ``key``; 0 if none."""
+        """The highest generation ever saved for ``key``; 0 if none (S2, V5).
+
+        Args:
+            key: Any key.
+
+        Returns:
+            The generation.
+        """
         return self._high_water.get(key, 0)
 
     def high_waters(self) -> Mapping[Key, int]:
@@ -256,12 +327,21 @@ class RecordIndex:
         return dict(self._high_water)
 
     def raise_high_water(self, key: Key, generation: int) -> None:
-        """Take in a high-water mark read from a store."""
+        """Take in a high-water mark read from a store; a lower one changes nothing.
+
+        Args:
+            key: The key.
+            generation: Its high-water in the store.
+        """
         if generation > self._high_water.get(key, 0):
             self._high_water[key] = generation
 
     def raise_high_waters(self, marks: Mapping[Key, int]) -> None:
-        """Take in the high-water marks read from a store."""
+        """Take in the high-water marks read from a store; lower ones change nothing.
+
+        Args:
+            marks: Generations by key.
+        """
         high_water = self._high_water
         for key, generation in marks.items():
             if generation > high_water.get(key, 0):
@@ -269,6 +349,9 @@ class RecordIndex:
 
     def save(self, record: SessionRecord) -> list[SessionRecord]:
         """Keep ``record`` in place of its token's earlier record, then apply retention.
+
+        Args:
+            record: The record a store acknowledged.
 
         Returns:
             The records evicted, oldest first.
@@ -297,7 +380,14 @@ class RecordIndex:
         return [self._evict(each) for each in gone]
 
     def save_all(self, records: Iterable[SessionRecord]) -> list[SessionRecord]:
-        """Save several records in order; return every record evicted."""
+        """Save several records in order; return every record evicted.
+
+        Args:
+            records: The records, in the order they were saved.
+
+        Returns:
+            The records evicted, oldest first.
+        """
         evicted: list[SessionRecord] = []
         for record in records:
             evicted.extend(self.save(record))

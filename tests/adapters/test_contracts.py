@@ -108,3 +108,23 @@ async def test_the_store_kit_names_the_promise_a_store_breaks() -> None:
         "a cancelled save either raises Cancelled and writes nothing, or writes and returns "
         "normally: the save of contract/a generation 1 raised Cancelled, yet its record landed"
     )
+
+
+async def test_a_memory_store_s_copy_holds_what_it_held_then_goes_its_own_way() -> None:
+    """MemoryStore.copy is the storage a crash leaves: the records and the retention as
+    they are now, and no write of either store's shows in the other afterwards."""
+    retention = Retention(stopped_per_key=1)
+    store = MemoryStore(retention=retention)
+    await store.save(record())
+    twin = store.copy()
+    assert twin.retention == retention
+    assert await twin.list() == [record()]
+    other = OpenRecord(
+        handle=Handle(key=Key(identity="kit", instance="b"), token="u" * 32, generation=1),
+        request_id="r1",
+        lease=5.0,
+        limits=Limits(),
+    )
+    await twin.save(other)
+    assert await store.list() == [record()]
+    assert await twin.list() == [record(), other]

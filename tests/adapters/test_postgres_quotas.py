@@ -220,3 +220,108 @@ async def test_a_version_1_schema_is_migrated_with_its_records_counted(
         assert connection.execute(
             "SELECT phase, memory_bytes, cpu_percent FROM records"
         ).fetchall() == [("Loading", 64, None)]
+
+
+# The expressions' shape, written out: the fewest ranges of a set (adjacent ones joined),
+# "." for a set of every character a text can hold, an escape of four hex digits up to
+# U+FFFF and of eight past it, a run of stars as one. What each matches is checked in
+# the database above; these pin the text itself (kills mutmut's mutants of the module).
+@pytest.mark.parametrize(
+    ("patterns", "expected"),
+    [
+        (["a**b"], r"^(?:a.*b)$"),
+        (["*a*"], r"^(?:.*a.*)$"),
+        (["a[!]]b"], r"^(?:a[\u0001-\u005c\u005e-\ud7ff\ue000-\U0010ffff]b)$"),
+        (["[]a]"], r"^(?:[\u005da])$"),
+        (["[!a]"], r"^(?:[\u0001-\u0060b-\ud7ff\ue000-\U0010ffff])$"),
+        (["[!\x00]"], r"^(?:.)$"),
+        (["[!\ud7ff]"], r"^(?:[\u0001-\ud7fe\ue000-\U0010ffff])$"),
+        (["[\ud7ff\ue000]"], r"^(?:[\ud7ff\ue000])$"),
+        (["[abc]", "[a-cx]"], r"^(?:[a-c]|[a-cx])$"),
+        (["[\U0010ffff]"], r"^(?:[\U0010ffff])$"),
+        (["[\uffff]", "[\U00010000]"], r"^(?:[\uffff]|[\U00010000])$"),
+        (["[\x01]", "[\x7f]", "[\x80]"], r"^(?:[\u0001]|[\u007f]|[\u0080])$"),
+        (["x[ab", "a?\u00e9"], r"^(?:x\u005bab|a.\u00e9)$"),
+        (["[z-a]", "k"], r"^(?:k)$"),
+        (["[z-a]"], None),
+        (["[\ud800]", "[\udfff]"], None),  # a PostgreSQL text holds no surrogate
+        ([], None),
+    ],
+)
+def test_the_expressions_are_written_in_the_fewest_ranges(
+    patterns: list[str], expected: str | None
+) -> None:
+    assert identity_regex(patterns) == expected
+
+
+async def test_a_child_without_ceilings_counts_as_the_claim_says_and_names_its_tenant(
+    database: str, schema: str
+) -> None:
+    """A child without a memory or CPU ceiling counts as the claim's unlimited figures
+    (the allocatable memory, every core), quota by quota, and the refusal names the
+    claim's tenant."""
+    memory = QuotaClaim(
+        tenant="acme", identities=["acme"], memory_bytes=100, unlimited_memory_bytes=1000
+    )
+    cpu = QuotaClaim(
+        tenant="globex", identities=["acme"], cpu_percent=150, unlimited_cpu_percent=200
+    )
+    async with PostgresStore(database, runner_id="a", schema=schema) as store:
+        first, second = opened("1"), opened("2")
+        await store.save_within(first, memory)
+        await store.save_within(second, cpu)
+        with pytest.raises(QuotaExceededError) as refused:
+            await store.save_within(loading(first), memory)
+        assert str(refused.value) == (
+            "tenant 'acme' exceeded quota: memory_bytes, requested 1000, used 0, limited 100"
+        )
+        with pytest.raises(QuotaExceededError) as refused:
+            await store.save_within(loading(second), cpu)
+        assert str(refused.value) == (
+            "tenant 'globex' exceeded quota: cpu_percent, requested 200, used 0, limited 150"
+        )
+        # Within the quotas, with ceilings: admitted.
+        third = opened("3", memory=60)
+        await store.save_within(third, memory)
+        await store.save_within(loading(third), memory)
+
+
+async def test_a_claim_waits_for_its_tenant_s_lock_which_another_batch_holds(
+    database: str, schema: str
+) -> None:
+    """Two runners' claims of one tenant are counted one after the other: a batch that
+    carries one takes the tenant's advisory lock first, and waits while another
+    transaction holds it (one of a batch of another runner's, here the test's own)."""
+    from ..support.waits import until
+
+    quota = QuotaClaim(tenant="acme", identities=["acme"], sessions=5)
+    lock = (
+        "SELECT pg_advisory_xact_lock(hashtextextended('trio_supervisor quota' || chr(31) "
+        "|| %s || chr(31) || 'acme', 0))"
+    )
+    waiters = (
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity s USING (pid) "
+        "WHERE NOT l.granted AND l.locktype = 'advisory' AND s.datname = current_database() "
+        "AND s.application_name = 'trio_supervisor a'"
+    )
+    async with PostgresStore(database, runner_id="a", schema=schema) as store:
+        with psycopg.connect(database, autocommit=False) as holder:
+            holder.execute(lock, (schema,))
+            saved = trio.Event()
+
+            async def save() -> None:
+                await store.save_within(opened("1"), quota)
+                saved.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(save)
+                with psycopg.connect(database, autocommit=True) as looker:
+
+                    def waits_or_saved() -> bool:
+                        row = looker.execute(waiters).fetchone()
+                        return saved.is_set() or bool(row and row[0])
+
+                    await until(waits_or_saved, "the batch waits, or saved", bound=10)
+                assert not saved.is_set(), "the claim did not wait for its tenant's lock"
+                holder.rollback()
+        assert [record.handle.key.instance for record in await store.list()] == ["1"]

@@ -1218,3 +1218,213 @@ async def test_a_batch_the_server_ends_a_deadlock_with_is_written_again(
     retried = [r.getMessage() for r in caplog.records if "written again" in r.getMessage()]
     assert 1 <= len(retried) <= 2, retried
     assert all("deadlock detected" in message for message in retried), retried
+
+
+def test_the_write_path_s_sql_has_every_python_name_put_in() -> None:
+    """The kinds' numbers and the fencing SQLSTATE are written once, in Python, and put
+    into the SQL as the module is imported (``_named``): none is left as a name."""
+    from trio_supervisor.stores import _postgres_write as write
+
+    names = "KIND_OTHER, KIND_OPEN, KIND_STOPPED, KIND_SUPERSEDED; SQLSTATE_FENCED"
+    assert write._named(names) == "0, 1, 2, 3; TS001"
+    for text in (write.WRITE_BATCH, write.QUOTA_REFUSAL):
+        assert "KIND_" not in text
+        assert "SQLSTATE_FENCED" not in text
+    assert write.FENCED in write.WRITE_BATCH
+
+
+async def test_any_runner_looks_up_a_key_s_mark_and_the_record_its_request_opened(
+    database: str, schema: str
+) -> None:
+    async with two_runners(database, schema) as (a, b):
+        assert await b.lookup(key("k"), "r1") == (0, None)
+        opened = record("k", 1)
+        await a.save(opened)
+        assert await b.lookup(key("k"), "r1") == (1, opened)  # whichever runner holds it
+        assert await b.lookup(key("k"), "r2") == (1, None)
+        assert await a.lookup(key("k"), None) == (1, None)
+        assert await a.lookup(key("other"), "r1") == (0, None)
+        assert await b.held(opened.handle.token) == FleetRecord(
+            record=opened, runner_id="a", epoch=a.epoch
+        )
+        assert await b.held("no-such-token".rjust(32, "0")) is None
+
+
+async def test_an_open_that_lost_its_generation_says_which_one_opens_next(
+    database: str, schema: str
+) -> None:
+    async with two_runners(database, schema) as (a, b):
+        await a.save(record("k", 1))
+        with pytest.raises(StaleSessionError) as lost:
+            await b.save(record("k", 1, token="b-k-1".rjust(32, "0")))
+        assert lost.value.detail == (
+            "generation 1 of p/k was not opened: the key's high-water in the fleet is 1, so "
+            "the next open is generation 2 (another open claimed it first); nothing of this "
+            "save was written"
+        )
+
+
+async def test_a_draining_runner_says_so_in_the_fleet_s_listing(database: str, schema: str) -> None:
+    async with two_runners(database, schema) as (a, b):
+        await a.drain()
+        draining = {info.runner_id: info.draining for info in await b.runners()}
+        assert draining == {"a": True, "b": False}
+
+
+async def test_a_store_that_meets_another_server_writes_back_what_that_one_lost(
+    database: str, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """B6 on one server: the store of the runner's last incarnation wrote to another
+    server (its memory says so), and this one lacks some of it, as a standby promoted
+    without the last commits would. The new store writes back the records and marks it
+    lacks before anything else (a Stopped record that is gone was evicted: it stays
+    gone), and hands out no generation until every live runner of the fleet checked its
+    writes on this server."""
+    caplog.set_level(logging.INFO, logger="trio_supervisor.stores.postgres")
+    kept, lost, gone = record("kept", 1), record("lost", 1), stopped(record("gone", 1))
+    async with PostgresStore(database, runner_id="a", schema=schema) as a:
+        for saved in (kept, lost, gone):
+            await a.save(saved)
+    memory = a.memory
+    tables = in_schema(database, schema)
+    run(tables, "DELETE FROM records WHERE instance IN ('lost', 'gone')")
+    run(tables, "DELETE FROM high_water WHERE instance = 'lost'")
+    memory.server = "another server/00000001"
+    checked = "UPDATE runners SET checked = %s WHERE runner_id IN ('b', 'c')"
+    async with (
+        PostgresStore(database, runner_id="b", schema=schema) as b,
+        PostgresStore(database, runner_id="c", schema=schema),
+    ):
+        # b and c have checked their writes on the other server only.
+        run(tables, checked, memory.server)
+        async with PostgresStore(
+            database, runner_id="a", schema=schema, memory=memory, store_wait=2.0
+        ) as again:
+            assert again.lost_writes == 2  # lost's record, and its mark
+            listed = {held.handle.token for held in await again.list()}
+            assert listed == {kept.handle.token, lost.handle.token}
+            assert (await again.high_water())[key("lost")] == 1
+            with pytest.raises(StoreUnavailableError) as waiting:
+                await again.lookup(key("lost"), "r1")
+            assert waiting.value.detail == (
+                f"{again.dsn}: the database's server changed (a failover?), and runners b, "
+                "c of the fleet did not check yet for writes it lost; no generation is "
+                "handed out until each did, or its row expired"
+            )
+            assert memory.server != "another server/00000001"
+
+            async def check_in() -> None:
+                await trio.sleep(0.2)
+                run(tables, checked, memory.server)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(check_in)
+                # It waits for them, within store_wait.
+                assert await again.lookup(key("lost"), "r1") == (1, lost)
+            # Checked by all once: a runner unchecked afterwards holds up nothing.
+            run(tables, checked, "elsewhere")
+            assert await again.lookup(key("lost"), "r1") == (1, lost)
+            assert (await b.held(lost.handle.token)) == FleetRecord(
+                record=lost, runner_id="a", epoch=again.epoch
+            )
+
+            async def meets(server: str) -> None:
+                """The store's connection ends; the next one meets ``server``'s successor."""
+                memory.server = server
+                ended = (
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                    "datname = current_database() AND application_name = 'trio_supervisor a'"
+                )
+                run(database, ended)
+                gone = ended.replace("pg_terminate_backend(pid)", "pid")
+                await until(lambda: not run(database, gone), "a's session ended", bound=10)
+
+            # The server changes again while the store runs: it looks as it connects
+            # again, before the call that connects does anything.
+            run(tables, "DELETE FROM records WHERE instance IN ('kept', 'lost')")
+            await meets("a third server/00000002")
+            assert len(await again.list()) == 2
+            assert again.lost_writes == 4
+            # And once more, with nothing lost: said so, and nothing counted.
+            await meets("a fourth server/00000003")
+            assert len(await again.list()) == 2
+            assert again.lost_writes == 4
+    shown = again.dsn
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.CRITICAL]
+    told = (
+        "{}: the database lost writes of this runner (a failover to a standby that had not "
+        "received them): {} and {} below generations it handed out; written back, so no "
+        "generation is handed out twice by the fleet's live runners. Only synchronous "
+        "replication keeps every acknowledged write through a failover"
+    )
+    assert warned == [
+        told.format(shown, "1 record (p/lost#1 Open)", "1 high-water mark"),
+        told.format(shown, "2 records (p/kept#1 Open, p/lost#1 Open)", "0 high-water marks"),
+    ]
+    assert f"{shown}: no write of this runner was lost" in caplog.messages
+
+
+async def test_run_member_acts_on_the_fleet_s_notifications_and_ignores_others(
+    database: str,
+    schema: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A notified stop wakes an open waiting for it at once (the wait looks again only
+    every OLDER_POLL otherwise: a minute here), a supersede is acted on only by the
+    runner it names, and a notification no runner sent is logged and ignored."""
+    monkeypatch.setattr(defaults, "OLDER_POLL", 60.0)
+    caplog.set_level(logging.WARNING, logger="trio_supervisor.stores.postgres")
+    tables = in_schema(database, schema)
+    older, newer = record("k", 1), record("k", 2, token="b-k-2".rjust(32, "0"))
+    member = Member(live={key("k"): 2})
+    async with two_runners(database, schema) as (a, b), trio.open_nursery() as nursery:
+        await a.save(older)
+        nursery.start_soon(b.run_member, member)
+        # It publishes its sessions' times as it begins to listen.
+        await until(
+            lambda: run(tables, "SELECT 1 FROM runner_times WHERE runner_id = 'b'"),
+            "b listens",
+            bound=10,
+        )
+        run(tables, "SELECT pg_notify(%s, 'not json')", schema)
+        for runner in ("a", "b"):
+            note = {"kind": "superseded", "identity": "p", "instance": "x", "generation": 3}
+            run(tables, "SELECT pg_notify(%s, %s)", schema, json.dumps({**note, "runner": runner}))
+        await until(lambda: member.calls, "b told of its supersede", bound=10)
+        assert member.calls == [(key("x"), 3)]
+        (warned,) = [r for r in caplog.records if "no runner sent" in r.getMessage()]
+        assert warned.getMessage() == (
+            f"{b.dsn}: a notification no runner sent: 'not json' "
+            "(Expecting value: line 1 column 1 (char 0))"
+        )
+        await b.save(newer)
+        with trio.fail_after(10):
+            async with trio.open_nursery() as waits:
+                waits.start_soon(b.wait_older_stopped, newer.handle)
+                await a.save(stopped(older, Superseded()))
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_commit_window_holds_a_batch_for_saves_that_come_within_it(
+    database: str, schema: str
+) -> None:
+    """The window counts from the batch's first save: saves called 0.2 s apart share
+    its commit, made once the window passed; a read ends the wait at once (a read is
+    never held back), and the save it ended commits with what came before it."""
+    async with PostgresStore(database, runner_id="a", schema=schema, commit_window=1.0) as store:
+        commits = store.commits
+        began = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            for number in range(3):
+                nursery.start_soon(store.save, record(f"w{number}", 1))
+                await trio.sleep(0.2)
+        assert store.commits == commits + 1
+        assert time.monotonic() - began >= 1.0
+        began = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.save, record("r", 1))
+            await trio.sleep(0.1)
+            assert len(await store.list()) == 4
+        assert time.monotonic() - began < 0.9  # the window was 1 s
+        assert store.commits == commits + 2

@@ -764,3 +764,89 @@ async def test_a_mark_stays_when_its_token_is_saved_again_in_the_batch(tmp_path:
     async with SqliteStore(path) as store:
         assert await store.list() == [stopped("a", 3)]
         assert await store.high_water() == {Key(identity="p", instance="a"): 3}
+
+
+def test_only_a_flock_names_the_holder_of_a_file(tmp_path: Path) -> None:
+    """The store's ownership is a flock: a POSIX lock on the same file (SQLite's own
+    kind) holds nothing the store looks for (kills mutmut's mutants of holder)."""
+    import fcntl
+
+    from trio_supervisor.stores._sqlite_file import holder
+
+    path = tmp_path / "state.db"
+    path.touch()
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert holder(fd) is None
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        assert holder(fd) is None
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert holder(fd) == "this process"
+    finally:
+        os.close(fd)
+
+
+def test_a_holder_s_command_line_is_one_line_cut_short_past_120_characters() -> None:
+    """Arguments joined by single spaces whatever whitespace they hold, bytes that are
+    not UTF-8 replaced, cut to 117 characters and "..." past 120; nothing for a process
+    without a command line (a zombie) or without a /proc entry."""
+    from trio_supervisor.stores._sqlite_file import _command_of
+
+    from ..support.waits import settled
+
+    script = "print('ready', flush=True); import sys; sys.stdin.read()"
+    # argv[0] is "py" whatever the interpreter's path: the line's length is the test's.
+    words = ["py", "-c", script, "two  words\nhere", os.fsdecode(b"\xff")]
+    shown = f"py -c {script} two words here \ufffd"
+
+    def command_of(padding: int) -> str:
+        argv = [*words, "p" * padding]
+        with subprocess.Popen(
+            argv,
+            executable=sys.executable,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as child:
+            assert child.stdout is not None
+            assert child.stdin is not None
+            assert child.stdout.readline() == "ready\n"
+            found = _command_of(child.pid)
+            child.stdin.close()
+        return found
+
+    fits = 120 - len(shown) - 1  # the padding's length that makes the line 120 long
+    assert command_of(fits) == f" ({shown} {'p' * fits})"
+    assert command_of(fits + 1) == f" ({(shown + ' ' + 'p' * (fits + 1))[:117]}...)"
+    with subprocess.Popen([sys.executable, "-c", "pass"]) as zombie:
+        stat_file = Path(f"/proc/{zombie.pid}/stat")
+        assert settled(lambda: stat_file.read_text().rsplit(")", 1)[1].split()[0] == "Z", 10.0)
+        assert _command_of(zombie.pid) == ""
+    assert _command_of(int(Path("/proc/sys/kernel/pid_max").read_text()) + 1) == ""
+
+
+def test_a_batch_is_written_in_chunks_of_its_size_then_of_halves_of_it() -> None:
+    """A few sizes only, so that sqlite3 keeps their statements prepared."""
+    from trio_supervisor.stores._sqlite_worker import _chunks
+
+    assert [len(chunk) for chunk in _chunks(list(range(27)), 8)] == [8, 8, 8, 2, 1]
+    assert list(_chunks(list(range(5)), 8)) == [[0, 1, 2, 3], [4]]
+    assert list(_chunks([], 8)) == []
+
+
+async def test_save_orders_edited_by_hand_are_listed_as_sqlite_sorts_them(
+    tmp_path: Path,
+) -> None:
+    """A save order Python cannot compare with the others (text, put there by hand) is
+    sorted by SQLite instead: numbers first, then text."""
+    path = tmp_path / "state.db"
+    async with SqliteStore(path) as store:
+        for instance in ("a", "b", "c"):
+            await store.save(open_record(instance, 1))
+    with sqlite3.connect(path) as edited:
+        edited.execute("UPDATE records SET saved = 'by hand' WHERE instance = 'a'")
+    edited.close()
+    async with SqliteStore(path) as store:
+        listed = [record.handle.key.instance for record in await store.list()]
+    assert listed == ["b", "c", "a"]

@@ -1,5 +1,5 @@
 """Session tokens: random version-4 UUIDs, fetched from the operating system 256 at a
-time (``_core/supervisor.py``, ``_Tokens``), never the same twice, in a forked process
+time (``_core/tokens.py``), never the same twice, in a forked process
 either."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import os
 import uuid
 
 from trio_supervisor import Key, MemoryStore
-from trio_supervisor._core.supervisor import _TOKENS, _Tokens
+from trio_supervisor._core.tokens import TOKENS, Tokens
 from trio_supervisor.testing import FakeExecution
 
 from ..support.sessions import supervise_embedded
 
 
 def test_tokens_are_random_version_4_uuids_and_never_repeat() -> None:
-    tokens = _Tokens()
-    made = [tokens.next() for _ in range(3 * _Tokens.BATCH + 5)]  # past a few fetches
+    tokens = Tokens()
+    made = [tokens.next() for _ in range(3 * Tokens.BATCH + 5)]  # past a few fetches
     assert len(set(made)) == len(made)
     for token in made:
         parsed = uuid.UUID(token)
@@ -25,19 +25,19 @@ def test_tokens_are_random_version_4_uuids_and_never_repeat() -> None:
 
 
 def test_a_forked_process_fetches_tokens_of_its_own() -> None:
-    _TOKENS.next()  # the parent holds a fetch it has not used up
+    TOKENS.next()  # the parent holds a fetch it has not used up
     reading, writing = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: write its next tokens, and leave at once
         try:
-            os.write(writing, "".join(_TOKENS.next() for _ in range(3)).encode())
+            os.write(writing, "".join(TOKENS.next() for _ in range(3)).encode())
         finally:
             os._exit(0)
     os.close(writing)
     with os.fdopen(reading) as pipe:
         theirs = pipe.read()
     os.waitpid(pid, 0)
-    ours = "".join(_TOKENS.next() for _ in range(3))
+    ours = "".join(TOKENS.next() for _ in range(3))
     assert len(theirs) == len(ours) == 3 * 36
     assert theirs != ours
 

@@ -34,7 +34,7 @@ def requirements() -> dict[str | None, set[str]]:
         if requirement.marker is not None:
             extras = [
                 name
-                for name in ("client", "service", "postgres", "test", "lint")
+                for name in ("client", "service", "postgres", "test", "lint", "docs")
                 if requirement.marker.evaluate({"extra": name})
             ]
             assert len(extras) == 1, line
@@ -59,6 +59,9 @@ def test_only_four_packages_are_required_unconditionally() -> None:
     # The test and lint extras pull [service,client,postgres] (the build spells them out).
     assert found["client"] | found["service"] | found["postgres"] <= found["test"] <= found["lint"]
     assert {"pytest", "pytest-trio", "pytest-timeout", "hypothesis"} <= found["test"]
+    # The site's build imports every part it documents (the testing kit's too).
+    assert found["client"] | found["service"] | found["postgres"] <= found["docs"]
+    assert {"sphinx", "myst-parser", "furo", "sphinxcontrib-trio", "sphinx-click"} <= found["docs"]
 
 
 # Run in the fresh interpreter: block the modules named in argv[1], embed a supervisor,

@@ -19,6 +19,7 @@ import re
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
@@ -407,6 +408,29 @@ def test_sessions_lists_each_keys_newest_generation_and_show_every_one_newest_fi
 
 
 def test_usage_says_what_its_cpu_ceilings_count(operator: Operator) -> None:
+    # A child of its own, asking for no CPU limit: the fixture's may have ended by now
+    # (their lease is long, but a loaded machine makes a module's run longer still).
+    runner = operator.runner
+
+    async def load_one() -> Handle:
+        async with runner.host() as host:
+            key = Key(identity="usage", instance="x")
+            record = await host.open(key, str(uuid.uuid4()), lease=LEASE)
+            await host.load(record.handle, Load(specifier="heartbeat:main"))
+            return record.handle
+
+    async def dispose(handle: Handle) -> None:
+        async with runner.host() as host:
+            await host.dispose(handle)
+
+    handle = trio.run(load_one)
+    try:
+        _check_usage(operator)
+    finally:
+        trio.run(dispose, handle)
+
+
+def _check_usage(operator: Operator) -> None:
     answer = json.loads(operator.run("usage", "--json").out)
     [tenant] = answer["tenants"]  # no tenants file: the hosts' token is tenant default
     used = tenant["usage"]

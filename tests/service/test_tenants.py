@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 from collections.abc import AsyncIterator
 from typing import Any, Final
@@ -33,13 +34,15 @@ from trio_supervisor import (
 )
 from trio_supervisor.client import RemoteSupervisor, connect
 from trio_supervisor.codec import converter
-from trio_supervisor.service.admission import Admission, Capacity
+from trio_supervisor.service.admission import Admission, Capacity, Usage
 from trio_supervisor.service.tenants import (
     Ceilings,
     Fairness,
     Quota,
     Tenant,
     Tenants,
+    TenantsError,
+    effective_limits,
     token_hash,
 )
 from trio_supervisor.service.tenants_file import Roster
@@ -503,3 +506,221 @@ async def test_the_ledger_counts_each_phase_of_a_session_and_forgets_it_once_sto
             supervisor.skip_grace()
         assert used() == (0, 0, 0, 0)  # its Stopped record is durable: at once
         admission.close()
+
+
+# -- the tenants' values, without a runner (kills mutmut's mutants of tenants.py) ----------
+
+
+def test_ceilings_over_a_base_take_the_base_s_fields_they_leave_unset() -> None:
+    own = Ceilings(default=Limits(memory_bytes=1 * MIB), max=Limits(processes=5))
+    base = Ceilings(
+        default=Limits(memory_bytes=2 * MIB, open_files=30),
+        max=Limits(processes=9, cpu_percent=50),
+    )
+    assert own.over(base) == Ceilings(
+        default=Limits(memory_bytes=1 * MIB, open_files=30),
+        max=Limits(processes=5, cpu_percent=50),
+    )
+    assert Ceilings().over(base) == base
+    assert own.over(Ceilings()) == own
+
+
+def test_effective_limits_fill_from_tenant_then_runner_and_lower_to_either_max() -> None:
+    tenant = Ceilings(default=Limits(memory_bytes=64 * MIB), max=Limits(processes=100))
+    runner = Ceilings(
+        default=Limits(memory_bytes=32 * MIB, open_files=64),
+        max=Limits(processes=50, open_files=1000, cpu_percent=200),
+    )
+    assert effective_limits(None, tenant, runner) == Limits(
+        memory_bytes=64 * MIB, open_files=64, processes=50, cpu_percent=200
+    )
+    asked = Limits(memory_bytes=8 * MIB, open_files=5000, processes=10)
+    assert effective_limits(asked, tenant, runner) == Limits(
+        memory_bytes=8 * MIB, open_files=1000, processes=10, cpu_percent=200
+    )
+    assert effective_limits(None, Ceilings(), Ceilings()) == Limits()
+
+
+def test_each_value_describes_itself_in_a_line_of_a_log() -> None:
+    ceilings = Ceilings(
+        default=Limits(memory_bytes=64 * MIB), max=Limits(processes=1024, cpu_percent=200)
+    )
+    # memory_bytes is set, cpu_seconds is not, processes and cpu_percent come after it.
+    assert ceilings.described() == (
+        "memory_bytes 67,108,864 by default, at most unlimited; "
+        "processes unlimited by default, at most 1,024; "
+        "cpu_percent unlimited by default, at most 200"
+    )
+    assert Ceilings().described() == "none"
+    assert Quota(sessions=1000, cpu_percent=50).described() == "sessions 1,000, cpu_percent 50"
+    assert Quota().described() == "none"
+    fairness = Fairness(inflight=2000, rate=50, burst=100)
+    assert fairness.described() == "inflight 2,000, rate 50, burst 100"
+    assert Fairness(rate=0.5).described() == "rate 0.5"
+    assert Fairness().described() == "none"
+
+
+def test_the_bucket_is_the_burst_or_else_the_rate_rounded_up() -> None:
+    assert Fairness(rate=2.5).bucket == 3
+    assert Fairness(rate=2.5, burst=7).bucket == 7
+    assert Fairness(rate=0.2).bucket == 1
+    assert Fairness().bucket == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({"inflight": 0}, ValueError, "Fairness.inflight must be at least 1, got 0"),
+        ({"burst": -1}, ValueError, "Fairness.burst must be >= 0, got -1"),
+        ({"inflight": "8"}, TypeError, "Fairness.inflight must be an int, not str"),
+        ({"rate": 0}, ValueError, "Fairness.rate must be a number above 0, got 0.0"),
+        ({"rate": math.inf}, ValueError, "Fairness.rate must be a number above 0, got inf"),
+        ({"rate": True}, TypeError, "Fairness.rate must be a number, not bool"),
+        ({"rate": "5"}, TypeError, "Fairness.rate must be a number, not str"),
+    ],
+)
+def test_fairness_refuses_what_cannot_bound_naming_the_field(
+    fields: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error) as caught:
+        Fairness(**fields)
+    assert str(caught.value) == message
+    assert Fairness(rate=1e-3).rate == 1e-3  # any number above 0 is a rate
+
+
+def test_a_tenant_refuses_a_bad_name_hash_or_identities_naming_the_field() -> None:
+    good: dict[str, Any] = {
+        "name": "acme",
+        "token_sha256": token_hash(ACME_TOKEN),
+        "identities": ("acme",),
+    }
+    with pytest.raises(ValueError, match=r"^Tenant\.name must be 1-63 letters.*got '-acme'$"):
+        Tenant(**{**good, "name": "-acme"})
+    hashed = (
+        r"^Tenant\.token_sha256 must be the hex SHA-256 of the tenant's token \(64 "
+        r"characters 0-9a-f; `trio-supervisor tenants add` writes it\)$"
+    )
+    for bad in ("F" * 64, "0" * 63, 64):
+        with pytest.raises(ValueError, match=hashed):
+            Tenant(**{**good, "token_sha256": bad})
+    with pytest.raises(ValueError, match=r"^Tenant\.identities must be a non-empty array"):
+        Tenant(**{**good, "identities": ()})
+    # A lone pattern is one pattern, not one per character ("*" among them).
+    lone = Tenant(**{**good, "identities": "acme-*"})
+    assert lone.identities == ("acme-*",)
+    assert lone.may_use("acme-web")
+    assert not lone.may_use("globex")
+
+
+def test_tenants_are_found_by_token_and_no_two_share_one() -> None:
+    tenants = Tenants({"acme": acme(), "globex": globex()})
+    assert tenants.find(ACME_TOKEN) == acme()
+    assert tenants.find("no-such-token") is None
+    assert len(tenants) == 2
+    assert [tenant.name for tenant in tenants] == ["acme", "globex"]
+    twin = Tenant(name="twin", token_sha256=token_hash(ACME_TOKEN), identities=("twin",))
+    with pytest.raises(TenantsError) as caught:
+        Tenants({"acme": acme(), "twin": twin})
+    assert str(caught.value) == (
+        "tenants 'acme' and 'twin' have the same token: each tenant needs a token of its own"
+    )
+
+
+def test_without_a_tenants_file_the_token_is_tenant_default_who_may_use_every_key() -> None:
+    tenants = Tenants.single("the-hosts-token")
+    (only,) = tenants
+    assert tenants.find("the-hosts-token") is only
+    assert (only.name, only.identities) == ("default", ("*",))
+    assert (only.quota, only.limits, only.fairness) == (Quota(), Ceilings(), Fairness())
+    assert only.may_use("anything-at-all")
+    assert tenants.find("another-token") is None
+
+
+async def test_a_runner_full_by_memory_names_the_bytes_and_when_to_load_again(
+    fake: FakeExecution,
+) -> None:
+    async with supervise_embedded(MemoryStore(), fake) as supervisor:
+        capacity = Capacity(max_children=5, allocatable=200 * MIB)
+        admission = Admission(supervisor, capacity=capacity)
+        first = await supervisor.open(ACME_KEY, "r1", limits=Limits(memory_bytes=150 * MIB))
+        with admission.loading(acme(), first):
+            await supervisor.load(first.handle, WORKER)
+        second = await supervisor.open(
+            Key(identity="acme", instance="2"), "r1", limits=Limits(memory_bytes=60 * MIB)
+        )
+        with pytest.raises(RunnerFullError) as full, admission.loading(acme(), second):
+            pytest.fail("admitted a child past the allocatable memory")
+        assert full.value.retry_after == 5.0
+        assert full.value.detail == (
+            "the runner is full: its children's memory ceilings take 157,286,400 of "
+            "209,715,200 allocatable bytes, and this child's is 62,914,560; load again "
+            "later, or on another runner"
+        )
+        admission.close()
+
+
+async def test_a_tally_counts_what_a_tenant_holds_among_records_given_it(
+    fake: FakeExecution,
+) -> None:
+    async with supervise_embedded(MemoryStore(), fake) as supervisor:
+        admission = Admission(supervisor)
+        limits = Limits(memory_bytes=64 * MIB, cpu_percent=50)
+        loaded_record = await supervisor.open(ACME_KEY, "r1", limits=limits)
+        await supervisor.load(loaded_record.handle, WORKER)
+        await supervisor.open(Key(identity="acme", instance="2"), "r1", limits=limits)
+        await supervisor.open(GLOBEX_KEY, "r1", limits=limits)
+        records = supervisor.live_records()
+        assert admission.tally(records, acme()) == Usage(
+            sessions=2, children=1, memory_bytes=64 * MIB, cpu_percent=50
+        )
+        assert admission.tally(records, globex()) == Usage(sessions=1)
+        assert admission.tally(records, None) == Usage(
+            sessions=3, children=1, memory_bytes=64 * MIB, cpu_percent=50
+        )
+        assert admission.tally([], None) == Usage()
+        admission.close()
+
+
+async def test_a_child_that_exactly_fills_the_runner_s_memory_is_admitted(
+    fake: FakeExecution,
+) -> None:
+    async with supervise_embedded(MemoryStore(), fake) as supervisor:
+        admission = Admission(supervisor, capacity=Capacity(max_children=5, allocatable=200 * MIB))
+        for instance, memory in (("1", 150 * MIB), ("2", 50 * MIB)):
+            record = await supervisor.open(
+                Key(identity="acme", instance=instance), "r1", limits=Limits(memory_bytes=memory)
+            )
+            with admission.loading(acme(), record):
+                await supervisor.load(record.handle, WORKER)
+        assert admission.usage(None).memory_bytes == 200 * MIB
+        admission.close()
+
+
+async def test_the_bucket_admits_a_call_once_a_whole_token_refilled(fake: FakeExecution) -> None:
+    now = [100.0]
+    tenant = acme(fairness=Fairness(rate=1, burst=1))
+    async with supervise_embedded(MemoryStore(), fake) as supervisor:
+        admission = Admission(supervisor, clock=lambda: now[0])
+        with admission.calling(tenant, bounded=True, rated=True):
+            pass
+        now[0] += 0.25
+        with (
+            pytest.raises(ThrottledError) as throttled,
+            admission.calling(tenant, bounded=True, rated=True),
+        ):
+            pytest.fail("admitted a call with a quarter of a token")
+        assert throttled.value.detail == (
+            "tenant 'acme' opens and loads faster than its rate (1 per second, burst 1); "
+            "try again in 0.75 s"
+        )
+        assert throttled.value.retry_after == 0.75
+        now[0] += 0.75  # exactly one token again
+        with admission.calling(tenant, bounded=True, rated=True):
+            pass
+        admission.close()
+
+
+def test_retry_after_is_whole_seconds_and_at_least_one() -> None:
+    from trio_supervisor.service.admission import retry_after_header
+
+    assert [retry_after_header(s) for s in (0.0, 0.5, 1.0, 1.01, 5.0)] == ["1", "1", "1", "2", "5"]

@@ -30,7 +30,11 @@ DEFAULT_BUFFER: Final = 1024
 
 @attrs.frozen
 class Overflow:
-    """The watcher fell behind and lost records: list them afresh, then go on."""
+    """The watcher fell behind and lost records: list them afresh, then go on.
+
+    Attributes:
+        lost: How many records the watcher missed.
+    """
 
     lost: int
 
@@ -39,6 +43,14 @@ class Watch:
     """One watcher's buffer; an async iterator of records and overflows.
 
     Use it as ``async with supervisor.watch() as events: async for event in events``.
+    Made by :meth:`~trio_supervisor.Supervisor.watch`.
+
+    Args:
+        watchers: The supervisor's watchers, which this watch joins.
+        buffer: How many records it may hold unread before it overflows.
+
+    Raises:
+        ValueError: ``buffer`` is not an int >= 1.
     """
 
     def __init__(self, watchers: Watchers, buffer: int) -> None:
@@ -52,7 +64,11 @@ class Watch:
         self._closed = False
 
     def publish(self, record: SessionRecord) -> None:
-        """Keep ``record`` if there is room; never blocks (the supervisor calls this)."""
+        """Keep ``record`` if there is room; never blocks (the supervisor calls this).
+
+        Args:
+            record: A record the store acknowledged.
+        """
         if self._lost or len(self._buffer) >= self._size:
             self._lost += 1
         else:

@@ -42,6 +42,7 @@ from ..errors import (
     LeaseExpiredError,
     SessionConflictError,
     SessionStoppedError,
+    StaleSessionError,
     SupervisorError,
 )
 from ..model import (
@@ -51,6 +52,7 @@ from ..model import (
     ExitStatus,
     Expired,
     Handle,
+    Key,
     Load,
     LoadedRecord,
     LoadingRecord,
@@ -63,7 +65,7 @@ from ..model import (
     carried,
 )
 
-__all__ = ["Event", "Lifecycle", "stop_error"]
+__all__ = ["Event", "Lifecycle", "stop_error", "unexpected_generation"]
 
 
 class Event(enum.Enum):
@@ -102,6 +104,19 @@ def stop_error(reason: StopReason, handle: Handle) -> SupervisorError:
     if isinstance(reason, Expired):
         return LeaseExpiredError(f"the lease of {_named(handle)} has expired")
     return SessionStoppedError(f"{_named(handle)} is stopping or stopped ({reason.kind})")
+
+
+def unexpected_generation(
+    key: Key, expected_generation: int | None, high: int
+) -> StaleSessionError:
+    """O4's error: the host expected another generation than the key's high-water."""
+    expected = (
+        "a key never opened" if expected_generation is None else f"generation {expected_generation}"
+    )
+    return StaleSessionError(
+        f"{key.identity}/{key.instance}: expected {expected}, but its high-water "
+        f"generation is {high}; pass expected_generation={high or None} to open the next one"
+    )
 
 
 def _named(handle: Handle) -> str:

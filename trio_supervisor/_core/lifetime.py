@@ -65,6 +65,9 @@ async def open_supervisor(
         limits: Ceilings for every session's limits.
         retention: Which Stopped records to keep; by default the store's own policy.
 
+    Yields:
+        The supervisor, usable until the block ends.
+
     Raises:
         TerminationUnconfirmedError: On entry, an orphan could not be confirmed gone.
         StateStorageError: On entry, the store could not be read or holds a bad record.

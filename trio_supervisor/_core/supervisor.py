@@ -24,9 +24,6 @@ The rules are in docs/design.md, "Semantics"; the ids in comments cite them.
 from __future__ import annotations
 
 import logging
-import os
-import threading
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
 import trio
@@ -47,7 +44,6 @@ from ..model import (
     Limits,
     Load,
     OpenRecord,
-    Phase,
     QuotaClaim,
     SessionRecord,
     Shutdown,
@@ -58,12 +54,13 @@ from ..model import (
     log_fields,
     negotiate,
 )
-from .events import DEFAULT_BUFFER, Watch
 from .keylocks import KeyLocks
-from .lifecycle import stop_error
+from .lifecycle import stop_error, unexpected_generation
 from .parts import Parts
+from .reads import OperatorReads
 from .services import Services
 from .session import Session
+from .tokens import TOKENS
 
 __all__ = ["Supervisor"]
 
@@ -71,8 +68,20 @@ __all__ = ["Supervisor"]
 logger = logging.getLogger("trio_supervisor.supervisor")
 
 
-class Supervisor:
-    """Sessions for keys, their leases, their children. Made by :func:`open_supervisor`."""
+class Supervisor(OperatorReads):
+    """Sessions for keys, their leases, their children. Made by :func:`open_supervisor`.
+
+    Not made directly: :func:`open_supervisor` builds it once recovery is over and
+    shuts it down when its block ends. Its calls follow docs/design.md, "Semantics";
+    the hosts' calls are those of :class:`~trio_supervisor.abc.SupervisorAPI`.
+
+    Args:
+        parts: What :func:`open_supervisor` assembled: the store's index, health,
+            the running sessions, the lease timer, the execution and the fleet.
+        spawn: Starts a task of the supervisor's own (a crash of it poisons, H1).
+        lease: The default lease, in seconds.
+        limits: The ceilings every session's limits are negotiated against.
+    """
 
     def __init__(
         self,
@@ -125,6 +134,13 @@ class Supervisor:
 
         Works while poisoned and while closing.
 
+        Args:
+            handle: The session's handle.
+
+        Returns:
+            Its last durable record; in a fleet, the Stopped record another runner
+            wrote of it once its runner was taken over (F7).
+
         Raises:
             StaleSessionError: No retained record has this token, key and generation.
         """
@@ -139,7 +155,17 @@ class Supervisor:
 
     async def high_water(self, key: Key) -> int | None:
         """Return the highest generation ever opened for ``key``, or None (S2); in a
-        fleet, as the store knows it, for another runner may have opened the key since."""
+        fleet, as the store knows it, for another runner may have opened the key since.
+
+        Args:
+            key: Any key.
+
+        Returns:
+            Its high-water generation, or None for a key never opened.
+
+        Raises:
+            TypeError: ``key`` is not a :class:`~trio_supervisor.model.Key`.
+        """
         await trio.lowlevel.checkpoint()
         if not isinstance(key, Key):
             raise TypeError(f"key must be a Key, not {type(key).__name__}")
@@ -153,82 +179,6 @@ class Supervisor:
     def closing(self) -> bool:
         """True once the shutdown began (Z1)."""
         return self._running.closing
-
-    def records(self) -> list[SessionRecord]:
-        """Every retained record, in the order it was last saved: for operators.
-
-        Each record holds its session's handle, token included: the capability to act
-        on the session. Show them to whoever may act on every session, and no one else.
-        """
-        return list(self._records.index)
-
-    def live_records(self) -> list[SessionRecord]:
-        """The last durable record of every session whose task runs here (Stopped ones
-        included until their task ends): what a runner's admission counts.
-
-        Costs the number of live sessions, not of retained records.
-        """
-        index = self._records.index
-        found = (index.get(token) for token in self._running.tokens())
-        return [
-            record for record in found if record is not None and record.phase is not Phase.STOPPED
-        ]
-
-    def retained_request(self, key: Key, request_id: str) -> SessionRecord | None:
-        """The retained record an open of ``key`` with ``request_id`` made here, if any:
-        an open repeating it returns that record again (O3)."""
-        return self._records.index.find_request(key, request_id)
-
-    def holds_key(self, key: Key) -> bool:
-        """Whether a session of ``key`` runs here: an open of the key stops it (O5)."""
-        return bool(self._running.of_key(key))
-
-    def find(self, key: Key, generation: int) -> SessionRecord | None:
-        """The retained record of ``key``'s ``generation``, if any: for operators.
-
-        Live sessions are found at once; a stopped one by a scan of the retained
-        records (operator calls are rare; the hosts' calls carry a handle).
-        """
-        for session in self._running.of_key(key):
-            if session.handle.generation == generation:
-                record = self._records.index.get(session.handle.token)
-                if record is not None:
-                    return record
-        for record in self._records.index:
-            if record.handle.key == key and record.handle.generation == generation:
-                return record
-        return None
-
-    def watch(self, buffer: int = DEFAULT_BUFFER) -> Watch:
-        """Watch every record the supervisor makes durable, from now on.
-
-        ``async with supervisor.watch() as events: async for event in events: ...``
-        gives each record once the store acknowledged it. The supervisor never waits
-        for a watcher: one that falls behind by more than ``buffer`` records loses the
-        rest and reads one :class:`~trio_supervisor._core.events.Overflow`; it should then list
-        the records afresh (:meth:`records`) and go on. The iteration ends when the
-        supervisor shuts down.
-        """
-        return self._records.watchers.watch(buffer)
-
-    def listen(self, listener: Callable[[SessionRecord], None]) -> Callable[[], None]:
-        """Call ``listener`` with every record the supervisor makes durable from now on,
-        at once, in the task that made it durable; what it returns stops that.
-
-        For what must count every record without lag (a runner's admission): unlike
-        :meth:`watch`, nothing is buffered and nothing is lost. The listener must be
-        quick and must not raise or block: the supervisor waits for it.
-        """
-        return self._records.watchers.listen(listener)
-
-    def times(self, handle: Handle) -> tuple[float, float] | None:
-        """How long the session has existed and how long its lease has left, in seconds.
-
-        For operators. None once the session's task is over (stopped, or found by
-        recovery): records carry no times, and leases are not persisted (R6); a fleet's
-        store publishes a member's (F2), for the other runners' operators.
-        """
-        return self._running.times(handle)
 
     def skip_grace(self) -> None:
         """Stop waiting for children to end by themselves: every stop kills at once.
@@ -334,11 +284,11 @@ class Supervisor:
         high = self._records.high_water(key)
         if (expected_generation or 0) != high:
             await trio.lowlevel.cancel_shielded_checkpoint()
-            raise _unexpected(key, expected_generation, high)
+            raise unexpected_generation(key, expected_generation, high)
         await self._running.supersede(key)
         self._check_usable()
         record = OpenRecord(
-            handle=Handle(key=key, token=_TOKENS.next(), generation=high + 1),
+            handle=Handle(key=key, token=TOKENS.next(), generation=high + 1),
             request_id=request_id,
             lease=seconds,
             limits=negotiated,
@@ -356,7 +306,7 @@ class Supervisor:
                     return prior
                 high = self._records.high_water(key)
                 if (expected_generation or 0) != high:
-                    raise _unexpected(key, expected_generation, high) from None
+                    raise unexpected_generation(key, expected_generation, high) from None
                 raise
             # The record is durable: from here on nothing may stop the session from
             # coming to exist (O11). In a fleet, an older generation held by another
@@ -395,6 +345,9 @@ class Supervisor:
 
     async def renew(self, handle: Handle) -> float:
         """Extend the session's lease by its lease length from now (R1-R6).
+
+        Args:
+            handle: The session's handle.
 
         Returns:
             The lease, in seconds.
@@ -456,6 +409,12 @@ class Supervisor:
 
         Works while poisoned and while closing; disposing a stopped session returns
         its recorded termination again.
+
+        Args:
+            handle: The session's handle.
+
+        Returns:
+            How the session's child ended.
 
         Raises:
             StaleSessionError: The handle names no retained session.
@@ -545,48 +504,3 @@ class Supervisor:
         if isinstance(record, StoppingRecord | StoppedRecord):
             raise stop_error(record.reason, handle)
         raise SessionStoppedError("the session was retired by recovery or eviction")
-
-
-def _unexpected(key: Key, expected_generation: int | None, high: int) -> StaleSessionError:
-    """O4's error: the host expected another generation than the key's high-water."""
-    expected = (
-        "a key never opened" if expected_generation is None else f"generation {expected_generation}"
-    )
-    return StaleSessionError(
-        f"{key.identity}/{key.instance}: expected {expected}, but its high-water "
-        f"generation is {high}; pass expected_generation={high or None} to open the next one"
-    )
-
-
-class _Tokens:
-    """Session tokens: random UUIDs (version 4) as ``uuid.uuid4()`` makes them, from the
-    operating system's random bytes fetched for 256 at a time. ``uuid4()`` asks for
-    each token's 16 bytes alone, and the call gives up the GIL, which a store's worker
-    thread then holds until its statement is done: 15% of a SQLite store's cycle was that
-    wait (docs/benchmarks.md, issue 51). A process forked since the last fetch fetches
-    anew, so no two processes hand out the same token, and supervisors in runs of other
-    threads take theirs under a lock."""
-
-    __slots__ = ("_at", "_bytes", "_lock", "_pid")
-
-    BATCH = 256
-
-    def __init__(self) -> None:
-        self._bytes = b""
-        self._at = 0
-        self._pid = 0
-        self._lock = threading.Lock()
-
-    def next(self) -> str:
-        with self._lock:
-            if self._at >= len(self._bytes) or self._pid != os.getpid():
-                self._bytes = os.urandom(16 * self.BATCH)
-                self._at = 0
-                self._pid = os.getpid()
-            at = self._at
-            self._at = at + 16
-            chosen = self._bytes[at : at + 16]
-        return str(uuid.UUID(bytes=chosen, version=4))
-
-
-_TOKENS = _Tokens()

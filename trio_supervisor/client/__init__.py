@@ -19,7 +19,7 @@ background-nursery helper), never the service. Its errors (:class:`SessionLostEr
 :class:`RunnerAccessError`, :class:`ForbiddenError`, :class:`OperatorsOnlyError`) and the
 admission's refusals (:class:`QuotaExceededError`, :class:`ThrottledError`,
 :class:`RunnerFullError`, each with the ``retry_after`` the runner gave) live in
-:mod:`trio_supervisor.errors` with the others, and are re-exported here. The wire it
+``trio_supervisor.errors`` with the others, and are re-exported here. The wire it
 speaks is docs/service.md, section A.
 
 Example::

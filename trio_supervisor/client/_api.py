@@ -130,6 +130,14 @@ class RemoteSupervisor:
         Retried on a failed connection, and while the runner answers ``StoreUnavailable``
         or ``RunnerRestarting`` (within the lease when one is given): the request id
         makes a repeated open return the record of the first (O3).
+
+        Implements :meth:`trio_supervisor.abc.SupervisorAPI.open`, whose errors it raises.
+
+        Raises:
+            TypeError: ``key`` or ``limits`` is not of its class.
+            RunnerUnreachableError: No runner answered within the client's windows.
+            RunnerRestartingError, StoreUnavailableError: The runner still answered so
+                once the call's retry window was spent.
         """
         _check(key, Key, "key")
         if limits is not None:
@@ -152,6 +160,14 @@ class RemoteSupervisor:
 
         Retried on a failed connection (renewing twice is renewing once, later), and
         while the runner answers ``StoreUnavailable`` or ``RunnerRestarting``.
+
+        Implements :meth:`trio_supervisor.abc.SupervisorAPI.renew`, whose errors it raises.
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`~trio_supervisor.model.Handle`.
+            RunnerUnreachableError: No runner answered within the client's windows.
+            RunnerRestartingError, StoreUnavailableError: The runner still answered so
+                once the call's retry window was spent.
         """
         return await self._renew(handle, self._transport.retry_for)
 
@@ -165,6 +181,16 @@ class RemoteSupervisor:
         Asked again while the runner answers ``StoreUnavailable`` or ``RunnerRestarting``
         (it made nothing of the load, and a load is idempotent by specifier, L2), but
         never once it was sent and its answer lost: the child may be loading it.
+
+        Implements :meth:`trio_supervisor.abc.SupervisorAPI.load`, whose errors it raises.
+
+        Raises:
+            TypeError: ``handle`` or ``load`` is not of its class.
+            RunnerFullError, QuotaExceededError, ThrottledError: The runner's
+                admission refused the child (docs/service.md section D).
+            RunnerUnreachableError: No runner answered within the client's windows.
+            RunnerRestartingError, StoreUnavailableError: The runner still answered so
+                once the call's retry window was spent.
         """
         _check(load, Load, "load")
         body = {**_handle(handle), "load": converter.unstructure(load)}
@@ -177,7 +203,16 @@ class RemoteSupervisor:
 
         Retried on a failed connection, and while the runner answers
         ``StoreUnavailable`` or ``RunnerRestarting``: disposing a stopped session returns
-        its termination again (D4).
+        its termination again (D3).
+
+        Implements :meth:`trio_supervisor.abc.SupervisorAPI.dispose`, whose errors it
+        raises.
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`~trio_supervisor.model.Handle`.
+            RunnerUnreachableError: No runner answered within the client's windows.
+            RunnerRestartingError, StoreUnavailableError: The runner still answered so
+                once the call's retry window was spent.
         """
         return await self._dispose(handle, self._transport.retry_for)
 
@@ -194,6 +229,9 @@ class RemoteSupervisor:
 
         Retried on a failed connection, and while the runner answers ``StoreUnavailable``
         or ``RunnerRestarting``.
+
+        Implements :meth:`trio_supervisor.abc.SupervisorAPI.status`, whose errors it
+        raises.
         """
         answer = await self._call(
             "status", _handle(handle), retry_for=self._transport.retry_for, token=handle.token
@@ -206,6 +244,8 @@ class RemoteSupervisor:
 
         Retried on a failed connection, and while the runner answers ``StoreUnavailable``
         or ``RunnerRestarting``.
+
+        Implements :meth:`trio_supervisor.abc.SupervisorAPI.high_water`.
         """
         _check(key, Key, "key")
         answer = await self._call(
@@ -234,6 +274,18 @@ class RemoteSupervisor:
         id of the runner holding it), and ``age`` and ``lease_left`` in seconds while its
         session runs (else null; docs/service.md section A). ``phase``, ``identity`` and
         ``instance`` filter (the phase: of the generation listed).
+
+        Args:
+            phase: Only sessions in this phase (``Open`` ... ``Stopped``).
+            identity: Only sessions of keys with this identity.
+            instance: Only sessions of keys with this instance.
+            all_generations: Every retained generation of each key, not only the newest.
+
+        Returns:
+            The sessions, every page of them.
+
+        Raises:
+            ForbiddenError: The client's token is not the operators'.
         """
         found: list[dict[str, Any]] = []
         after: str | None = None
@@ -277,8 +329,18 @@ class RemoteSupervisor:
         """What a session's child wrote: all of it, or its last ``tail`` lines (a last
         line without a newline counts), or its last ``tail_bytes`` bytes.
 
+        Args:
+            key: The session's key.
+            generation: The session's generation.
+            tail: How many lines from the end.
+            tail_bytes: How many bytes from the end.
+
+        Returns:
+            The log's text.
+
         Raises:
             ValueError: Both ``tail`` and ``tail_bytes`` are given.
+            ForbiddenError: The client's token is not the operators'.
         """
         _check(key, Key, "key")
         if tail is not None and tail_bytes is not None:
@@ -294,7 +356,19 @@ class RemoteSupervisor:
         return response.text
 
     async def admin_dispose(self, key: Key, generation: int) -> Termination:
-        """Dispose a session by key and generation, without its token (operators)."""
+        """Dispose a session by key and generation, without its token (operators).
+
+        Args:
+            key: The session's key.
+            generation: The session's generation.
+
+        Returns:
+            How the session's child ended (D3, D5).
+
+        Raises:
+            ForbiddenError: The client's token is not the operators'.
+            StaleSessionError: No retained session has this key and generation.
+        """
         _check(key, Key, "key")
         body = {"key": converter.unstructure(key), "generation": generation}
         answer = await self._call("admin_dispose", body)
@@ -310,6 +384,9 @@ class RemoteSupervisor:
     async def drain(self, deadline: float | None = None) -> dict[str, Any]:
         """Drain the runner (operators): no new sessions or children; it stops once its
         sessions ended, or ``deadline`` seconds from now (an hour by default).
+
+        Args:
+            deadline: Seconds from now after which the runner stops whatever is left.
 
         Returns:
             ``{"draining": true, "until": <Unix seconds>, "sessions": <left>}``.
@@ -372,8 +449,20 @@ class RemoteSupervisor:
         session, also when the block raised or was cancelled; the dispose is shielded and
         bounded by the lease.
 
+        Args:
+            key: What the session is for.
+            expected_generation: As for :meth:`open`.
+            request_id: As for :meth:`open`; a fresh one by default.
+            lease: As for :meth:`open`.
+            limits: As for :meth:`open`.
+
+        Yields:
+            The session, with its handle and the errors of its renews.
+
         Raises:
             SessionLostError: The session's lease was lost while the block ran.
+            StaleSessionError, RunnerClosingError, StateStorageError: The open
+                failed, as for :meth:`open`.
         """
         record = await self.open(
             key,
@@ -447,6 +536,13 @@ async def connect(
         connect_for: Seconds within which a refused connection is tried again, for any
             call (nothing reached the runner); 0: never. The default is 5 s
             (``CLIENT_CONNECT_FOR``).
+
+    Yields:
+        The client, whose connections close when the block ends.
+
+    Raises:
+        ValueError: ``token`` is given but empty or not a string, or ``retry_for`` or
+            ``connect_for`` is not a finite number of seconds >= 0.
     """
     if token is not None and (not isinstance(token, str) or not token):
         raise ValueError("token must be a non-empty str, or None for the calls that need none")

@@ -39,6 +39,10 @@ Dispose = Callable[[Handle, float], Awaitable[Termination]]
 class RemoteSession:
     """A session opened by :meth:`RemoteSupervisor.session`, renewed in the background.
 
+    Args:
+        runner: The supervisor the session was opened on.
+        record: Its Open record.
+
     Attributes:
         record: The Open record the session began with.
         handle: Its handle.
@@ -54,15 +58,38 @@ class RemoteSession:
         self.last_error: Exception | None = None
 
     async def load(self, load: Load) -> CodeIdentity:
-        """Load code into the session (L1-L6)."""
+        """Load code into the session (L1-L6).
+
+        Args:
+            load: What to load.
+
+        Returns:
+            What was loaded.
+
+        Raises:
+            SessionConflictError, PackageError, ExecutionError: As for
+                :meth:`trio_supervisor.abc.SupervisorAPI.load`.
+        """
         return await self._runner.load(self.handle, load)
 
     async def renew(self) -> float:
-        """Renew now, besides the background renewal."""
+        """Renew now, besides the background renewal (R1-R6).
+
+        Returns:
+            The lease, in seconds.
+
+        Raises:
+            LeaseExpiredError, SessionStoppedError, StaleSessionError: As for
+                :meth:`trio_supervisor.abc.SupervisorAPI.renew`.
+        """
         return await self._runner.renew(self.handle)
 
     async def status(self) -> SessionRecord:
-        """The session's last durable record."""
+        """The session's last durable record (S1).
+
+        Returns:
+            The record.
+        """
         return await self._runner.status(self.handle)
 
 

@@ -61,7 +61,15 @@ _CANCELLED = ExitStatus(cancelled=True)
 
 @attrs.frozen(kw_only=True)
 class PluginContext:
-    """What a plugin is told about the session it runs for."""
+    """What a plugin is told about the session it runs for.
+
+    Attributes:
+        key: The session's key.
+        generation: The session's generation.
+        config: The load's configuration (a read-only JSON object).
+        limits: The session's negotiated limits; the in-process execution cannot
+            enforce them, so a plugin that cares reads them here.
+    """
 
     key: Key
     generation: int
@@ -69,6 +77,8 @@ class PluginContext:
     limits: Limits
 
 
+#: A plugin of the in-process execution: an async callable taking a
+#: :class:`PluginContext` and returning an exit code (None counts as 0).
 Plugin = Callable[[PluginContext], Awaitable[int | None]]
 
 
@@ -80,6 +90,10 @@ class InProcessExecution:
         importable: Also resolve specifiers of the form ``package.module:function``
             by importing them. Off by default: a remote host should only reach the
             code the runner's owner listed.
+
+    Raises:
+        ValueError: A plugin's specifier is not a non-empty string.
+        TypeError: A plugin is not callable.
     """
 
     def __init__(
@@ -121,11 +135,21 @@ class InProcessExecution:
         return len(self._live)
 
     def runs(self, child: ChildIdentity) -> bool:
-        """True while the plugin task of ``child`` runs."""
+        """True while the plugin task of ``child`` runs.
+
+        Args:
+            child: A unit's identity.
+
+        Returns:
+            Whether its task runs in this execution now.
+        """
         return child.ref in self._live
 
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
         """Resolve the load's specifier and make its unit, not yet started.
+
+        Implements :meth:`trio_supervisor.abc.Execution.spawn` (L4). The plugin gets
+        ``limits`` in its :class:`PluginContext`, unenforced.
 
         Raises:
             PackageError: No plugin has this specifier, or it cannot be imported.
@@ -148,6 +172,11 @@ class InProcessExecution:
 
         A task cannot outlive its process: if the ref is unknown here, it is gone, and
         the termination says so with an unknown exit status.
+
+        Implements :meth:`trio_supervisor.abc.Execution.recover` (V2).
+
+        Raises:
+            ExecutionError: ``child`` was not made by the in-process execution.
         """
         if child.adapter != ADAPTER:
             raise ExecutionError(f"{child} was not made by the in-process execution")

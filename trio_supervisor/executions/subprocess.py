@@ -359,16 +359,34 @@ class SubprocessExecution:
     # -- logs -------------------------------------------------------------------------
 
     def log_path(self, handle: Handle) -> Path:
-        """The log file of a session's child."""
+        """The log file of a session's child.
+
+        Args:
+            handle: The session's handle.
+
+        Returns:
+            The path of its log, which may not exist (yet, or any more).
+        """
         return self._logs.path(handle)
 
     def logs(self, handle: Handle, *, tail: int | None = None) -> str:
         """What a session's child wrote (stdout and stderr), or its last ``tail`` bytes;
-        "" once its record was evicted (its log goes with it: ``_logs``)."""
+        "" once its record was evicted (its log goes with it: ``_logs``).
+
+        Args:
+            handle: The session's handle.
+            tail: How many bytes from the end to read; None reads it all.
+
+        Returns:
+            The log's text (undecodable bytes replaced).
+        """
         return self._logs.read(handle, tail=tail)
 
     def evicted(self, handles: Sequence[Handle]) -> None:
-        """Retention evicted these sessions' records: their logs go (in the background)."""
+        """Retention evicted these sessions' records: their logs go (in the background).
+
+        Implements :meth:`trio_supervisor.abc.Retaining.evicted` (O10).
+        """
         self._logs.evicted(handles)
         if self._nursery is None:  # not running: nothing removes them later
             self._logs.flush()
@@ -376,6 +394,8 @@ class SubprocessExecution:
     async def retained(self, handles: Collection[Handle]) -> None:
         """Recovery is over: remove every log but those of these sessions (an earlier
         run's whose records are gone).
+
+        Implements :meth:`trio_supervisor.abc.Retaining.retained`.
 
         Raises:
             ExecutionError: The logs' directory cannot be read.
@@ -393,6 +413,9 @@ class SubprocessExecution:
 
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> Unit:
         """Start the bootstrap for ``load``; return once it resolved the code.
+
+        Implements :meth:`trio_supervisor.abc.Execution.spawn` (L4); the unit applies
+        ``limits`` (docs/design.md, "limits").
 
         Raises:
             PackageError: The specifier is not allowed, or its code cannot be found.
@@ -419,6 +442,8 @@ class SubprocessExecution:
         removed; unless this execution emptied it of that child and keeps it, or gave it to
         another since (a runner that heals itself recovers its own records: see
         ``_recovery``, and ``Pool.held_from``).
+
+        Implements :meth:`trio_supervisor.abc.Execution.recover` (V2).
 
         Raises:
             ExecutionError: ``child`` was not made by this execution.

@@ -89,6 +89,14 @@ def create_app(
         sign_ins: The dashboard's sign-in codes and the sign-ins they made, taken as
             the operators' (``sign_in.py``; the runner's outlive its incarnations);
             None: a set of the app's own.
+
+    Returns:
+        The Starlette app, to serve with any ASGI server under Trio (the runner uses
+        hypercorn).
+
+    Raises:
+        ValueError: ``operator_token`` is empty, or not exactly one of ``hosts_token``
+            and ``tenants`` is given.
     """
     if not operator_token:
         raise ValueError("the operators' token must be set")

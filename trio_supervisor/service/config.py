@@ -177,7 +177,7 @@ class RunnerConfig:
         tenants: The tenants file (``tenants.py``); None: the hosts' token is tenant
             ``default``.
         limits: The runner's ceilings (``[limits]`` in TOML), over the ones every child
-            gets out of the box (:func:`out_of_the_box`).
+            gets out of the box (``service.capacity.out_of_the_box``).
         max_children: Children at once; None: ``_defaults.CHILDREN_PER_CORE`` per core.
         reserve_memory: Bytes of the machine's memory the children's memory ceilings
             may not take.
@@ -453,10 +453,14 @@ class RunnerConfig:
 
     @property
     def hosts_token_path(self) -> Path:
+        """The file of the hosts' bearer token: ``token_file``, or ``token`` in the state
+        directory."""
         return self.token_file or self.state / "token"
 
     @property
     def operator_token_path(self) -> Path:
+        """The file of the operators' bearer token: ``operator_token_file``, or
+        ``operator-token`` in the state directory."""
         return self.operator_token_file or self.state / "operator-token"
 
     @property
@@ -466,6 +470,7 @@ class RunnerConfig:
 
     @property
     def tls(self) -> bool:
+        """Whether the runner serves HTTPS (a ``certfile`` was given)."""
         return self.certfile is not None
 
     @property
@@ -475,6 +480,9 @@ class RunnerConfig:
 
     def check(self) -> tuple[str, int]:
         """The host and port to bind, once the configuration is known to work.
+
+        Returns:
+            The host and port of ``listen``.
 
         Raises:
             ConfigError: The listen address is malformed, TLS is half configured,

@@ -136,8 +136,11 @@ _PROBLEM: Final = {"application/problem+json": {"schema": {"$ref": _REF + "Probl
 
 
 def _meaning(kind: type[SupervisorError]) -> str:
-    """An error class in a few words: its code and its docstring's first line."""
-    summary = (kind.__doc__ or "").strip().splitlines()[0].rstrip(".")
+    """An error class in a few words: its code and its docstring's first sentence (which
+    may run over several lines)."""
+    summary = " ".join((kind.__doc__ or "").strip().split("\n\n")[0].split())
+    end = summary.find(". ")
+    summary = (summary if end < 0 else summary[:end]).rstrip(".")
     return f"{kind.code}: {summary[:1].lower()}{summary[1:]}"
 
 

@@ -339,6 +339,11 @@ async def run_runner(
         stdout: Where the ``listening on URL`` line goes (standard output by default).
         task_status: Given the URL once the server listens.
 
+    Returns:
+        The process's exit status: 0 after a clean shutdown; 1 when a second signal
+        cut the children's grace short; 3 once the runner restarted more often than
+        ``restart_limit`` allows (B5).
+
     Raises:
         ConfigError: The configuration cannot work.
         StartupError: The store is held by another process or out of reach (raised as

@@ -83,13 +83,25 @@ class Ceilings:
     max: Limits = attrs.field(factory=Limits, validator=attrs.validators.instance_of(Limits))
 
     def over(self, base: Ceilings) -> Ceilings:
-        """These ceilings, with ``base``'s for every field these leave unset."""
+        """These ceilings, with ``base``'s for every field these leave unset.
+
+        Args:
+            base: The ceilings beneath these (the runner's own, say).
+
+        Returns:
+            The merged ceilings.
+        """
         return Ceilings(
             default=_merged(self.default, base.default), max=_merged(self.max, base.max)
         )
 
     def described(self) -> str:
-        """The ceilings in a line of a log."""
+        """The ceilings in a line of a log.
+
+        Returns:
+            ``memory_bytes 268,435,456 by default, at most unlimited; ...``, or
+            ``none`` when no field is set.
+        """
         parts = []
         for name in LIMIT_FIELDS:
             default, most = getattr(self.default, name), getattr(self.max, name)

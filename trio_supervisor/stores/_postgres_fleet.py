@@ -74,7 +74,10 @@ class Upkeep(Opening):
     async def take_over_dead(self) -> int:
         """Take over every dead runner whose margin passed; how many records that stopped.
 
-        :meth:`run_member` does this periodically; it is public for tools and tests.
+        :meth:`run_member` does this periodically; it is public for tools and tests (F7).
+
+        Returns:
+            How many records were written Stopped with reason Recovery.
         """
         taken = 0
         for runner, epoch in await self._ask("dead"):
@@ -89,6 +92,8 @@ class Upkeep(Opening):
         its ``stop_bound`` plus two check periods, counted from when no runner holding an
         older generation than its own is dead (its older generation may be an open that
         waits for that takeover).
+
+        Implements :meth:`trio_supervisor.abc.FleetStore.wait_older_stopped` (F6, F7).
 
         Raises:
             TerminationUnconfirmedError: A live runner did not stop its older generation
@@ -149,10 +154,13 @@ class Upkeep(Opening):
     async def run_member(self, member: FleetMember) -> None:
         """Keep this runner in the fleet until cancelled (see the module docs).
 
+        Implements :meth:`trio_supervisor.abc.FleetStore.run_member` (F1, F2, F5, F7).
+
         Raises:
-            StateStorageError: This runner's row was not renewed within its local trust
+            RunnerFencedError: This runner's row was not renewed within its local trust
                 (``runner_lease`` minus a fifth, from when the last renewal was sent), or
                 another runner took its records over.
+            StateStorageError: The row could not be renewed for another reason.
         """
         await self.open()
         failure: StateStorageError | None = None

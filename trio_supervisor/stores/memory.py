@@ -58,22 +58,34 @@ class MemoryStore:
         return self._index.retention
 
     async def save(self, record: SessionRecord) -> None:
-        """Keep ``record``; a cancelled save did nothing."""
+        """Keep ``record``; a cancelled save did nothing.
+
+        Implements :meth:`trio_supervisor.abc.Store.save`.
+        """
         # The checkpoint comes first, so a cancellation lands before the write.
         await trio.lowlevel.checkpoint()
         self._index.save(record)
 
     async def save_many(self, records: Sequence[SessionRecord]) -> None:
-        """Keep every record, all at once."""
+        """Keep every record, all at once.
+
+        Implements :meth:`trio_supervisor.abc.BatchStore.save_many`.
+        """
         await trio.lowlevel.checkpoint()
         self._index.save_all(records)
 
     async def list(self) -> Sequence[SessionRecord]:
-        """Every retained record, in the order they were last saved."""
+        """Every retained record, in the order they were last saved.
+
+        Implements :meth:`trio_supervisor.abc.Store.list`.
+        """
         await trio.lowlevel.checkpoint()
         return list(self._index)
 
     async def high_water(self) -> Mapping[Key, int]:
-        """Every key's highest generation ever saved."""
+        """Every key's highest generation ever saved.
+
+        Implements :meth:`trio_supervisor.abc.Store.high_water`.
+        """
         await trio.lowlevel.checkpoint()
         return self._index.high_waters()

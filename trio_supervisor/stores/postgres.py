@@ -86,7 +86,7 @@ class PostgresStore(Upkeep):
 
     Use it as ``async with PostgresStore(dsn) as store:`` or call :meth:`open` and
     :meth:`aclose`. A supervisor that is a member of a fleet also runs
-    :meth:`run_member` for as long as it serves.
+    :meth:`~trio_supervisor.stores.FleetStore.run_member` for as long as it serves.
 
     Args:
         dsn: A libpq connection string or ``postgresql://`` URL.
@@ -248,16 +248,25 @@ class PostgresStore(Upkeep):
     async def save(self, record: SessionRecord) -> None:
         """Make ``record`` durable (group commit); see the module docs for cancellation.
 
+        Implements :meth:`trio_supervisor.abc.Store.save`, fenced by this runner's epoch
+        (F4); an Open record claims its generation fleet-wide (F3).
+
         Raises:
             StaleSessionError: ``record`` is an Open record whose generation is not its
                 key's high-water + 1 in the fleet; nothing was written.
+            StoreUnavailableError: The database stayed out of reach for ``store_wait``
+                and nothing was written (B1); it does not poison.
             StateStorageError: The record could not be written, or this runner's epoch
                 was taken over.
         """
         await self._save(Job("save", [(record, encode(record))]))
 
     async def save_many(self, records: Sequence[SessionRecord]) -> None:
-        """Make every record durable in one transaction, or none of them."""
+        """Make every record durable in one transaction, or none of them.
+
+        Implements :meth:`trio_supervisor.abc.BatchStore.save_many`; raises as
+        :meth:`save`.
+        """
         await self._save(Job("save", [(record, encode(record)) for record in records]))
 
     async def save_within(self, record: SessionRecord, quota: QuotaClaim) -> None:
@@ -268,6 +277,8 @@ class PostgresStore(Upkeep):
         An Open record takes a session (none when it supersedes a live generation of
         its key); a session's first Loading (or Loaded) record takes a child, with its
         ``memory_bytes`` and ``cpu_percent`` limits. Any other record counts nothing.
+
+        Implements :meth:`trio_supervisor.abc.FleetStore.save_within` (F9).
 
         Raises:
             QuotaExceededError: A count would pass its quota; nothing was written, and no
@@ -306,6 +317,9 @@ class PostgresStore(Upkeep):
     async def list(self) -> Sequence[SessionRecord]:
         """This runner's retained records (of all its epochs), in the order they were saved.
 
+        Implements :meth:`trio_supervisor.abc.Store.list`: recovery settles the records
+        of this runner's earlier epochs too (V1, F1).
+
         Raises:
             RecordFormatError: A row is malformed, of an unknown version, or holds the
                 record of another token or key; the message names the row.
@@ -314,13 +328,20 @@ class PostgresStore(Upkeep):
         return records
 
     async def high_water(self) -> Mapping[Key, int]:
-        """Every key's highest generation in the fleet."""
+        """Every key's highest generation in the fleet.
+
+        Implements :meth:`trio_supervisor.abc.Store.high_water` (V5, F3).
+        """
         marks: dict[Key, int] = await self._ask("high_water")
         return marks
 
     async def lookup(self, key: Key, request_id: str | None) -> tuple[int, SessionRecord | None]:
         """The key's high-water now, and its retained record opened with ``request_id``
-        (whichever runner holds it), if any: one query."""
+        (whichever runner holds it), if any: one query.
+
+        Implements :meth:`trio_supervisor.abc.FleetStore.lookup` (F3). After a failover
+        it waits until every live runner checked its writes on the new server (B6).
+        """
         found: tuple[int, SessionRecord | None] = await self._ask("lookup", key, request_id)
         if self._worker is not None and self._worker.failover_pending:
             # B6: after a failover, a mark here may be one another runner is still to
@@ -354,7 +375,10 @@ class PostgresStore(Upkeep):
             await trio.sleep(defaults.OLDER_POLL)
 
     async def runners(self) -> Sequence[RunnerInfo]:
-        """Every runner of the fleet, by id."""
+        """Every runner of the fleet, by id.
+
+        Implements :meth:`trio_supervisor.abc.FleetStore.runners`.
+        """
         found: list[RunnerInfo] = await self._ask("runners")
         return found
 
@@ -373,12 +397,18 @@ class PostgresStore(Upkeep):
         return found
 
     async def held(self, token: str) -> FleetRecord | None:
-        """The retained record of ``token``, whichever runner holds it."""
+        """The retained record of ``token``, whichever runner holds it.
+
+        Implements :meth:`trio_supervisor.abc.FleetStore.held` (F8).
+        """
         found: FleetRecord | None = await self._ask("held", token)
         return found
 
     async def owner(self, token: str) -> RunnerInfo | None:
-        """The runner that holds the session of ``token``, if a record of it is retained."""
+        """The runner that holds the session of ``token``, if a record of it is retained.
+
+        Implements :meth:`trio_supervisor.abc.FleetStore.owner` (F8).
+        """
         found: RunnerInfo | None = await self._ask("owner", token)
         return found
 

@@ -109,16 +109,32 @@ class SqliteStore(Opening):
         await self._submit(Job("open"))
 
     async def save(self, record: SessionRecord) -> None:
-        """Make ``record`` durable (group commit); see the module docs for cancellation."""
+        """Make ``record`` durable (group commit); see the module docs for cancellation.
+
+        Implements :meth:`trio_supervisor.abc.Store.save`: returns once the transaction
+        holding it committed with ``synchronous=FULL``.
+
+        Raises:
+            StateStorageError: The write failed (a full disk, say) or the file is
+                locked by another store.
+        """
         # The desk's own call, not _submit: a save is the busiest call of the store.
         await self._desk.submit(Job("save", [(record, encode(record))]))
 
     async def save_many(self, records: Sequence[SessionRecord]) -> None:
-        """Make every record durable in one transaction."""
+        """Make every record durable in one transaction.
+
+        Implements :meth:`trio_supervisor.abc.BatchStore.save_many`.
+
+        Raises:
+            StateStorageError: The write failed; none of the records landed.
+        """
         await self._desk.submit(Job("save", [(record, encode(record)) for record in records]))
 
     async def list(self) -> Sequence[SessionRecord]:
         """Every retained record, in the order they were last saved.
+
+        Implements :meth:`trio_supervisor.abc.Store.list` (V1).
 
         Raises:
             RecordFormatError: A row is malformed, of an unknown version, or holds the
@@ -128,7 +144,10 @@ class SqliteStore(Opening):
         return records
 
     async def high_water(self) -> Mapping[Key, int]:
-        """Every key's highest generation ever saved."""
+        """Every key's highest generation ever saved.
+
+        Implements :meth:`trio_supervisor.abc.Store.high_water`.
+        """
         marks: dict[Key, int] = await self._submit(Job("high_water"))
         return marks
 

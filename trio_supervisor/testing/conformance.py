@@ -275,6 +275,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.handles))
     @rule(pick=st.integers(0, 1000))
     def renew(self, pick: int) -> None:
+        """Renew a known session, and check the outcome (R1-R6)."""
         self._call("renew", self._choose(pick))
 
     @precondition(lambda self: bool(self.handles))
@@ -283,6 +284,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         which=st.sampled_from(["first", "first", "other", "missing", "broken"]),
     )
     def load(self, pick: int, which: str) -> None:
+        """Load a known session: its first or other specifier, a missing or broken one (L1-L6)."""
         ident = self._choose(pick)
         assert ident is not None
         harness = self.harness
@@ -303,16 +305,19 @@ class ConformanceMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.handles))
     @rule(pick=st.integers(0, 1000))
     def dispose(self, pick: int) -> None:
+        """Dispose a known session (D1-D5)."""
         self._call("dispose", self._choose(pick))
 
     @precondition(lambda self: bool(self.handles))
     @rule(pick=st.integers(0, 1000))
     def status(self, pick: int) -> None:
+        """Read a known session's status (S1)."""
         self._call("status", self._pick(pick, self._known()))
 
     @precondition(lambda self: bool(self.handles))
     @rule(pick=st.integers(0, 1000), how=st.sampled_from(["generation", "token", "key"]))
     def stale_handles_are_refused(self, pick: int, how: str) -> None:
+        """Renew, status and dispose with a wrong generation, token or key: stale (R2, D2, S1)."""
         ident = self._pick(pick, self._known())
         assert ident is not None
         handle = self.handles[ident]
@@ -337,6 +342,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self._running_children()))
     @rule(pick=st.integers(0, 1000), code=st.integers(0, 3))
     def child_exits_by_itself(self, pick: int, code: int) -> None:
+        """A running child exits by itself with ``code`` (X1)."""
         ident = self._pick(pick, self._running_children())
         assert ident is not None
         child = self.world.log.children[ident]
@@ -348,6 +354,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.harness.scripted and bool(self._running_children()))
     @rule(pick=st.integers(0, 1000), kill_too=st.booleans())
     def child_ignores_signals(self, pick: int, kill_too: bool) -> None:
+        """A running child ignores its interrupt, or its kill too (P3; scripted harnesses only)."""
         ident = self._pick(pick, self._running_children())
         assert ident is not None
         child = self.world.log.children[ident]
@@ -360,6 +367,7 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     @rule(step=st.sampled_from(STEPS))
     def advance_time(self, step: float) -> None:
+        """Move the virtual clock on: leases expire, graces end (T1, P3)."""
         target = self.model.now + step
         self.model.advance(target)
         self.world.call(self.world.advance, target)
@@ -400,6 +408,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     @precondition(lambda self: type(self).restartable)
     @rule(crash=st.booleans())
     def restart(self, crash: bool) -> None:
+        """Shut the supervisor down (Z1-Z3) or crash it, then start one on the store (V1-V5)."""
         world, model = self.world, self.model
         alive = sum(1 for child in model.children.values() if child.alive)
         event(f"restart ({'crash' if crash else 'clean'}) with {min(alive, 3)}+ children alive")

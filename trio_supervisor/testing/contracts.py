@@ -87,6 +87,7 @@ class StoreContract:
         return factory(store, retention)
 
     async def test_saved_records_survive_a_reopen(self, store_factory: StoreFactory) -> None:
+        """Records and high-water marks survive a reopen, in save order (V1, V5)."""
         retention = Retention()
         store = store_factory(None, retention)
         records = [_record("a", 1), _record("b", 1, stopped=True), _record("a", 2)]
@@ -114,6 +115,7 @@ class StoreContract:
     async def test_a_record_replaces_its_token_s_earlier_record(
         self, store_factory: StoreFactory
     ) -> None:
+        """A save replaces its token's earlier record and moves it to the end of the order."""
         store = store_factory(None, Retention())
         with trio.fail_after(BOUND):
             await store.save(_record("a", 1))
@@ -131,6 +133,7 @@ class StoreContract:
     async def test_retention_keeps_the_newest_stopped_records_per_key(
         self, store_factory: StoreFactory
     ) -> None:
+        """Retention keeps a key's newest ``stopped_per_key`` Stopped records, all live (O10)."""
         retention = Retention(stopped_per_key=2, stopped_total=1000)
         store = store_factory(None, retention)
         with trio.fail_after(BOUND):
@@ -148,6 +151,7 @@ class StoreContract:
     async def test_retention_caps_the_stopped_records_in_all(
         self, store_factory: StoreFactory
     ) -> None:
+        """Retention keeps at most ``stopped_total`` Stopped records, dropping the oldest (O10)."""
         retention = Retention(stopped_per_key=5, stopped_total=3)
         store = store_factory(None, retention)
         with trio.fail_after(BOUND):
@@ -163,6 +167,7 @@ class StoreContract:
     async def test_retention_keeps_young_stopped_records_past_the_count_per_key(
         self, store_factory: StoreFactory
     ) -> None:
+        """Stopped records younger than ``stopped_for`` outlive the count per key, not the total."""
         # An hour: by the store's own clock (wall or database), the test takes far less.
         retention = Retention(stopped_per_key=1, stopped_total=4, stopped_for=3600.0)
         store = store_factory(None, retention)
@@ -188,6 +193,7 @@ class StoreContract:
     async def test_the_high_water_outlives_eviction_and_reopen(
         self, store_factory: StoreFactory
     ) -> None:
+        """A key's high-water outlives the eviction of all its records, and a reopen (V5)."""
         retention = Retention(stopped_per_key=1, stopped_total=1)
         store = store_factory(None, retention)
         with trio.fail_after(BOUND):
@@ -207,6 +213,7 @@ class StoreContract:
         await _close(store)
 
     async def test_concurrent_saves_all_land(self, store_factory: StoreFactory) -> None:
+        """Saves made at once all land, each durable when it returns."""
         retention = Retention()
         store = store_factory(None, retention)
         with trio.fail_after(BOUND):
@@ -223,6 +230,7 @@ class StoreContract:
     async def test_a_cancelled_save_either_landed_or_never_happened(
         self, store_factory: StoreFactory
     ) -> None:
+        """A cancelled save raised ``Cancelled`` having written nothing, or wrote (O11)."""
         store = store_factory(None, Retention())
         with trio.fail_after(BOUND):
             for generation in range(1, 21):
@@ -264,6 +272,7 @@ class ExecutionContract:
         )
 
     async def test_spawn_makes_a_unit_that_runs_only_once_started(self, harness: Harness) -> None:
+        """A spawned unit names its code, takes a lease unstarted, and runs once started (L4)."""
         load = Load(specifier=harness.specifiers[0])
         with trio.fail_after(BOUND):
             unit = await harness.execution.spawn(self._handle(), load, Limits())
@@ -284,12 +293,14 @@ class ExecutionContract:
             await unit.aclose()
 
     async def test_an_unresolvable_specifier_is_a_package_error(self, harness: Harness) -> None:
+        """A spawn of a specifier that cannot be resolved raises ``PackageError`` (L5)."""
         with trio.fail_after(BOUND), pytest.raises(PackageError):
             await harness.execution.spawn(self._handle(), Load(specifier=harness.missing), Limits())
 
     async def test_interrupt_ends_a_running_child_and_many_waiters_see_it(
         self, harness: Harness
     ) -> None:
+        """An interrupt ends a running child, and every waiter sees the one exit status (P3)."""
         with trio.fail_after(BOUND):
             unit = await harness.execution.spawn(
                 self._handle(), Load(specifier=harness.specifiers[0]), Limits()
@@ -320,6 +331,7 @@ class ExecutionContract:
             await unit.aclose()
 
     async def test_a_child_that_exits_by_itself_reports_its_code(self, harness: Harness) -> None:
+        """A child that exits by itself reports its exit code (X1)."""
         handle = self._handle(2)
         with trio.fail_after(BOUND):
             unit = await harness.execution.spawn(
@@ -334,6 +346,7 @@ class ExecutionContract:
             await unit.aclose()
 
     async def test_releasing_a_unit_that_never_started_ends_it(self, harness: Harness) -> None:
+        """Releasing a unit that never started ends its child (P4)."""
         with trio.fail_after(BOUND):
             unit = await harness.execution.spawn(
                 self._handle(), Load(specifier=harness.specifiers[0]), Limits()
@@ -344,6 +357,7 @@ class ExecutionContract:
             )
 
     async def test_recover_of_a_dead_child_signals_nothing(self, harness: Harness) -> None:
+        """Recovering a child that is gone signals nothing and says it exited (V2)."""
         with trio.fail_after(BOUND):
             unit = await harness.execution.spawn(
                 self._handle(), Load(specifier=harness.specifiers[0]), Limits()
@@ -359,6 +373,7 @@ class ExecutionContract:
             )
 
     async def test_recover_of_a_live_child_kills_it(self, harness: Harness) -> None:
+        """Recovering a child that still runs kills it and confirms its end (V2)."""
         with trio.fail_after(BOUND):
             unit = await harness.execution.spawn(
                 self._handle(), Load(specifier=harness.specifiers[0]), Limits()

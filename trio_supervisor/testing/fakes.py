@@ -65,7 +65,14 @@ class Behaviour:
 
 @attrs.frozen
 class Call:
-    """One call into the fake: its name, the unit's ref (or the specifier), arguments."""
+    """One call into the fake: its name, the unit's ref (or the specifier), arguments.
+
+    Attributes:
+        name: The method called (``spawn``, ``start``, ``renew``, ``interrupt``,
+            ``kill``, ``wait``, ``aclose``, ``recover``).
+        ref: The unit's ref; for ``spawn``, the load's specifier.
+        args: The call's arguments (the handle of a spawn, the lease of a renew).
+    """
 
     name: str
     ref: str
@@ -73,7 +80,19 @@ class Call:
 
 
 class FakeUnit:
-    """A unit that exits when told to, or on the signals its behaviour heeds."""
+    """A unit that exits when told to, or on the signals its behaviour heeds.
+
+    Made by :meth:`FakeExecution.spawn`; its methods implement
+    :class:`~trio_supervisor.abc.Unit` and record each call in the execution's ``calls``.
+
+    Args:
+        execution: The fake that made it.
+        handle: The session it is for.
+        load: What it runs.
+        limits: The session's limits (kept, not enforced).
+        behaviour: How it behaves.
+        ref: Its ref, unique within the execution.
+    """
 
     def __init__(
         self,
@@ -116,7 +135,12 @@ class FakeUnit:
         ]
 
     def exit(self, code: int | None = 0, signal: int | None = None) -> None:
-        """Exit now, by itself, with this status."""
+        """Exit now, by itself, with this status (what X1 watches for).
+
+        Args:
+            code: The exit code.
+            signal: The signal number, if a signal ended it.
+        """
         self._finish(ExitStatus(code=code, signal=signal))
 
     def _finish(self, status: ExitStatus) -> None:
@@ -147,6 +171,11 @@ class FakeUnit:
             self._finish(self._pending)
 
     async def start(self) -> None:
+        """Start, or raise the behaviour's ``start_error``.
+
+        Raises:
+            ExecutionError: The unit was started twice.
+        """
         self.execution._record("start", self)
         await trio.lowlevel.checkpoint()
         if self.behaviour.start_error is not None:
@@ -156,11 +185,17 @@ class FakeUnit:
         self.started = True
 
     async def renew(self, lease: float) -> None:
+        """Note the lease in ``leases``.
+
+        Implements :meth:`trio_supervisor.abc.Unit.renew`.
+        """
         self.execution._record("renew", self, lease)
         await trio.lowlevel.checkpoint()
         self.leases.append(lease)
 
     async def interrupt(self) -> None:
+        """Exit (after ``exit_delay``) unless the behaviour ignores interrupts; or raise
+        its ``interrupt_error``."""
         self.execution._record("interrupt", self)
         await trio.lowlevel.checkpoint()
         if self.behaviour.interrupt_error is not None:
@@ -172,12 +207,18 @@ class FakeUnit:
             )
 
     async def kill(self) -> None:
+        """Exit with ``SIGKILL`` (after ``exit_delay``) unless the behaviour ignores kills."""
         self.execution._record("kill", self)
         await trio.lowlevel.checkpoint()
         if not self.behaviour.ignore_kill:
             self._exit_later(ExitStatus(code=None, signal=signal.SIGKILL))
 
     async def wait(self) -> ExitStatus:
+        """Wait for the exit and return its status, or raise the behaviour's ``wait_error``.
+
+        Returns:
+            How the unit exited.
+        """
         self.execution._record("wait", self)
         if self.behaviour.wait_error is not None:
             await trio.lowlevel.checkpoint()
@@ -192,6 +233,8 @@ class FakeUnit:
                 await poke.wait()
 
     async def aclose(self) -> None:
+        """Count the release; a unit never started exits with ``SIGKILL``. Raises the
+        behaviour's ``aclose_error`` if it has one."""
         self.execution._record("aclose", self)
         await trio.lowlevel.checkpoint()
         self.closed += 1
@@ -224,31 +267,70 @@ class FakeExecution:
         self._refs = itertools.count(1)
 
     def behave(self, specifier: str, **behaviour: object) -> Behaviour:
-        """Script the units of ``specifier``; see :class:`Behaviour` for the fields."""
+        """Script the units of ``specifier``; see :class:`Behaviour` for the fields.
+
+        Args:
+            specifier: The load's specifier.
+            **behaviour: The fields of its :class:`Behaviour`.
+
+        Returns:
+            The behaviour; each unit spawned later gets a copy of it.
+        """
         scripted = Behaviour(**behaviour)  # type: ignore[arg-type]
         self.behaviours[specifier] = scripted
         return scripted
 
     def fail_next_spawn(self, error: SupervisorError) -> None:
-        """Make the next spawn raise ``error``, whatever its specifier."""
+        """Make the next spawn raise ``error``, whatever its specifier.
+
+        Args:
+            error: What the spawn raises (a ``PackageError``, say).
+        """
         self._next_spawn_errors.append(error)
 
     def unit_of(self, handle: Handle) -> FakeUnit:
-        """The unit spawned for a session."""
+        """The unit spawned for a session.
+
+        Args:
+            handle: The session's handle.
+
+        Returns:
+            Its latest unit.
+
+        Raises:
+            LookupError: No unit was spawned for it.
+        """
         for unit in reversed(self.units):
             if unit.handle == handle:
                 return unit
         raise LookupError(f"no unit was spawned for {handle}")
 
     def unit_by_ref(self, ref: str) -> FakeUnit:
-        """The unit whose identity has this ref."""
+        """The unit whose identity has this ref.
+
+        Args:
+            ref: A :class:`~trio_supervisor.model.ChildIdentity`'s ``ref``.
+
+        Returns:
+            The unit.
+
+        Raises:
+            LookupError: No unit has this ref.
+        """
         for unit in self.units:
             if unit.identity.ref == ref:
                 return unit
         raise LookupError(f"no unit has the ref {ref!r}")
 
     def calls_of(self, unit: FakeUnit) -> list[Call]:
-        """Every call made on one unit."""
+        """Every call made on one unit.
+
+        Args:
+            unit: A unit of this execution.
+
+        Returns:
+            Its calls, in order.
+        """
         return [call for call in self.calls if call.ref == unit.identity.ref]
 
     @property
@@ -262,6 +344,11 @@ class FakeExecution:
         self.calls.append(Call(name, unit.identity.ref, args))
 
     async def spawn(self, handle: Handle, load: Load, limits: Limits) -> FakeUnit:
+        """Make a unit behaving as its specifier's behaviour says.
+
+        Implements :meth:`trio_supervisor.abc.Execution.spawn`; raises a queued
+        :meth:`fail_next_spawn` error first, then the behaviour's ``spawn_error``.
+        """
         self.calls.append(Call("spawn", load.specifier, (handle,)))
         await trio.lowlevel.checkpoint()
         if self._next_spawn_errors:
@@ -276,7 +363,11 @@ class FakeExecution:
         return unit
 
     async def recover(self, child: ChildIdentity) -> Termination:
-        """Kill a live unit left over from an earlier supervisor; scripted by ``recoveries``."""
+        """Kill a live unit left over from an earlier supervisor; scripted by ``recoveries``.
+
+        Implements :meth:`trio_supervisor.abc.Execution.recover`; a scripted exception
+        is raised, a scripted termination returned.
+        """
         self.calls.append(Call("recover", child.ref))
         await trio.lowlevel.checkpoint()
         scripted = self.recoveries.get(child.ref)
@@ -309,10 +400,15 @@ class FaultyStore:
 
     @property
     def retention(self) -> Retention:
+        """The inner store's retention policy."""
         return self.inner.retention
 
     def fail_next(self, count: int = 1) -> None:
-        """Fail the next ``count`` saves."""
+        """Fail the next ``count`` saves with ``StateStorageError``.
+
+        Args:
+            count: How many.
+        """
         self._fail_next += count
 
     def fail_always(self) -> None:
@@ -320,7 +416,11 @@ class FaultyStore:
         self.failing = True
 
     def fail_when(self, predicate: Callable[[SessionRecord], bool] | None) -> None:
-        """Fail the saves of records ``predicate`` picks (None: stop failing those)."""
+        """Fail the saves of records ``predicate`` picks (None: stop failing those).
+
+        Args:
+            predicate: Called with each record saved; True fails its save.
+        """
         self._when = predicate
 
     def out_of_reach(self) -> None:
@@ -344,6 +444,14 @@ class FaultyStore:
         return False
 
     async def save(self, record: SessionRecord) -> None:
+        """Save through the inner store, unless told to fail.
+
+        Implements :meth:`trio_supervisor.abc.Store.save`.
+
+        Raises:
+            StoreUnavailableError: After :meth:`out_of_reach`, until :meth:`heal`.
+            StateStorageError: A failure asked for, or the inner store's.
+        """
         if self.unreachable:
             await trio.lowlevel.checkpoint()
             self.refused.append(record)
@@ -359,7 +467,9 @@ class FaultyStore:
         self.saved.append(record)
 
     async def list(self) -> Sequence[SessionRecord]:
+        """The inner store's records (never fails)."""
         return await self.inner.list()
 
     async def high_water(self) -> Mapping[Key, int]:
+        """The inner store's high-water marks (never fails)."""
         return await self.inner.high_water()

@@ -212,6 +212,7 @@ class FleetMachine(RuleBasedStateMachine):
 
     @initialize(count=st.sampled_from((2, 3)))
     def start(self, count: int) -> None:
+        """Start two or three runners on the one store (F1)."""
         for name in RUNNERS[:count]:
             self.runners[name] = _Runner(name)
             self._up(self.runners[name])
@@ -291,6 +292,7 @@ class FleetMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._usable())
     @rule(pick=st.integers(0, 2), key=st.sampled_from(KEYS))
     def open(self, pick: int, key: Key) -> None:
+        """Open a key on a runner that reaches the store: no generation twice (F3, F6)."""
         usable = self._usable()
         runner = usable[pick % len(usable)]
         supervisor = runner.supervisor
@@ -363,6 +365,8 @@ class FleetMachine(RuleBasedStateMachine):
 
     @rule(pick=st.integers(0, 20))
     def renew(self, pick: int) -> None:
+        """Renew a session on its runner (R1-R6, F5)."""
+
         async def renew(handle: Handle, supervisor: Supervisor) -> None:
             await supervisor.renew(handle)
 
@@ -370,6 +374,8 @@ class FleetMachine(RuleBasedStateMachine):
 
     @rule(pick=st.integers(0, 20))
     def load(self, pick: int) -> None:
+        """Load a session on its runner (L1-L6)."""
+
         async def load(handle: Handle, supervisor: Supervisor) -> None:
             await supervisor.load(handle, Load(specifier="fleet:child"))
             self.acknowledged[handle.token] = max(self.acknowledged[handle.token], RANKS["Loaded"])
@@ -378,6 +384,8 @@ class FleetMachine(RuleBasedStateMachine):
 
     @rule(pick=st.integers(0, 20))
     def dispose(self, pick: int) -> None:
+        """Dispose a session on its runner (D1-D5)."""
+
         async def dispose(handle: Handle, supervisor: Supervisor) -> None:
             await supervisor.dispose(handle)
             self.acknowledged[handle.token] = RANKS["Stopped"]
@@ -453,6 +461,7 @@ class FleetMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_fleet_keeps_its_promises(self) -> None:
+        """Generations are unique, acknowledged records are kept, takeovers fence (F3, F4, F7)."""
         if not self._usable():
             return
         stored = self._records()

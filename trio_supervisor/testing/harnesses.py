@@ -46,38 +46,77 @@ class Harness(Protocol):
     """
 
     @property
-    def execution(self) -> Execution: ...
+    def execution(self) -> Execution:
+        """The adapter under test, the same across the machine's restarts."""
+        ...
 
     @property
-    def specifiers(self) -> Sequence[str]: ...
+    def specifiers(self) -> Sequence[str]:
+        """Two specifiers whose children run until they are stopped."""
+        ...
 
     @property
-    def missing(self) -> str: ...
+    def missing(self) -> str:
+        """A specifier whose spawn raises ``PackageError``."""
+        ...
 
     @property
-    def broken(self) -> str | None: ...
+    def broken(self) -> str | None:
+        """A specifier whose start raises ``ExecutionError``, or None."""
+        ...
 
     @property
-    def scripted(self) -> bool: ...
+    def scripted(self) -> bool:
+        """Whether :meth:`ignore` works (children that ignore signals)."""
+        ...
 
     async def __aenter__(self) -> Self: ...
 
     async def __aexit__(self, *exc_info: object) -> bool | None: ...
 
     def exit(self, handle: Handle, child: ChildIdentity, code: int) -> None:
-        """Make a running child exit by itself with ``code``."""
+        """Make a running child exit by itself with ``code`` (X1).
+
+        Args:
+            handle: The child's session.
+            child: The child's identity.
+            code: The exit code it exits with.
+        """
         ...
 
     def ignore(self, child: ChildIdentity, *, interrupt: bool, kill: bool) -> None:
-        """Make a child ignore its interrupt, or its kill too (``scripted`` only)."""
+        """Make a child ignore its interrupt, or its kill too (``scripted`` only; P3).
+
+        Args:
+            child: The child's identity.
+            interrupt: Ignore the interrupt.
+            kill: Ignore the kill too: its termination is then unconfirmed.
+
+        Raises:
+            NotImplementedError: The harness is not ``scripted``.
+        """
         ...
 
     def heal(self, child: ChildIdentity) -> None:
-        """Make a child heed its signals again, as an operator would end it."""
+        """Make a child heed its signals again, as an operator would end it.
+
+        Args:
+            child: The child's identity.
+
+        Raises:
+            NotImplementedError: The harness is not ``scripted``.
+        """
         ...
 
     def alive(self, child: ChildIdentity) -> bool:
-        """Whether the child still runs."""
+        """Whether the child still runs.
+
+        Args:
+            child: The child's identity.
+
+        Returns:
+            True while it runs.
+        """
         ...
 
     def exit_status(self, ending: Ending, code: int = 0) -> ExitStatus:
@@ -91,6 +130,9 @@ class Harness(Protocol):
                 returns for a child it killed; ``"gone"``: the same for a child it
                 found already gone.
             code: The child's own exit code, for ``"exit"``.
+
+        Returns:
+            The status, as the conformance machine expects to read it.
         """
         ...
 
@@ -117,21 +159,29 @@ class FakeHarness:
         await trio.lowlevel.checkpoint()
 
     def exit(self, handle: Handle, child: ChildIdentity, code: int) -> None:
+        """Implements :meth:`trio_supervisor.testing.Harness.exit`."""
         self.fake.unit_by_ref(child.ref).exit(code=code)
 
     def ignore(self, child: ChildIdentity, *, interrupt: bool, kill: bool) -> None:
+        """Implements :meth:`trio_supervisor.testing.Harness.ignore`."""
         behaviour = self.fake.unit_by_ref(child.ref).behaviour
         behaviour.ignore_interrupt = behaviour.ignore_interrupt or interrupt
         behaviour.ignore_kill = behaviour.ignore_kill or kill
 
     def heal(self, child: ChildIdentity) -> None:
+        """Implements :meth:`trio_supervisor.testing.Harness.heal`."""
         behaviour = self.fake.unit_by_ref(child.ref).behaviour
         behaviour.ignore_interrupt = behaviour.ignore_kill = False
 
     def alive(self, child: ChildIdentity) -> bool:
+        """Implements :meth:`trio_supervisor.testing.Harness.alive`."""
         return not self.fake.unit_by_ref(child.ref).exited
 
     def exit_status(self, ending: Ending, code: int = 0) -> ExitStatus:
+        """The signals a process would report.
+
+        Implements :meth:`trio_supervisor.testing.Harness.exit_status`.
+        """
         # The fake reports the signals a process would; recovery kills a live unit.
         interrupted = self.fake.default.interrupt_code
         statuses = {
@@ -181,20 +231,34 @@ class InProcessHarness:
         return await self._stack.__aexit__(*exc_info)
 
     def exit(self, handle: Handle, child: ChildIdentity, code: int) -> None:
+        """Implements :meth:`trio_supervisor.testing.Harness.exit`."""
         event, slot = self._control(handle.key, handle.generation)
         slot[0] = code
         event.set()
 
     def ignore(self, child: ChildIdentity, *, interrupt: bool, kill: bool) -> None:
+        """Not scripted here: raises ``NotImplementedError``.
+
+        Implements :meth:`trio_supervisor.testing.Harness.ignore`.
+        """
         raise NotImplementedError("in-process children cannot ignore their signals")
 
     def heal(self, child: ChildIdentity) -> None:
+        """Not scripted here: raises ``NotImplementedError``.
+
+        Implements :meth:`trio_supervisor.testing.Harness.heal`.
+        """
         raise NotImplementedError("in-process children cannot ignore their signals")
 
     def alive(self, child: ChildIdentity) -> bool:
+        """Implements :meth:`trio_supervisor.testing.Harness.alive`."""
         return self.inprocess.runs(child)
 
     def exit_status(self, ending: Ending, code: int = 0) -> ExitStatus:
+        """A stopped task is ``cancelled``.
+
+        Implements :meth:`trio_supervisor.testing.Harness.exit_status`.
+        """
         # A task has no signals (deviation (j)): interrupt, kill and recovery cancel it.
         statuses = {
             "exit": ExitStatus(code=code),
@@ -239,6 +303,10 @@ class SubprocessHarness:
         return await self.subprocess.__aexit__(*exc_info)
 
     def exit(self, handle: Handle, child: ChildIdentity, code: int) -> None:
+        """Writes the code into the plugin's mailbox.
+
+        Implements :meth:`trio_supervisor.testing.Harness.exit`.
+        """
         name = f"{handle.key.instance}-{handle.generation}"
         if child.uid is not None:  # isolated: it reads its own directory alone
             folder = self.subprocess.isolated.home_of(child.uid)
@@ -251,12 +319,24 @@ class SubprocessHarness:
         aside.rename(folder / name)
 
     def ignore(self, child: ChildIdentity, *, interrupt: bool, kill: bool) -> None:
+        """Not scripted here: raises ``NotImplementedError``.
+
+        Implements :meth:`trio_supervisor.testing.Harness.ignore`.
+        """
         raise NotImplementedError("use the fake execution to script ignored signals")
 
     def heal(self, child: ChildIdentity) -> None:
+        """Not scripted here: raises ``NotImplementedError``.
+
+        Implements :meth:`trio_supervisor.testing.Harness.heal`.
+        """
         raise NotImplementedError("use the fake execution to script ignored signals")
 
     def exit_status(self, ending: Ending, code: int = 0) -> ExitStatus:
+        """``SIGTERM`` on interrupt, ``SIGKILL`` on kill.
+
+        Implements :meth:`trio_supervisor.testing.Harness.exit_status`.
+        """
         # The bootstrap dies by SIGTERM when interrupted, and every kill is SIGKILL to
         # the group; the waiter plugin leaves no descendants behind.
         statuses = {
@@ -269,6 +349,10 @@ class SubprocessHarness:
         return statuses[ending]
 
     def alive(self, child: ChildIdentity) -> bool:
+        """While its leader or its process group lives.
+
+        Implements :meth:`trio_supervisor.testing.Harness.alive`.
+        """
         assert child.pid is not None
         assert child.pgid is not None
         stat = read_stat(child.pid)

@@ -102,8 +102,9 @@ Isolation = Literal["auto", "users", "namespace", "none"]
 ISOLATIONS: tuple[Isolation, ...] = ("auto", "users", "namespace", "none")
 Network = Literal["host", "none"]
 NETWORKS: tuple[Network, ...] = ("host", "none")
-# 1024 uids from 2,000,000,000: far above the ranges distributions give to people and
-# system users, and to the subordinate ranges of their containers.
+#: The uids isolated children run as by default, one each: 1024 uids from
+#: 2,000,000,000, far above the ranges distributions give to people and system users,
+#: and to the subordinate ranges of their containers.
 DEFAULT_CHILD_USERS = range(2_000_000_000, 2_000_000_000 + 1024)
 UID_MAX = 2**32 - 2  # (uid_t)-1 means "unchanged" to the kernel
 
