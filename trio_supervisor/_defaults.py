@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Final
 
 __all__ = [
+    "CGROUP_POOL",
     "CHILDREN_PER_CORE",
     "CHILD_MEMORY",
     "CHILD_PROCESSES",
@@ -21,15 +22,24 @@ __all__ = [
     "CLIENT_REQUEST_TIMEOUT",
     "CLIENT_RETRY_AFTER",
     "CLIENT_RETRY_FOR",
+    "CLOSING_RETRY_AFTER",
     "COMMIT_WINDOW",
     "CONFIRMATION",
     "CONFLICT_TRIES",
     "DASHBOARD_CODE_FOR",
+    "DASHBOARD_MOST_CODES",
     "DASHBOARD_SESSION_FOR",
+    "DRAINING_RETRY_AFTER",
     "DRAIN_DEADLINE",
+    "EVENT_BUFFER",
     "FLEET_CHECK",
     "FLEET_SCHEMA",
+    "FULL_RETRY_AFTER",
     "GRACE",
+    "HEAL_FIRST_BACKOFF",
+    "HEAL_LAST_BACKOFF",
+    "HEAL_SAY_EVERY",
+    "INFLIGHT_RETRY_AFTER",
     "KEEPALIVE_COUNT",
     "KEEPALIVE_IDLE",
     "KEEPALIVE_INTERVAL",
@@ -37,14 +47,21 @@ __all__ = [
     "LISTEN",
     "LISTENER_POLL",
     "LISTENER_RETRY",
+    "LOG_BATCH",
+    "LOG_LINGER",
+    "MOST_BODY",
     "MOST_COMMIT_WINDOW",
+    "MOST_PAGE",
     "OLDER_KEPT",
     "OLDER_POLL",
     "OPERATOR_CONNECT_FOR",
+    "PAGE",
     "REMEMBERED",
+    "REOPEN_PAUSE",
     "RESERVE_MEMORY",
     "RESTART_LIMIT",
     "RUNNER_LEASE",
+    "SERVER_GRACEFUL",
     "SQLITE_LOCK_WAIT",
     "STATE",
     "STOPPED_FOR",
@@ -57,8 +74,10 @@ __all__ = [
     "STORE_WAIT",
     "TAKEOVER_TRIES",
     "TENANTS_FILE",
+    "THROTTLED_HOLD",
     "TIMES_POLL",
     "TIMES_WAIT",
+    "WATCH_BUFFER",
     "takeover_margin",
 ]
 
@@ -68,6 +87,7 @@ CONFIRMATION: Final = 5.0  # seconds to see a killed child's exit
 RUNNER_LEASE: Final = 10.0  # seconds a fleet's runner row stays valid unrenewed
 STORE_WAIT: Final = 5.0  # seconds a store call reconnects and tries again before giving up
 RESTART_LIMIT: Final = (5, 600.0)  # a runner heals itself this often in this many seconds
+WATCH_BUFFER: Final = 1024  # records a watcher may fall behind by before it overflows
 
 
 def takeover_margin(lease: float, stop_bound: float) -> float:
@@ -101,6 +121,21 @@ CHILD_PROCESSES: Final = 4096  # every child's process ceiling, by default and a
 DRAIN_DEADLINE: Final = 3600.0  # seconds a drain lets its sessions run, unless told
 DASHBOARD_CODE_FOR: Final = 300.0  # seconds a dashboard sign-in code may be used (once)
 DASHBOARD_SESSION_FOR: Final = 12 * 3600.0  # seconds a sign-in by code lasts, at most
+PAGE: Final = 100  # sessions a listing answers per page, unless asked for another number
+MOST_PAGE: Final = 1000  # the most sessions one page may ask for
+MOST_BODY: Final = 1 << 20  # bytes of a request body; a larger one is answered 413
+EVENT_BUFFER: Final = 1024  # records one events reader may fall behind by before overflow
+FULL_RETRY_AFTER: Final = 5.0  # seconds a host waits before loading into a full runner again
+INFLIGHT_RETRY_AFTER: Final = 1.0  # seconds a host waits when a load is refused for one in flight
+CLOSING_RETRY_AFTER: Final = 5.0  # seconds a client waits before retrying a closing runner
+DRAINING_RETRY_AFTER: Final = 5.0  # seconds an open or load refused by a drain is told to wait
+THROTTLED_HOLD: Final = 1.0  # seconds a refused tenant's call waits for its 429, at most
+SERVER_GRACEFUL: Final = 5.0  # seconds the server lets requests in flight finish as it stops
+REOPEN_PAUSE: Final = 0.25  # seconds between two tries of a store a new incarnation waits for
+HEAL_FIRST_BACKOFF: Final = 1.0  # seconds before a runner's first restart of itself
+HEAL_LAST_BACKOFF: Final = 30.0  # the longest back-off; an incarnation this stable resets it
+HEAL_SAY_EVERY: Final = 60.0  # seconds between two log lines of an incarnation that cannot start
+DASHBOARD_MOST_CODES: Final = 1024  # sign-in codes waiting at once; minting more drops the oldest
 
 
 # -- the client (client/): how long a host tries a runner, and how often ---------------
@@ -145,3 +180,12 @@ OLDER_KEPT: Final = 1024  # Opens whose older generations a store keeps for the 
 TIMES_WAIT: Final = 1.0  # seconds a fleet listing waits for the runners' sessions' times
 TIMES_POLL: Final = 0.02  # seconds between its looks for them
 TAKEOVER_TRIES: Final = 3  # failed takeovers an open waiting for a dead runner tries again
+
+
+# -- the subprocess execution (executions/): what it keeps for later ---------------------
+# ``SubprocessExecution`` keeps emptied cgroups for its next children, and removes the
+# logs retention evicted in batches.
+
+CGROUP_POOL: Final = 4  # emptied cgroups an execution keeps for its next children
+LOG_LINGER: Final = 1.0  # seconds an evicted log waits for others to be removed with it
+LOG_BATCH: Final = 64  # evicted logs removed at once, at most

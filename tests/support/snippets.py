@@ -372,18 +372,7 @@ RUN: Final = {"python", "console"}
 # Blocks of pages their owners are still rewriting, each skipped by name until its page
 # follows the conventions above; then its entry goes (test_docs.py fails on an entry
 # that names no block). (page, text the block holds): why.
-PENDING: Final = {
-    ("docs/design.md", "async with open_supervisor(store, execution, *,"): (
-        "pending: a list of signatures, to be marked an illustration"
-    ),
-    ("docs/service.md", 'async with connect("http://127.0.0.1:8470", token=token)'): (
-        "pending: a fragment (top-level async with), to be marked an illustration"
-    ),
-    ("docs/service.md", "trio-supervisor tenants revoke acme"): (
-        "pending: revoking the only tenant is refused ('add the next tenant first'); "
-        "to be rewritten or marked an illustration"
-    ),
-}
+PENDING: Final[dict[tuple[str, str], str]] = {}
 
 
 def pending(page: str, source: str) -> str | None:

@@ -21,11 +21,12 @@ from typing import Final, Self
 import attrs
 import trio
 
+from .. import _defaults as defaults
 from ..model import SessionRecord
 
 __all__ = ["Overflow", "Watch", "Watchers"]
 
-DEFAULT_BUFFER: Final = 1024
+DEFAULT_BUFFER: Final = defaults.WATCH_BUFFER
 
 
 @attrs.frozen

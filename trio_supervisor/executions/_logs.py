@@ -31,6 +31,7 @@ from typing import Final
 
 import trio
 
+from .. import _defaults as defaults
 from .._background import when_idle
 from ..model import Handle
 from ..realtime import outside_the_run
@@ -44,8 +45,8 @@ _LOG: Final = re.compile(r"[0-9a-f]{16}-[0-9]+\.log")
 # How long an evicted record's log may wait for others to be removed with it, and how
 # many go at once without waiting longer: under a stream of stops (every stop of a key
 # evicts its generation before), one trip to a worker thread for a batch, not one a stop.
-LINGER: Final = 1.0
-BATCH: Final = 64
+LINGER: Final = defaults.LOG_LINGER
+BATCH: Final = defaults.LOG_BATCH
 
 
 class Logs:

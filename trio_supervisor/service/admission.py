@@ -46,6 +46,7 @@ from typing import Final
 import attrs
 import trio
 
+from .. import _defaults as defaults
 from ..errors import QuotaExceededError, RunnerFullError, ThrottledError
 from ..model import Key, Limits, Phase, QuotaClaim, SessionRecord
 from .ledger import NOTHING, Ledger, Usage, holds_child
@@ -54,8 +55,8 @@ from .tenants import Ceilings, Quota, Tenant, effective_limits
 
 __all__ = ["Admission", "Capacity", "Usage", "holds_child"]
 
-FULL_RETRY_AFTER: Final = 5.0  # seconds a host waits before loading into a full runner again
-INFLIGHT_RETRY_AFTER: Final = 1.0
+FULL_RETRY_AFTER: Final = defaults.FULL_RETRY_AFTER
+INFLIGHT_RETRY_AFTER: Final = defaults.INFLIGHT_RETRY_AFTER
 _NO_CEILINGS: Final = Ceilings()
 _NO_QUOTA: Final = Quota()
 

@@ -21,6 +21,7 @@ from typing import Any, Final, Literal
 
 import attrs
 
+from .. import _defaults as defaults
 from .. import _fields as fields
 from .._routes import ROUTES
 from ..errors import (
@@ -59,8 +60,8 @@ from .wire import (
 
 __all__ = ["CALLS", "PAGE", "Call", "Param", "by_name"]
 
-PAGE: Final = 100  # sessions per page by default
-MAX_PAGE: Final = 1000
+PAGE: Final = defaults.PAGE
+MAX_PAGE: Final = defaults.MOST_PAGE
 
 Role = Literal["hosts", "operators"]
 # How a tenant's call meets its fairness (docs/service.md D): "rated" calls (opens,

@@ -30,6 +30,7 @@ from typing import Final
 
 import trio
 
+from .. import _defaults as defaults
 from ..abc import FleetStore
 from ..errors import RunnerDrainingError
 from ..model import SessionRecord
@@ -39,7 +40,7 @@ __all__ = ["RETRY_DRAINING", "Drain"]
 
 logger = logging.getLogger(__name__)
 
-RETRY_DRAINING: Final = 5.0  # seconds a refused open or load is told to wait
+RETRY_DRAINING: Final = defaults.DRAINING_RETRY_AFTER
 
 
 class Drain:

@@ -20,6 +20,7 @@ import trio
 from starlette.requests import Request
 from starlette.responses import Response
 
+from .. import _defaults as defaults
 from ..errors import (
     OperatorsOnlyError,
     QuotaExceededError,
@@ -40,7 +41,7 @@ from .wire import Problem
 
 __all__ = ["THROTTLED_HOLD", "Guard"]
 
-THROTTLED_HOLD: Final = 1.0  # seconds a refused tenant's call waits for its 429, at most
+THROTTLED_HOLD: Final = defaults.THROTTLED_HOLD
 
 
 @attrs.frozen(kw_only=True)

@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .. import _defaults as defaults
 from ..errors import (
     ExecutionError,
     RunnerAccessError,
@@ -59,9 +60,9 @@ __all__ = ["Front", "Healer", "cause_of", "restarting_app"]
 
 logger = logging.getLogger(__name__)
 
-FIRST_BACKOFF: Final = 1.0  # seconds before the first restart
-LAST_BACKOFF: Final = 30.0  # the longest back-off; an incarnation this stable resets it
-SAY_EVERY: Final = 60.0  # seconds between two log lines of a new incarnation that cannot start
+FIRST_BACKOFF: Final = defaults.HEAL_FIRST_BACKOFF
+LAST_BACKOFF: Final = defaults.HEAL_LAST_BACKOFF
+SAY_EVERY: Final = defaults.HEAL_SAY_EVERY
 # Exit status of a runner past its restart limit: neither 0 (a clean stop) nor 1 (a
 # failed start or a second signal), so that a service manager can tell.
 GAVE_UP: Final = 3

@@ -19,6 +19,7 @@ from typing import Any, Final
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from .. import _defaults as defaults
 from ..errors import (
     ProblemCode,
     RunnerClosingError,
@@ -37,7 +38,7 @@ __all__ = ["RETRY_AFTER", "outcome", "problem", "problem_of"]
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER: Final = "5"  # seconds a client should wait before retrying a closing runner
+RETRY_AFTER: Final = f"{defaults.CLOSING_RETRY_AFTER:g}"  # the header's text
 
 
 def problem(

@@ -54,6 +54,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from hypercorn.utils import repr_socket_addr
 
+from .. import _defaults as defaults
 from .._core.lifetime import open_supervisor
 from .._core.supervisor import Supervisor
 from .._extras import needs_extra
@@ -76,8 +77,8 @@ __all__ = ["StartupError", "run_runner"]
 
 logger = logging.getLogger(__name__)
 
-GRACEFUL_SECONDS: Final = 5.0  # how long the server lets requests in flight finish
-REOPEN_PAUSE: Final = 0.25  # seconds between two tries of a store a new incarnation waits for
+GRACEFUL_SECONDS: Final = defaults.SERVER_GRACEFUL
+REOPEN_PAUSE: Final = defaults.REOPEN_PAUSE
 
 
 class StartupError(Exception):

@@ -27,7 +27,7 @@ from .. import _defaults as defaults
 
 __all__ = ["REFUSED", "SignIns"]
 
-MAX_CODES: Final = 1024  # codes waiting to be used at once; minting more drops the oldest
+MAX_CODES: Final = defaults.DASHBOARD_MOST_CODES
 REFUSED: Final = (
     "this sign-in link does not work: its code is wrong, was used already (each works "
     "once) or expired; ask an operator for a new link (trio-supervisor dashboard), or "

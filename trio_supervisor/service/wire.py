@@ -68,7 +68,7 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-MAX_BODY: Final = 1 << 20  # bytes: a larger body is a 413
+MAX_BODY: Final = defaults.MOST_BODY
 # A drain's deadline: 0 stops at once; by default an hour, as Nomad's node drain.
 DRAIN_DEADLINE: Final = fields.Seconds(inclusive=True, maximum=30 * 86400.0)
 DEFAULT_DRAIN_DEADLINE: Final = defaults.DRAIN_DEADLINE

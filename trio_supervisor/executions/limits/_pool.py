@@ -43,6 +43,7 @@ from typing import Final
 
 import attrs
 
+from ... import _defaults as defaults
 from ...model import Limits
 from ._control_files import ControlFiles
 from ._tree_cgroup import Layout, TreeCgroup
@@ -52,7 +53,7 @@ __all__ = ["POOL", "Pool"]
 logger = logging.getLogger(__name__)
 
 # How many emptied cgroups an execution keeps for its next children.
-POOL: Final = 4
+POOL: Final = defaults.CGROUP_POOL
 
 
 @attrs.frozen

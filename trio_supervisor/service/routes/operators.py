@@ -34,6 +34,7 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from ... import _defaults as defaults
 from ..._core.events import Overflow, Watch
 from ...codec import converter
 from ...errors import ProblemCode, StaleSessionError
@@ -53,7 +54,7 @@ __all__ = ["EVENT_BUFFER", "Logs", "OperatorCalls"]
 
 logger = logging.getLogger(__name__)
 
-EVENT_BUFFER: Final = 1024  # records one events reader may fall behind before overflow
+EVENT_BUFFER: Final = defaults.EVENT_BUFFER
 
 _SESSIONS: Final = by_name("sessions")
 _LOGS: Final = by_name("logs")
