@@ -850,3 +850,12 @@ async def test_save_orders_edited_by_hand_are_listed_as_sqlite_sorts_them(
     async with SqliteStore(path) as store:
         listed = [record.handle.key.instance for record in await store.list()]
     assert listed == ["b", "c", "a"]
+
+
+async def test_the_marks_read_before_any_listing_name_their_keys(tmp_path: Path) -> None:
+    """high_water() names each mark's key whether or not list() read it first."""
+    path = tmp_path / "state.db"
+    async with SqliteStore(path) as store:
+        await store.save(open_record("a", 3))
+    async with SqliteStore(path) as store:
+        assert await store.high_water() == {Key(identity="p", instance="a"): 3}

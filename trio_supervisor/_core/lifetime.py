@@ -58,10 +58,11 @@ async def open_supervisor(
     Args:
         store: Where records are made durable.
         execution: What spawns and recovers children.
-        lease: The default lease, seconds.
-        grace: How long a child may take to exit after an interrupt, seconds.
+        lease: The default lease, seconds: from ``MIN_LEASE`` (0.1) to ``MAX_LEASE``.
+        grace: How long a child may take to exit after an interrupt, seconds: finite and
+            at least 0 (0: the kill follows the interrupt at once).
         confirmation_timeout: How long to wait for an exit after a kill, and for each
-            orphan's recovery, seconds.
+            orphan's recovery, seconds: finite and above 0.
         limits: Ceilings for every session's limits.
         retention: Which Stopped records to keep; by default the store's own policy.
 
