@@ -1183,7 +1183,8 @@ async def test_a_batch_the_server_ends_a_deadlock_with_is_written_again(
                 rows = run(
                     database,
                     "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity s USING (pid) "
-                    "WHERE NOT l.granted AND s.application_name = 'trio_supervisor a'",
+                    "WHERE NOT l.granted AND s.application_name = 'trio_supervisor a' "
+                    "AND s.datname = current_database()",
                 )
                 return bool(rows[0][0] > 0)
 

@@ -724,3 +724,45 @@ def test_retry_after_is_whole_seconds_and_at_least_one() -> None:
     from trio_supervisor.service.admission import retry_after_header
 
     assert [retry_after_header(s) for s in (0.0, 0.5, 1.0, 1.01, 5.0)] == ["1", "1", "1", "2", "5"]
+
+
+async def test_a_tenant_s_claim_carries_its_quota_as_this_runner_counts_children(
+    fake: FakeExecution,
+) -> None:
+    """What a fleet's store checks (docs/design.md, F9): the tenant's quota, with a child
+    without ceilings counted as this runner counts one (the allocatable memory, every
+    core); made once per tenant; none for the operators or a tenant without a quota."""
+    from trio_supervisor.model import QuotaClaim
+
+    quota = Quota(sessions=3, children=2, memory_bytes=256 * MIB, cpu_percent=150)
+    every_core = 100 * (os.cpu_count() or 1)
+    async with supervise_embedded(MemoryStore(), fake) as supervisor:
+        sized = Admission(supervisor, capacity=Capacity(max_children=4, allocatable=512 * MIB))
+        claim = sized.claim(acme(quota=quota))
+        assert claim == QuotaClaim(
+            tenant="acme",
+            identities=("acme", "acme-*"),
+            sessions=3,
+            children=2,
+            memory_bytes=256 * MIB,
+            cpu_percent=150,
+            unlimited_memory_bytes=512 * MIB,
+            unlimited_cpu_percent=every_core,
+        )
+        assert sized.claim(acme(quota=quota)) is claim
+        assert sized.claim(globex(quota=Quota(sessions=1))) == QuotaClaim(
+            tenant="globex",
+            identities=("globex",),
+            sessions=1,
+            unlimited_memory_bytes=512 * MIB,
+            unlimited_cpu_percent=every_core,
+        )
+        assert sized.claim(acme()) is None
+        assert sized.claim(None) is None
+        assert sized.unlimited_cpu_percent == every_core
+        unsized = Admission(supervisor)  # no capacity: a child without a ceiling weighs 0
+        found = unsized.claim(acme(quota=quota))
+        assert found is not None
+        assert found.unlimited_memory_bytes == 0
+        sized.close()
+        unsized.close()
