@@ -105,11 +105,6 @@ class Job:
         with _claims:
             self.state = State.WITHDRAWN
 
-    def answered(self) -> bool:
-        """Whether the caller still waits for the answer (the thread's last look)."""
-        with _claims:
-            return self.state is not State.WITHDRAWN
-
 
 # Guards every job's state: the caller and the thread both move it out of QUEUED, and
 # only one of them may. Held for a comparison and an assignment, so one lock serves all.
