@@ -36,8 +36,8 @@ from trio_supervisor.client import connect
 from trio_supervisor.executions._logs import Logs
 
 from ..support.processes import NotReady
-from ..support.runners import LEASE, Runner, open_sessions, serving
-from ..support.waits import settled, until
+from ..support.runners import LEASE, Runner, heartbeat_heard, open_sessions, serving
+from ..support.waits import settled
 
 DEFAULT_LISTEN: Final = LISTEN  # serve's, which the commands' --url defaults to
 COMMAND_TIMEOUT: Final = 60.0  # seconds one command may take
@@ -237,17 +237,7 @@ def test_logs_prints_every_retained_generation_and_names_an_evicted_one(
         handles = []
         async with runner.host() as host, runner.operator() as operators:
             for generation in (1, 2):
-                record = await host.open(
-                    key, str(generation), expected_generation=generation - 1 or None, lease=LEASE
-                )
-                await host.load(record.handle, Load(specifier="heartbeat:main"))
-                beat = f"beat 1 of logs/x #{generation}\n"
-
-                async def said(generation: int = generation, beat: str = beat) -> bool:
-                    return beat in await operators.logs(key, generation)
-
-                await until(said, f"{beat!r} in the log")
-                handles.append(record.handle)
+                handles.append(await heartbeat_heard(host, operators, key, generation))
         return handles
 
     first, second = trio.run(open_two)

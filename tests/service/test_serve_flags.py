@@ -22,14 +22,13 @@ import pytest
 import trio
 from click.testing import CliRunner
 
-from trio_supervisor import Key, Limits, Load, StaleSessionError, cli
+from trio_supervisor import Key, Limits, StaleSessionError, cli
 from trio_supervisor.cli import _serve as cli_serve
 from trio_supervisor.service import runner
 from trio_supervisor.service.config import RunnerConfig
 from trio_supervisor.service.tenants import Ceilings
 
-from ..support.runners import LEASE, Runner, serving
-from ..support.waits import until
+from ..support.runners import Runner, heartbeat_heard, serving
 
 TIMEOUT: Final = 60.0  # seconds one command may take
 FLEET: Final = "postgresql://postgres@127.0.0.1:5432/fleet"  # never reached: serve is replaced
@@ -459,17 +458,7 @@ def test_a_runner_keeps_the_stopped_generations_retain_per_key_says_with_their_l
     async def four_generations(served: Runner) -> None:
         async with served.host() as host, served.operator() as operators:
             for generation in (1, 2, 3, 4):
-                record = await host.open(
-                    key, str(generation), expected_generation=generation - 1 or None, lease=LEASE
-                )
-                await host.load(record.handle, Load(specifier="heartbeat:main"))
-                beat = f"beat 1 of acme/kept #{generation}\n"
-
-                async def said(generation: int = generation, beat: str = beat) -> bool:
-                    return beat in await operators.logs(key, generation)
-
-                await until(said, f"{beat!r} in the log")
-                await host.dispose(record.handle)
+                await host.dispose(await heartbeat_heard(host, operators, key, generation))
                 if generation == 3:
                     kept = [await operators.logs(key, g) for g in (1, 2, 3)]
                     assert all(f"beat 1 of acme/kept #{g}\n" in kept[g - 1] for g in (1, 2, 3))

@@ -59,9 +59,10 @@ def database_for(module: str) -> Iterator[str]:
     dsn = server_dsn()
     name = "ts_" + re.sub(r"[^a-z0-9]+", "_", module.lower().rsplit(".", 1)[-1]) + f"_{os.getpid()}"
     with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-        )
+        for left in _left_behind(admin, dsn) | {name}:
+            admin.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(left))
+            )
         admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     try:
         yield with_parts(dsn, path=f"/{name}")
@@ -70,6 +71,31 @@ def database_for(module: str) -> Iterator[str]:
             admin.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
+
+
+_OURS: Final = re.compile(r"ts_[a-z0-9_]+_([0-9]+)")
+
+
+def _left_behind(admin: psycopg.Connection[tuple[object, ...]], dsn: str) -> set[str]:
+    """The databases this naming gave a process of this machine that is gone without
+    dropping them (a test process killed mid-module: a mutant's run ended by mutmut's
+    timeout, say). Only on a server of this machine, whose pids they are; a live pid's
+    database is another run's, and stays."""
+    host = urllib.parse.urlsplit(dsn).hostname or "localhost"
+    if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("/"):
+        return set()
+    gone = set()
+    for (name,) in admin.execute("SELECT datname FROM pg_database").fetchall():
+        match = _OURS.fullmatch(str(name))
+        if match is None:
+            continue
+        try:
+            os.kill(int(match[1]), 0)
+        except ProcessLookupError:
+            gone.add(str(name))
+        except PermissionError:
+            pass  # alive, another user's
+    return gone
 
 
 def fresh_schema() -> str:

@@ -20,6 +20,7 @@ from trio_supervisor.client import RemoteSupervisor, connect
 from . import ROOT
 from .plugins import PLUGINS
 from .processes import Launched, NotReady, launched
+from .waits import until
 
 LISTENING: Final = re.compile(
     r"listening on (?P<scheme>https?)://(?P<host>[^\s:/]+):(?P<port>\d+)\n"
@@ -149,3 +150,21 @@ async def open_sessions(
                 await host.load(record.handle, Load(specifier="heartbeat:main"))
             handles.append(record.handle)
     return handles
+
+
+async def heartbeat_heard(
+    host: RemoteSupervisor, operators: RemoteSupervisor, key: Key, generation: int
+) -> Handle:
+    """Open ``key``'s ``generation`` (the next after ``generation - 1``), load
+    ``heartbeat:main`` in it, and wait until its log holds its first beat; its handle."""
+    record = await host.open(
+        key, str(generation), expected_generation=generation - 1 or None, lease=LEASE
+    )
+    await host.load(record.handle, Load(specifier="heartbeat:main"))
+    beat = f"beat 1 of {key.identity}/{key.instance} #{generation}\n"
+
+    async def said() -> bool:
+        return beat in await operators.logs(key, generation)
+
+    await until(said, f"{beat!r} in the log")
+    return record.handle
