@@ -2,10 +2,10 @@
 (pyproject.toml's ``[tool.mutmut-adapters]`` loads this plugin with ``-p``).
 
 mutmut hands pytest a mutant's tests as a set, in no order: modules interleave, and a
-module's PostgreSQL database (``support/postgres.py``, one per module) is made and
-dropped again each time its tests resume. Here they run module by module, each
-module's fastest tests first: the run stops at the first failure (``-x``), which the
-fastest tests reach soonest. And each test may take ``PER_TEST`` seconds plus
+module's PostgreSQL database (``support/postgres.py``, one per module: a kept one in
+this run) is taken and emptied again each time its tests resume. Here they run module
+by module, each module's fastest tests first: the run stops at the first failure
+(``-x``), which the fastest tests reach soonest. And each test may take ``PER_TEST`` seconds plus
 ``SLOWER`` times its duration (pytest-timeout's marker): a mutant that deadlocks a
 test of a tenth of a second is ended after 10 s, while the 9 s tests of a network that
 stops answering keep the time they need (one bound for all, PYTEST_TIMEOUT, would

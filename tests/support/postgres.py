@@ -6,16 +6,27 @@ project runs (``postgresql://postgres@127.0.0.1:5432/test``, trust authenticatio
 When it cannot be reached, the tests fail where they must run (``CI`` is set, or the
 variable names a server on purpose) and are skipped elsewhere, with a message naming
 the variable.
+
+A mutation run (``nox -s mutants-adapters``) runs a mutant's tests in a process of its
+own, thousands of times: there a fresh database per module would cost its ``DROP
+DATABASE`` each time (a checkpoint of the whole server: 0.2-5 s here, most of a
+mutant's run). With ``$TRIO_SUPERVISOR_TEST_DATABASES`` naming a directory, a module
+takes one of a few databases kept for the purpose (``ts_kept_slotN``) instead: a slot is
+held by a lock on a file of that directory while the module runs (released by the
+kernel if its process is killed), and the database is emptied as it is taken (its
+connections ended, every schema of its own dropped).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import urllib.parse
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Final
 
 import psycopg
@@ -25,6 +36,7 @@ from psycopg import sql
 __all__ = [
     "DEFAULT_DSN",
     "database_for",
+    "drop_kept",
     "fresh_schema",
     "own_schema",
     "server_dsn",
@@ -33,6 +45,9 @@ __all__ = [
 
 DEFAULT_DSN: Final = "postgresql://postgres@127.0.0.1:5432/test"
 VARIABLE: Final = "TRIO_SUPERVISOR_TEST_DSN"
+# The directory of the kept databases' locks (see the module's docs), and how many.
+KEPT: Final = "TRIO_SUPERVISOR_TEST_DATABASES"
+SLOTS: Final = 8
 
 
 def server_dsn() -> str:
@@ -57,6 +72,11 @@ def database_for(module: str) -> Iterator[str]:
     """A fresh database named after ``module`` (and this process), dropped afterwards;
     its DSN."""
     dsn = server_dsn()
+    kept = os.environ.get(KEPT)
+    if kept:
+        with _kept_database(dsn, Path(kept)) as url:
+            yield url
+        return
     name = "ts_" + re.sub(r"[^a-z0-9]+", "_", module.lower().rsplit(".", 1)[-1]) + f"_{os.getpid()}"
     with psycopg.connect(dsn, autocommit=True) as admin:
         for left in _left_behind(admin, dsn) | {name}:
@@ -71,6 +91,81 @@ def database_for(module: str) -> Iterator[str]:
             admin.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
+
+
+@contextlib.contextmanager
+def _kept_database(dsn: str, locks: Path) -> Iterator[str]:
+    """A kept database no other process uses meanwhile, emptied; its DSN."""
+    locks.mkdir(parents=True, exist_ok=True)
+    for slot in range(SLOTS):
+        lock = (locks / f"slot{slot}.lock").open("w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        try:
+            name = f"ts_kept_slot{slot}"
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                if (
+                    admin.execute(
+                        "SELECT 1 FROM pg_database WHERE datname = %s", (name,)
+                    ).fetchone()
+                    is None
+                ):
+                    admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                    (name,),
+                )
+            url = with_parts(dsn, path=f"/{name}")
+            with psycopg.connect(url, autocommit=True) as connection:
+                schemas = connection.execute(
+                    "SELECT nspname FROM pg_namespace WHERE nspname NOT LIKE 'pg\\_%' "
+                    "AND nspname <> 'information_schema'"
+                ).fetchall()
+                for (schema,) in schemas:
+                    connection.execute(
+                        sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(str(schema)))
+                    )
+                connection.execute("CREATE SCHEMA public")
+            yield url
+            return
+        finally:
+            lock.close()
+    raise RuntimeError(f"all {SLOTS} kept databases are in use (locks in {locks})")
+
+
+def drop_kept() -> list[str]:
+    """Drop the kept databases (see the module's docs) that no process holds now; their
+    names. The mutation run calls it as it ends."""
+    dsn = os.environ.get(VARIABLE, DEFAULT_DSN)
+    locks = Path(os.environ[KEPT]) if os.environ.get(KEPT) else None
+    dropped = []
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        for slot in range(SLOTS):
+            name = f"ts_kept_slot{slot}"
+            lock = None
+            if locks is not None and (locks / f"slot{slot}.lock").exists():
+                lock = (locks / f"slot{slot}.lock").open("w")
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    lock.close()
+                    continue  # in use
+            try:
+                exists = admin.execute(
+                    "SELECT 1 FROM pg_database WHERE datname = %s", (name,)
+                ).fetchone()
+                if exists is not None:
+                    admin.execute(
+                        sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name))
+                    )
+                    dropped.append(name)
+            finally:
+                if lock is not None:
+                    lock.close()
+    return dropped
 
 
 _OURS: Final = re.compile(r"ts_[a-z0-9_]+_([0-9]+)")
