@@ -256,9 +256,11 @@ def no_leaked_temporary_files() -> Iterator[None]:
 
 def _cgroups_of(directories: tuple[str, ...]) -> list[str]:
     """Every cgroup, in any hierarchy, of the executions whose state directory lies below
-    one of ``directories`` (their parents, and their children's cgroups). Each parent is
-    told by its claim (executions/limits/_claims.py), which names its state directory: other
-    runs of the suite on this machine, and other runners, make cgroups meanwhile."""
+    one of ``directories`` (their parents, and their children's cgroups), each with what
+    tells whose it was: its claim's owner and state directory, and whether a process is
+    still in it. Each parent is told by its claim (executions/limits/_claims.py), which
+    names its state directory: other runs of the suite on this machine, and other
+    runners, make cgroups meanwhile."""
     claims = claims_root() / CGROUPS
     found: list[str] = []
     for parent in sorted(Path("/sys/fs/cgroup").glob(f"*/{PARENT}/*")):
@@ -267,7 +269,17 @@ def _cgroups_of(directories: tuple[str, ...]) -> list[str]:
         except (OSError, ClaimError):
             continue  # no claim a runner of this version made: not this run's
         if parent.is_dir() and claim.holds.startswith(directories):
-            found += [str(parent), *(str(path) for path in parent.rglob("*") if path.is_dir())]
+            owner = claim.owner
+            alive = owner is not None and owner.alive(owner.boot_id)
+            whose = f"{owner} ({'alive' if alive else 'gone'})" if owner else "no owner"
+            found.append(f"{parent} (of {whose}, for {claim.holds})")
+            for path in sorted(parent.rglob("*")):
+                if path.is_dir():
+                    try:
+                        held = (path / "cgroup.procs").read_text().split()
+                    except OSError:
+                        held = []
+                    found.append(f"{path} ({'holding ' + ' '.join(held) if held else 'empty'})")
     return found
 
 
