@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -34,6 +35,18 @@ SHUTDOWN: Final = 30.0  # seconds a runner may take to exit on SIGTERM
 # this prefix, which names the run (its pid): the run's guards (conftest.py) tell what
 # is its own from what other runs of the suite on this machine make meanwhile.
 IN_SYSTEM_TMP: Final = f"trio-supervisor-test-{os.getpid()}-"
+
+# What a runner logs of other processes of the machine, never of what the test did:
+# processes of another run (or a killed one) running as uids of the children's range,
+# claims an earlier version made (executions/limits/_claims.py).
+OTHERS_ON_THE_MACHINE: Final = re.compile(
+    r"processes that no runner claimed run as uids|claims that name no runner"
+)
+
+
+def without_others_on_the_machine(text: str) -> str:
+    """``text`` less the lines a runner logs of other processes of the machine."""
+    return "\n".join(line for line in text.splitlines() if not OTHERS_ON_THE_MACHINE.search(line))
 
 
 def uids_of_this_run(slot: int, count: int = 1) -> range:

@@ -48,7 +48,7 @@ from sybil.integration.pytest import SybilFile, SybilItem
 from sybil.parsers.abstract.doctest import DocTestStringParser
 
 from . import ROOT
-from .processes import SHUTDOWN, Launched, NotReady, launched
+from .processes import SHUTDOWN, Launched, NotReady, launched, without_others_on_the_machine
 
 DOCS: Final = ROOT / "docs"
 
@@ -268,8 +268,10 @@ def normal(text: str) -> str:
 
 
 def matches(shown: str, printed: str) -> bool:
-    """Whether ``printed`` reads as the page shows it, ``...`` standing for anything."""
+    """Whether ``printed`` reads as the page shows it, ``...`` standing for anything
+    (what a runner logs of other processes of the machine left out)."""
     parts = [re.escape(part) for part in normal(shown).split("...")]
+    printed = without_others_on_the_machine(printed)
     return re.fullmatch(".*?".join(parts), normal(printed), flags=re.DOTALL) is not None
 
 
