@@ -587,9 +587,9 @@ async def test_a_save_whose_commit_answer_was_lost_is_looked_for_and_reported_la
         through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
         async with PostgresStore(through, runner_id="a", schema=schema) as store:
             await store.save(record("l1", 1))
-            # Held from the COMMIT on: the statement and the commit run, their answer
+            # Held from the batch on (one statement, committed as it runs): its answer
             # never comes back.
-            proxy.hold_answers(after=b"COMMIT")
+            proxy.hold_answers(after=b"write_batch")
             opened = record("l2", 1)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(store.save, opened)  # raises if reported failed

@@ -41,6 +41,7 @@ from ._postgres_sql import (
     LIST,
     LOOKUP,
     LOW_MARKS,
+    OLDER,
     OWNER,
     RAISE_MARKS,
     REFILL_INBOX,
@@ -178,6 +179,23 @@ class Records(Link):
                 for record, body in job.rows
             ):
                 landed.add(index)
+        for index in landed:
+            # What write_batch said of the older generations the job's Opens superseded
+            # was lost with its answer: looked up again (the opener waits for them, F6).
+            jobs[index].result = [
+                Older(*row)
+                for record, _ in jobs[index].rows
+                if isinstance(record, OpenRecord)
+                for row in connection.execute(
+                    OLDER,
+                    (
+                        record.handle.key.identity,
+                        record.handle.key.instance,
+                        record.handle.generation,
+                        self.settings.runner_id,
+                    ),
+                ).fetchall()
+            ]
         self.commits += 1
         self._remember(jobs[index] for index in landed)
 
