@@ -110,6 +110,8 @@ def test_a_pattern_matches_what_it_was_made_from(
         (["a[!b-d]?"], "a\n1", True),  # ? and sets match a newline
         (["[]x]"], "]", True),
         (["[!]"], "[!]", True),  # no closing bracket: a plain "["
+        (["a["], "a[", True),  # a "[" that ends the pattern is a plain "[" too
+        (["a[!"], "a[!", True),  # and so is one with only its "!" after it
         (["[z-a]x"], "x", False),  # an empty set matches nothing
         (["*"], "anything at all", True),
         ([], "x", False),
