@@ -36,7 +36,7 @@ from trio_supervisor.executions.trees._groups import read_stat
 from trio_supervisor.testing import FakeExecution
 
 from .support import sessions
-from .support.postgres import database  # noqa: F401  (the fixture, for every module)
+from .support.postgres import database, schema  # noqa: F401  (fixtures, for every module)
 from .support.processes import IN_SYSTEM_TMP
 from .support.sessions import supervise
 

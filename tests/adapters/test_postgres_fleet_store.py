@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
@@ -32,17 +32,11 @@ from trio_supervisor import (
 from trio_supervisor.stores._jobs import Job
 from trio_supervisor.stores._postgres_schema import SCHEMA_VERSION
 
-from ..support.postgres import own_schema
+from ..support.postgres import query_in as run
 from ..support.waits import until
 
 DONE = Termination(kind="exited", exit=ExitStatus(code=0))
 LOGGER = "trio_supervisor.stores.postgres"
-
-
-@pytest.fixture
-def schema(database: str) -> Iterator[str]:
-    with own_schema(database) as name:
-        yield name
 
 
 def record(instance: str, generation: int) -> OpenRecord:
@@ -56,14 +50,6 @@ def record(instance: str, generation: int) -> OpenRecord:
 
 def stopped(opened: OpenRecord) -> StoppedRecord:
     return StoppedRecord.of(opened, Disposed(), DONE)
-
-
-def run(dsn: str, schema: str, statement: str, *args: object) -> list[tuple[Any, ...]]:
-    with psycopg.connect(
-        make_conninfo(dsn, options=f"-c search_path={schema}"), autocommit=True
-    ) as connection:
-        cursor = connection.execute(statement, args)
-        return cursor.fetchall() if cursor.description else []
 
 
 def expire(database: str, schema: str, runner: str, seconds: float) -> None:

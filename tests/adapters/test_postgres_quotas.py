@@ -41,14 +41,6 @@ def connection(database: str) -> Iterator[psycopg.Connection[Any]]:
         yield connection
 
 
-@pytest.fixture
-def schema(database: str) -> Iterator[str]:
-    name = f"t_{uuid.uuid4().hex[:16]}"
-    yield name
-    with psycopg.connect(database, autocommit=True) as connection:
-        connection.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
-
-
 # -- the patterns ----------------------------------------------------------------------
 
 # Characters a PostgreSQL text can hold, biased towards those special to fnmatch, to

@@ -49,7 +49,7 @@ from trio_supervisor.stores._postgres_patterns import identity_regex
 from trio_supervisor.stores._postgres_records import claimed, columns, refusal_error
 from trio_supervisor.stores._postgres_schema import Kind
 
-from ..support.postgres import own_schema
+from ..support.postgres import query_in as run
 from ..support.tcp_proxy import TcpProxy
 from ..support.waits import until
 
@@ -213,20 +213,6 @@ def test_a_refused_claim_names_its_tenant_and_counts() -> None:
 
 
 # -- on the server ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def schema(database: str) -> Iterator[str]:
-    with own_schema(database) as name:
-        yield name
-
-
-def run(database: str, schema: str, statement: str, *args: object) -> list[tuple[Any, ...]]:
-    """``statement`` on a connection of the test's own, in the store's schema."""
-    with psycopg.connect(database, autocommit=True, connect_timeout=5) as connection:
-        connection.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
-        cursor = connection.execute(statement, args)
-        return cursor.fetchall() if cursor.description else []
 
 
 @pytest.fixture

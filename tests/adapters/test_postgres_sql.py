@@ -6,7 +6,6 @@ identity as special."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -42,6 +41,7 @@ from trio_supervisor.stores._postgres_schema import (
 from trio_supervisor.stores._postgres_sql import SAVE_BATCH, listen, session_settings
 
 from ..support.postgres import own_schema
+from ..support.postgres import query_in as run
 
 DONE = Termination(kind="exited", exit=ExitStatus(code=0))
 
@@ -68,20 +68,6 @@ def loading(record: OpenRecord) -> LoadingRecord:
 
 def stopped(record: OpenRecord) -> StoppedRecord:
     return StoppedRecord.of(record, Disposed(), DONE)
-
-
-@pytest.fixture
-def schema(database: str) -> Iterator[str]:
-    with own_schema(database) as name:
-        yield name
-
-
-def run(database: str, schema: str, statement: Any, *args: object) -> list[tuple[Any, ...]]:
-    """``statement`` on a connection of the test's own, in ``schema``."""
-    with psycopg.connect(database, autocommit=True, connect_timeout=5) as connection:
-        connection.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
-        cursor = connection.execute(statement, args)
-        return cursor.fetchall() if cursor.description else []
 
 
 # -- the schema, migrated --------------------------------------------------------------

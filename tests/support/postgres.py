@@ -27,7 +27,7 @@ import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import psycopg
 import pytest
@@ -39,6 +39,8 @@ __all__ = [
     "drop_kept",
     "fresh_schema",
     "own_schema",
+    "query_in",
+    "schema",
     "server_dsn",
     "with_parts",
 ]
@@ -230,3 +232,20 @@ def database(request: pytest.FixtureRequest) -> Iterator[str]:
     PostgreSQL uses (registered in conftest.py)."""
     with database_for(request.module.__name__) as url:
         yield url
+
+
+@pytest.fixture
+def schema(database: str) -> Iterator[str]:
+    """A schema of the test's own in its module's database (``own_schema``), dropped once
+    the test is done (registered in conftest.py; a module may define its own)."""
+    with own_schema(database) as name:
+        yield name
+
+
+def query_in(database: str, schema: str, statement: Any, *args: object) -> list[tuple[Any, ...]]:
+    """``statement`` with ``args`` on a connection of the test's own, in ``schema`` of
+    ``database`` (a DSN); its rows (none for a statement that returns none)."""
+    with psycopg.connect(database, autocommit=True, connect_timeout=5) as connection:
+        connection.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        cursor = connection.execute(statement, args)
+        return cursor.fetchall() if cursor.description else []
