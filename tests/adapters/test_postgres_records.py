@@ -5,18 +5,15 @@ what the rows in the database hold."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from decimal import Decimal
 from typing import Any
 
-import psycopg
 import pytest
 import trio
 import trio.testing
-from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from trio_supervisor import (
@@ -50,6 +47,7 @@ from trio_supervisor.stores._postgres_records import claimed, columns, refusal_e
 from trio_supervisor.stores._postgres_schema import Kind
 
 from ..support.postgres import query_in as run
+from ..support.postgres import runner_row_locked
 from ..support.tcp_proxy import TcpProxy
 from ..support.waits import until
 
@@ -544,18 +542,6 @@ WAITS_FOR_LOCK = (
     "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
     "AND application_name = 'trio_supervisor a' AND wait_event_type = 'Lock'"
 )
-
-
-@contextlib.contextmanager
-def runner_row_locked(database: str, schema: str) -> Iterator[psycopg.Connection[Any]]:
-    """Runner a's row locked by a transaction of the test's (COMMIT it to let go): the
-    worker's next batch waits at the server, and the saves queued meanwhile make the
-    batch after it."""
-    with psycopg.connect(database, autocommit=True) as blocker:
-        blocker.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
-        blocker.execute("BEGIN")
-        blocker.execute("SELECT 1 FROM runners WHERE runner_id = 'a' FOR UPDATE")
-        yield blocker
 
 
 async def test_a_batch_whose_answer_was_lost_is_looked_for_job_by_job(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import psycopg
@@ -25,16 +25,10 @@ from trio_supervisor import (
 )
 from trio_supervisor.model import Handle
 
-from ..support.postgres import own_schema
+from ..support.postgres import runner_row_locked
 from ..support.waits import until
 
 LOGGER = "trio_supervisor.stores.postgres"
-
-
-@pytest.fixture
-def schema(database: str) -> Iterator[str]:
-    with own_schema(database) as name:
-        yield name
 
 
 class Member:
@@ -89,9 +83,7 @@ async def test_a_renewal_blocked_past_its_trust_fences_the_runner(
     """The row is trusted for its lease less a fifth (0.8 s of 1 s): a renewal not
     answered by then fences the store, which remembers it."""
     async with PostgresStore(database, runner_id="a", schema=schema, runner_lease=1.0) as a:
-        with connect(database, schema) as blocker:
-            blocker.execute("BEGIN")
-            blocker.execute("SELECT 1 FROM runners WHERE runner_id = 'a' FOR UPDATE")
+        with runner_row_locked(database, schema) as blocker:
             began = time.monotonic()
             with trio.fail_after(10), pytest.raises(RunnerFencedError) as fenced:
                 await a.run_member(Member())
@@ -115,9 +107,7 @@ async def test_a_renewal_that_keeps_failing_fences_with_its_last_failure(
     async with PostgresStore(
         database, runner_id="a", schema=schema, runner_lease=1.5, statement_timeout=0.2
     ) as a:
-        with connect(database, schema) as blocker:
-            blocker.execute("BEGIN")
-            blocker.execute("SELECT 1 FROM runners WHERE runner_id = 'a' FOR UPDATE")
+        with runner_row_locked(database, schema) as blocker:
             with trio.fail_after(10), pytest.raises(RunnerFencedError) as fenced:
                 await a.run_member(Member())
             blocker.execute("ROLLBACK")
@@ -140,9 +130,7 @@ async def test_a_renewal_that_failed_and_then_succeeds_keeps_the_runner(
     async with PostgresStore(
         database, runner_id="a", schema=schema, runner_lease=3.0, statement_timeout=0.2
     ) as a:
-        with connect(database, schema) as blocker:
-            blocker.execute("BEGIN")
-            blocker.execute("SELECT 1 FROM runners WHERE runner_id = 'a' FOR UPDATE")
+        with runner_row_locked(database, schema) as blocker:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(a.run_member, Member())
                 await until(

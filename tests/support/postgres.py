@@ -40,6 +40,7 @@ __all__ = [
     "fresh_schema",
     "own_schema",
     "query_in",
+    "runner_row_locked",
     "schema",
     "server_dsn",
     "with_parts",
@@ -249,3 +250,17 @@ def query_in(database: str, schema: str, statement: Any, *args: object) -> list[
         connection.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
         cursor = connection.execute(statement, args)
         return cursor.fetchall() if cursor.description else []
+
+
+@contextlib.contextmanager
+def runner_row_locked(
+    database: str, schema: str, runner: str = "a"
+) -> Iterator[psycopg.Connection[Any]]:
+    """``runner``'s row in ``schema`` locked by a transaction of the test's own (COMMIT or
+    ROLLBACK it to let go): the runner's next write of its row, a renewal or a batch,
+    waits at the server meanwhile."""
+    with psycopg.connect(database, autocommit=True, connect_timeout=5) as blocker:
+        blocker.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        blocker.execute("BEGIN")
+        blocker.execute("SELECT 1 FROM runners WHERE runner_id = %s FOR UPDATE", (runner,))
+        yield blocker
