@@ -114,7 +114,9 @@ async def test_a_job_cancelled_in_the_queue_is_never_served() -> None:
         thread.hold.set()
     assert await desk.submit(Job("read", args="later")) == ("later", 1)
     assert thread.served == ["hold", "later"]
-    assert thread.batches == [1, 0, 1]
+    # The withdrawn job was taken in a batch of its own, or with "later" if that came
+    # first (a busy machine): served in neither.
+    assert thread.batches in ([1, 0, 1], [1, 1])
     await desk.close()
 
 
