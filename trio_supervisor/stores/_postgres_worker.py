@@ -130,7 +130,10 @@ class Worker(Membership):
             if job.kind != "save":
                 action = _ACTIONS.get(job.kind, job.kind)
                 job.error = self._retrying(
-                    action, functools.partial(self._do, job), self._deadline(job)
+                    action,
+                    functools.partial(self._do, job),
+                    self._deadline(job),
+                    abandoned=job.abandoned,
                 )
         deliver(jobs)
 
