@@ -260,7 +260,7 @@ def mutants_adapters(session: nox.Session) -> None:
     changed), six mutants at a time. The tests need PostgreSQL
     (tests/support/postgres.py), as the suite's do.
     """
-    session.install("-e", ".[test]", "mutmut==3.8.1")
+    session.install("-e", ".[test,lint]", "mutmut==3.8.1")  # lint: mypy, the type check
     project = Path("pyproject.toml").read_text()
     core, adapters = _MUTMUT_TABLES
     if project.count(core) != 1 or project.count(adapters) != 1:
