@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 from trio_supervisor import (
     Handle,
@@ -532,10 +532,8 @@ def test_a_watchdog_without_a_connection_only_says_it_fired() -> None:
 
 
 def test_a_watchdog_outlives_a_connection_whose_network_reset_it(database: str) -> None:
-    params = conninfo_to_dict(database)
-    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-    with TcpProxy(target) as proxy:
-        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+    with TcpProxy.to(database) as proxy:
+        through = proxy.through(database)
         connection = settings_for(through).connect(autocommit=True)
         asked = threading.Event()
 

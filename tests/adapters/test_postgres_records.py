@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from psycopg.conninfo import conninfo_to_dict
 
 from trio_supervisor import (
     ChildIdentity,
@@ -553,9 +552,7 @@ async def test_a_batch_whose_answer_was_lost_is_looked_for_job_by_job(
     written again, and are refused again, each saying why (an Open with a claim that
     landed is not: its Open would lose to itself)."""
     retention = Retention(stopped_per_key=1)
-    params = conninfo_to_dict(database)
-    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-    with TcpProxy(target) as proxy:
+    with TcpProxy.to(database) as proxy:
         dsn = proxy.url(database)
         async with (
             PostgresStore(dsn, runner_id="a", schema=schema, retention=retention) as store,

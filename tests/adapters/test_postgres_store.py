@@ -543,10 +543,8 @@ async def saved_once_back(store: PostgresStore, saved: SessionRecord) -> None:
 async def test_a_network_that_stops_delivering_fails_a_call_in_seconds(
     database: str, schema: str
 ) -> None:
-    params = conninfo_to_dict(database)
-    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-    with TcpProxy(target) as proxy:
-        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+    with TcpProxy.to(database) as proxy:
+        through = proxy.through(database)
         async with PostgresStore(
             through,
             runner_id="a",
@@ -580,10 +578,8 @@ async def test_a_read_whose_caller_left_is_not_tried_again_while_the_store_is_aw
     """B1: a read is tried again while the store is out of reach for its caller's sake
     only: once that caller stopped waiting, the thread moves on (here, to the close)
     instead of trying it for the rest of ``store_wait``."""
-    params = conninfo_to_dict(database)
-    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-    with TcpProxy(target) as proxy:
-        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+    with TcpProxy.to(database) as proxy:
+        through = proxy.through(database)
         async with PostgresStore(through, runner_id="a", schema=schema, store_wait=30) as store:
             proxy.cut()
             with trio.move_on_after(0.5) as left:
@@ -602,10 +598,8 @@ async def test_a_save_whose_commit_answer_was_lost_is_looked_for_and_reported_la
     is reset. The store looks on a new connection, finds its rows, and the save returns
     normally: what landed is never reported as failed (which would poison a runner and
     leave an Open record without its session)."""
-    params = conninfo_to_dict(database)
-    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-    with TcpProxy(target) as proxy:
-        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+    with TcpProxy.to(database) as proxy:
+        through = proxy.through(database)
         async with PostgresStore(through, runner_id="a", schema=schema) as store:
             await store.save(record("l1", 1))
             # Held from the batch on (one statement, committed as it runs): its answer
@@ -814,10 +808,8 @@ async def test_takeover_waits_for_the_margin_then_stops_the_records_as_runner_lo
 async def test_a_runner_frozen_past_its_takeover_writes_nothing_once_it_resumes(
     database: str, schema: str
 ) -> None:
-    params = conninfo_to_dict(database)
-    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-    with TcpProxy(target) as proxy:
-        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+    with TcpProxy.to(database) as proxy:
+        through = proxy.through(database)
         async with (
             PostgresStore(through, runner_id="a", schema=schema, statement_timeout=5) as a,
             PostgresStore(database, runner_id="b", schema=schema) as b,
@@ -1323,6 +1315,11 @@ async def test_a_store_that_meets_another_server_writes_back_what_that_one_lost(
             database, runner_id="a", schema=schema, memory=memory, store_wait=2.0
         ) as again:
             assert again.lost_writes == 2  # lost's record, and its mark
+            assert (
+                f"{again.dsn}: the store's server changed (from another server/00000001 to "
+                f"{memory.server}: a failover?); this runner's records and marks are "
+                "checked before anything else"
+            ) in caplog.messages
             listed = {held.handle.token for held in await again.list()}
             assert listed == {kept.handle.token, lost.handle.token}
             assert (await again.high_water())[key("lost")] == 1

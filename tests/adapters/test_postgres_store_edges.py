@@ -23,7 +23,6 @@ import psycopg
 import pytest
 import trio
 import trio.testing
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from trio_supervisor import (
     Disposed,
@@ -45,6 +44,7 @@ from trio_supervisor.model import FleetRecord
 from trio_supervisor.stores._postgres_link import Memory
 from trio_supervisor.stores._postgres_schema import SCHEMA_VERSION
 
+from ..support.postgres import connect_in as connect
 from ..support.postgres import query_in as run
 from ..support.postgres import runner_row_locked
 from ..support.tcp_proxy import TcpProxy
@@ -76,14 +76,6 @@ class Member:
 
     def superseded(self, key: Key, high_water: int) -> None:
         self.calls.append((key, high_water))
-
-
-def connect(database: str, schema: str) -> psycopg.Connection[Any]:
-    return psycopg.connect(
-        make_conninfo(database, options=f"-c search_path={schema}"),
-        autocommit=True,
-        connect_timeout=5,
-    )
 
 
 def record(instance: str, generation: int = 1) -> OpenRecord:
@@ -173,9 +165,7 @@ async def test_a_close_after_the_store_went_out_of_reach_talks_to_nobody(
     """The connection was lost (the network cut) and no call made another: closing
     leaves the row to its lease, and says nothing of it."""
     caplog.set_level(logging.INFO, logger=LOGGER)
-    params = conninfo_to_dict(database)
-    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-    with TcpProxy(target) as proxy:
+    with TcpProxy.to(database) as proxy:
         store = PostgresStore(proxy.url(database), runner_id="a", schema=schema, store_wait=0)
         await store.open()
         proxy.cut()

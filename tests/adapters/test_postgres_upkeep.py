@@ -13,10 +13,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import psycopg
 import pytest
 import trio
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from trio_supervisor import (
     Key,
@@ -30,6 +28,7 @@ from trio_supervisor.model import Handle
 from trio_supervisor.stores._jobs import Job
 from trio_supervisor.stores._postgres_connection import Listener
 
+from ..support.postgres import connect_in as connect
 from ..support.postgres import runner_row_locked
 from ..support.tcp_proxy import TcpProxy
 from ..support.waits import until
@@ -60,14 +59,6 @@ class Member:
 
     def superseded(self, key: Key, high_water: int) -> None:
         self.calls.append((key, high_water))
-
-
-def connect(database: str, schema: str) -> psycopg.Connection[Any]:
-    return psycopg.connect(
-        make_conninfo(database, options=f"-c search_path={schema}"),
-        autocommit=True,
-        connect_timeout=5,
-    )
 
 
 def record(instance: str) -> OpenRecord:
@@ -445,10 +436,8 @@ async def test_a_renewal_s_retries_end_with_the_row_s_trust(database: str, schem
     """A renewal is retried while the store is out of reach only until the row's trust
     ends, not for the store's whole ``store_wait``: the fenced store closes at once,
     its worker not kept busy with a renewal no one waits for."""
-    params = conninfo_to_dict(database)
-    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-    with TcpProxy(target) as proxy:
-        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+    with TcpProxy.to(database) as proxy:
+        through = proxy.through(database)
         store = PostgresStore(
             through, runner_id="a", schema=schema, runner_lease=1.5, store_wait=30.0
         )
@@ -547,10 +536,8 @@ async def test_run_member_does_not_wait_long_for_a_listener_that_hangs(
     """A listener stuck connecting (a network that stopped delivering) is left to its
     daemon thread once run_member has waited four of its polls for it, not until its
     connection attempt times out."""
-    params = conninfo_to_dict(database)
-    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-    with TcpProxy(target) as proxy:
-        through = make_conninfo(database, host="127.0.0.1", port=str(proxy.port))
+    with TcpProxy.to(database) as proxy:
+        through = proxy.through(database)
         async with PostgresStore(
             through, runner_id="a", schema=schema, runner_lease=30.0, connect_timeout=5
         ) as a:

@@ -14,7 +14,6 @@ import pytest
 import trio
 import trio.testing
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 
 from trio_supervisor import (
     Handle,
@@ -52,8 +51,7 @@ def opened(instance: str) -> OpenRecord:
 
 def proxy_to(database: str) -> TcpProxy:
     """A proxy of the test's own in front of ``database``'s server."""
-    params = conninfo_to_dict(database)
-    return TcpProxy((str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432)))
+    return TcpProxy.to(database)
 
 
 def said(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:

@@ -32,6 +32,7 @@ from typing import Any, Final
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 __all__ = [
     "DEFAULT_DSN",
@@ -241,6 +242,16 @@ def schema(database: str) -> Iterator[str]:
     the test is done (registered in conftest.py; a module may define its own)."""
     with own_schema(database) as name:
         yield name
+
+
+def connect_in(database: str, schema: str) -> psycopg.Connection[Any]:
+    """A connection of the test's own (autocommit) to ``database`` (a DSN), whose
+    statements find ``schema``'s tables unqualified; the caller closes it."""
+    return psycopg.connect(
+        make_conninfo(database, options=f"-c search_path={schema}"),
+        autocommit=True,
+        connect_timeout=5,
+    )
 
 
 def query_in(database: str, schema: str, statement: Any, *args: object) -> list[tuple[Any, ...]]:

@@ -30,6 +30,8 @@ import urllib.parse
 from types import TracebackType
 from typing import Self
 
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
 __all__ = ["TcpProxy"]
 
 # SO_LINGER on, with a zero timeout: close() sends a reset instead of a FIN.
@@ -91,6 +93,16 @@ class TcpProxy:
         self._selector.register(self._wake_read, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._run, name="tcp proxy", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def to(cls, dsn: str) -> TcpProxy:
+        """A proxy to the server ``dsn`` names (a libpq URL or ``key=value`` string)."""
+        params = conninfo_to_dict(dsn)
+        return cls((str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432)))
+
+    def through(self, dsn: str) -> str:
+        """``dsn`` (of the proxy's target) pointed at the proxy, in libpq's form."""
+        return make_conninfo(dsn, host="127.0.0.1", port=str(self.port))
 
     def url(self, url: str) -> str:
         """``url`` (a ``postgresql://`` URL of the target) pointed at the proxy."""
