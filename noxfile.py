@@ -287,7 +287,12 @@ def mutants_adapters(session: nox.Session) -> None:
             # the same modules). `-- --max-children N` changes it.
             session.run("mutmut", "run", "--max-children", "6", *session.posargs)
         finally:
+            # What a mutant's tests left: kept databases, and the bouncers and clusters
+            # of tests ended by a timeout (os._exit: no teardown ran).
             session.run("python", "-c", "from tests.support.postgres import drop_kept; drop_kept()")
+            session.run(
+                "python", "-c", "from tests.support.clusters import stop_orphans; stop_orphans()"
+            )
         session.run("mutmut", "results")
 
 

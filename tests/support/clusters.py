@@ -584,6 +584,31 @@ def own_clusters() -> Iterator[Clusters]:
         made.remove()
 
 
+def stop_orphans() -> list[Path]:
+    """Stop and remove what test runs that are gone left in /tmp: their clusters and
+    bouncers (a process that ends with ``os._exit``, as a mutation run's tests do when a
+    mutant hangs one, runs no teardown and no atexit hook). A run is named by the pid in
+    its directory's name (:data:`~.processes.IN_SYSTEM_TMP`); a live run's are left
+    alone. Returns the directories removed."""
+    removed = []
+    for root in sorted(Path("/tmp").glob("trio-supervisor-test-*-clusters-*")):
+        owner = re.fullmatch(r"trio-supervisor-test-(\d+)-clusters-.*", root.name)
+        if owner is None or Path(f"/proc/{owner[1]}").exists():
+            continue
+        for proc in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                command = (proc / "cmdline").read_bytes().split(b"\0")
+                if (
+                    proc.name.isdigit()
+                    and b"pgbouncer" in command[0]
+                    and any(part.startswith(bytes(root) + b"/") for part in command[1:])
+                ):
+                    os.kill(int(proc.name), signal.SIGKILL)
+        Clusters(root).remove()  # the clusters it finds running by their pid files
+        removed.append(root)
+    return removed
+
+
 @atexit.register
 def _stop_left() -> None:
     """Stop what still runs as the interpreter exits: a postmaster is no child of ours,
