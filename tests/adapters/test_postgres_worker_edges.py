@@ -49,11 +49,6 @@ def opened(instance: str) -> OpenRecord:
     )
 
 
-def proxy_to(database: str) -> TcpProxy:
-    """A proxy of the test's own in front of ``database``'s server."""
-    return TcpProxy.to(database)
-
-
 def said(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
     return [
         r.getMessage()
@@ -261,7 +256,7 @@ async def test_a_store_out_of_reach_as_it_opens_is_tried_again_within_store_wait
     """The network is cut as the store opens: the open is tried again, and succeeds
     once the network is back, within store_wait."""
     caplog.set_level(logging.INFO, logger="trio_supervisor.stores.postgres")
-    with proxy_to(database) as proxy:
+    with TcpProxy.to(database) as proxy:
         proxy.cut()
         store = PostgresStore(proxy.url(database), runner_id="a", schema=schema, store_wait=10)
         try:
@@ -279,7 +274,7 @@ async def test_a_store_that_never_opened_gives_each_call_the_reason(
 ) -> None:
     """A store out of reach past store_wait as it opens: the open fails, saying so, and
     each later call gets the same error."""
-    with proxy_to(database) as proxy:
+    with TcpProxy.to(database) as proxy:
         proxy.cut()
         store = PostgresStore(proxy.url(database), runner_id="a", schema=schema, store_wait=0.2)
         try:
@@ -298,7 +293,7 @@ async def test_a_store_that_never_opened_gives_each_call_the_reason(
 async def test_a_read_out_of_reach_names_what_it_could_not_do(database: str, schema: str) -> None:
     """A read on a cut network is tried again within store_wait, then fails naming
     what it could not do."""
-    with proxy_to(database) as proxy:
+    with TcpProxy.to(database) as proxy:
         async with PostgresStore(
             proxy.url(database), runner_id="a", schema=schema, store_wait=0.2
         ) as store:
@@ -319,7 +314,7 @@ async def test_a_call_the_network_never_answers_is_dropped_by_the_watchdog(
     twice the statement timeout plus the connect timeout, and the caller is told so."""
     async with PostgresStore(database, runner_id="a", schema=schema):
         pass  # the schema made (DDL is slower than the short statement timeout below)
-    with proxy_to(database) as proxy:
+    with TcpProxy.to(database) as proxy:
         async with PostgresStore(
             proxy.url(database),
             runner_id="a",
@@ -360,7 +355,7 @@ async def test_a_close_that_cannot_reach_the_store_says_so_and_closes(
     """Closing on a cut network cannot mark the runner's row expired: a courtesy, so it
     is logged, not raised, and the store closes all the same."""
     caplog.set_level(logging.INFO, logger="trio_supervisor.stores.postgres")
-    with proxy_to(database) as proxy:
+    with TcpProxy.to(database) as proxy:
         async with PostgresStore(proxy.url(database), runner_id="a", schema=schema) as store:
             await store.save(opened("k"))
             proxy.cut()
@@ -442,7 +437,7 @@ async def test_a_save_the_store_never_got_gives_up_after_store_wait_and_says_so(
 ) -> None:
     """A cut network, and no batch sent: the save is tried again within store_wait, then
     its caller learns that the store is out of reach and that nothing was written."""
-    with proxy_to(database) as proxy:
+    with TcpProxy.to(database) as proxy:
         async with PostgresStore(
             proxy.url(database), runner_id="a", schema=schema, store_wait=0.3
         ) as store:
@@ -494,7 +489,7 @@ async def test_a_lost_answer_the_look_finds_landed_is_a_save_done_and_logged(
     """The batch commits and its answer is lost with the connection; the network is
     back at once: the look finds the rows, the save returns, and the log says what
     happened."""
-    with proxy_to(database) as proxy:
+    with TcpProxy.to(database) as proxy:
         async with PostgresStore(proxy.url(database), runner_id="a", schema=schema) as store:
             got = await save_with_its_answer_lost(database, schema, store, proxy, restore=True)
             assert got is None
@@ -511,7 +506,7 @@ async def test_a_lost_answer_the_store_never_tells_is_reported_with_the_last_loo
     cut: the worker looks again and again (each look fails at once) for as long as the
     runner's row could last, then reports that it cannot tell whether the save landed,
     caused by the last look's failure; the thread lives on and closes."""
-    with proxy_to(database) as proxy:
+    with TcpProxy.to(database) as proxy:
         # The worker looks for max(store_wait, runner_lease): 0.6 s.
         async with PostgresStore(
             proxy.url(database), runner_id="a", schema=schema, store_wait=0.2, runner_lease=0.6
