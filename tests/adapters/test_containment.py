@@ -47,7 +47,7 @@ from trio_supervisor import (
     Termination,
     open_supervisor,
 )
-from trio_supervisor.errors import ExecutionError
+from trio_supervisor.errors import ExecutionError, SessionStoppedError
 from trio_supervisor.executions.limits import _cgroups
 from trio_supervisor.executions.limits._claims import UIDS, Claim, ClaimError, claims_root
 from trio_supervisor.executions.starting._unit import ProcessUnit
@@ -213,7 +213,14 @@ async def leave_all(
     for name in LEAVES:
         record = await supervisor.open(Key(identity="escape", instance=name), name)
         load = Load(specifier=f"escapes:{name}", config={"nonce": nonce, "then": then})
-        await supervisor.load(record.handle, load)
+        try:
+            await supervisor.load(record.handle, load)
+        except SessionStoppedError:
+            # L6: a plugin that exits at once may be seen gone before its load is
+            # answered (a busy machine); its session then stopped Exited, as the test
+            # wants, and the load says so.
+            if then != "exit":
+                raise
         handles[name] = record.handle
     for handle in handles.values():
         await until_logged(execution, handle, "ready", bound=BOUND)
